@@ -1,0 +1,110 @@
+"""Tiny random-weight models built from transformers configs, for fast parity tests.
+
+Each model is a real Hugging Face directory (config.json, model.safetensors, tokenizer.json,
+tokenizer_config.json with a ChatML template, generation_config.json), so pagoda loads it
+through exactly the code path a downloaded model takes, and transformers can load the same
+directory as the reference.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+
+CHATML_TEMPLATE = (
+    "{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + "
+    "'<|im_end|>' + '\n' }}{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
+)
+
+SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+
+_CORPUS = [
+    "The quick brown fox jumps over the lazy dog.",
+    "Paris is the capital of France. Berlin is the capital of Germany.",
+    "def main():\n    print('hello world')\n    return 0\n",
+    "In 1492, Columbus sailed the ocean blue; numbers like 3.14159 and 2718 appear too.",
+    "pagoda serves language models: tokenize, forward, sample, detokenize.",
+    "你好，世界。机器学习很有趣！ Emoji: 😀🚀🎉",
+    "Once upon a time there was a little engine that could, and it batched every request.",
+]
+
+VOCAB_SIZE = 384
+
+
+def make_tokenizer(out_dir: Path) -> None:
+    """Train a small byte-level BPE tokenizer (deterministic) and save it with its config."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.post_processor = processors.ByteLevel(trim_offsets=False)
+    trainer = trainers.BpeTrainer(
+        vocab_size=VOCAB_SIZE,
+        special_tokens=SPECIAL_TOKENS,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tok.train_from_iterator(_CORPUS * 20, trainer=trainer)
+    tok.save(str(out_dir / "tokenizer.json"))
+    tokenizer_config = {
+        "tokenizer_class": "PreTrainedTokenizerFast",
+        "bos_token": "<|im_start|>",
+        "eos_token": "<|im_end|>",
+        "pad_token": "<|endoftext|>",
+        "unk_token": None,
+        "add_bos_token": False,
+        "chat_template": CHATML_TEMPLATE,
+        "model_max_length": 256,
+    }
+    (out_dir / "tokenizer_config.json").write_text(json.dumps(tokenizer_config, indent=2))
+
+
+def _config(arch: str, vocab_size: int):
+    import transformers
+
+    common = dict(
+        vocab_size=vocab_size,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=256,
+        rms_norm_eps=1e-6,
+        bos_token_id=1,
+        eos_token_id=2,
+        pad_token_id=0,
+        tie_word_embeddings=False,
+    )
+    if arch == "llama":
+        return transformers.LlamaConfig(rope_theta=10000.0, **common)
+    if arch == "qwen2":
+        return transformers.Qwen2Config(rope_theta=1000000.0, **common)
+    if arch == "qwen3":
+        return transformers.Qwen3Config(rope_theta=1000000.0, head_dim=32, **common)
+    raise ValueError(f"unknown tiny architecture {arch!r}")
+
+
+def make_tiny_hf_model(arch: str, out_dir: Path, *, seed: int = 0, tie_word_embeddings: bool = False) -> Path:
+    """Write a tiny random-weight model of the given family ('llama', 'qwen2', 'qwen3') to out_dir."""
+    import transformers
+
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    make_tokenizer(out_dir)
+    config = _config(arch, VOCAB_SIZE)
+    config.tie_word_embeddings = tie_word_embeddings
+    torch.manual_seed(seed)
+    model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    # Random init leaves norms at 1 and biases at 0; perturb them so the test exercises them.
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("norm.weight") or name.endswith(".bias"):
+                p.add_(torch.randn_like(p) * 0.1)
+            elif p.dim() == 2:
+                p.normal_(0.0, 0.08)
+    model.save_pretrained(out_dir, safe_serialization=True)
+    return out_dir
