@@ -1,0 +1,18 @@
+"""pagoda: an LLM inference engine with a paged KV cache and continuous batching."""
+
+from pagoda.outputs import CompletionOutput, Logprob, RequestOutput
+from pagoda.sampling_params import RequestOutputKind, SamplingParams
+
+__version__ = "0.1.0"
+
+
+def __getattr__(name: str):
+    # LLM pulls in torch and the model code; import it lazily so `import pagoda` stays light.
+    if name == "LLM":
+        from pagoda.engine.llm import LLM
+
+        return LLM
+    raise AttributeError(name)
+
+
+__all__ = ["LLM", "SamplingParams", "RequestOutput", "CompletionOutput", "Logprob", "RequestOutputKind", "__version__"]

@@ -1,0 +1,140 @@
+"""EngineCore: the step loop over scheduler → model runner → scheduler update.
+
+It works on token ids only (no tokenizer, no text); the front end (LLMEngine) owns those.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+
+import torch
+
+from pagoda.config import EngineConfig
+from pagoda.core.kv_cache_manager import KVCacheManager
+from pagoda.core.scheduler import Scheduler, SchedulerStats
+from pagoda.loader.model_loader import load_model
+from pagoda.platform import available_memory_bytes
+from pagoda.request import Request, RequestStatus
+from pagoda.worker.kv_cache import GiB, allocate_kv_cache, bytes_per_block
+from pagoda.worker.model_runner import ModelRunner, TokenLogprobs
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class EngineCoreOutput:
+    request_id: str
+    new_token_ids: list[int]
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+    new_logprobs: list[TokenLogprobs] | None = None
+    new_prompt_logprobs: list[TokenLogprobs] | None = None
+    num_cached_tokens: int = 0
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+class EngineCore:
+    def __init__(self, config: EngineConfig) -> None:
+        self.config = config
+        mc = config.model
+        start = time.monotonic()
+        torch.manual_seed(config.seed)
+        self.model = load_model(mc.files, mc.hf_config, mc.dtype, mc.device, mc.max_model_len)
+        self.load_seconds = time.monotonic() - start
+        self.num_blocks = self._num_blocks()
+        cfg = self.model.config
+        block_size = config.cache.block_size
+        self.kv_cache = allocate_kv_cache(cfg.num_layers, self.num_blocks, block_size, cfg.num_kv_heads, cfg.head_dim, mc.dtype, mc.device)
+        capacity = self.num_blocks * block_size
+        self.max_model_len = mc.max_model_len
+        if capacity < self.max_model_len:
+            logger.warning("KV cache holds %d tokens, less than max_model_len=%d: capping max_model_len", capacity, self.max_model_len)
+            self.max_model_len = capacity
+        self.kv_manager = KVCacheManager(self.num_blocks, block_size)
+        sc = config.scheduler
+        self.scheduler = Scheduler(
+            self.kv_manager, max_num_seqs=sc.max_num_seqs,
+            max_num_batched_tokens=sc.max_num_batched_tokens, max_model_len=self.max_model_len,
+        )
+        generator = torch.Generator().manual_seed(config.seed)
+        self.runner = ModelRunner(self.model, self.kv_cache, block_size, mc.device, generator)
+        self.num_steps = 0
+
+    def _num_blocks(self) -> int:
+        cfg, mc, cc = self.model.config, self.config.model, self.config.cache
+        per_block = bytes_per_block(cfg.num_layers, cc.block_size, cfg.num_kv_heads, cfg.head_dim, mc.dtype)
+        if mc.device.type == "cuda":
+            budget = int(available_memory_bytes(mc.device) * cc.gpu_memory_utilization)
+        else:
+            gib = cc.kv_cache_memory_gib
+            if gib is None:
+                # Default: 4 GiB, but never more than half of what the machine has free.
+                gib = min(4.0, available_memory_bytes(mc.device) / 2 / GiB)
+            budget = int(gib * GiB)
+        num_blocks = budget // per_block
+        if num_blocks < 1:
+            raise ValueError(
+                f"the KV cache budget ({budget / GiB:.3f} GiB) does not hold one block of "
+                f"{cc.block_size} tokens ({per_block / 2**20:.2f} MiB); raise kv_cache_memory"
+            )
+        return int(num_blocks)
+
+    # -- requests ---------------------------------------------------------------------------
+    def add_request(self, request: Request) -> None:
+        if request.num_prompt_tokens < 1:
+            raise ValueError("the prompt is empty: give at least one token")
+        if request.num_prompt_tokens >= self.max_model_len:
+            raise ValueError(
+                f"the prompt has {request.num_prompt_tokens} tokens, but the model's context is "
+                f"{self.max_model_len} tokens (max_model_len), which leaves no room to generate"
+            )
+        vocab = self.model.config.vocab_size
+        bad = [t for t in request.prompt_token_ids if not 0 <= t < vocab]
+        if bad:
+            raise ValueError(f"prompt token ids must be in [0, {vocab}), got {bad[:5]}")
+        self.scheduler.add_request(request)
+
+    def abort_requests(self, request_ids: list[str]) -> None:
+        for rid in request_ids:
+            self.scheduler.finish_request(rid, RequestStatus.FINISHED_ABORTED)
+
+    def finish_requests(self, request_ids: list[str], status: RequestStatus) -> None:
+        for rid in request_ids:
+            self.scheduler.finish_request(rid, status)
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished_requests()
+
+    def stats(self) -> SchedulerStats:
+        return self.scheduler.stats()
+
+    # -- the step ---------------------------------------------------------------------------
+    def step(self) -> list[EngineCoreOutput]:
+        sched = self.scheduler.schedule()
+        if sched.is_empty:
+            return []
+        result = self.runner.execute(sched)
+        finished = {r.request_id for r in self.scheduler.update(sched, result.sampled)}
+        self.num_steps += 1
+        outputs = []
+        for request, _ in sched.scheduled:
+            rid = request.request_id
+            token = result.sampled.get(rid)
+            prompt_lps = result.prompt_logprobs.get(rid)
+            if token is None and prompt_lps is None and rid not in finished:
+                continue
+            lp = result.logprobs.get(rid)
+            outputs.append(EngineCoreOutput(
+                request_id=rid,
+                new_token_ids=[token] if token is not None else [],
+                finish_reason=request.status.finish_reason if rid in finished else None,
+                stop_reason=request.stop_reason,
+                new_logprobs=[lp] if lp is not None else None,
+                new_prompt_logprobs=prompt_lps,
+            ))
+        return outputs

@@ -1,0 +1,107 @@
+"""Offline inference in vLLM's shape: LLM(model=...).generate(prompts, sampling_params)."""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Sequence
+
+from tqdm import tqdm
+
+from pagoda.config import DEFAULT_MODEL, EngineArgs
+from pagoda.engine.llm_engine import LLMEngine, PromptType
+from pagoda.outputs import RequestOutput
+from pagoda.sampling_params import RequestOutputKind, SamplingParams
+
+Conversation = list[dict]
+
+
+class LLM:
+    """Load a model once, then generate for many prompts with continuous batching.
+
+    >>> llm = LLM(model="smollm2")
+    >>> out = llm.generate(["The capital of France is"], SamplingParams(max_tokens=8))
+    >>> out[0].outputs[0].text
+    """
+
+    def __init__(self, model: str = DEFAULT_MODEL, **kwargs) -> None:
+        self.engine = LLMEngine.from_engine_args(EngineArgs(model=model, **kwargs))
+        self._ids = itertools.count()
+
+    def get_tokenizer(self):
+        return self.engine.tokenizer
+
+    def generate(
+        self,
+        prompts: PromptType | Sequence[PromptType],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        *,
+        use_tqdm: bool = True,
+        priority: Sequence[int] | None = None,
+    ) -> list[RequestOutput]:
+        if isinstance(prompts, (str, dict)):
+            prompts = [prompts]
+        prompts = list(prompts)
+        params = self._params_list(sampling_params, len(prompts))
+        if priority is not None and len(priority) != len(prompts):
+            raise ValueError(f"priority has {len(priority)} entries for {len(prompts)} prompts")
+        ids = []
+        try:
+            for i, (prompt, p) in enumerate(zip(prompts, params)):
+                request_id = str(next(self._ids))
+                p = p.clone(output_kind=RequestOutputKind.FINAL_ONLY)
+                self.engine.add_request(request_id, prompt, p, priority=priority[i] if priority else 0)
+                ids.append(request_id)
+        except Exception:
+            for rid in ids:
+                self.engine.abort_request(rid)
+            raise
+        return self._run(ids, use_tqdm)
+
+    def chat(
+        self,
+        messages: Conversation | Sequence[Conversation],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        *,
+        use_tqdm: bool = True,
+        add_generation_prompt: bool = True,
+        chat_template_kwargs: dict | None = None,
+    ) -> list[RequestOutput]:
+        """Apply the model's chat template to each conversation, then generate."""
+        conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
+        tokenizer = self.engine.tokenizer
+        prompts = []
+        for conv in conversations:
+            text = tokenizer.apply_chat_template(conv, add_generation_prompt, **(chat_template_kwargs or {}))
+            prompts.append({"prompt": text, "prompt_token_ids": tokenizer.encode(text, add_special_tokens=False)})
+        return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
+
+    @staticmethod
+    def _params_list(sampling_params, n: int) -> list[SamplingParams]:
+        if sampling_params is None:
+            return [SamplingParams()] * n
+        if isinstance(sampling_params, SamplingParams):
+            return [sampling_params] * n
+        params = list(sampling_params)
+        if len(params) != n:
+            raise ValueError(f"got {len(params)} sampling_params for {n} prompts")
+        return params
+
+    def _run(self, ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
+        results: dict[str, RequestOutput] = {}
+        bar = tqdm(total=len(ids), desc="Generating", unit="req", disable=not use_tqdm or len(ids) < 2, dynamic_ncols=True)
+        try:
+            while len(results) < len(ids):
+                for out in self.engine.step():
+                    if out.finished:
+                        results[out.request_id] = out
+                        bar.update(1)
+                if not self.engine.has_unfinished_requests() and len(results) < len(ids):
+                    raise RuntimeError("the engine stopped before every request finished")
+        except BaseException:
+            for rid in ids:
+                if rid not in results:
+                    self.engine.abort_request(rid)
+            raise
+        finally:
+            bar.close()
+        return [results[rid] for rid in ids]

@@ -1,0 +1,93 @@
+"""LLMEngine: the synchronous front end over EngineCore.
+
+Turns prompts (text or token ids) into core requests, fans `n > 1` out into n core requests,
+and turns core outputs back into RequestOutputs. `LLM` (offline) drives it in a loop; the
+server drives it from an engine thread.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+from pagoda.config import EngineArgs, EngineConfig
+from pagoda.engine.core import EngineCore
+from pagoda.engine.output_processor import OutputProcessor
+from pagoda.outputs import RequestOutput
+from pagoda.request import Request, RequestStatus
+from pagoda.sampling_params import SamplingParams
+from pagoda.tokenizer import Tokenizer
+
+PromptType = str | dict[str, Any]
+
+
+class LLMEngine:
+    def __init__(self, config: EngineConfig) -> None:
+        self.config = config
+        self.tokenizer = Tokenizer(config.model.files.metadata_dir, chat_template=config.model.chat_template)
+        self.core = EngineCore(config)
+        self.output_processor = OutputProcessor(self.tokenizer)
+        self.eos_token_ids = set(self.tokenizer.eos_token_ids)
+
+    @classmethod
+    def from_engine_args(cls, args: EngineArgs) -> "LLMEngine":
+        return cls(args.create_engine_config())
+
+    @property
+    def max_model_len(self) -> int:
+        return self.core.max_model_len
+
+    # -- input ------------------------------------------------------------------------------
+    def tokenize_prompt(self, prompt: PromptType) -> tuple[str | None, list[int]]:
+        if isinstance(prompt, str):
+            return prompt, self.tokenizer.encode(prompt)
+        if isinstance(prompt, dict):
+            if "prompt_token_ids" in prompt:
+                ids = prompt["prompt_token_ids"]
+                if not isinstance(ids, list) or not all(isinstance(t, int) and not isinstance(t, bool) for t in ids):
+                    raise ValueError("prompt_token_ids must be a list of integers")
+                return prompt.get("prompt"), list(ids)
+            if "prompt" in prompt:
+                return prompt["prompt"], self.tokenizer.encode(prompt["prompt"])
+        raise ValueError("a prompt must be a string, {'prompt': str} or {'prompt_token_ids': [int, ...]}")
+
+    def add_request(self, request_id: str, prompt: PromptType, params: SamplingParams,
+                    priority: int = 0, arrival_time: float | None = None) -> None:
+        if request_id in self.output_processor.requests:
+            raise ValueError(f"request id {request_id!r} is already in use")
+        if not isinstance(params, SamplingParams):
+            raise ValueError(f"sampling_params must be a SamplingParams, got {type(params).__name__}")
+        text, prompt_ids = self.tokenize_prompt(prompt)
+        arrival_time = time.monotonic() if arrival_time is None else arrival_time
+        samples = self._fan_out(request_id, params)
+        for core_id, child in samples:
+            child.all_stop_token_ids = set(self.eos_token_ids)
+            # The core validates the prompt (length, token ids); the children share it, so the
+            # first child fails before any is queued.
+            self.core.add_request(Request(core_id, prompt_ids, child, priority=priority, arrival_time=arrival_time))
+        self.output_processor.add_request(request_id, text, prompt_ids, samples, arrival_time)
+
+    @staticmethod
+    def _fan_out(request_id: str, params: SamplingParams) -> list[tuple[str, SamplingParams]]:
+        """n > 1 runs as n core requests; child i of a seeded request uses seed + i."""
+        if params.n == 1:
+            return [(request_id, params)]
+        children = []
+        for i in range(params.n):
+            seed = None if params.seed is None else params.seed + i
+            children.append((f"{i}_{request_id}", params.clone(n=1, seed=seed)))
+        return children
+
+    def abort_request(self, request_id: str) -> None:
+        self.core.abort_requests(self.output_processor.core_ids(request_id))
+        self.output_processor.abort_request(request_id)
+
+    # -- the loop ---------------------------------------------------------------------------
+    def has_unfinished_requests(self) -> bool:
+        return self.core.has_unfinished_requests() or self.output_processor.has_unfinished_requests()
+
+    def step(self) -> list[RequestOutput]:
+        outputs, to_stop = self.output_processor.process_outputs(self.core.step())
+        if to_stop:
+            self.core.finish_requests(to_stop, RequestStatus.FINISHED_STOPPED)
+        return outputs

@@ -1,0 +1,213 @@
+"""Turns EngineCoreOutputs (token ids) into RequestOutputs (text, logprobs, finish reasons).
+
+Owns incremental detokenization, stop strings (which the core cannot see: they are text) and
+the fan-in of `n > 1` samples into one RequestOutput.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+from pagoda.engine.core import EngineCoreOutput
+from pagoda.engine.detokenizer import IncrementalDetokenizer
+from pagoda.outputs import CompletionOutput, Logprob, PositionLogprobs, RequestMetrics, RequestOutput
+from pagoda.sampling_params import RequestOutputKind, SamplingParams
+from pagoda.tokenizer import Tokenizer
+from pagoda.worker.model_runner import TokenLogprobs
+
+
+@dataclass
+class SampleState:
+    """One sequence being generated (one of the n samples of a request)."""
+
+    core_id: str
+    index: int
+    params: SamplingParams
+    detokenizer: IncrementalDetokenizer
+    token_ids: list[int] = field(default_factory=list)
+    text: str = ""
+    logprobs: list[PositionLogprobs] | None = None
+    cumulative_logprob: float | None = None
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+    sent_text: int = 0  # DELTA mode: chars / tokens / logprob entries already handed out
+    sent_tokens: int = 0
+    sent_finish: bool = False
+
+
+@dataclass
+class RequestState:
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    samples: list[SampleState]
+    output_kind: RequestOutputKind
+    metrics: RequestMetrics
+    prompt_logprobs: list[PositionLogprobs | None] | None = None
+    num_cached_tokens: int = 0
+    prompt_logprobs_sent: bool = False
+
+    @property
+    def finished(self) -> bool:
+        return all(s.finish_reason is not None for s in self.samples)
+
+
+class OutputProcessor:
+    def __init__(self, tokenizer: Tokenizer) -> None:
+        self.tokenizer = tokenizer
+        self.requests: dict[str, RequestState] = {}
+        self._by_core_id: dict[str, tuple[RequestState, SampleState]] = {}
+
+    def add_request(self, request_id: str, prompt: str | None, prompt_token_ids: list[int],
+                    samples: list[tuple[str, SamplingParams]], arrival_time: float) -> None:
+        first = samples[0][1]
+        state = RequestState(
+            request_id, prompt, prompt_token_ids, [], first.output_kind, RequestMetrics(arrival_time),
+            prompt_logprobs=[None] if first.prompt_logprobs is not None else None,
+        )
+        for index, (core_id, params) in enumerate(samples):
+            sample = SampleState(
+                core_id, index, params, IncrementalDetokenizer(self.tokenizer, prompt_token_ids, params.skip_special_tokens),
+                logprobs=[] if params.logprobs is not None else None,
+                cumulative_logprob=0.0 if params.logprobs is not None else None,
+            )
+            state.samples.append(sample)
+            self._by_core_id[core_id] = (state, sample)
+        self.requests[request_id] = state
+
+    def core_ids(self, request_id: str) -> list[str]:
+        state = self.requests.get(request_id)
+        return [s.core_id for s in state.samples] if state else []
+
+    def abort_request(self, request_id: str) -> None:
+        state = self.requests.pop(request_id, None)
+        if state:
+            for s in state.samples:
+                self._by_core_id.pop(s.core_id, None)
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.requests)
+
+    # -- processing -------------------------------------------------------------------------
+    def process_outputs(self, outputs: list[EngineCoreOutput]) -> tuple[list[RequestOutput], list[str]]:
+        """Returns the RequestOutputs to hand out and the core ids to stop (stop strings hit)."""
+        now = time.monotonic()
+        touched: dict[str, RequestState] = {}
+        to_stop: list[str] = []
+        for out in outputs:
+            entry = self._by_core_id.get(out.request_id)
+            if entry is None:
+                continue  # aborted meanwhile
+            state, sample = entry
+            if out.new_prompt_logprobs and state.prompt_logprobs is not None:
+                state.prompt_logprobs += [self._position(lp) for lp in out.new_prompt_logprobs]
+            if out.new_token_ids:
+                state.metrics.first_token_time = state.metrics.first_token_time or now
+                state.metrics.last_token_time = now
+                if self._update_sample(sample, out):
+                    to_stop.append(sample.core_id)
+            if out.finish_reason is not None and sample.finish_reason is None:
+                sample.finish_reason, sample.stop_reason = out.finish_reason, out.stop_reason
+                self._flush(sample)
+            touched[state.request_id] = state
+        results = []
+        for state in touched.values():
+            if state.finished:
+                state.metrics.finished_time = now
+                self.abort_request(state.request_id)
+            result = self._make_output(state)
+            if result is not None:
+                results.append(result)
+        return results, to_stop
+
+    def _update_sample(self, sample: SampleState, out: EngineCoreOutput) -> bool:
+        """Append tokens and text; True when a stop string ended the sample."""
+        sample.token_ids += out.new_token_ids
+        if out.new_logprobs and sample.logprobs is not None:
+            for lp in out.new_logprobs:
+                sample.logprobs.append(self._position(lp))
+                sample.cumulative_logprob += lp.logprobs[0]
+        delta = sample.detokenizer.step(out.new_token_ids)
+        sample.text += delta
+        if not sample.params.stop or not delta:
+            return False
+        stop = _find_stop(sample.text, len(delta), sample.params)
+        if stop is None:
+            return False
+        stop_str, cut = stop
+        sample.text = sample.text[:cut]
+        sample.finish_reason, sample.stop_reason = "stop", stop_str
+        return True
+
+    @staticmethod
+    def _flush(sample: SampleState) -> None:
+        """The core finished the sample: emit text still held back, stop strings still apply."""
+        tail = sample.detokenizer.flush()
+        if not tail:
+            return
+        sample.text += tail
+        stop = _find_stop(sample.text, len(tail), sample.params) if sample.params.stop else None
+        if stop is not None:
+            sample.text = sample.text[: stop[1]]
+            sample.finish_reason, sample.stop_reason = "stop", stop[0]
+
+    def _position(self, lp: TokenLogprobs) -> PositionLogprobs:
+        """Chosen token first (with its true rank), then the top-k alternatives ranked 1..k."""
+        position: PositionLogprobs = {}
+        for i, (tid, value) in enumerate(zip(lp.token_ids, lp.logprobs)):
+            if tid not in position:
+                rank = lp.rank if i == 0 else i
+                position[tid] = Logprob(value, rank, self.tokenizer.decode([tid], skip_special_tokens=False))
+        return position
+
+    def _make_output(self, state: RequestState) -> RequestOutput | None:
+        kind = state.output_kind
+        if kind == RequestOutputKind.FINAL_ONLY and not state.finished:
+            return None
+        completions = []
+        for s in state.samples:
+            if kind == RequestOutputKind.DELTA:
+                text = _visible(s)[s.sent_text :]
+                tokens = s.token_ids[s.sent_tokens :]
+                logprobs = s.logprobs[s.sent_tokens :] if s.logprobs is not None else None
+                if not text and not tokens and (s.finish_reason is None or s.sent_finish):
+                    continue
+                s.sent_text += len(text)
+                s.sent_tokens += len(tokens)
+                s.sent_finish = s.finish_reason is not None
+            else:
+                text, tokens, logprobs = _visible(s), list(s.token_ids), s.logprobs
+            completions.append(CompletionOutput(
+                s.index, text, tokens, s.cumulative_logprob, logprobs, s.finish_reason, s.stop_reason,
+            ))
+        prompt_logprobs = state.prompt_logprobs
+        if kind == RequestOutputKind.DELTA:
+            if state.prompt_logprobs_sent:
+                prompt_logprobs = None
+            state.prompt_logprobs_sent = True
+        return RequestOutput(
+            state.request_id, state.prompt, state.prompt_token_ids, completions, state.finished,
+            prompt_logprobs=prompt_logprobs, num_cached_tokens=state.num_cached_tokens, metrics=state.metrics,
+        )
+
+
+def _visible(sample: SampleState) -> str:
+    """Text safe to hand out: while running, hold back a tail that could start a stop string."""
+    if sample.finish_reason is not None or not sample.params.stop:
+        return sample.text
+    hold = max(len(s) for s in sample.params.stop) - 1
+    return sample.text[: len(sample.text) - hold] if hold > 0 else sample.text
+
+
+def _find_stop(text: str, new_chars: int, params: SamplingParams) -> tuple[str, int] | None:
+    """Earliest stop string that ends in the new text → (stop string, where to cut the text)."""
+    best: tuple[str, int] | None = None  # (stop string, position)
+    for stop in params.stop:
+        pos = text.find(stop, max(0, len(text) - new_chars - len(stop) + 1))
+        if pos != -1 and (best is None or pos < best[1]):
+            best = (stop, pos)
+    if best is None:
+        return None
+    stop, pos = best
+    return stop, pos + len(stop) if params.include_stop_str_in_output else pos

@@ -1,0 +1,53 @@
+"""Batch metadata for one forward pass, reachable from any layer without threading it through
+every `forward` signature (the model sees `forward(input_ids, positions)` only)."""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass, field
+
+import torch
+
+
+@dataclass
+class PrefillSeq:
+    """One sequence computing `query_len` tokens starting at absolute position `start`."""
+
+    token_start: int  # offset of its first token in the flat batch
+    query_len: int
+    start: int  # tokens already in the KV cache before this step (prefix / earlier chunks)
+    block_table: torch.Tensor  # int64 [num_blocks_of_seq]
+
+
+@dataclass
+class AttentionMetadata:
+    """The batch is laid out as [decode tokens ... | prefill chunks ...].
+
+    Decodes (one query token each) are attended together in one batched call over their block
+    tables; each prefill chunk is attended on its own, causally, over its cached prefix.
+    """
+
+    slot_mapping: torch.Tensor  # int64 [num_tokens]: where each token's K/V is written
+    num_decodes: int = 0
+    decode_block_tables: torch.Tensor | None = None  # int64 [num_decodes, max_blocks]
+    decode_mask: torch.Tensor | None = None  # bool [num_decodes, 1, 1, max_blocks * block_size]
+    prefills: list[PrefillSeq] = field(default_factory=list)
+
+
+_current: AttentionMetadata | None = None
+
+
+def get_attention_metadata() -> AttentionMetadata:
+    if _current is None:
+        raise RuntimeError("no forward context: the model must run inside set_attention_metadata()")
+    return _current
+
+
+@contextlib.contextmanager
+def set_attention_metadata(metadata: AttentionMetadata):
+    global _current
+    previous, _current = _current, metadata
+    try:
+        yield
+    finally:
+        _current = previous

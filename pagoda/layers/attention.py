@@ -1,0 +1,81 @@
+"""Paged attention over block tables, for mixed prefill + decode batches (torch SDPA on CPU/CUDA)."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from pagoda.forward_context import get_attention_metadata
+
+
+class PagedAttention(nn.Module):
+    """Writes this step's K/V into the paged cache and attends each query over its sequence.
+
+    The cache of one layer is a pair of tensors [num_blocks, block_size, num_kv_heads, head_dim],
+    bound once by the model runner (`bind_kv_cache`). Nothing is padded to the longest prompt:
+    prefill chunks run one SDPA call each; decodes run one batched SDPA call over their gathered
+    blocks with a length mask.
+    """
+
+    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float) -> None:
+        super().__init__()
+        self.num_heads = num_heads
+        self.num_kv_heads = num_kv_heads
+        self.head_dim = head_dim
+        self.scale = scale
+        self.k_cache: torch.Tensor | None = None
+        self.v_cache: torch.Tensor | None = None
+
+    def bind_kv_cache(self, k_cache: torch.Tensor, v_cache: torch.Tensor) -> None:
+        self.k_cache, self.v_cache = k_cache, v_cache
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """q: [T, Hq, D], k/v: [T, Hkv, D] for the T tokens of the batch → [T, Hq * D]."""
+        meta = get_attention_metadata()
+        self._write_cache(k, v, meta.slot_mapping)
+        out = torch.empty_like(q)
+        if meta.num_decodes:
+            out[: meta.num_decodes] = self._decode(q[: meta.num_decodes], meta)
+        for seq in meta.prefills:
+            sl = slice(seq.token_start, seq.token_start + seq.query_len)
+            out[sl] = self._prefill(q[sl], k[sl], v[sl], seq)
+        return out.view(q.shape[0], self.num_heads * self.head_dim)
+
+    def _write_cache(self, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+        width = self.num_kv_heads * self.head_dim
+        self.k_cache.view(-1, width).index_copy_(0, slot_mapping, k.reshape(-1, width))
+        self.v_cache.view(-1, width).index_copy_(0, slot_mapping, v.reshape(-1, width))
+
+    def _gather(self, cache: torch.Tensor, block_table: torch.Tensor) -> torch.Tensor:
+        """Blocks of one or more sequences → [..., Hkv, L, D] with L = blocks * block_size."""
+        x = cache[block_table]  # [..., nb, bs, Hkv, D]
+        x = x.flatten(-4, -3)  # [..., L, Hkv, D]
+        return x.transpose(-3, -2)
+
+    def _decode(self, q: torch.Tensor, meta) -> torch.Tensor:
+        keys = self._gather(self.k_cache, meta.decode_block_tables)  # [B, Hkv, L, D]
+        values = self._gather(self.v_cache, meta.decode_block_tables)
+        out = F.scaled_dot_product_attention(
+            q.unsqueeze(2), keys, values, attn_mask=meta.decode_mask, scale=self.scale,
+            enable_gqa=self.num_heads != self.num_kv_heads,
+        )  # [B, Hq, 1, D]
+        return out.squeeze(2)
+
+    def _prefill(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, seq) -> torch.Tensor:
+        gqa = self.num_heads != self.num_kv_heads
+        qh = q.transpose(0, 1).unsqueeze(0)  # [1, Hq, Lq, D]
+        if seq.start == 0:
+            # Nothing cached before this chunk: attend over the fresh K/V, plain causal.
+            out = F.scaled_dot_product_attention(
+                qh, k.transpose(0, 1).unsqueeze(0), v.transpose(0, 1).unsqueeze(0),
+                is_causal=True, scale=self.scale, enable_gqa=gqa,
+            )
+        else:
+            total = seq.start + seq.query_len
+            keys = self._gather(self.k_cache, seq.block_table)[:, :total].unsqueeze(0)
+            values = self._gather(self.v_cache, seq.block_table)[:, :total].unsqueeze(0)
+            q_pos = torch.arange(seq.start, total).unsqueeze(1)
+            mask = torch.arange(total).unsqueeze(0) <= q_pos  # [Lq, total]
+            out = F.scaled_dot_product_attention(qh, keys, values, attn_mask=mask, scale=self.scale, enable_gqa=gqa)
+        return out.squeeze(0).transpose(0, 1)

@@ -1,0 +1,90 @@
+"""What `--model` names: a Hugging Face directory, a .gguf file, a catalog name, or a hub repo id."""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+
+@dataclass(frozen=True)
+class ModelFiles:
+    """Where a model's metadata (config.json, tokenizer) and weights live."""
+
+    name: str  # what the user asked for
+    metadata_dir: Path  # config.json, tokenizer.json, tokenizer_config.json, generation_config.json
+    gguf_file: Path | None = None  # weights come from here when set, else *.safetensors in metadata_dir
+
+    @property
+    def format(self) -> str:
+        return "gguf" if self.gguf_file else "safetensors"
+
+    def hf_config(self) -> dict:
+        path = self.metadata_dir / "config.json"
+        try:
+            return json.loads(path.read_text())
+        except FileNotFoundError:
+            raise ValueError(f"{self.metadata_dir} has no config.json") from None
+        except ValueError as e:
+            raise ValueError(f"{path} is not valid JSON: {e}") from None
+
+
+def resolve_model(model: str) -> ModelFiles:
+    path = Path(os.path.expanduser(model))
+    if path.is_dir():
+        return _resolve_dir(model, path)
+    if path.is_file():
+        if path.suffix != ".gguf":
+            raise ValueError(f"{model}: a model file must be a .gguf file (or pass a Hugging Face model directory)")
+        return _resolve_gguf(model, path)
+    from pagoda.loader import catalog
+
+    entry = catalog.resolve_catalog_name(model)
+    if entry is not None:
+        return _resolve_gguf(model, catalog.pull(entry.name))
+    if _looks_like_repo_id(model):
+        return _resolve_dir(model, _download_from_hub(model))
+    names = ", ".join(e.name for e in catalog.CATALOG)
+    raise ValueError(
+        f"model {model!r} not found: it is not a local directory or .gguf file, nor a catalog name ({names})"
+    )
+
+
+def _resolve_dir(name: str, path: Path) -> ModelFiles:
+    if (path / "config.json").exists():
+        return ModelFiles(name, path)
+    ggufs = sorted(path.glob("*.gguf"))
+    if len(ggufs) == 1:
+        return _resolve_gguf(name, ggufs[0])
+    raise ValueError(f"{path} is not a model directory: no config.json (and not exactly one .gguf file)")
+
+
+def _resolve_gguf(name: str, path: Path) -> ModelFiles:
+    from pagoda.loader.gguf import load_gguf_model_dir
+
+    return ModelFiles(name, load_gguf_model_dir(path), gguf_file=path)
+
+
+def _looks_like_repo_id(model: str) -> bool:
+    parts = model.split("/")
+    return len(parts) == 2 and all(parts) and not model.startswith((".", "/", "~"))
+
+
+def _download_from_hub(repo_id: str) -> Path:
+    try:
+        from huggingface_hub import snapshot_download
+    except ImportError:
+        raise ValueError(
+            f"{repo_id!r} looks like a Hugging Face repo id, but huggingface_hub is not installed "
+            "(pip install 'pagoda[hub]'); or pass a local directory, a .gguf file or a catalog name"
+        ) from None
+    try:
+        return Path(snapshot_download(
+            repo_id, allow_patterns=["*.json", "*.safetensors", "*.jinja", "tokenizer*"],
+        ))
+    except Exception as e:  # offline, no such repo, gated, ...
+        raise ValueError(
+            f"could not download {repo_id!r} from the Hugging Face hub ({type(e).__name__}: {e}). "
+            "Offline? Pass a local model directory, a .gguf file, or a catalog name (`pagoda list`)."
+        ) from None

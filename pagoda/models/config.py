@@ -1,0 +1,51 @@
+"""The model shape pagoda needs, read from a Hugging Face config.json (any transformers version)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class TransformerConfig:
+    architecture: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    rope_theta: float
+    rope_scaling: dict | None
+    max_position_embeddings: int
+    tie_word_embeddings: bool
+    attention_bias: bool = False
+    qk_norm: bool = False
+    hidden_act: str = "silu"
+
+    @classmethod
+    def from_hf(cls, hf: dict, architecture: str, *, attention_bias: bool | None = None, qk_norm: bool = False) -> "TransformerConfig":
+        num_heads = hf["num_attention_heads"]
+        hidden = hf["hidden_size"]
+        rope = hf.get("rope_parameters") or {}
+        scaling = hf.get("rope_scaling") or (rope if rope.get("rope_type", "default") != "default" else None)
+        rope_theta = hf.get("rope_theta", rope.get("rope_theta", 10000.0))
+        return cls(
+            architecture=architecture,
+            vocab_size=hf["vocab_size"],
+            hidden_size=hidden,
+            intermediate_size=hf["intermediate_size"],
+            num_layers=hf["num_hidden_layers"],
+            num_heads=num_heads,
+            num_kv_heads=hf.get("num_key_value_heads") or num_heads,
+            head_dim=hf.get("head_dim") or hidden // num_heads,
+            rms_norm_eps=hf.get("rms_norm_eps", 1e-6),
+            rope_theta=float(rope_theta),
+            rope_scaling=scaling,
+            max_position_embeddings=hf.get("max_position_embeddings", 4096),
+            tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
+            attention_bias=hf.get("attention_bias", False) if attention_bias is None else attention_bias,
+            qk_norm=qk_norm,
+            hidden_act=hf.get("hidden_act", "silu"),
+        )

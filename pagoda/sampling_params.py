@@ -1,0 +1,122 @@
+"""Sampling parameters of one request, validated on construction (errors name the field)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from enum import IntEnum
+
+
+class RequestOutputKind(IntEnum):
+    CUMULATIVE = 0  # every output carries all text so far
+    DELTA = 1  # every output carries only what is new
+    FINAL_ONLY = 2  # one output, when the request finishes
+
+
+_GREEDY_EPS = 1e-5
+
+
+@dataclass
+class SamplingParams:
+    """What to generate and how, in vLLM's shape.
+
+    temperature 0 means greedy. `seed` makes sampling reproducible per request, whatever the
+    batch. `logprobs=k` returns the chosen token's logprob plus the top k; `prompt_logprobs=k`
+    the same for every prompt token after the first.
+    """
+
+    n: int = 1
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    min_p: float = 0.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    seed: int | None = None
+    max_tokens: int | None = 16
+    min_tokens: int = 0
+    stop: list[str] | str | None = None
+    stop_token_ids: list[int] | None = None
+    ignore_eos: bool = False
+    include_stop_str_in_output: bool = False
+    logprobs: int | None = None
+    prompt_logprobs: int | None = None
+    logit_bias: dict[int, float] | None = None
+    skip_special_tokens: bool = True
+    spaces_between_special_tokens: bool = True
+    output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
+    # Filled by the engine: the tokens that end generation besides stop_token_ids (the model's eos).
+    all_stop_token_ids: set[int] = field(default_factory=set, repr=False)
+
+    def __post_init__(self) -> None:
+        if isinstance(self.stop, str):
+            self.stop = [self.stop]
+        self.stop = list(self.stop or [])
+        self.stop_token_ids = list(self.stop_token_ids or [])
+        self.validate()
+
+    # -- validation -----------------------------------------------------------------------
+    def validate(self) -> None:
+        _check(isinstance(self.n, int) and self.n >= 1, "n", f"must be an integer >= 1, got {self.n!r}")
+        _check_number(self.temperature, "temperature", lo=0.0)
+        _check_number(self.top_p, "top_p", lo=0.0, hi=1.0)
+        _check(self.top_p > 0.0, "top_p", f"must be in (0, 1], got {self.top_p}")
+        _check(isinstance(self.top_k, int) and self.top_k >= -1, "top_k", f"must be -1, 0 (off) or a positive integer, got {self.top_k!r}")
+        _check_number(self.min_p, "min_p", lo=0.0, hi=1.0)
+        _check_number(self.presence_penalty, "presence_penalty", lo=-2.0, hi=2.0)
+        _check_number(self.frequency_penalty, "frequency_penalty", lo=-2.0, hi=2.0)
+        _check_number(self.repetition_penalty, "repetition_penalty")
+        _check(self.repetition_penalty > 0.0, "repetition_penalty", f"must be > 0, got {self.repetition_penalty}")
+        if self.seed is not None:
+            _check(isinstance(self.seed, int), "seed", f"must be an integer, got {self.seed!r}")
+        if self.max_tokens is not None:
+            _check(isinstance(self.max_tokens, int) and self.max_tokens >= 1, "max_tokens", f"must be an integer >= 1, got {self.max_tokens!r}")
+        _check(isinstance(self.min_tokens, int) and self.min_tokens >= 0, "min_tokens", f"must be an integer >= 0, got {self.min_tokens!r}")
+        if self.max_tokens is not None:
+            _check(self.min_tokens <= self.max_tokens, "min_tokens", f"must be <= max_tokens={self.max_tokens}, got {self.min_tokens}")
+        _check(all(isinstance(s, str) and s for s in self.stop), "stop", "must be non-empty strings")
+        _check(all(isinstance(t, int) and t >= 0 for t in self.stop_token_ids), "stop_token_ids", "must be non-negative integers")
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(self, name)
+            if value is not None:
+                _check(isinstance(value, int) and 0 <= value <= 20, name, f"must be an integer in [0, 20], got {value!r}")
+        if self.logit_bias is not None:
+            _check(isinstance(self.logit_bias, dict), "logit_bias", "must map token ids to biases")
+            for tok, bias in self.logit_bias.items():
+                _check(isinstance(tok, int) and tok >= 0, "logit_bias", f"keys must be token ids, got {tok!r}")
+                _check_number(bias, "logit_bias", lo=-100.0, hi=100.0)
+        if self.top_k == -1:
+            self.top_k = 0
+
+    # -- derived properties ---------------------------------------------------------------
+    @property
+    def greedy(self) -> bool:
+        return self.temperature < _GREEDY_EPS
+
+    @property
+    def needs_penalties(self) -> bool:
+        return self.presence_penalty != 0.0 or self.frequency_penalty != 0.0 or self.repetition_penalty != 1.0
+
+    def clone(self, **changes) -> "SamplingParams":
+        import dataclasses
+
+        fields = {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.init}
+        fields.update(changes)
+        new = SamplingParams(**{k: (list(v) if isinstance(v, list) else v) for k, v in fields.items()})
+        new.all_stop_token_ids = set(self.all_stop_token_ids)
+        return new
+
+
+def _check(ok: bool, name: str, message: str) -> None:
+    if not ok:
+        raise ValueError(f"{name} {message}")
+
+
+def _check_number(value, name: str, lo: float | None = None, hi: float | None = None) -> None:
+    _check(isinstance(value, (int, float)) and not isinstance(value, bool), name, f"must be a number, got {value!r}")
+    if value != value:  # NaN
+        raise ValueError(f"{name} must be a number, got NaN")
+    if lo is not None:
+        _check(value >= lo, name, f"must be >= {lo}, got {value}")
+    if hi is not None:
+        _check(value <= hi, name, f"must be <= {hi}, got {value}")

@@ -1,0 +1,145 @@
+"""Tokenizer and chat template of a model, from its metadata directory (tokenizer.json et al.).
+
+Uses the `tokenizers` library for encoding/decoding and jinja2 (sandboxed, with Hugging Face's
+template conventions) for chat templates, so transformers is not needed at run time.
+"""
+
+from __future__ import annotations
+
+import json
+from datetime import datetime
+from pathlib import Path
+from typing import Any
+
+from tokenizers import Tokenizer as HFTokenizer
+
+
+def _token_text(value: Any) -> str | None:
+    """tokenizer_config.json stores special tokens as a string or as {"content": ...}."""
+    if isinstance(value, dict):
+        return value.get("content")
+    return value
+
+
+def _read_json(path: Path) -> dict:
+    if not path.exists():
+        return {}
+    try:
+        return json.loads(path.read_text())
+    except ValueError as e:
+        raise ValueError(f"{path} is not valid JSON: {e}") from None
+
+
+class Tokenizer:
+    def __init__(self, model_dir: Path, chat_template: str | None = None) -> None:
+        model_dir = Path(model_dir)
+        path = model_dir / "tokenizer.json"
+        if not path.exists():
+            raise ValueError(f"{model_dir} has no tokenizer.json (only fast tokenizers are supported)")
+        try:
+            self._tok = HFTokenizer.from_file(str(path))
+        except Exception as e:
+            raise ValueError(f"cannot load {path}: {e}") from None
+        config = _read_json(model_dir / "tokenizer_config.json")
+        generation = _read_json(model_dir / "generation_config.json")
+        model_config = _read_json(model_dir / "config.json")
+        self.bos_token = _token_text(config.get("bos_token"))
+        self.eos_token = _token_text(config.get("eos_token"))
+        self.bos_token_id = self._tok.token_to_id(self.bos_token) if self.bos_token else None
+        self.eos_token_ids = self._eos_ids(config, generation, model_config)
+        self.eos_token_id = self.eos_token_ids[0] if self.eos_token_ids else None
+        self.chat_template = chat_template or self._find_template(model_dir, config)
+        self.vocab_size = self._tok.get_vocab_size(with_added_tokens=True)
+        self.special_token_ids = {t.id if hasattr(t, "id") else i for i, t in self._tok.get_added_tokens_decoder().items() if t.special}
+
+    def _eos_ids(self, config: dict, generation: dict, model_config: dict) -> list[int]:
+        ids: list[int] = []
+        for source in (generation.get("eos_token_id"), model_config.get("eos_token_id")):
+            if source is None:
+                continue
+            ids += source if isinstance(source, list) else [source]
+        if self.eos_token is not None:
+            tid = self._tok.token_to_id(self.eos_token)
+            if tid is not None:
+                ids.insert(0, tid)
+        return list(dict.fromkeys(ids))
+
+    @staticmethod
+    def _find_template(model_dir: Path, config: dict) -> str | None:
+        jinja = model_dir / "chat_template.jinja"
+        if jinja.exists():
+            return jinja.read_text()
+        template = config.get("chat_template")
+        if isinstance(template, list):  # [{"name": "default", "template": ...}, ...]
+            named = {t.get("name"): t.get("template") for t in template}
+            template = named.get("default") or next(iter(named.values()), None)
+        if template is None and (model_dir / "chat_template.json").exists():
+            template = _read_json(model_dir / "chat_template.json").get("chat_template")
+        return template
+
+    # -- encode / decode --------------------------------------------------------------------
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        return self._tok.encode(text, add_special_tokens=add_special_tokens).ids
+
+    def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
+        return self._tok.decode(ids, skip_special_tokens=skip_special_tokens)
+
+    def convert_ids_to_tokens(self, ids: list[int]) -> list[str]:
+        return [self._tok.id_to_token(i) or "" for i in ids]
+
+    def token_to_id(self, token: str) -> int | None:
+        return self._tok.token_to_id(token)
+
+    # -- chat -------------------------------------------------------------------------------
+    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True, **kwargs) -> str:
+        if not self.chat_template:
+            raise ValueError("this model has no chat template; pass one with chat_template=... (or --chat-template)")
+        _validate_messages(messages)
+        template = _compile_template(self.chat_template)
+        return template.render(
+            messages=messages,
+            add_generation_prompt=add_generation_prompt,
+            bos_token=self.bos_token or "",
+            eos_token=self.eos_token or "",
+            **kwargs,
+        )
+
+    def encode_chat(self, messages: list[dict], add_generation_prompt: bool = True, **kwargs) -> list[int]:
+        # The template writes the special tokens itself (as transformers does).
+        return self.encode(self.apply_chat_template(messages, add_generation_prompt, **kwargs), add_special_tokens=False)
+
+
+def _validate_messages(messages: list[dict]) -> None:
+    if not isinstance(messages, list) or not messages:
+        raise ValueError("messages must be a non-empty list of {'role', 'content'} dicts")
+    for i, m in enumerate(messages):
+        if not isinstance(m, dict) or "role" not in m:
+            raise ValueError(f"messages[{i}] must be a dict with a 'role'")
+
+
+_TEMPLATE_CACHE: dict[str, Any] = {}
+
+
+def _compile_template(source: str):
+    template = _TEMPLATE_CACHE.get(source)
+    if template is None:
+        from jinja2.exceptions import TemplateError
+        from jinja2.ext import loopcontrols
+        from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+        def raise_exception(message: str):
+            raise TemplateError(message)
+
+        def tojson(value, indent=None, ensure_ascii=False, sort_keys=False):
+            return json.dumps(value, indent=indent, ensure_ascii=ensure_ascii, sort_keys=sort_keys)
+
+        env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=[loopcontrols])
+        env.filters["tojson"] = tojson
+        env.globals["raise_exception"] = raise_exception
+        env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
+        try:
+            template = env.from_string(source)
+        except TemplateError as e:
+            raise ValueError(f"invalid chat template: {e}") from None
+        _TEMPLATE_CACHE[source] = template
+    return template

@@ -1,0 +1,28 @@
+"""Sizes the paged KV cache from a memory budget and allocates it once, for every layer."""
+
+from __future__ import annotations
+
+import torch
+
+GiB = 1 << 30
+
+
+def bytes_per_block(num_layers: int, block_size: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype) -> int:
+    element = torch.empty((), dtype=dtype).element_size()
+    return 2 * num_layers * block_size * num_kv_heads * head_dim * element
+
+
+def num_blocks_for_budget(budget_bytes: int, per_block: int) -> int:
+    return int(budget_bytes // per_block)
+
+
+def allocate_kv_cache(
+    num_layers: int, num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int,
+    dtype: torch.dtype, device: torch.device,
+) -> torch.Tensor:
+    """One zeroed tensor [2, layers, blocks, block_size, kv_heads, head_dim].
+
+    Zeroed, not empty: masked-out slots still flow through the attention matmul (weight 0), and
+    0 × NaN garbage would poison it.
+    """
+    return torch.zeros(2, num_layers, num_blocks, block_size, num_kv_heads, head_dim, dtype=dtype, device=device)
