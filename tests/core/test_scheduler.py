@@ -1,0 +1,152 @@
+"""The scheduler on its own: no model, a fake step that 'samples' a token per finished chunk."""
+
+from __future__ import annotations
+
+import random
+
+from pagoda.core.kv_cache_manager import KVCacheManager, cdiv
+from pagoda.core.scheduler import Scheduler
+from pagoda.request import Request, RequestStatus
+from pagoda.sampling_params import SamplingParams
+
+
+def make_scheduler(num_blocks=64, block_size=4, max_num_seqs=8, budget=32, max_model_len=256):
+    kv = KVCacheManager(num_blocks, block_size)
+    return Scheduler(kv, max_num_seqs=max_num_seqs, max_num_batched_tokens=budget, max_model_len=max_model_len)
+
+
+def req(rid, n_prompt, max_tokens=4, priority=0, t=0.0) -> Request:
+    return Request(rid, [1] * n_prompt, SamplingParams(max_tokens=max_tokens, ignore_eos=True), priority=priority, arrival_time=t)
+
+
+def fake_step(sched: Scheduler, trace: list | None = None):
+    out = sched.schedule()
+    sampled = {}
+    for r, n in out.scheduled:
+        assert r.num_computed_tokens + n <= r.num_tokens
+        if r.num_computed_tokens + n == r.num_tokens:
+            sampled[r.request_id] = 7
+    if trace is not None:
+        trace.append(out)
+    return out, sched.update(out, sampled)
+
+
+def run_to_completion(sched: Scheduler, max_steps=10_000, trace=None) -> list[Request]:
+    finished = []
+    for _ in range(max_steps):
+        if not sched.has_unfinished_requests():
+            return finished
+        _, done = fake_step(sched, trace)
+        finished += done
+    raise AssertionError("scheduler did not finish")
+
+
+def test_fcfs_and_budget_and_chunked_prefill():
+    sched = make_scheduler(budget=10)
+    a, b = req("a", 25, t=0), req("b", 3, t=1)
+    sched.add_request(a)
+    sched.add_request(b)
+    out, _ = fake_step(sched)
+    assert [(r.request_id, n) for r, n in out.scheduled] == [("a", 10)]  # a's prompt is chunked
+    out, _ = fake_step(sched)
+    assert [(r.request_id, n) for r, n in out.scheduled] == [("a", 10)]
+    out, _ = fake_step(sched)
+    # a's last 5 prompt tokens, then b joins in the same step with its whole prompt
+    assert [(r.request_id, n) for r, n in out.scheduled] == [("a", 5), ("b", 3)]
+    out, _ = fake_step(sched)
+    assert [(r.request_id, n) for r, n in out.scheduled] == [("a", 1), ("b", 1)]  # decodes
+
+
+def test_max_num_seqs_limits_running():
+    sched = make_scheduler(max_num_seqs=2, budget=100)
+    for i in range(5):
+        sched.add_request(req(f"r{i}", 4, t=i))
+    out, _ = fake_step(sched)
+    assert len(out.scheduled) == 2 and sched.num_running == 2 and sched.num_waiting == 3
+
+
+def test_priority_orders_waiting_queue_then_arrival():
+    sched = make_scheduler(max_num_seqs=1, budget=100)
+    sched.add_request(req("low", 4, priority=0, t=0))
+    sched.add_request(req("high", 4, priority=5, t=1))
+    sched.add_request(req("high2", 4, priority=5, t=2))
+    order = []
+    trace = []
+    run_to_completion(sched, trace=trace)
+    for out in trace:
+        for r, _ in out.scheduled:
+            if r.request_id not in order:
+                order.append(r.request_id)
+    assert order == ["high", "high2", "low"]
+
+
+def test_preemption_picks_lowest_priority_latest_arrival_and_everything_finishes():
+    # 6 blocks of 4 tokens; three requests that each grow to 4 blocks cannot run together.
+    sched = make_scheduler(num_blocks=6, block_size=4, budget=64)
+    reqs = [req("a", 6, max_tokens=10, priority=1, t=0), req("b", 6, max_tokens=10, priority=0, t=1),
+            req("c", 6, max_tokens=10, priority=0, t=2)]
+    for r in reqs:
+        sched.add_request(r)
+    trace = []
+    finished = run_to_completion(sched, trace=trace)
+    preempted = [rid for out in trace for rid in out.preempted]
+    assert preempted, "the tiny cache must force preemption"
+    assert preempted[0] == "c"  # lowest priority, latest arrival goes first
+    assert "a" not in preempted  # highest priority is never the victim here
+    assert {r.request_id for r in finished} == {"a", "b", "c"}
+    assert all(r.num_output_tokens == 10 and r.status == RequestStatus.FINISHED_LENGTH for r in finished)
+    assert sched.kv.num_free_blocks == 6
+
+
+def test_abort_frees_every_block():
+    sched = make_scheduler(num_blocks=16, block_size=4)
+    a, b = req("a", 10, max_tokens=50), req("b", 10, max_tokens=50)
+    sched.add_request(a)
+    sched.add_request(b)
+    for _ in range(3):
+        fake_step(sched)
+    assert sched.kv.num_free_blocks < 16
+    sched.finish_request("a")
+    sched.finish_request("b")
+    assert sched.kv.num_free_blocks == 16 and not sched.has_unfinished_requests()
+    assert a.status == RequestStatus.FINISHED_ABORTED and a.block_ids == []
+
+
+def test_abort_of_waiting_request():
+    sched = make_scheduler(max_num_seqs=1)
+    sched.add_request(req("a", 4))
+    sched.add_request(req("b", 4))
+    fake_step(sched)
+    sched.finish_request("b")
+    assert sched.num_waiting == 0
+    run_to_completion(sched)
+    assert sched.kv.num_free_blocks == 64
+
+
+def test_no_leaked_block_after_1000_random_requests():
+    rng = random.Random(0)
+    sched = make_scheduler(num_blocks=48, block_size=4, max_num_seqs=16, budget=40, max_model_len=128)
+    live: list[Request] = []
+    added = 0
+    finished_total = 0
+    aborted = 0
+    while added < 1000 or sched.has_unfinished_requests():
+        for _ in range(rng.randint(0, 4)):
+            if added < 1000:
+                r = req(f"r{added}", rng.randint(1, 60), max_tokens=rng.randint(1, 20), priority=rng.randint(0, 2), t=added)
+                sched.add_request(r)
+                live.append(r)
+                added += 1
+        if live and rng.random() < 0.05:  # random aborts
+            aborted += sched.finish_request(rng.choice(live).request_id) is not None
+        out, done = fake_step(sched)
+        assert out.num_batched_tokens <= 40
+        assert sched.num_running <= 16
+        held = sum(len(r.block_ids) for r in sched.running)
+        assert held == 48 - sched.kv.num_free_blocks  # every used block belongs to a running request
+        for r in sched.running:
+            assert len(r.block_ids) >= cdiv(r.num_computed_tokens, 4)
+        finished_total += len(done)
+        live = [r for r in live if not r.status.finished]
+    assert sched.kv.num_free_blocks == 48
+    assert finished_total + aborted == 1000 and aborted > 0
