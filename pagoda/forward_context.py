@@ -30,8 +30,18 @@ class AttentionMetadata:
     slot_mapping: torch.Tensor  # int64 [num_tokens]: where each token's K/V is written
     num_decodes: int = 0
     decode_block_tables: torch.Tensor | None = None  # int64 [num_decodes, max_blocks]
-    decode_mask: torch.Tensor | None = None  # bool [num_decodes, 1, 1, max_blocks * block_size]
+    decode_seq_lens: torch.Tensor | None = None  # int64 [num_decodes]: tokens each decode attends to
     prefills: list[PrefillSeq] = field(default_factory=list)
+    block_size: int = 16
+    _decode_mask: torch.Tensor | None = None
+
+    def decode_mask(self) -> torch.Tensor:
+        """bool [num_decodes, 1, 1, max_blocks * block_size]; built once per step, on demand."""
+        if self._decode_mask is None:
+            width = self.decode_block_tables.shape[1] * self.block_size
+            key_pos = torch.arange(width, device=self.decode_seq_lens.device)
+            self._decode_mask = (key_pos.unsqueeze(0) < self.decode_seq_lens.unsqueeze(1)).view(-1, 1, 1, width)
+        return self._decode_mask
 
 
 _current: AttentionMetadata | None = None

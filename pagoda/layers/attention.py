@@ -6,7 +6,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from pagoda.forward_context import get_attention_metadata
+from pagoda.forward_context import AttentionMetadata, get_attention_metadata
+from pagoda.layers.cpu_kernels import load_cpu_kernels
 
 
 class PagedAttention(nn.Module):
@@ -53,11 +54,16 @@ class PagedAttention(nn.Module):
         x = x.flatten(-4, -3)  # [..., L, Hkv, D]
         return x.transpose(-3, -2)
 
-    def _decode(self, q: torch.Tensor, meta) -> torch.Tensor:
+    def _decode(self, q: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        kernels = load_cpu_kernels() if q.device.type == "cpu" else None
+        if kernels is not None:
+            return kernels.paged_decode_attention(
+                q.contiguous(), self.k_cache, self.v_cache, meta.decode_block_tables, meta.decode_seq_lens, self.scale
+            )
         keys = self._gather(self.k_cache, meta.decode_block_tables)  # [B, Hkv, L, D]
         values = self._gather(self.v_cache, meta.decode_block_tables)
         out = F.scaled_dot_product_attention(
-            q.unsqueeze(2), keys, values, attn_mask=meta.decode_mask, scale=self.scale,
+            q.unsqueeze(2), keys, values, attn_mask=meta.decode_mask(), scale=self.scale,
             enable_gqa=self.num_heads != self.num_kv_heads,
         )  # [B, Hq, 1, D]
         return out.squeeze(2)
@@ -75,7 +81,7 @@ class PagedAttention(nn.Module):
             total = seq.start + seq.query_len
             keys = self._gather(self.k_cache, seq.block_table)[:, :total].unsqueeze(0)
             values = self._gather(self.v_cache, seq.block_table)[:, :total].unsqueeze(0)
-            q_pos = torch.arange(seq.start, total).unsqueeze(1)
-            mask = torch.arange(total).unsqueeze(0) <= q_pos  # [Lq, total]
+            q_pos = torch.arange(seq.start, total, device=q.device).unsqueeze(1)
+            mask = torch.arange(total, device=q.device).unsqueeze(0) <= q_pos  # [Lq, total]
             out = F.scaled_dot_product_attention(qh, keys, values, attn_mask=mask, scale=self.scale, enable_gqa=gqa)
         return out.squeeze(0).transpose(0, 1)

@@ -65,11 +65,15 @@ class ModelRunner:
             if n == 1:
                 num_decodes += 1
             else:
-                prefills.append(PrefillSeq(len(input_ids), n, start, torch.tensor(request.block_ids, dtype=torch.long)))
+                table = torch.tensor(request.block_ids, dtype=torch.long, device=self.device)
+                prefills.append(PrefillSeq(len(input_ids), n, start, table))
             input_ids.extend(request.all_token_ids[start : start + n])
             positions.extend(range(start, start + n))
             slots.extend(self._slots(request, start, n))
-        meta = AttentionMetadata(slot_mapping=torch.tensor(slots, dtype=torch.long), num_decodes=num_decodes, prefills=prefills)
+        meta = AttentionMetadata(
+            slot_mapping=torch.tensor(slots, dtype=torch.long, device=self.device), num_decodes=num_decodes,
+            prefills=prefills, block_size=self.block_size,
+        )
         if num_decodes:
             self._decode_metadata(batch[:num_decodes], meta)
         return torch.tensor(input_ids, dtype=torch.long), torch.tensor(positions, dtype=torch.long), meta
@@ -81,9 +85,8 @@ class ModelRunner:
         for i, (r, _) in enumerate(decodes):
             tables[i, : len(r.block_ids)] = torch.tensor(r.block_ids, dtype=torch.long)
             lengths[i] = r.num_computed_tokens + 1
-        key_pos = torch.arange(max_blocks * self.block_size)
-        meta.decode_block_tables = tables
-        meta.decode_mask = (key_pos.unsqueeze(0) < lengths.unsqueeze(1)).view(len(decodes), 1, 1, -1)
+        meta.decode_block_tables = tables.to(self.device)
+        meta.decode_seq_lens = lengths.to(self.device)
 
     # -- run --------------------------------------------------------------------------------
     @torch.inference_mode()
