@@ -34,6 +34,13 @@ class AttentionMetadata:
     prefills: list[PrefillSeq] = field(default_factory=list)
     block_size: int = 16
     _decode_mask: torch.Tensor | None = None
+    _slot_parts: tuple[torch.Tensor, torch.Tensor] | None = None
+
+    def slot_blocks_and_offsets(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """slot_mapping split into (block id, offset in block); computed once per step."""
+        if self._slot_parts is None:
+            self._slot_parts = (self.slot_mapping // self.block_size, self.slot_mapping % self.block_size)
+        return self._slot_parts
 
     def decode_mask(self) -> torch.Tensor:
         """bool [num_decodes, 1, 1, max_blocks * block_size]; built once per step, on demand."""

@@ -30,8 +30,9 @@ void decode_attention_impl(const scalar_t* __restrict__ q, const scalar_t* __res
                            int64_t B, int64_t Hq, int64_t Hkv, int64_t D, int64_t BS,
                            int64_t max_blocks, float scale) {
   const int64_t G = Hq / Hkv;
-  const int64_t row_stride = Hkv * D;  // between consecutive tokens of one block
-  const int64_t block_stride = BS * row_stride;
+  // Cache layout [num_blocks, Hkv, BS, D]: one head's tokens of a block are contiguous rows.
+  const int64_t head_stride = BS * D;
+  const int64_t block_stride = Hkv * head_stride;
   at::parallel_for(0, B * Hkv, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> qf(G * D), acc(G * D), buf(D), scores;
     for (int64_t item = begin; item < end; ++item) {
@@ -45,10 +46,10 @@ void decode_attention_impl(const scalar_t* __restrict__ q, const scalar_t* __res
       float* sc = scores.data();
       // scores[g][t] = q_g . k_t
       for (int64_t t0 = 0; t0 < L; t0 += BS) {
-        const scalar_t* kb = k_cache + table[t0 / BS] * block_stride + h * D;
+        const scalar_t* kb = k_cache + table[t0 / BS] * block_stride + h * head_stride;
         const int64_t n = std::min(BS, L - t0);
         for (int64_t i = 0; i < n; ++i) {
-          const float* k = row_as_float(kb + i * row_stride, buf.data(), D);
+          const float* k = row_as_float(kb + i * D, buf.data(), D);
           for (int64_t g = 0; g < G; ++g) {
             const float* qg = qf.data() + g * D;
             float s = 0.f;
@@ -73,10 +74,10 @@ void decode_attention_impl(const scalar_t* __restrict__ q, const scalar_t* __res
       // acc[g] = sum_t p[g][t] * v_t
       std::fill(acc.begin(), acc.end(), 0.f);
       for (int64_t t0 = 0; t0 < L; t0 += BS) {
-        const scalar_t* vb = v_cache + table[t0 / BS] * block_stride + h * D;
+        const scalar_t* vb = v_cache + table[t0 / BS] * block_stride + h * head_stride;
         const int64_t n = std::min(BS, L - t0);
         for (int64_t i = 0; i < n; ++i) {
-          const float* v = row_as_float(vb + i * row_stride, buf.data(), D);
+          const float* v = row_as_float(vb + i * D, buf.data(), D);
           for (int64_t g = 0; g < G; ++g) {
             const float p = sc[g * L + t0 + i];
             float* ag = acc.data() + g * D;
@@ -92,7 +93,7 @@ void decode_attention_impl(const scalar_t* __restrict__ q, const scalar_t* __res
   });
 }
 
-// q: [B, Hq, D]; k_cache, v_cache: [num_blocks, block_size, Hkv, D]; block_tables: [B, max_blocks]
+// q: [B, Hq, D]; k_cache, v_cache: [num_blocks, Hkv, block_size, D]; block_tables: [B, max_blocks]
 // int64; seq_lens: [B] int64 (tokens to attend, the query's own included). Returns [B, Hq, D].
 at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
                                   const at::Tensor& block_tables, const at::Tensor& seq_lens, double scale) {
@@ -104,7 +105,7 @@ at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& k_cache
   auto tables = block_tables.contiguous();
   auto lens = seq_lens.contiguous();
   const int64_t B = q.size(0), Hq = q.size(1), D = q.size(2);
-  const int64_t BS = k_cache.size(1), Hkv = k_cache.size(2);
+  const int64_t Hkv = k_cache.size(1), BS = k_cache.size(2);
   TORCH_CHECK(k_cache.size(3) == D && Hq % Hkv == 0, "head shapes do not match");
   auto out = at::empty_like(qc);
   AT_DISPATCH_FLOATING_TYPES_AND2(at::ScalarType::BFloat16, at::ScalarType::Half, q.scalar_type(), "paged_decode_attention", [&] {

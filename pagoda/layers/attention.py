@@ -13,7 +13,7 @@ from pagoda.layers.cpu_kernels import load_cpu_kernels
 class PagedAttention(nn.Module):
     """Writes this step's K/V into the paged cache and attends each query over its sequence.
 
-    The cache of one layer is a pair of tensors [num_blocks, block_size, num_kv_heads, head_dim],
+    The cache of one layer is a pair of tensors [num_blocks, num_kv_heads, block_size, head_dim],
     bound once by the model runner (`bind_kv_cache`). Nothing is padded to the longest prompt:
     prefill chunks run one SDPA call each; decodes run one batched SDPA call over their gathered
     blocks with a length mask.
@@ -34,7 +34,7 @@ class PagedAttention(nn.Module):
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         """q: [T, Hq, D], k/v: [T, Hkv, D] for the T tokens of the batch → [T, Hq * D]."""
         meta = get_attention_metadata()
-        self._write_cache(k, v, meta.slot_mapping)
+        self._write_cache(k, v, meta)
         out = torch.empty_like(q)
         if meta.num_decodes:
             out[: meta.num_decodes] = self._decode(q[: meta.num_decodes], meta)
@@ -43,16 +43,15 @@ class PagedAttention(nn.Module):
             out[sl] = self._prefill(q[sl], k[sl], v[sl], seq)
         return out.view(q.shape[0], self.num_heads * self.head_dim)
 
-    def _write_cache(self, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor) -> None:
-        width = self.num_kv_heads * self.head_dim
-        self.k_cache.view(-1, width).index_copy_(0, slot_mapping, k.reshape(-1, width))
-        self.v_cache.view(-1, width).index_copy_(0, slot_mapping, v.reshape(-1, width))
+    def _write_cache(self, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata) -> None:
+        blocks, offsets = meta.slot_blocks_and_offsets()
+        self.k_cache[blocks, :, offsets] = k
+        self.v_cache[blocks, :, offsets] = v
 
     def _gather(self, cache: torch.Tensor, block_table: torch.Tensor) -> torch.Tensor:
         """Blocks of one or more sequences → [..., Hkv, L, D] with L = blocks * block_size."""
-        x = cache[block_table]  # [..., nb, bs, Hkv, D]
-        x = x.flatten(-4, -3)  # [..., L, Hkv, D]
-        return x.transpose(-3, -2)
+        x = cache[block_table]  # [..., nb, Hkv, bs, D]
+        return x.transpose(-4, -3).flatten(-3, -2)
 
     def _decode(self, q: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         kernels = load_cpu_kernels() if q.device.type == "cpu" else None

@@ -20,9 +20,12 @@ def allocate_kv_cache(
     num_layers: int, num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int,
     dtype: torch.dtype, device: torch.device,
 ) -> torch.Tensor:
-    """One zeroed tensor [2, layers, blocks, block_size, kv_heads, head_dim].
+    """One zeroed tensor [2, layers, blocks, kv_heads, block_size, head_dim].
+
+    Within a block, each kv head's tokens are contiguous (block_size x head_dim), so attention
+    over a block reads one contiguous run per head.
 
     Zeroed, not empty: masked-out slots still flow through the attention matmul (weight 0), and
     0 × NaN garbage would poison it.
     """
-    return torch.zeros(2, num_layers, num_blocks, block_size, num_kv_heads, head_dim, dtype=dtype, device=device)
+    return torch.zeros(2, num_layers, num_blocks, num_kv_heads, block_size, head_dim, dtype=dtype, device=device)

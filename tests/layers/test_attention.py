@@ -32,7 +32,7 @@ def test_mixed_batch_matches_reference(monkeypatch, use_kernel, dtype, heads):
     hq, hkv = heads
     D, BS, NB = 32, 4, 64
     attn = PagedAttention(hq, hkv, D, scale=D**-0.5)
-    k_cache = torch.zeros(NB, BS, hkv, D, dtype=dtype)
+    k_cache = torch.zeros(NB, hkv, BS, D, dtype=dtype)
     v_cache = torch.zeros_like(k_cache)
     attn.bind_kv_cache(k_cache, v_cache)
     free = list(torch.randperm(NB).tolist())
@@ -45,8 +45,8 @@ def test_mixed_batch_matches_reference(monkeypatch, use_kernel, dtype, heads):
         k = torch.randn(total, hkv, D, dtype=dtype)
         v = torch.randn(total, hkv, D, dtype=dtype)
         for p in range(cached):  # what earlier steps wrote
-            k_cache[blocks[p // BS], p % BS] = k[p]
-            v_cache[blocks[p // BS], p % BS] = v[p]
+            k_cache[blocks[p // BS], :, p % BS] = k[p]
+            v_cache[blocks[p // BS], :, p % BS] = v[p]
         seqs.append((cached, new, blocks, k, v, torch.randn(new, hq, D, dtype=dtype)))
     slots, qs, ks, vs = [], [], [], []
     for cached, new, blocks, k, v, q in seqs:
