@@ -84,7 +84,8 @@ def _download_from_hub(repo_id: str) -> Path:
             repo_id, allow_patterns=["*.json", "*.safetensors", "*.jinja", "tokenizer*"],
         ))
     except Exception as e:  # offline, no such repo, gated, ...
+        reason = " ".join(str(e).split())
         raise ValueError(
-            f"could not download {repo_id!r} from the Hugging Face hub ({type(e).__name__}: {e}). "
+            f"could not download {repo_id!r} from the Hugging Face hub ({type(e).__name__}: {reason}). "
             "Offline? Pass a local model directory, a .gguf file, or a catalog name (`pagoda list`)."
         ) from None

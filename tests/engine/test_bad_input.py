@@ -67,3 +67,9 @@ def test_bad_engine_args(tiny_llama):
         LLM(model=str(tiny_llama), max_model_len=100_000)
     with pytest.raises(ValueError, match="kv_cache_memory"):
         LLM(model=str(tiny_llama), kv_cache_memory=1e-9)
+
+
+def test_hub_repo_id_offline_is_a_clear_error(monkeypatch):
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    with pytest.raises(ValueError, match=r"could not download 'some-org/some-model'.*Offline"):
+        LLM(model="some-org/some-model")
