@@ -11,7 +11,7 @@ from pagoda.loader.resolve import ModelFiles, resolve_model
 from pagoda.platform import default_device, resolve_dtype
 
 DEFAULT_MODEL = "smollm2-135m-instruct"
-DEFAULT_KV_CACHE_GIB = 4.0
+DEFAULT_KV_CACHE_GIB = 2.0
 
 
 @dataclass(frozen=True)

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 import torch
 
-from pagoda.config import EngineConfig
+from pagoda.config import DEFAULT_KV_CACHE_GIB, EngineConfig
 from pagoda.core.kv_cache_manager import KVCacheManager
 from pagoda.core.scheduler import Scheduler, SchedulerStats
 from pagoda.loader.model_loader import load_model
@@ -73,8 +73,8 @@ class EngineCore:
         else:
             gib = cc.kv_cache_memory_gib
             if gib is None:
-                # Default: 4 GiB, but never more than half of what the machine has free.
-                gib = min(4.0, available_memory_bytes(mc.device) / 2 / GiB)
+                # Default: 2 GiB, but never more than half of what the machine has free.
+                gib = min(DEFAULT_KV_CACHE_GIB, available_memory_bytes(mc.device) / 2 / GiB)
             budget = int(gib * GiB)
         num_blocks = budget // per_block
         if num_blocks < 1:
