@@ -50,7 +50,6 @@ class Tokenizer:
         self.eos_token_id = self.eos_token_ids[0] if self.eos_token_ids else None
         self.chat_template = chat_template or self._find_template(model_dir, config)
         self.vocab_size = self._tok.get_vocab_size(with_added_tokens=True)
-        self.special_token_ids = {t.id if hasattr(t, "id") else i for i, t in self._tok.get_added_tokens_decoder().items() if t.special}
 
     def _eos_ids(self, config: dict, generation: dict, model_config: dict) -> list[int]:
         ids: list[int] = []

@@ -121,10 +121,6 @@ class LlamaForCausalLM(nn.Module):
         return F.linear(hidden, weight)
 
     # -- weights ----------------------------------------------------------------------------
-    def _param_name(self, name: str) -> str:
-        name = name.removeprefix("model.")
-        return name
-
     @torch.no_grad()
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Copy checkpoint tensors (Hugging Face names) into the merged parameters."""
@@ -135,7 +131,7 @@ class LlamaForCausalLM(nn.Module):
                 continue
             if name == "lm_head.weight" and self.lm_head is None:
                 continue  # tied: the embedding serves as the output projection
-            name = self._param_name(name)
+            name = name.removeprefix("model.")
             target, shard = name, None
             for fragment, (merged, index) in _STACKED.items():
                 if fragment in name:
