@@ -148,6 +148,12 @@ def cmd_list(ns: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_serve(ns: argparse.Namespace) -> int:
+    from pagoda.entrypoints.openai.api_server import run_server
+
+    return run_server(ns)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="pagoda", description="pagoda: LLM inference engine")
     parser.add_argument("--log-level", default="warning", choices=["debug", "info", "warning", "error"])
@@ -165,6 +171,17 @@ def build_parser() -> argparse.ArgumentParser:
     _add_engine_args(p)
     _add_sampling_args(p)
     p.set_defaults(func=cmd_chat)
+
+    p = sub.add_parser("serve", help="OpenAI-compatible HTTP server")
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--served-model-name", nargs="+", default=None)
+    p.add_argument("--api-key", default=None, help="require this bearer token (also PAGODA_API_KEY)")
+    p.add_argument("--max-queue-len", type=int, default=None, help="requests in flight before 429")
+    p.add_argument("--tensor-parallel-size", type=int, default=1)
+    p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    _add_engine_args(p)
+    p.set_defaults(func=cmd_serve)
 
     p = sub.add_parser("pull", help="download a catalog model into the local store")
     p.add_argument("name")

@@ -1,0 +1,149 @@
+"""`pagoda serve`: the OpenAI-compatible HTTP server (FastAPI + uvicorn) over AsyncLLM."""
+
+from __future__ import annotations
+
+import logging
+import os
+import secrets
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+
+from pagoda import __version__
+from pagoda.engine.async_llm import AsyncLLM
+from pagoda.entrypoints.openai.protocol import (
+    ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest, now,
+)
+from pagoda.entrypoints.openai.serving import OpenAIError, Serving
+
+logger = logging.getLogger("pagoda.server")
+
+_OPEN_PATHS = {"/health", "/version", "/metrics", "/docs", "/openapi.json"}
+
+
+def _error(e: OpenAIError) -> JSONResponse:
+    return JSONResponse(e.body(), status_code=e.status, headers=e.headers)
+
+
+def build_app(engine: AsyncLLM, served_model_names: list[str], *, api_key: str | None = None,
+              max_queue_len: int | None = None, model_root: str | None = None) -> FastAPI:
+    app = FastAPI(title="pagoda", version=__version__)
+    serving = Serving(engine, served_model_names, max_queue_len)
+    app.state.serving = serving
+
+    @app.middleware("http")
+    async def check_api_key(request: Request, call_next):
+        if api_key and request.url.path not in _OPEN_PATHS:
+            given = request.headers.get("authorization", "")
+            if not secrets.compare_digest(given, f"Bearer {api_key}"):
+                return _error(OpenAIError("invalid or missing API key", status=401, type_="authentication_error",
+                                          code="invalid_api_key"))
+        return await call_next(request)
+
+    @app.exception_handler(OpenAIError)
+    async def on_openai_error(_request: Request, e: OpenAIError):
+        return _error(e)
+
+    @app.exception_handler(RequestValidationError)
+    async def on_validation_error(_request: Request, e: RequestValidationError):
+        first = e.errors()[0] if e.errors() else {}
+        loc = [str(x) for x in first.get("loc", []) if x != "body"]
+        param = ".".join(loc) or None
+        return _error(OpenAIError(f"{param}: {first.get('msg', 'invalid request')}" if param else str(e), param=param))
+
+    @app.exception_handler(ValueError)
+    async def on_value_error(_request: Request, e: ValueError):
+        from pagoda.entrypoints.openai.serving import bad_value
+
+        return _error(bad_value(e))
+
+    @app.get("/health")
+    async def health():
+        if engine.healthy:
+            return Response(status_code=200)
+        return JSONResponse({"error": {"message": f"engine is not running: {engine.dead_error}", "type": "server_error",
+                                       "param": None, "code": "engine_dead"}}, status_code=503)
+
+    @app.get("/version")
+    async def version():
+        return {"version": __version__}
+
+    @app.get("/v1/models")
+    async def models():
+        return {"object": "list", "data": [
+            {"id": name, "object": "model", "created": now(), "owned_by": "pagoda", "root": model_root or name,
+             "parent": None, "max_model_len": serving.max_model_len}
+            for name in served_model_names]}
+
+    def _check_alive():
+        if not engine.healthy:
+            raise OpenAIError(f"engine is not running: {engine.dead_error}", status=503, type_="server_error", code="engine_dead")
+
+    @app.post("/v1/completions")
+    async def completions(body: CompletionRequest):
+        _check_alive()
+        result = await serving.completion(body)
+        if body.stream:
+            return StreamingResponse(result, media_type="text/event-stream")
+        return JSONResponse(result)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(body: ChatCompletionRequest):
+        _check_alive()
+        result = await serving.chat(body)
+        if body.stream:
+            return StreamingResponse(result, media_type="text/event-stream")
+        return JSONResponse(result)
+
+    @app.post("/tokenize")
+    async def tokenize(body: TokenizeRequest):
+        serving.check_model(body.model)
+        tok = serving.tokenizer
+        if body.messages is not None:
+            ids = tok.encode_chat([{"role": m.role, "content": m.content or ""} for m in body.messages],
+                                  body.add_generation_prompt)
+        elif body.prompt is not None:
+            ids = tok.encode(body.prompt, add_special_tokens=body.add_special_tokens)
+        else:
+            raise OpenAIError("give `prompt` or `messages`", param="prompt")
+        return {"tokens": ids, "count": len(ids), "max_model_len": serving.max_model_len}
+
+    @app.post("/detokenize")
+    async def detokenize(body: DetokenizeRequest):
+        serving.check_model(body.model)
+        vocab = engine.engine.core.model.config.vocab_size
+        bad = [t for t in body.tokens if not 0 <= t < vocab]
+        if bad:
+            raise OpenAIError(f"tokens must be in [0, {vocab}), got {bad[:5]}", param="tokens")
+        return {"prompt": serving.tokenizer.decode(body.tokens, skip_special_tokens=False)}
+
+    return app
+
+
+def run_server(args) -> int:
+    """Load the model, start the engine thread, serve until interrupted."""
+    import uvicorn
+
+    from pagoda.engine.llm_engine import LLMEngine
+
+    if getattr(args, "tensor_parallel_size", 1) != 1:
+        raise ValueError("tensor_parallel_size > 1 is not supported yet (tensor parallelism is a later issue)")
+    from pagoda.entrypoints.cli import _engine_args
+
+    engine_args = _engine_args(args)
+    engine = LLMEngine.from_engine_args(engine_args)
+    names = args.served_model_name or [args.model]
+    api_key = args.api_key or os.environ.get("PAGODA_API_KEY")
+    async_engine = AsyncLLM(engine)
+    app = build_app(async_engine, names, api_key=api_key, max_queue_len=args.max_queue_len, model_root=args.model)
+    cfg = engine.config.model
+    print(f"pagoda {__version__}: loaded {args.model} ({cfg.architecture}, {str(cfg.dtype).removeprefix('torch.')}, "
+          f"{cfg.device.type}, max_model_len={engine.max_model_len}, KV blocks={engine.core.num_blocks}) "
+          f"as {', '.join(names)}", flush=True)
+    print(f"pagoda: serving on http://{args.host}:{args.port}/v1", flush=True)
+    try:
+        uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level, access_log=False)
+    finally:
+        async_engine.shutdown()
+    return 0

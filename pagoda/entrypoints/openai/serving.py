@@ -1,0 +1,332 @@
+"""Turns OpenAI requests into engine requests and engine outputs into OpenAI responses."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import AsyncIterator
+
+from pagoda.engine.async_llm import AsyncLLM
+from pagoda.entrypoints.openai.protocol import (
+    ChatCompletionRequest, CompletionRequest, SamplingFields, UsageInfo, now, random_id,
+)
+from pagoda.outputs import PositionLogprobs, RequestOutput
+
+
+class OpenAIError(Exception):
+    """An error with an HTTP status and an OpenAI-style body."""
+
+    def __init__(self, message: str, status: int = 400, type_: str = "invalid_request_error",
+                 param: str | None = None, code: str | None = None, headers: dict | None = None) -> None:
+        super().__init__(message)
+        self.message, self.status, self.type, self.param, self.code = message, status, type_, param, code
+        self.headers = headers or {}
+
+    def body(self) -> dict:
+        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+
+
+def bad_value(e: ValueError) -> OpenAIError:
+    """A ValueError from SamplingParams / the engine names the field as its first word."""
+    message = str(e)
+    first = message.split(" ", 1)[0]
+    return OpenAIError(message, param=first if first.isidentifier() else None)
+
+
+def sse(data: dict | str) -> str:
+    return f"data: {data if isinstance(data, str) else json.dumps(data, ensure_ascii=False)}\n\n"
+
+
+class Serving:
+    def __init__(self, engine: AsyncLLM, served_model_names: list[str], max_queue_len: int | None = None) -> None:
+        self.engine = engine
+        self.tokenizer = engine.engine.tokenizer
+        self.model_names = served_model_names
+        self.max_model_len = engine.engine.max_model_len
+        self.max_queue_len = max_queue_len
+
+    # -- shared checks ----------------------------------------------------------------------
+    def check_model(self, model: str | None) -> str:
+        if model is None or model in self.model_names:
+            return self.model_names[0]
+        raise OpenAIError(f"The model `{model}` does not exist.", status=404, type_="NotFoundError",
+                          param="model", code="model_not_found")
+
+    def check_capacity(self, new_requests: int) -> None:
+        if self.max_queue_len is not None and self.engine.num_pending + new_requests > self.max_queue_len:
+            raise OpenAIError(f"the server's queue is full ({self.max_queue_len} requests); retry later",
+                              status=429, type_="rate_limit_error", code="queue_full", headers={"Retry-After": "1"})
+
+    def max_tokens_for(self, requested: int | None, prompt_len: int) -> int:
+        room = self.max_model_len - prompt_len
+        if requested is None:
+            if room < 1:
+                raise OpenAIError(f"This model's maximum context length is {self.max_model_len} tokens. However, "
+                                  f"your prompt has {prompt_len} tokens, leaving no room to generate.", param="prompt")
+            return room
+        if requested < 1:
+            raise OpenAIError(f"max_tokens must be at least 1, got {requested}", param="max_tokens")
+        if prompt_len + requested > self.max_model_len:
+            raise OpenAIError(
+                f"This model's maximum context length is {self.max_model_len} tokens. However, you requested "
+                f"{prompt_len + requested} tokens ({prompt_len} in the prompt, {requested} in the completion). "
+                "Please reduce the prompt or max_tokens.", param="max_tokens", code="context_length_exceeded")
+        return requested
+
+    def params(self, request: SamplingFields, max_tokens: int, logprobs: int | None, prompt_logprobs: int | None = None):
+        try:
+            return request.sampling_params(max_tokens, logprobs, prompt_logprobs)
+        except ValueError as e:
+            raise bad_value(e) from None
+
+    async def _run_all(self, prompts: list[list[int]], params_list, request_id: str, priority: int
+                       ) -> AsyncIterator[tuple[int, RequestOutput]]:
+        """Run several prompts concurrently; yield (prompt index, delta output) as they arrive."""
+        merged: asyncio.Queue = asyncio.Queue()
+
+        async def pump(i: int, ids: list[int], params) -> None:
+            try:
+                async for out in self.engine.generate({"prompt_token_ids": ids}, params, f"{request_id}-{i}", priority):
+                    await merged.put((i, out))
+            except BaseException as e:  # noqa: BLE001 - forwarded to the consumer
+                await merged.put((i, e))
+            finally:
+                await merged.put((i, None))
+
+        tasks = [asyncio.create_task(pump(i, ids, p)) for i, (ids, p) in enumerate(zip(prompts, params_list))]
+        remaining = len(tasks)
+        try:
+            while remaining:
+                i, item = await merged.get()
+                if item is None:
+                    remaining -= 1
+                elif isinstance(item, BaseException):
+                    if isinstance(item, ValueError):
+                        raise bad_value(item)
+                    raise OpenAIError(str(item), status=503 if not self.engine.healthy else 500, type_="server_error")
+                else:
+                    yield i, item
+        finally:
+            for t in tasks:
+                t.cancel()
+
+    # -- completions ------------------------------------------------------------------------
+    def _completion_prompts(self, request: CompletionRequest) -> list[tuple[str | None, list[int]]]:
+        p = request.prompt
+        if isinstance(p, str):
+            items: list = [p]
+        elif isinstance(p, list) and p and all(isinstance(x, int) for x in p):
+            items = [p]
+        elif isinstance(p, list) and p:
+            items = p
+        else:
+            raise OpenAIError("prompt must be a non-empty string, list of strings, or token ids", param="prompt")
+        out = []
+        for item in items:
+            if isinstance(item, str):
+                out.append((item, self.tokenizer.encode(item)))
+            else:
+                ids = list(item)
+                if not ids:
+                    raise OpenAIError("prompt token ids must not be empty", param="prompt")
+                out.append((None, ids))
+        return out
+
+    async def completion(self, request: CompletionRequest):
+        model = self.check_model(request.model)
+        if request.logprobs is not None and not 0 <= request.logprobs <= 20:
+            raise OpenAIError(f"logprobs must be in [0, 20], got {request.logprobs}", param="logprobs")
+        prompts = self._completion_prompts(request)
+        params_list = []
+        for _, ids in prompts:
+            max_tokens = self.max_tokens_for(request.max_tokens, len(ids))
+            prompt_lp = request.logprobs if (request.echo and request.logprobs is not None) else None
+            params_list.append(self.params(request, max_tokens, request.logprobs, prompt_lp))
+        self.check_capacity(len(prompts))
+        request_id = random_id("cmpl")
+        n = request.n
+        ids_only = [ids for _, ids in prompts]
+        if request.stream:
+            return self._completion_stream(request, model, request_id, prompts, ids_only, params_list)
+        texts = {}
+        finals: dict[int, RequestOutput] = {}
+        pieces: dict[tuple[int, int], list] = {}
+        async for i, out in self._run_all(ids_only, params_list, request_id, request.priority):
+            for c in out.outputs:
+                key = (i, c.index)
+                acc = pieces.setdefault(key, {"text": "", "token_ids": [], "logprobs": [], "finish": None, "stop": None})
+                acc["text"] += c.text
+                acc["token_ids"] += c.token_ids
+                acc["logprobs"] += c.logprobs or []
+                acc["finish"], acc["stop"] = c.finish_reason, c.stop_reason
+            if out.prompt_logprobs is not None:
+                texts[i] = out.prompt_logprobs
+            finals[i] = out
+        choices, completion_tokens = [], 0
+        for i, (text, ids) in enumerate(prompts):
+            for j in range(n):
+                acc = pieces.get((i, j), {"text": "", "token_ids": [], "logprobs": [], "finish": "abort", "stop": None})
+                completion_tokens += len(acc["token_ids"])
+                choice_text = acc["text"]
+                logprobs = None
+                if request.logprobs is not None:
+                    logprobs = self._completion_logprobs(acc["token_ids"], acc["logprobs"], request.logprobs)
+                if request.echo:
+                    prompt_text = text if text is not None else self.tokenizer.decode(ids)
+                    choice_text = prompt_text + choice_text
+                    if logprobs is not None:
+                        logprobs = _merge(self._completion_logprobs(ids, texts.get(i) or [None] * len(ids), request.logprobs), logprobs)
+                choices.append({"index": i * n + j, "text": choice_text, "logprobs": logprobs,
+                                "finish_reason": acc["finish"], "stop_reason": acc["stop"]})
+        prompt_tokens = sum(len(ids) for _, ids in prompts)
+        return {"id": request_id, "object": "text_completion", "created": now(), "model": model, "choices": choices,
+                "usage": UsageInfo(prompt_tokens=prompt_tokens, completion_tokens=completion_tokens,
+                                   total_tokens=prompt_tokens + completion_tokens).model_dump()}
+
+    async def _completion_stream(self, request, model, request_id, prompts, ids_only, params_list):
+        created = now()
+        n = request.n
+        completion_tokens = 0
+        try:
+            if request.echo:
+                for i, (text, ids) in enumerate(prompts):
+                    for j in range(n):
+                        echo = text if text is not None else self.tokenizer.decode(ids)
+                        yield sse({"id": request_id, "object": "text_completion", "created": created, "model": model,
+                                   "choices": [{"index": i * n + j, "text": echo, "logprobs": None, "finish_reason": None}]})
+            async for i, out in self._run_all(ids_only, params_list, request_id, request.priority):
+                for c in out.outputs:
+                    completion_tokens += len(c.token_ids)
+                    if not c.text and c.finish_reason is None:
+                        continue
+                    logprobs = None
+                    if request.logprobs is not None:
+                        logprobs = self._completion_logprobs(c.token_ids, c.logprobs or [], request.logprobs)
+                    yield sse({"id": request_id, "object": "text_completion", "created": created, "model": model,
+                               "choices": [{"index": i * n + c.index, "text": c.text, "logprobs": logprobs,
+                                            "finish_reason": c.finish_reason, "stop_reason": c.stop_reason}]})
+            if request.stream_options and request.stream_options.include_usage:
+                prompt_tokens = sum(len(ids) for ids in ids_only)
+                yield sse({"id": request_id, "object": "text_completion", "created": created, "model": model, "choices": [],
+                           "usage": {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+                                     "total_tokens": prompt_tokens + completion_tokens}})
+        except OpenAIError as e:
+            yield sse(e.body())
+        yield sse("[DONE]")
+
+    def _completion_logprobs(self, token_ids: list[int], positions: list[PositionLogprobs | None], k: int) -> dict:
+        tokens, token_lps, tops, offsets = [], [], [], []
+        offset = 0
+        for tid, pos in zip(token_ids, positions):
+            piece = self.tokenizer.decode([tid], skip_special_tokens=False)
+            tokens.append(piece)
+            offsets.append(offset)
+            offset += len(piece)
+            if pos is None:
+                token_lps.append(None)
+                tops.append(None)
+                continue
+            token_lps.append(pos[tid].logprob if tid in pos else None)
+            top: dict[str, float] = {}
+            for _, lp in _top_k(pos, k):
+                top.setdefault(lp.decoded_token, lp.logprob)  # alternatives that decode alike: keep the likeliest
+            tops.append(top)
+        return {"tokens": tokens, "token_logprobs": token_lps, "top_logprobs": tops, "text_offset": offsets}
+
+    # -- chat -------------------------------------------------------------------------------
+    def _chat_prompt(self, request: ChatCompletionRequest) -> list[int]:
+        messages = []
+        for m in request.messages:
+            content = m.content
+            if isinstance(content, list):  # text parts
+                texts = []
+                for part in content:
+                    if part.get("type") != "text":
+                        raise OpenAIError(f"unsupported content part type {part.get('type')!r}; only 'text'", param="messages")
+                    texts.append(part.get("text", ""))
+                content = "".join(texts)
+            messages.append({"role": m.role, "content": content or ""})
+        try:
+            return self.tokenizer.encode_chat(messages, request.add_generation_prompt, **(request.chat_template_kwargs or {}))
+        except ValueError as e:
+            raise OpenAIError(str(e), param="messages") from None
+        except Exception as e:  # jinja TemplateError from raise_exception in the template
+            raise OpenAIError(f"chat template error: {e}", param="messages") from None
+
+    async def chat(self, request: ChatCompletionRequest):
+        model = self.check_model(request.model)
+        ids = self._chat_prompt(request)
+        if request.top_logprobs is not None and not 0 <= request.top_logprobs <= 20:
+            raise OpenAIError(f"top_logprobs must be in [0, 20], got {request.top_logprobs}", param="top_logprobs")
+        max_tokens = self.max_tokens_for(request.max_completion_tokens or request.max_tokens, len(ids))
+        k = (request.top_logprobs or 0) if request.logprobs else None
+        params = self.params(request, max_tokens, k)
+        self.check_capacity(1)
+        request_id = random_id("chatcmpl")
+        if request.stream:
+            return self._chat_stream(request, model, request_id, ids, params)
+        acc: dict[int, dict] = {}
+        async for _, out in self._run_all([ids], [params], request_id, request.priority):
+            for c in out.outputs:
+                a = acc.setdefault(c.index, {"text": "", "token_ids": [], "logprobs": [], "finish": None, "stop": None})
+                a["text"] += c.text
+                a["token_ids"] += c.token_ids
+                a["logprobs"] += c.logprobs or []
+                a["finish"], a["stop"] = c.finish_reason, c.stop_reason
+        choices, completion_tokens = [], 0
+        for j in range(request.n):
+            a = acc.get(j, {"text": "", "token_ids": [], "logprobs": [], "finish": "abort", "stop": None})
+            completion_tokens += len(a["token_ids"])
+            choices.append({"index": j, "message": {"role": "assistant", "content": a["text"]},
+                            "logprobs": self._chat_logprobs(a["token_ids"], a["logprobs"], k) if request.logprobs else None,
+                            "finish_reason": a["finish"], "stop_reason": a["stop"]})
+        return {"id": request_id, "object": "chat.completion", "created": now(), "model": model, "choices": choices,
+                "usage": {"prompt_tokens": len(ids), "completion_tokens": completion_tokens,
+                          "total_tokens": len(ids) + completion_tokens}}
+
+    async def _chat_stream(self, request, model, request_id, ids, params):
+        created = now()
+        head = {"id": request_id, "object": "chat.completion.chunk", "created": created, "model": model}
+        completion_tokens = 0
+        try:
+            for j in range(request.n):
+                yield sse({**head, "choices": [{"index": j, "delta": {"role": "assistant", "content": ""},
+                                                "logprobs": None, "finish_reason": None}]})
+            async for _, out in self._run_all([ids], [params], request_id, request.priority):
+                for c in out.outputs:
+                    completion_tokens += len(c.token_ids)
+                    if not c.text and c.finish_reason is None:
+                        continue
+                    delta = {"content": c.text} if c.text else {}
+                    yield sse({**head, "choices": [{
+                        "index": c.index, "delta": delta,
+                        "logprobs": self._chat_logprobs(c.token_ids, c.logprobs or [], params.logprobs) if request.logprobs else None,
+                        "finish_reason": c.finish_reason, "stop_reason": c.stop_reason}]})
+            if request.stream_options and request.stream_options.include_usage:
+                yield sse({**head, "choices": [], "usage": {"prompt_tokens": len(ids), "completion_tokens": completion_tokens,
+                                                           "total_tokens": len(ids) + completion_tokens}})
+        except OpenAIError as e:
+            yield sse(e.body())
+        yield sse("[DONE]")
+
+    def _chat_logprobs(self, token_ids: list[int], positions: list[PositionLogprobs], k: int) -> dict:
+        content = []
+        for tid, pos in zip(token_ids, positions):
+            chosen = pos[tid]
+            tops = [{"token": lp.decoded_token, "logprob": lp.logprob, "bytes": list(lp.decoded_token.encode())}
+                    for _, lp in _top_k(pos, k)]
+            content.append({"token": chosen.decoded_token, "logprob": chosen.logprob,
+                            "bytes": list(chosen.decoded_token.encode()), "top_logprobs": tops})
+        return {"content": content}
+
+
+def _top_k(position: PositionLogprobs, k: int):
+    """The position's top-k alternatives (ranks 1..k), most likely first."""
+    return sorted(((t, lp) for t, lp in position.items() if lp.rank is not None and lp.rank <= k), key=lambda x: x[1].rank)
+
+
+def _merge(a: dict, b: dict) -> dict:
+    shift = (a["text_offset"][-1] + len(a["tokens"][-1])) if a["tokens"] else 0
+    return {"tokens": a["tokens"] + b["tokens"], "token_logprobs": a["token_logprobs"] + b["token_logprobs"],
+            "top_logprobs": a["top_logprobs"] + b["top_logprobs"],
+            "text_offset": a["text_offset"] + [o + shift for o in b["text_offset"]]}

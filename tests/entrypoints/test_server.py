@@ -1,0 +1,216 @@
+"""`pagoda serve` as a real subprocess on 127.0.0.1, driven with the openai SDK and httpx."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+
+import httpx
+import openai
+import pytest
+
+from pagoda import LLM, SamplingParams
+
+MODEL = "tiny"
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _start(model_dir, *extra: str):
+    port = _free_port()
+    cmd = [sys.executable, "-m", "pagoda.entrypoints.cli", "serve", "--model", str(model_dir), "--port", str(port),
+           "--dtype", "float32", "--kv-cache-memory", "0.02", "--served-model-name", MODEL, "--log-level", "warning", *extra]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=dict(os.environ))
+    base = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"server exited: {proc.stdout.read()}")
+        try:
+            if httpx.get(f"{base}/health", timeout=1).status_code == 200:
+                return proc, base
+        except httpx.HTTPError:
+            time.sleep(0.3)
+    proc.kill()
+    raise RuntimeError("server did not come up")
+
+
+@pytest.fixture(scope="module")
+def server(tiny_llama):
+    proc, base = _start(tiny_llama)
+    yield base
+    proc.terminate()
+    proc.wait(timeout=30)
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    return openai.OpenAI(base_url=f"{server}/v1", api_key="unused")
+
+
+@pytest.fixture(scope="module")
+def offline(tiny_llama):
+    return LLM(model=str(tiny_llama), dtype="float32", kv_cache_memory=0.02)
+
+
+def test_models_route(client, server):
+    models = client.models.list().data
+    assert [m.id for m in models] == [MODEL]
+    raw = httpx.get(f"{server}/v1/models").json()["data"][0]
+    assert raw["max_model_len"] == 256 and raw["root"]
+
+
+def test_completion_equals_offline_greedy(client, offline):
+    out = client.completions.create(model=MODEL, prompt="The quick brown fox", max_tokens=12, temperature=0)
+    expected = offline.generate(["The quick brown fox"], SamplingParams(temperature=0, max_tokens=12), use_tqdm=False)[0]
+    assert out.choices[0].text == expected.outputs[0].text
+    assert out.choices[0].finish_reason == "length"
+    assert out.usage.prompt_tokens == len(expected.prompt_token_ids) and out.usage.completion_tokens == 12
+
+
+def test_prompt_forms(client, offline):
+    ids = offline.get_tokenizer().encode("Hello Paris")
+    by_ids = client.completions.create(model=MODEL, prompt=ids, max_tokens=6, temperature=0)
+    by_text = client.completions.create(model=MODEL, prompt="Hello Paris", max_tokens=6, temperature=0)
+    assert by_ids.choices[0].text == by_text.choices[0].text
+    many = client.completions.create(model=MODEL, prompt=["Hello Paris", "Once upon"], max_tokens=6, temperature=0)
+    assert [c.index for c in many.choices] == [0, 1] and many.choices[0].text == by_text.choices[0].text
+    many_ids = client.completions.create(model=MODEL, prompt=[ids, ids], max_tokens=6, temperature=0)
+    assert [c.text for c in many_ids.choices] == [by_text.choices[0].text] * 2
+
+
+def _stream_chat(client, **kw):
+    chunks = list(client.chat.completions.create(model=MODEL, stream=True, **kw))
+    return chunks
+
+
+def test_chat_streaming_invariants(client):
+    messages = [{"role": "user", "content": "Tell me about Paris"}]
+    full = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=20, temperature=0)
+    chunks = _stream_chat(client, messages=messages, max_tokens=20, temperature=0, stream_options={"include_usage": True})
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert len({c.id for c in chunks}) == 1
+    finishes = [ch.finish_reason for c in chunks for ch in c.choices if ch.finish_reason]
+    assert finishes == ["length"]
+    text = "".join(ch.delta.content or "" for c in chunks for ch in c.choices)
+    assert text == full.choices[0].message.content
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 20
+    assert full.usage.completion_tokens == 20
+
+
+def test_sse_ends_with_done(server):
+    with httpx.stream("POST", f"{server}/v1/completions", json={"prompt": "Hi", "max_tokens": 3, "stream": True}) as r:
+        lines = [line for line in r.iter_lines() if line]
+    assert lines[-1] == "data: [DONE]"
+    assert all(line.startswith("data: ") for line in lines)
+
+
+def test_n_and_seed(client):
+    kw = dict(model=MODEL, prompt="Once upon a time", max_tokens=10, temperature=1.0, n=2, seed=7)
+    a = client.completions.create(**kw)
+    b = client.completions.create(**kw)
+    assert [c.index for c in a.choices] == [0, 1]
+    assert [c.text for c in a.choices] == [c.text for c in b.choices]
+
+
+def test_stop_string(client):
+    full = client.completions.create(model=MODEL, prompt="Once upon a time", max_tokens=20, temperature=0).choices[0].text
+    stop = full[5:7]
+    out = client.completions.create(model=MODEL, prompt="Once upon a time", max_tokens=20, temperature=0, stop=[stop])
+    assert out.choices[0].text == full[: full.index(stop)] and out.choices[0].finish_reason == "stop"
+
+
+def test_logprobs_and_echo(client, offline):
+    out = client.completions.create(model=MODEL, prompt="Hello Paris", max_tokens=5, temperature=0, logprobs=3)
+    lp = out.choices[0].logprobs
+    assert len(lp.tokens) == 5 and len(lp.token_logprobs) == 5
+    # Keys are decoded strings (OpenAI's format): alternatives that decode alike collapse into one.
+    assert all(1 <= len(top) <= 3 for top in lp.top_logprobs)
+    assert all(max(top.values()) == chosen for top, chosen in zip(lp.top_logprobs, lp.token_logprobs))
+    echoed = client.completions.create(model=MODEL, prompt="Hello Paris", max_tokens=5, temperature=0, logprobs=1, echo=True)
+    n_prompt = len(offline.get_tokenizer().encode("Hello Paris"))
+    assert echoed.choices[0].text.startswith("Hello Paris")
+    assert len(echoed.choices[0].logprobs.tokens) == n_prompt + 5
+    assert echoed.choices[0].logprobs.token_logprobs[0] is None
+    assert all(v is not None for v in echoed.choices[0].logprobs.token_logprobs[1:])
+    chat = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Hi"}], max_tokens=4,
+                                          temperature=0, logprobs=True, top_logprobs=2)
+    content = chat.choices[0].logprobs.content
+    assert len(content) == 4 and all(len(c.top_logprobs) == 2 for c in content)
+    assert all(c.top_logprobs[0].logprob == c.logprob for c in content)  # greedy picks the top token
+
+
+@pytest.mark.parametrize("body,param", [
+    ({"prompt": "Hi", "temperature": -1}, "temperature"),
+    ({"prompt": "Hi", "top_p": 2}, "top_p"),
+    ({"prompt": "Hi", "max_tokens": 0}, "max_tokens"),
+    ({"prompt": "Hi", "logprobs": 50}, "logprobs"),
+    ({"prompt": "Hi", "n": 0}, "n"),
+    ({"max_tokens": 3}, "prompt"),
+])
+def test_bad_parameters_are_400_naming_the_field(server, body, param):
+    r = httpx.post(f"{server}/v1/completions", json=body)
+    assert r.status_code == 400
+    err = r.json()["error"]
+    assert err["param"] == param and err["type"] == "invalid_request_error" and err["message"]
+
+
+def test_context_overflow_and_unknown_model(server):
+    r = httpx.post(f"{server}/v1/completions", json={"prompt": "Hi", "max_tokens": 1000})
+    assert r.status_code == 400 and "256" in r.json()["error"]["message"] and "1000" in r.json()["error"]["message"]
+    r = httpx.post(f"{server}/v1/completions", json={"model": "nope", "prompt": "Hi"})
+    assert r.status_code == 404 and r.json()["error"]["param"] == "model"
+    # still serving
+    assert httpx.post(f"{server}/v1/completions", json={"prompt": "Hi", "max_tokens": 2}).status_code == 200
+
+
+def test_tokenize_detokenize_version(server, offline):
+    r = httpx.post(f"{server}/tokenize", json={"prompt": "Hello Paris"}).json()
+    assert r["tokens"] == offline.get_tokenizer().encode("Hello Paris")
+    assert httpx.post(f"{server}/detokenize", json={"tokens": r["tokens"]}).json()["prompt"] == "Hello Paris"
+    assert httpx.get(f"{server}/version").json()["version"]
+
+
+def test_sixty_four_concurrent_streams_complete(server):
+    async def one(client, i):
+        stream = await client.chat.completions.create(
+            model=MODEL, messages=[{"role": "user", "content": f"Request {i}"}], max_tokens=16, temperature=0, stream=True)
+        finishes, text = [], ""
+        async for chunk in stream:
+            for ch in chunk.choices:
+                text += ch.delta.content or ""
+                if ch.finish_reason:
+                    finishes.append(ch.finish_reason)
+        return finishes, text
+
+    async def run():
+        client = openai.AsyncOpenAI(base_url=f"{server}/v1", api_key="unused", max_retries=0)
+        return await asyncio.gather(*(one(client, i) for i in range(64)))
+
+    results = asyncio.run(run())
+    assert len(results) == 64
+    assert all(len(f) == 1 and f[0] in ("stop", "length") for f, _ in results)  # exactly one finish each
+
+
+def test_api_key_required_when_set(tiny_llama):
+    proc, base = _start(tiny_llama, "--api-key", "sekret")
+    try:
+        r = httpx.post(f"{base}/v1/completions", json={"prompt": "Hi", "max_tokens": 2})
+        assert r.status_code == 401 and r.json()["error"]["type"] == "authentication_error"
+        r = httpx.post(f"{base}/v1/completions", json={"prompt": "Hi", "max_tokens": 2}, headers={"Authorization": "Bearer wrong"})
+        assert r.status_code == 401
+        ok = openai.OpenAI(base_url=f"{base}/v1", api_key="sekret").completions.create(model=MODEL, prompt="Hi", max_tokens=2)
+        assert ok.choices[0].finish_reason == "length"
+        assert httpx.get(f"{base}/health").status_code == 200  # health stays open
+    finally:
+        proc.terminate()
+        proc.wait(timeout=30)
