@@ -214,3 +214,63 @@ def test_api_key_required_when_set(tiny_llama):
     finally:
         proc.terminate()
         proc.wait(timeout=30)
+
+
+def _metric(base: str, name: str) -> float:
+    for line in httpx.get(f"{base}/metrics").text.splitlines():
+        if line.startswith(name + "{") or line.startswith(name + " "):
+            return float(line.rsplit(" ", 1)[1])
+    raise AssertionError(f"metric {name} not found")
+
+
+def test_metrics_after_requests(server, client):
+    client.completions.create(model=MODEL, prompt="Hello", max_tokens=4, temperature=0)
+    text = httpx.get(f"{server}/metrics").text
+    for name in ["pagoda:num_requests_running", "pagoda:num_requests_waiting", "pagoda:kv_cache_usage_perc",
+                 "pagoda:prompt_tokens_total", "pagoda:generation_tokens_total", "pagoda:time_to_first_token_seconds_bucket",
+                 "pagoda:inter_token_latency_seconds_bucket", "pagoda:e2e_request_latency_seconds_bucket",
+                 "pagoda:num_preemptions_total"]:
+        assert name in text, name
+    assert _metric(server, "pagoda:generation_tokens_total") >= 4
+
+
+def test_disconnect_mid_stream_aborts_and_frees_blocks(server):
+    body = {"prompt": "Once upon a time", "max_tokens": 200, "ignore_eos": True, "stream": True, "temperature": 0}
+    with httpx.stream("POST", f"{server}/v1/completions", json=body) as r:
+        got = 0
+        for line in r.iter_lines():
+            got += line.startswith("data: ")
+            if got >= 3:
+                break  # leave mid-stream: the connection closes here
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        if _metric(server, "pagoda:num_requests_running") == 0 and _metric(server, "pagoda:kv_cache_usage_perc") == 0:
+            break
+        time.sleep(0.2)
+    assert _metric(server, "pagoda:num_requests_running") == 0
+    assert _metric(server, "pagoda:kv_cache_usage_perc") == 0
+    total_generated_before = _metric(server, "pagoda:generation_tokens_total")
+    time.sleep(1.0)
+    assert _metric(server, "pagoda:generation_tokens_total") == total_generated_before  # nothing still generating
+
+
+def test_queue_limit_gives_429_with_retry_after(tiny_llama):
+    proc, base = _start(tiny_llama, "--max-queue-len", "2")
+    try:
+        async def run():
+            async with httpx.AsyncClient(base_url=base, timeout=60) as c:
+                long = {"prompt": "Once upon a time", "max_tokens": 240, "ignore_eos": True}
+                first = [asyncio.create_task(c.post("/v1/completions", json=long)) for _ in range(2)]
+                await asyncio.sleep(0.3)  # both admitted, far from done (240 steps)
+                third = await c.post("/v1/completions", json={"prompt": "Hi", "max_tokens": 2})
+                done = await asyncio.gather(*first)
+                after = await c.post("/v1/completions", json={"prompt": "Hi", "max_tokens": 2})
+                return third, done, after
+        third, done, after = asyncio.run(run())
+        assert third.status_code == 429 and third.headers["retry-after"]
+        assert third.json()["error"]["type"] == "rate_limit_error"
+        assert [r.status_code for r in done] == [200, 200]
+        assert after.status_code == 200
+    finally:
+        proc.terminate()
+        proc.wait(timeout=30)

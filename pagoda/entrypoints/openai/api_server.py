@@ -65,6 +65,10 @@ def build_app(engine: AsyncLLM, served_model_names: list[str], *, api_key: str |
         return JSONResponse({"error": {"message": f"engine is not running: {engine.dead_error}", "type": "server_error",
                                        "param": None, "code": "engine_dead"}}, status_code=503)
 
+    @app.get("/metrics")
+    async def metrics():
+        return Response(serving.metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8")
+
     @app.get("/version")
     async def version():
         return {"version": __version__}

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 from collections.abc import AsyncIterator
 
 from pagoda.engine.async_llm import AsyncLLM
@@ -11,6 +12,8 @@ from pagoda.entrypoints.openai.protocol import (
     ChatCompletionRequest, CompletionRequest, SamplingFields, UsageInfo, now, random_id,
 )
 from pagoda.outputs import PositionLogprobs, RequestOutput
+
+logger = logging.getLogger("pagoda.requests")
 
 
 class OpenAIError(Exception):
@@ -39,7 +42,10 @@ def sse(data: dict | str) -> str:
 
 class Serving:
     def __init__(self, engine: AsyncLLM, served_model_names: list[str], max_queue_len: int | None = None) -> None:
+        from pagoda.metrics import ServerMetrics
+
         self.engine = engine
+        self.metrics = ServerMetrics(engine.engine, served_model_names[0])
         self.tokenizer = engine.engine.tokenizer
         self.model_names = served_model_names
         self.max_model_len = engine.engine.max_model_len
@@ -85,12 +91,22 @@ class Serving:
         merged: asyncio.Queue = asyncio.Queue()
 
         async def pump(i: int, ids: list[int], params) -> None:
+            tracker = self.metrics.tracker(len(ids))
+            sub_id, reason = f"{request_id}-{i}", "abort"
             try:
-                async for out in self.engine.generate({"prompt_token_ids": ids}, params, f"{request_id}-{i}", priority):
+                async for out in self.engine.generate({"prompt_token_ids": ids}, params, sub_id, priority):
+                    tracker.on_tokens(sum(len(c.token_ids) for c in out.outputs))
+                    if out.finished:
+                        reason = ",".join(sorted({c.finish_reason or "abort" for c in out.outputs}))
                     await merged.put((i, out))
             except BaseException as e:  # noqa: BLE001 - forwarded to the consumer
+                reason = "error"
                 await merged.put((i, e))
             finally:
+                elapsed = tracker.on_finish(reason)
+                logger.info("request %s: %d prompt tokens, %d generated, %s, %.3fs (ttft %.3fs)", sub_id, len(ids),
+                            tracker.generated, reason, elapsed,
+                            (tracker.first_token_at - tracker.start) if tracker.first_token_at else float("nan"))
                 await merged.put((i, None))
 
         tasks = [asyncio.create_task(pump(i, ids, p)) for i, (ids, p) in enumerate(zip(prompts, params_list))]

@@ -1,0 +1,91 @@
+"""Prometheus metrics for the server, named close to vLLM's (prefix `pagoda:`)."""
+
+from __future__ import annotations
+
+import time
+
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+_LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 80.0, 160.0)
+
+
+class _EngineCollector:
+    """Gauges read from the engine at scrape time (running / waiting / KV usage / preemptions)."""
+
+    def __init__(self, engine, model_name: str) -> None:
+        self.engine, self.model_name = engine, model_name
+
+    def collect(self):
+        stats = self.engine.core.stats()
+        for name, doc, value in [
+            ("pagoda:num_requests_running", "Requests in the running batch.", stats.num_running),
+            ("pagoda:num_requests_waiting", "Requests waiting to be scheduled.", stats.num_waiting),
+            ("pagoda:kv_cache_usage_perc", "Fraction of KV-cache blocks in use (0-1).", stats.kv_cache_usage),
+        ]:
+            g = GaugeMetricFamily(name, doc, labels=["model_name"])
+            g.add_metric([self.model_name], value)
+            yield g
+        c = CounterMetricFamily("pagoda:num_preemptions", "Requests preempted (KV blocks freed, recomputed later).",
+                                labels=["model_name"])
+        c.add_metric([self.model_name], stats.num_preemptions_total)
+        yield c
+
+
+class ServerMetrics:
+    def __init__(self, engine, model_name: str) -> None:
+        self.registry = CollectorRegistry()
+        self.model_name = model_name
+        self.registry.register(_EngineCollector(engine, model_name))
+        labels = ["model_name"]
+        self.prompt_tokens = Counter("pagoda:prompt_tokens", "Prompt tokens processed.", labels, registry=self.registry)
+        self.generation_tokens = Counter("pagoda:generation_tokens", "Tokens generated.", labels, registry=self.registry)
+        self.request_success = Counter("pagoda:request_success", "Finished requests by finish reason.",
+                                       labels + ["finished_reason"], registry=self.registry)
+        self.ttft = Histogram("pagoda:time_to_first_token_seconds", "Time to first token.", labels,
+                              buckets=_LATENCY_BUCKETS, registry=self.registry)
+        self.itl = Histogram("pagoda:inter_token_latency_seconds", "Time between output tokens.", labels,
+                             buckets=_LATENCY_BUCKETS, registry=self.registry)
+        self.e2e = Histogram("pagoda:e2e_request_latency_seconds", "End-to-end request latency.", labels,
+                             buckets=_LATENCY_BUCKETS, registry=self.registry)
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)
+
+    def tracker(self, prompt_tokens: int) -> "RequestTracker":
+        return RequestTracker(self, prompt_tokens)
+
+
+class RequestTracker:
+    """Times one engine request from the serving side and records it when it ends."""
+
+    def __init__(self, metrics: ServerMetrics, prompt_tokens: int) -> None:
+        self.m = metrics
+        self.start = self.last = time.monotonic()
+        self.first_token_at: float | None = None
+        self.prompt_tokens = prompt_tokens
+        self.generated = 0
+
+    def on_tokens(self, n: int) -> None:
+        if n <= 0:
+            return
+        now = time.monotonic()
+        label = self.m.model_name
+        if self.first_token_at is None:
+            self.first_token_at = now
+            self.m.ttft.labels(label).observe(now - self.start)
+        else:
+            gap = (now - self.last) / n
+            for _ in range(n):
+                self.m.itl.labels(label).observe(gap)
+        self.last = now
+        self.generated += n
+        self.m.generation_tokens.labels(label).inc(n)
+
+    def on_finish(self, reason: str) -> float:
+        label = self.m.model_name
+        elapsed = time.monotonic() - self.start
+        self.m.e2e.labels(label).observe(elapsed)
+        self.m.prompt_tokens.labels(label).inc(self.prompt_tokens)
+        self.m.request_success.labels(label, reason).inc()
+        return elapsed
