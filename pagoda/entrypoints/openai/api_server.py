@@ -84,21 +84,21 @@ def build_app(engine: AsyncLLM, served_model_names: list[str], *, api_key: str |
         if not engine.healthy:
             raise OpenAIError(f"engine is not running: {engine.dead_error}", status=503, type_="server_error", code="engine_dead")
 
-    @app.post("/v1/completions")
-    async def completions(body: CompletionRequest):
+    async def respond(handler, body):
+        """Run a completion-style handler: an SSE stream when asked for, else one JSON body."""
         _check_alive()
-        result = await serving.completion(body)
+        result = await handler(body)
         if body.stream:
             return StreamingResponse(result, media_type="text/event-stream")
         return JSONResponse(result)
 
+    @app.post("/v1/completions")
+    async def completions(body: CompletionRequest):
+        return await respond(serving.completion, body)
+
     @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatCompletionRequest):
-        _check_alive()
-        result = await serving.chat(body)
-        if body.stream:
-            return StreamingResponse(result, media_type="text/event-stream")
-        return JSONResponse(result)
+        return await respond(serving.chat, body)
 
     @app.post("/tokenize")
     async def tokenize(body: TokenizeRequest):
