@@ -46,6 +46,8 @@ class ServerMetrics:
                               buckets=_LATENCY_BUCKETS, registry=self.registry)
         self.itl = Histogram("pagoda:inter_token_latency_seconds", "Time between output tokens.", labels,
                              buckets=_LATENCY_BUCKETS, registry=self.registry)
+        self.queue_time = Histogram("pagoda:request_queue_time_seconds", "Time from arrival to first scheduling.",
+                                    labels, buckets=_LATENCY_BUCKETS, registry=self.registry)
         self.e2e = Histogram("pagoda:e2e_request_latency_seconds", "End-to-end request latency.", labels,
                              buckets=_LATENCY_BUCKETS, registry=self.registry)
 
@@ -65,6 +67,7 @@ class RequestTracker:
         self.first_token_at: float | None = None
         self.prompt_tokens = prompt_tokens
         self.generated = 0
+        self.queue_observed = False
 
     def on_tokens(self, n: int) -> None:
         if n <= 0:
@@ -81,6 +84,14 @@ class RequestTracker:
         self.last = now
         self.generated += n
         self.m.generation_tokens.labels(label).inc(n)
+
+    def on_output(self, output) -> None:
+        """Per output: token timings, and the queue time once the engine reports scheduling."""
+        self.on_tokens(sum(len(c.token_ids) for c in output.outputs))
+        m = output.metrics
+        if not self.queue_observed and m is not None and m.first_scheduled_time is not None:
+            self.queue_observed = True
+            self.m.queue_time.labels(self.m.model_name).observe(max(0.0, m.first_scheduled_time - m.arrival_time))
 
     def on_finish(self, reason: str) -> float:
         label = self.m.model_name

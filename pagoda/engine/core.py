@@ -32,6 +32,7 @@ class EngineCoreOutput:
     new_logprobs: list[TokenLogprobs] | None = None
     new_prompt_logprobs: list[TokenLogprobs] | None = None
     num_cached_tokens: int = 0
+    first_scheduled_time: float | None = None  # monotonic; arrival → here is the queue time
 
     @property
     def finished(self) -> bool:
@@ -136,5 +137,6 @@ class EngineCore:
                 stop_reason=request.stop_reason,
                 new_logprobs=[lp] if lp is not None else None,
                 new_prompt_logprobs=prompt_lps,
+                first_scheduled_time=request.first_scheduled_time,
             ))
         return outputs

@@ -100,6 +100,8 @@ class OutputProcessor:
             if entry is None:
                 continue  # aborted meanwhile
             state, sample = entry
+            if state.metrics.first_scheduled_time is None:
+                state.metrics.first_scheduled_time = out.first_scheduled_time
             if out.new_prompt_logprobs and state.prompt_logprobs is not None:
                 state.prompt_logprobs += [self._position(lp) for lp in out.new_prompt_logprobs]
             if out.new_token_ids:

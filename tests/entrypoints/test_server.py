@@ -25,10 +25,11 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _start(model_dir, *extra: str):
+def _start(model_dir, *extra: str, launcher: list[str] | None = None, name: str = MODEL):
     port = _free_port()
-    cmd = [sys.executable, "-m", "pagoda.entrypoints.cli", "serve", "--model", str(model_dir), "--port", str(port),
-           "--dtype", "float32", "--kv-cache-memory", "0.02", "--served-model-name", MODEL, "--log-level", "warning", *extra]
+    launcher = launcher or ["-m", "pagoda.entrypoints.cli"]
+    cmd = [sys.executable, *launcher, "serve", "--model", str(model_dir), "--port", str(port),
+           "--dtype", "float32", "--kv-cache-memory", "0.02", "--served-model-name", name, "--log-level", "warning", *extra]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=dict(os.environ))
     base = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + 120
@@ -229,9 +230,10 @@ def test_metrics_after_requests(server, client):
     for name in ["pagoda:num_requests_running", "pagoda:num_requests_waiting", "pagoda:kv_cache_usage_perc",
                  "pagoda:prompt_tokens_total", "pagoda:generation_tokens_total", "pagoda:time_to_first_token_seconds_bucket",
                  "pagoda:inter_token_latency_seconds_bucket", "pagoda:e2e_request_latency_seconds_bucket",
-                 "pagoda:num_preemptions_total"]:
+                 "pagoda:num_preemptions_total", "pagoda:request_queue_time_seconds_bucket"]:
         assert name in text, name
     assert _metric(server, "pagoda:generation_tokens_total") >= 4
+    assert _metric(server, "pagoda:request_queue_time_seconds_count") >= 1
 
 
 def test_disconnect_mid_stream_aborts_and_frees_blocks(server):
@@ -274,3 +276,52 @@ def test_queue_limit_gives_429_with_retry_after(tiny_llama):
     finally:
         proc.terminate()
         proc.wait(timeout=30)
+
+
+# Runs the real server with EngineCore.step failing once a request with a marker prompt arrives.
+_FAULTY_SERVER = """
+import sys
+from pagoda.engine.core import EngineCore
+real_step = EngineCore.step
+def step(self):
+    if any(r.prompt_token_ids[:3] == [300, 301, 302] for r in self.scheduler.requests.values()):
+        raise RuntimeError("injected engine failure")
+    return real_step(self)
+EngineCore.step = step
+from pagoda.entrypoints.cli import main
+sys.exit(main(sys.argv[1:]))
+"""
+
+
+def test_engine_failure_fails_requests_and_health_without_hanging(tiny_llama):
+    proc, base = _start(tiny_llama, launcher=["-c", _FAULTY_SERVER])
+    try:
+        with httpx.Client(base_url=base, timeout=30) as c:
+            assert c.post("/v1/completions", json={"prompt": "Hi", "max_tokens": 3}).status_code == 200
+            failed = c.post("/v1/completions", json={"prompt": [300, 301, 302], "max_tokens": 3})
+            assert failed.status_code in (500, 503)
+            assert "injected engine failure" in failed.json()["error"]["message"]
+            assert c.get("/health").status_code == 503
+            after = c.post("/v1/completions", json={"prompt": "Hi", "max_tokens": 3})
+            assert after.status_code == 503 and after.json()["error"]["type"] == "server_error"
+    finally:
+        proc.terminate()
+        proc.wait(timeout=30)
+
+
+def test_smollm2_end_to_end(smollm2_gguf):
+    """The default model through the server answers as the offline engine does (greedy, fp32)."""
+    proc, base = _start("smollm2", "--kv-cache-memory", "0.25", name="smollm2-135m-instruct")
+    try:
+        client = openai.OpenAI(base_url=f"{base}/v1", api_key="unused")
+        question = [{"role": "user", "content": "What is the capital of France?"}]
+        out = client.chat.completions.create(model="smollm2-135m-instruct", messages=question, max_tokens=24, temperature=0)
+        streamed = "".join(ch.delta.content or "" for c in client.chat.completions.create(
+            model="smollm2-135m-instruct", messages=question, max_tokens=24, temperature=0, stream=True) for ch in c.choices)
+    finally:
+        proc.terminate()
+        proc.wait(timeout=30)
+    offline = LLM(model="smollm2", dtype="float32", kv_cache_memory=0.25)
+    expected = offline.chat(question, SamplingParams(temperature=0, max_tokens=24), use_tqdm=False)[0].outputs[0]
+    assert out.choices[0].message.content == expected.text == streamed
+    assert "Paris" in expected.text and out.choices[0].finish_reason == expected.finish_reason

@@ -95,7 +95,7 @@ class Serving:
             sub_id, reason = f"{request_id}-{i}", "abort"
             try:
                 async for out in self.engine.generate({"prompt_token_ids": ids}, params, sub_id, priority):
-                    tracker.on_tokens(sum(len(c.token_ids) for c in out.outputs))
+                    tracker.on_output(out)
                     if out.finished:
                         reason = ",".join(sorted({c.finish_reason or "abort" for c in out.outputs}))
                     await merged.put((i, out))
