@@ -1,9 +1,15 @@
-"""AsyncLLM: the engine loop on its own thread, one asyncio stream per request.
+"""AsyncLLM: the model steps on their own thread; everything with text stays on the event loop.
 
-The HTTP event loop never runs a model step, and a model step never waits for the event loop:
-requests and aborts cross over through a thread-safe inbox, outputs come back with
-`loop.call_soon_threadsafe`. A request whose consumer goes away (client disconnect, cancelled
-task) is aborted, which frees its KV blocks.
+The engine thread owns the EngineCore (scheduler, KV cache, model) and does nothing but run
+steps. The asyncio side owns the rest: tokenizing and validating new requests, detokenizing,
+stop strings and logprob formatting (the OutputProcessor), and one queue per request. So
+accepting requests, tokenizing and detokenizing never delay a model step, and a model step
+never blocks the HTTP loop. The two sides talk through a thread-safe inbox (add / abort /
+finish core requests) and `loop.call_soon_threadsafe` (core outputs, failures).
+
+A request whose consumer goes away (client disconnect, cancelled task) is aborted, which frees
+its KV blocks. If a step raises, every request in flight fails and `healthy` turns False.
+One AsyncLLM serves one event loop.
 """
 
 from __future__ import annotations
@@ -15,8 +21,10 @@ import threading
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
+from pagoda.engine.core import EngineCoreOutput
 from pagoda.engine.llm_engine import LLMEngine, PromptType
 from pagoda.outputs import RequestOutput
+from pagoda.request import Request, RequestStatus
 from pagoda.sampling_params import RequestOutputKind, SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -29,22 +37,23 @@ class EngineDeadError(RuntimeError):
 @dataclass
 class _Add:
     request_id: str
-    prompt: PromptType
-    params: SamplingParams
-    priority: int
+    requests: list[Request]
 
 
 @dataclass
-class _Abort:
-    request_id: str
+class _Stop:
+    core_ids: list[str]
+    status: RequestStatus
 
 
 class AsyncLLM:
     def __init__(self, engine: LLMEngine) -> None:
         self.engine = engine
+        self.core = engine.core
+        self.output_processor = engine.output_processor  # used on the event loop only
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
-        self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
-        self._lock = threading.Lock()
+        self._streams: dict[str, asyncio.Queue] = {}
+        self._loop: asyncio.AbstractEventLoop | None = None
         self.dead_error: BaseException | None = None
         self._stopped = False
         self._thread = threading.Thread(target=self._run, name="pagoda-engine", daemon=True)
@@ -58,19 +67,21 @@ class AsyncLLM:
     def num_pending(self) -> int:
         return len(self._streams)
 
-    # -- the HTTP side ----------------------------------------------------------------------
+    # -- the event-loop side ----------------------------------------------------------------
     async def generate(self, prompt: PromptType, params: SamplingParams, request_id: str,
                        priority: int = 0) -> AsyncIterator[RequestOutput]:
         """Yield DELTA outputs for one request until it finishes; abort it if the caller stops."""
         if not self.healthy:
             raise EngineDeadError(f"the engine is not running: {self.dead_error}")
-        loop = asyncio.get_running_loop()
+        self._loop = asyncio.get_running_loop()
+        if request_id in self._streams:
+            raise ValueError(f"request id {request_id!r} is already in use")
+        params = params.clone(output_kind=RequestOutputKind.DELTA)
+        prepared = self.engine.prepare_request(request_id, prompt, params, priority)  # raises ValueError
         stream: asyncio.Queue = asyncio.Queue()
-        with self._lock:
-            if request_id in self._streams:
-                raise ValueError(f"request id {request_id!r} is already in use")
-            self._streams[request_id] = (loop, stream)
-        self._inbox.put(_Add(request_id, prompt, params.clone(output_kind=RequestOutputKind.DELTA), priority))
+        self._streams[request_id] = stream
+        self.output_processor.add_request(*prepared.output_args())
+        self._inbox.put(_Add(request_id, prepared.core_requests))
         finished = False
         try:
             while True:
@@ -82,10 +93,30 @@ class AsyncLLM:
                 if finished:
                     return
         finally:
-            with self._lock:
-                self._streams.pop(request_id, None)
+            self._streams.pop(request_id, None)
             if not finished:
-                self._inbox.put(_Abort(request_id))
+                self._abort(request_id)
+
+    def _abort(self, request_id: str) -> None:
+        core_ids = self.output_processor.core_ids(request_id)
+        self.output_processor.abort_request(request_id)
+        if core_ids:
+            self._inbox.put(_Stop(core_ids, RequestStatus.FINISHED_ABORTED))
+
+    def _on_core_outputs(self, outputs: list[EngineCoreOutput]) -> None:
+        """Runs on the event loop: detokenize, apply stop strings, hand out the deltas."""
+        results, to_stop = self.output_processor.process_outputs(outputs)
+        if to_stop:
+            self._inbox.put(_Stop(to_stop, RequestStatus.FINISHED_STOPPED))
+        for out in results:
+            stream = self._streams.get(out.request_id)
+            if stream is not None:
+                stream.put_nowait(out)
+
+    def _on_failure(self, error: BaseException) -> None:
+        for rid, stream in list(self._streams.items()):
+            self.output_processor.abort_request(rid)
+            stream.put_nowait(error)
 
     def shutdown(self) -> None:
         self._stopped = True
@@ -93,32 +124,19 @@ class AsyncLLM:
         self._thread.join(timeout=10)
 
     # -- the engine thread ------------------------------------------------------------------
-    def _deliver(self, request_id: str, item) -> None:
-        with self._lock:
-            target = self._streams.get(request_id)
-        if target is not None:
-            loop, stream = target
-            loop.call_soon_threadsafe(stream.put_nowait, item)
-
     def _handle(self, message) -> None:
         if isinstance(message, _Add):
-            if message.request_id not in self._streams:
-                return  # the caller left before the engine saw the request
-            try:
-                self.engine.add_request(message.request_id, message.prompt, message.params, priority=message.priority)
-            except ValueError as e:
-                self._deliver(message.request_id, e)
-        elif isinstance(message, _Abort):
-            self.engine.abort_request(message.request_id)
+            for request in message.requests:
+                self.core.add_request(request)  # validated on the loop side already
+        elif isinstance(message, _Stop):
+            self.core.finish_requests(message.core_ids, message.status)
 
     def _drain_inbox(self, block: bool) -> None:
         try:
             message = self._inbox.get(block=block, timeout=0.5 if block else None)
         except queue.Empty:
             return
-        while True:
-            if message is None:
-                return
+        while message is not None:
             self._handle(message)
             try:
                 message = self._inbox.get_nowait()
@@ -128,14 +146,14 @@ class AsyncLLM:
     def _run(self) -> None:
         try:
             while not self._stopped:
-                self._drain_inbox(block=not self.engine.has_unfinished_requests())
-                if self.engine.has_unfinished_requests():
-                    for out in self.engine.step():
-                        self._deliver(out.request_id, out)
-        except BaseException as e:  # a failed step: fail every waiting request, mark unhealthy
+                self._drain_inbox(block=not self.core.has_unfinished_requests())
+                if self.core.has_unfinished_requests():
+                    outputs = self.core.step()
+                    if outputs and self._loop is not None:
+                        self._loop.call_soon_threadsafe(self._on_core_outputs, outputs)
+        except BaseException as e:
             logger.exception("engine loop failed")
             self.dead_error = e
-            with self._lock:
-                ids = list(self._streams)
-            for rid in ids:
-                self._deliver(rid, EngineDeadError(f"engine failure: {type(e).__name__}: {e}"))
+            if self._loop is not None:
+                error = EngineDeadError(f"engine failure: {type(e).__name__}: {e}")
+                self._loop.call_soon_threadsafe(self._on_failure, error)

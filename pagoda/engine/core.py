@@ -86,7 +86,9 @@ class EngineCore:
         return int(num_blocks)
 
     # -- requests ---------------------------------------------------------------------------
-    def add_request(self, request: Request) -> None:
+    def validate_request(self, request: Request) -> None:
+        """Raise ValueError when the request cannot run here. Reads only immutable state, so any
+        thread may call it (the server validates on the HTTP side, before the engine thread)."""
         if request.num_prompt_tokens < 1:
             raise ValueError("the prompt is empty: give at least one token")
         if request.num_prompt_tokens >= self.max_model_len:
@@ -98,6 +100,9 @@ class EngineCore:
         bad = [t for t in request.prompt_token_ids if not 0 <= t < vocab]
         if bad:
             raise ValueError(f"prompt token ids must be in [0, {vocab}), got {bad[:5]}")
+
+    def add_request(self, request: Request) -> None:
+        self.validate_request(request)
         self.scheduler.add_request(request)
 
     def abort_requests(self, request_ids: list[str]) -> None:

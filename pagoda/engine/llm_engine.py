@@ -8,6 +8,7 @@ server drives it from an engine thread.
 from __future__ import annotations
 
 import time
+from dataclasses import dataclass
 from typing import Any
 
 from pagoda.config import EngineArgs, EngineConfig
@@ -19,6 +20,21 @@ from pagoda.sampling_params import SamplingParams
 from pagoda.tokenizer import Tokenizer
 
 PromptType = str | dict[str, Any]
+
+
+@dataclass
+class PreparedRequest:
+    """A request ready for the core (its n core requests) and for the output processor."""
+
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    samples: list[tuple[str, SamplingParams]]
+    core_requests: list[Request]
+    arrival_time: float
+
+    def output_args(self) -> tuple:
+        return self.request_id, self.prompt, self.prompt_token_ids, self.samples, self.arrival_time
 
 
 class LLMEngine:
@@ -51,21 +67,32 @@ class LLMEngine:
                 return prompt["prompt"], self.tokenizer.encode(prompt["prompt"])
         raise ValueError("a prompt must be a string, {'prompt': str} or {'prompt_token_ids': [int, ...]}")
 
-    def add_request(self, request_id: str, prompt: PromptType, params: SamplingParams,
-                    priority: int = 0, arrival_time: float | None = None) -> None:
-        if request_id in self.output_processor.requests:
-            raise ValueError(f"request id {request_id!r} is already in use")
+    def prepare_request(self, request_id: str, prompt: PromptType, params: SamplingParams,
+                        priority: int = 0, arrival_time: float | None = None) -> PreparedRequest:
+        """Tokenize, fan n > 1 out, build and validate the core requests; queue nothing.
+
+        Thread-safe (it reads only immutable engine state), so the server runs it on the HTTP side.
+        """
         if not isinstance(params, SamplingParams):
             raise ValueError(f"sampling_params must be a SamplingParams, got {type(params).__name__}")
         text, prompt_ids = self.tokenize_prompt(prompt)
         arrival_time = time.monotonic() if arrival_time is None else arrival_time
         samples = self._fan_out(request_id, params)
+        requests = []
         for core_id, child in samples:
             child.all_stop_token_ids = set(self.eos_token_ids)
-            # The core validates the prompt (length, token ids); the children share it, so the
-            # first child fails before any is queued.
-            self.core.add_request(Request(core_id, prompt_ids, child, priority=priority, arrival_time=arrival_time))
-        self.output_processor.add_request(request_id, text, prompt_ids, samples, arrival_time)
+            requests.append(Request(core_id, prompt_ids, child, priority=priority, arrival_time=arrival_time))
+        self.core.validate_request(requests[0])  # the children share the prompt
+        return PreparedRequest(request_id, text, prompt_ids, samples, requests, arrival_time)
+
+    def add_request(self, request_id: str, prompt: PromptType, params: SamplingParams,
+                    priority: int = 0, arrival_time: float | None = None) -> None:
+        if request_id in self.output_processor.requests:
+            raise ValueError(f"request id {request_id!r} is already in use")
+        prepared = self.prepare_request(request_id, prompt, params, priority, arrival_time)
+        for request in prepared.core_requests:
+            self.core.add_request(request)
+        self.output_processor.add_request(*prepared.output_args())
 
     @staticmethod
     def _fan_out(request_id: str, params: SamplingParams) -> list[tuple[str, SamplingParams]]:
