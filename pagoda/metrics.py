@@ -14,10 +14,10 @@ class _EngineCollector:
     """Gauges read from the engine at scrape time (running / waiting / KV usage / preemptions)."""
 
     def __init__(self, engine, model_name: str) -> None:
-        self.engine, self.model_name = engine, model_name
+        self.engine, self.model_name = engine, model_name  # anything with .stats() -> SchedulerStats
 
     def collect(self):
-        stats = self.engine.core.stats()
+        stats = self.engine.stats()
         for name, doc, value in [
             ("pagoda:num_requests_running", "Requests in the running batch.", stats.num_running),
             ("pagoda:num_requests_waiting", "Requests waiting to be scheduled.", stats.num_waiting),

@@ -68,6 +68,18 @@ class Request:
         if self.sampling_params.seed is not None:
             self.generator = torch.Generator().manual_seed(self.sampling_params.seed)
 
+    def __getstate__(self) -> dict:
+        # Sent to an engine process before it is scheduled: the generator is rebuilt there from
+        # the seed (torch.Generator does not pickle).
+        state = dict(self.__dict__)
+        state["generator"] = None
+        return state
+
+    def __setstate__(self, state: dict) -> None:
+        self.__dict__.update(state)
+        if self.sampling_params.seed is not None and not self.output_token_ids:
+            self.generator = torch.Generator().manual_seed(self.sampling_params.seed)
+
     @property
     def num_prompt_tokens(self) -> int:
         return len(self.prompt_token_ids)

@@ -16,15 +16,13 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import queue
-import threading
 from collections.abc import AsyncIterator
-from dataclasses import dataclass
 
 from pagoda.engine.core import EngineCoreOutput
+from pagoda.engine.core_client import ProcessCoreClient, ThreadCoreClient
 from pagoda.engine.llm_engine import LLMEngine, PromptType
 from pagoda.outputs import RequestOutput
-from pagoda.request import Request, RequestStatus
+from pagoda.request import RequestStatus
 from pagoda.sampling_params import RequestOutputKind, SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -34,34 +32,34 @@ class EngineDeadError(RuntimeError):
     """The engine loop failed; requests cannot be served until the server restarts."""
 
 
-@dataclass
-class _Add:
-    request_id: str
-    requests: list[Request]
-
-
-@dataclass
-class _Stop:
-    core_ids: list[str]
-    status: RequestStatus
-
-
 class AsyncLLM:
-    def __init__(self, engine: LLMEngine) -> None:
+    def __init__(self, engine: LLMEngine, *, engine_process: bool = False) -> None:
+        """engine_process=True runs the core in its own process (`engine` must then be built
+        with build_core=False); otherwise it runs on a thread of this process."""
         self.engine = engine
-        self.core = engine.core
         self.output_processor = engine.output_processor  # used on the event loop only
-        self._inbox: queue.SimpleQueue = queue.SimpleQueue()
         self._streams: dict[str, asyncio.Queue] = {}
         self._loop: asyncio.AbstractEventLoop | None = None
-        self.dead_error: BaseException | None = None
-        self._stopped = False
-        self._thread = threading.Thread(target=self._run, name="pagoda-engine", daemon=True)
-        self._thread.start()
+        if engine_process:
+            self.client = ProcessCoreClient(engine.config, self._from_core, self._core_failed)
+            engine.limits = self.client.limits
+        else:
+            self.client = ThreadCoreClient(engine.core, self._from_core, self._core_failed)
 
     @property
     def healthy(self) -> bool:
-        return self.dead_error is None and self._thread.is_alive()
+        return self.client.healthy
+
+    @property
+    def dead_error(self) -> BaseException | None:
+        return self.client.dead_error
+
+    @property
+    def limits(self):
+        return self.client.limits
+
+    def stats(self):
+        return self.client.stats()
 
     @property
     def num_pending(self) -> int:
@@ -81,7 +79,7 @@ class AsyncLLM:
         stream: asyncio.Queue = asyncio.Queue()
         self._streams[request_id] = stream
         self.output_processor.add_request(*prepared.output_args())
-        self._inbox.put(_Add(request_id, prepared.core_requests))
+        self.client.add(prepared.core_requests)
         finished = False
         try:
             while True:
@@ -101,13 +99,13 @@ class AsyncLLM:
         core_ids = self.output_processor.core_ids(request_id)
         self.output_processor.abort_request(request_id)
         if core_ids:
-            self._inbox.put(_Stop(core_ids, RequestStatus.FINISHED_ABORTED))
+            self.client.finish(core_ids, RequestStatus.FINISHED_ABORTED)
 
     def _on_core_outputs(self, outputs: list[EngineCoreOutput]) -> None:
         """Runs on the event loop: detokenize, apply stop strings, hand out the deltas."""
         results, to_stop = self.output_processor.process_outputs(outputs)
         if to_stop:
-            self._inbox.put(_Stop(to_stop, RequestStatus.FINISHED_STOPPED))
+            self.client.finish(to_stop, RequestStatus.FINISHED_STOPPED)
         for out in results:
             stream = self._streams.get(out.request_id)
             if stream is not None:
@@ -118,42 +116,15 @@ class AsyncLLM:
             self.output_processor.abort_request(rid)
             stream.put_nowait(error)
 
+    # -- called from the client's background thread ------------------------------------------
+    def _from_core(self, outputs: list[EngineCoreOutput]) -> None:
+        if self._loop is not None:
+            self._loop.call_soon_threadsafe(self._on_core_outputs, outputs)
+
+    def _core_failed(self, error: BaseException) -> None:
+        if self._loop is not None:
+            wrapped = EngineDeadError(f"engine failure: {type(error).__name__}: {error}")
+            self._loop.call_soon_threadsafe(self._on_failure, wrapped)
+
     def shutdown(self) -> None:
-        self._stopped = True
-        self._inbox.put(None)
-        self._thread.join(timeout=10)
-
-    # -- the engine thread ------------------------------------------------------------------
-    def _handle(self, message) -> None:
-        if isinstance(message, _Add):
-            for request in message.requests:
-                self.core.add_request(request)  # validated on the loop side already
-        elif isinstance(message, _Stop):
-            self.core.finish_requests(message.core_ids, message.status)
-
-    def _drain_inbox(self, block: bool) -> None:
-        try:
-            message = self._inbox.get(block=block, timeout=0.5 if block else None)
-        except queue.Empty:
-            return
-        while message is not None:
-            self._handle(message)
-            try:
-                message = self._inbox.get_nowait()
-            except queue.Empty:
-                return
-
-    def _run(self) -> None:
-        try:
-            while not self._stopped:
-                self._drain_inbox(block=not self.core.has_unfinished_requests())
-                if self.core.has_unfinished_requests():
-                    outputs = self.core.step()
-                    if outputs and self._loop is not None:
-                        self._loop.call_soon_threadsafe(self._on_core_outputs, outputs)
-        except BaseException as e:
-            logger.exception("engine loop failed")
-            self.dead_error = e
-            if self._loop is not None:
-                error = EngineDeadError(f"engine failure: {type(e).__name__}: {e}")
-                self._loop.call_soon_threadsafe(self._on_failure, error)
+        self.client.shutdown()

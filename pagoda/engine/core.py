@@ -39,6 +39,28 @@ class EngineCoreOutput:
         return self.finish_reason is not None
 
 
+@dataclass(frozen=True)
+class RequestLimits:
+    """What a request must fit, known once the core is built. Immutable, so any thread or
+    process (the server's event loop) can validate requests against it."""
+
+    max_model_len: int
+    vocab_size: int
+    num_blocks: int
+
+    def validate(self, request: Request) -> None:
+        if request.num_prompt_tokens < 1:
+            raise ValueError("the prompt is empty: give at least one token")
+        if request.num_prompt_tokens >= self.max_model_len:
+            raise ValueError(
+                f"the prompt has {request.num_prompt_tokens} tokens, but the model's context is "
+                f"{self.max_model_len} tokens (max_model_len), which leaves no room to generate"
+            )
+        bad = [t for t in request.prompt_token_ids if not 0 <= t < self.vocab_size]
+        if bad:
+            raise ValueError(f"prompt token ids must be in [0, {self.vocab_size}), got {bad[:5]}")
+
+
 class EngineCore:
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
@@ -65,6 +87,7 @@ class EngineCore:
         generator = torch.Generator().manual_seed(config.seed)
         self.runner = ModelRunner(self.model, self.kv_cache, block_size, mc.device, generator)
         self.num_steps = 0
+        self.limits = RequestLimits(self.max_model_len, cfg.vocab_size, self.num_blocks)
 
     def _num_blocks(self) -> int:
         cfg, mc, cc = self.model.config, self.config.model, self.config.cache
@@ -87,19 +110,7 @@ class EngineCore:
 
     # -- requests ---------------------------------------------------------------------------
     def validate_request(self, request: Request) -> None:
-        """Raise ValueError when the request cannot run here. Reads only immutable state, so any
-        thread may call it (the server validates on the HTTP side, before the engine thread)."""
-        if request.num_prompt_tokens < 1:
-            raise ValueError("the prompt is empty: give at least one token")
-        if request.num_prompt_tokens >= self.max_model_len:
-            raise ValueError(
-                f"the prompt has {request.num_prompt_tokens} tokens, but the model's context is "
-                f"{self.max_model_len} tokens (max_model_len), which leaves no room to generate"
-            )
-        vocab = self.model.config.vocab_size
-        bad = [t for t in request.prompt_token_ids if not 0 <= t < vocab]
-        if bad:
-            raise ValueError(f"prompt token ids must be in [0, {vocab}), got {bad[:5]}")
+        self.limits.validate(request)
 
     def add_request(self, request: Request) -> None:
         self.validate_request(request)

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from pagoda.config import EngineArgs, EngineConfig
-from pagoda.engine.core import EngineCore
+from pagoda.engine.core import EngineCore, RequestLimits
 from pagoda.engine.output_processor import OutputProcessor
 from pagoda.outputs import RequestOutput
 from pagoda.request import Request, RequestStatus
@@ -38,10 +38,13 @@ class PreparedRequest:
 
 
 class LLMEngine:
-    def __init__(self, config: EngineConfig) -> None:
+    def __init__(self, config: EngineConfig, *, build_core: bool = True) -> None:
+        """build_core=False makes a front end without a model (the server's engine process has
+        the core); `limits` must then be set from the core before requests are prepared."""
         self.config = config
         self.tokenizer = Tokenizer(config.model.files.metadata_dir, chat_template=config.model.chat_template)
-        self.core = EngineCore(config)
+        self.core: EngineCore | None = EngineCore(config) if build_core else None
+        self.limits: RequestLimits | None = self.core.limits if self.core else None
         self.output_processor = OutputProcessor(self.tokenizer)
         self.eos_token_ids = set(self.tokenizer.eos_token_ids)
 
@@ -51,7 +54,7 @@ class LLMEngine:
 
     @property
     def max_model_len(self) -> int:
-        return self.core.max_model_len
+        return self.limits.max_model_len
 
     # -- input ------------------------------------------------------------------------------
     def tokenize_prompt(self, prompt: PromptType) -> tuple[str | None, list[int]]:
@@ -82,7 +85,7 @@ class LLMEngine:
         for core_id, child in samples:
             child.all_stop_token_ids = set(self.eos_token_ids)
             requests.append(Request(core_id, prompt_ids, child, priority=priority, arrival_time=arrival_time))
-        self.core.validate_request(requests[0])  # the children share the prompt
+        self.limits.validate(requests[0])  # the children share the prompt
         return PreparedRequest(request_id, text, prompt_ids, samples, requests, arrival_time)
 
     def add_request(self, request_id: str, prompt: PromptType, params: SamplingParams,

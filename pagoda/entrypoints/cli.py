@@ -179,6 +179,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--api-key", default=None, help="require this bearer token (also PAGODA_API_KEY)")
     p.add_argument("--max-queue-len", type=int, default=None, help="requests in flight before 429")
     p.add_argument("--tensor-parallel-size", type=int, default=1)
+    p.add_argument("--engine-process", action="store_true",
+                   help="run the engine core in its own process instead of a thread (see benchmarks/README.md)")
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     _add_engine_args(p)
     p.set_defaults(func=cmd_serve)

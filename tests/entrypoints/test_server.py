@@ -325,3 +325,22 @@ def test_smollm2_end_to_end(smollm2_gguf):
     expected = offline.chat(question, SamplingParams(temperature=0, max_tokens=24), use_tqdm=False)[0].outputs[0]
     assert out.choices[0].message.content == expected.text == streamed
     assert "Paris" in expected.text and out.choices[0].finish_reason == expected.finish_reason
+
+
+def test_engine_in_its_own_process(tiny_llama, offline):
+    """--engine-process: the same answers, streaming, and aborts that free blocks."""
+    proc, base = _start(tiny_llama, "--engine-process")
+    try:
+        client = openai.OpenAI(base_url=f"{base}/v1", api_key="unused")
+        out = client.completions.create(model=MODEL, prompt="The quick brown fox", max_tokens=12, temperature=0)
+        expected = offline.generate(["The quick brown fox"], SamplingParams(temperature=0, max_tokens=12), use_tqdm=False)[0]
+        assert out.choices[0].text == expected.outputs[0].text
+        seeded = dict(model=MODEL, prompt="Once upon", max_tokens=8, temperature=1.0, seed=11)
+        assert client.completions.create(**seeded).choices[0].text == client.completions.create(**seeded).choices[0].text
+        text = "".join(c.choices[0].text for c in client.completions.create(
+            model=MODEL, prompt="The quick brown fox", max_tokens=12, temperature=0, stream=True) if c.choices)
+        assert text == expected.outputs[0].text
+        test_disconnect_mid_stream_aborts_and_frees_blocks(base)
+    finally:
+        proc.terminate()
+        proc.wait(timeout=30)

@@ -116,7 +116,7 @@ def build_app(engine: AsyncLLM, served_model_names: list[str], *, api_key: str |
     @app.post("/detokenize")
     async def detokenize(body: DetokenizeRequest):
         serving.check_model(body.model)
-        vocab = engine.engine.core.model.config.vocab_size
+        vocab = engine.limits.vocab_size
         bad = [t for t in body.tokens if not 0 <= t < vocab]
         if bad:
             raise OpenAIError(f"tokens must be in [0, {vocab}), got {bad[:5]}", param="tokens")
@@ -135,15 +135,15 @@ def run_server(args) -> int:
         raise ValueError("tensor_parallel_size > 1 is not supported yet (tensor parallelism is a later issue)")
     from pagoda.entrypoints.cli import _engine_args
 
-    engine_args = _engine_args(args)
-    engine = LLMEngine.from_engine_args(engine_args)
+    engine = LLMEngine(_engine_args(args).create_engine_config(), build_core=not args.engine_process)
     names = args.served_model_name or [args.model]
     api_key = args.api_key or os.environ.get("PAGODA_API_KEY")
-    async_engine = AsyncLLM(engine)
+    async_engine = AsyncLLM(engine, engine_process=args.engine_process)
     app = build_app(async_engine, names, api_key=api_key, max_queue_len=args.max_queue_len, model_root=args.model)
     cfg = engine.config.model
     print(f"pagoda {__version__}: loaded {args.model} ({cfg.architecture}, {str(cfg.dtype).removeprefix('torch.')}, "
-          f"{cfg.device.type}, max_model_len={engine.max_model_len}, KV blocks={engine.core.num_blocks}) "
+          f"{cfg.device.type}, max_model_len={engine.max_model_len}, KV blocks={async_engine.limits.num_blocks}, "
+          f"engine in a {'process' if args.engine_process else 'thread'}) "
           f"as {', '.join(names)}", flush=True)
     print(f"pagoda: serving on http://{args.host}:{args.port}/v1", flush=True)
     try:

@@ -45,7 +45,7 @@ class Serving:
         from pagoda.metrics import ServerMetrics
 
         self.engine = engine
-        self.metrics = ServerMetrics(engine.engine, served_model_names[0])
+        self.metrics = ServerMetrics(engine, served_model_names[0])
         self.tokenizer = engine.engine.tokenizer
         self.model_names = served_model_names
         self.max_model_len = engine.engine.max_model_len
