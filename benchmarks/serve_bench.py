@@ -58,15 +58,30 @@ async def run_load(base_url: str, concurrency: int, num_requests: int, input_len
         async def guarded(p):
             async with sem:
                 return await one_request(client, p, output_len)
+        probe_latencies: list[float] = []
+        done = asyncio.Event()
+
+        async def probe() -> None:
+            """How quickly the server answers a trivial route while it is loaded."""
+            while not done.is_set():
+                t0 = time.perf_counter()
+                await client.get("/health")
+                probe_latencies.append(time.perf_counter() - t0)
+                await asyncio.sleep(0.1)
+
         start = time.perf_counter()
+        prober = asyncio.create_task(probe())
         results = await asyncio.gather(*(guarded(p) for p in prompts))
         elapsed = time.perf_counter() - start
+        done.set()
+        await prober
     ttft = [r["ttft"] for r in results]
     itl = [x for r in results for x in r["itl"]]
     tokens = sum(r["tokens"] for r in results)
     return {"concurrency": concurrency, "requests": num_requests, "seconds": elapsed, "output_tokens_per_s": tokens / elapsed,
             "ttft_p50_s": pct(ttft, 50), "ttft_p99_s": pct(ttft, 99), "itl_p50_ms": pct(itl, 50) * 1e3,
-            "itl_p99_ms": pct(itl, 99) * 1e3, "e2e_p50_s": pct([r["latency"] for r in results], 50)}
+            "itl_p99_ms": pct(itl, 99) * 1e3, "e2e_p50_s": pct([r["latency"] for r in results], 50),
+            "health_p50_ms": pct(probe_latencies, 50) * 1e3, "health_p99_ms": pct(probe_latencies, 99) * 1e3}
 
 
 def free_port() -> int:
@@ -99,6 +114,8 @@ def main() -> int:
     ap.add_argument("--input-len", type=int, default=128)
     ap.add_argument("--output-len", type=int, default=128)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--engine-modes", default="thread", help="pagoda engine placements to compare: thread,process")
+    ap.add_argument("--skip-hf", action="store_true", help="do not run the naive transformers baseline")
     ap.add_argument("--save", default=None)
     args = ap.parse_args()
 
@@ -107,16 +124,20 @@ def main() -> int:
         for c in [int(x) for x in args.concurrency.split(",")]:
             rows.append({"system": args.base_url, **asyncio.run(run_load(args.base_url, c, c, args.input_len, args.output_len, args.seed))})
     else:
-        port = free_port()
-        proc = start_server([sys.executable, "-m", "pagoda.entrypoints.cli", "serve", "--model", args.model,
-                             "--port", str(port), "--log-level", "warning"], port)
-        try:
-            for c in [int(x) for x in args.concurrency.split(",")]:
-                rows.append({"system": "pagoda serve", **asyncio.run(run_load(f"http://127.0.0.1:{port}", c, c, args.input_len, args.output_len, args.seed))})
-                print(rows[-1], file=sys.stderr)
-        finally:
-            proc.terminate()
-            proc.wait(timeout=60)
+        for mode in args.engine_modes.split(","):
+            port = free_port()
+            extra = ["--engine-process"] if mode == "process" else []
+            proc = start_server([sys.executable, "-m", "pagoda.entrypoints.cli", "serve", "--model", args.model,
+                                 "--port", str(port), "--log-level", "warning", *extra], port)
+            try:
+                for c in [int(x) for x in args.concurrency.split(",")]:
+                    result = asyncio.run(run_load(f"http://127.0.0.1:{port}", c, c, args.input_len, args.output_len, args.seed))
+                    rows.append({"system": f"pagoda serve ({mode})", **result})
+                    print(rows[-1], file=sys.stderr)
+            finally:
+                proc.terminate()
+                proc.wait(timeout=60)
+    if not args.base_url and not args.skip_hf:
         port = free_port()
         proc = start_server([sys.executable, str(HERE / "hf_naive_server.py"), "--model", args.model, "--port", str(port)], port)
         try:
@@ -127,10 +148,10 @@ def main() -> int:
             proc.terminate()
             proc.wait(timeout=60)
 
-    print(f"\n{'system':<30} {'conc':>4} {'tok/s':>7} {'TTFT p50':>9} {'TTFT p99':>9} {'ITL p50':>8} {'ITL p99':>8}")
+    print(f"\n{'system':<30} {'conc':>4} {'tok/s':>7} {'TTFT p50':>9} {'TTFT p99':>9} {'ITL p50':>8} {'ITL p99':>8} {'health p99':>10}")
     for r in rows:
         print(f"{r['system']:<30} {r['concurrency']:>4} {r['output_tokens_per_s']:>7.1f} {r['ttft_p50_s']:>8.2f}s "
-              f"{r['ttft_p99_s']:>8.2f}s {r['itl_p50_ms']:>6.0f}ms {r['itl_p99_ms']:>6.0f}ms")
+              f"{r['ttft_p99_s']:>8.2f}s {r['itl_p50_ms']:>6.0f}ms {r['itl_p99_ms']:>6.0f}ms {r['health_p99_ms']:>8.0f}ms")
     save = Path(args.save) if args.save else HERE / "results" / f"serve-{date.today().isoformat()}.json"
     save.write_text(json.dumps({"date": date.today().isoformat(), "command": " ".join(sys.argv), "args": vars(args),
                                 "results": rows}, indent=2))
