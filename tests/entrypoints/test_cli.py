@@ -54,3 +54,10 @@ def test_list_shows_the_catalog(tmp_path):
     assert proc.returncode == 0, proc.stderr
     assert "smollm2-135m-instruct" in proc.stdout and "gemma3-270m" in proc.stdout
     assert " no " in proc.stdout  # nothing pulled in an empty store
+
+
+def test_serve_fails_clearly_before_listening(tiny_llama):
+    proc = _run(["serve", "--model", "definitely-not-a-model", "--port", "1"])
+    assert proc.returncode == 1 and "model 'definitely-not-a-model' not found" in proc.stderr
+    proc = _run(["serve", "--model", str(tiny_llama), "--tensor-parallel-size", "2"])
+    assert proc.returncode == 1 and "tensor_parallel_size > 1 is not supported yet" in proc.stderr
