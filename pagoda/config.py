@@ -34,6 +34,7 @@ class CacheConfig:
     block_size: int = 16
     kv_cache_memory_gib: float | None = None  # CPU budget
     gpu_memory_utilization: float = 0.9  # CUDA: fraction of free memory after the weights
+    enable_prefix_caching: bool = True
 
 
 @dataclass(frozen=True)
@@ -66,6 +67,7 @@ class EngineArgs:
     seed: int = 0
     chat_template: str | None = None
     enforce_eager: bool = False
+    enable_prefix_caching: bool = True
     device: str | None = None
     extra: dict = field(default_factory=dict)
 
@@ -84,7 +86,7 @@ class EngineArgs:
         chat_template = _read_template(self.chat_template)
         return EngineConfig(
             model=ModelConfig(files, hf_config, architecture, dtype, device, self.max_model_len or model_max, chat_template),
-            cache=CacheConfig(self.block_size, self.kv_cache_memory, self.gpu_memory_utilization),
+            cache=CacheConfig(self.block_size, self.kv_cache_memory, self.gpu_memory_utilization, self.enable_prefix_caching),
             scheduler=SchedulerConfig(self.max_num_seqs, self.max_num_batched_tokens),
             seed=self.seed,
             enforce_eager=self.enforce_eager,

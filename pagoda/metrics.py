@@ -22,6 +22,12 @@ class _EngineCollector:
             ("pagoda:num_requests_running", "Requests in the running batch.", stats.num_running),
             ("pagoda:num_requests_waiting", "Requests waiting to be scheduled.", stats.num_waiting),
             ("pagoda:kv_cache_usage_perc", "Fraction of KV-cache blocks in use (0-1).", stats.kv_cache_usage),
+            ("pagoda:prefix_cache_hit_rate", "Prompt tokens served from the prefix cache / prompt tokens queried.",
+             stats.prefix_cache_hit_rate),
+            ("pagoda:kv_cache_cached_free_blocks", "Blocks kept in the prefix cache that no request uses.",
+             stats.num_cached_free_blocks),
+            ("pagoda:memory_pressure", "(used KV memory - reclaimable cached memory) / total KV memory.",
+             stats.memory_pressure),
         ]:
             g = GaugeMetricFamily(name, doc, labels=["model_name"])
             g.add_metric([self.model_name], value)
@@ -30,6 +36,13 @@ class _EngineCollector:
                                 labels=["model_name"])
         c.add_metric([self.model_name], stats.num_preemptions_total)
         yield c
+        for name, doc, value in [
+            ("pagoda:prefix_cache_queries", "Prompt tokens looked up in the prefix cache.", stats.prefix_cache_query_tokens),
+            ("pagoda:prefix_cache_hits", "Prompt tokens found in the prefix cache.", stats.prefix_cache_hit_tokens),
+        ]:
+            c = CounterMetricFamily(name, doc, labels=["model_name"])
+            c.add_metric([self.model_name], value)
+            yield c
 
 
 class ServerMetrics:

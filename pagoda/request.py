@@ -49,6 +49,7 @@ class Request:
     sampling_params: SamplingParams
     priority: int = 0
     arrival_time: float = field(default_factory=time.monotonic)
+    cache_salt: str | None = None  # requests with different salts never share cached blocks
     # A strictly increasing tie-breaker: arrival_time can tie on coarse clocks.
     arrival_seq: int = field(default_factory=lambda: next(_arrival_counter))
 
@@ -62,6 +63,7 @@ class Request:
     # Prompt logprobs are produced chunk by chunk; this counts positions already reported.
     num_prompt_logprobs_done: int = 0
     first_scheduled_time: float | None = None
+    num_cached_tokens: int | None = None  # prompt tokens served from the prefix cache (first admission)
 
     def __post_init__(self) -> None:
         self.all_token_ids: list[int] = list(self.prompt_token_ids)

@@ -43,8 +43,21 @@ class SchedulerOutput:
 class SchedulerStats:
     num_running: int
     num_waiting: int
-    kv_cache_usage: float
+    kv_cache_usage: float  # blocks held by requests / all blocks (unused cached blocks count as free)
     num_preemptions_total: int
+    num_blocks: int = 0
+    num_cached_free_blocks: int = 0  # in the prefix cache, used by nobody: reclaimable
+    prefix_cache_query_tokens: int = 0
+    prefix_cache_hit_tokens: int = 0
+
+    @property
+    def prefix_cache_hit_rate(self) -> float:
+        return self.prefix_cache_hit_tokens / self.prefix_cache_query_tokens if self.prefix_cache_query_tokens else 0.0
+
+    @property
+    def memory_pressure(self) -> float:
+        """The seed's score: (used KV memory - reclaimable cached memory) / total KV memory."""
+        return self.kv_cache_usage
 
 
 class Scheduler:
@@ -145,8 +158,13 @@ class Scheduler:
             request = self._peek_waiting()
             if request is None:
                 return
+            cached = self.kv.match_prefix(request)
+            if request.num_cached_tokens is None:
+                request.num_cached_tokens = cached
             num_new = min(request.num_tokens - request.num_computed_tokens, budget)
             if not self.kv.allocate_slots(request, num_new):
+                self.kv.free(request)  # give back the matched prefix; it stays cached
+                request.num_computed_tokens = 0
                 return
             heapq.heappop(self._waiting)
             request.status = RequestStatus.RUNNING
@@ -212,4 +230,8 @@ class Scheduler:
             num_waiting=self.num_waiting,
             kv_cache_usage=self.kv.usage(),
             num_preemptions_total=self.num_preemptions_total,
+            num_blocks=self.kv.pool.num_blocks,
+            num_cached_free_blocks=self.kv.num_evictable_blocks,
+            prefix_cache_query_tokens=self.kv.prefix_query_tokens,
+            prefix_cache_hit_tokens=self.kv.prefix_hit_tokens,
         )

@@ -67,7 +67,7 @@ class AsyncLLM:
 
     # -- the event-loop side ----------------------------------------------------------------
     async def generate(self, prompt: PromptType, params: SamplingParams, request_id: str,
-                       priority: int = 0) -> AsyncIterator[RequestOutput]:
+                       priority: int = 0, cache_salt: str | None = None) -> AsyncIterator[RequestOutput]:
         """Yield DELTA outputs for one request until it finishes; abort it if the caller stops."""
         if not self.healthy:
             raise EngineDeadError(f"the engine is not running: {self.dead_error}")
@@ -75,7 +75,7 @@ class AsyncLLM:
         if request_id in self._streams:
             raise ValueError(f"request id {request_id!r} is already in use")
         params = params.clone(output_kind=RequestOutputKind.DELTA)
-        prepared = self.engine.prepare_request(request_id, prompt, params, priority)  # raises ValueError
+        prepared = self.engine.prepare_request(request_id, prompt, params, priority, cache_salt=cache_salt)  # may raise ValueError
         stream: asyncio.Queue = asyncio.Queue()
         self._streams[request_id] = stream
         self.output_processor.add_request(*prepared.output_args())

@@ -78,7 +78,7 @@ class EngineCore:
         if capacity < self.max_model_len:
             logger.warning("KV cache holds %d tokens, less than max_model_len=%d: capping max_model_len", capacity, self.max_model_len)
             self.max_model_len = capacity
-        self.kv_manager = KVCacheManager(self.num_blocks, block_size)
+        self.kv_manager = KVCacheManager(self.num_blocks, block_size, config.cache.enable_prefix_caching)
         sc = config.scheduler
         self.scheduler = Scheduler(
             self.kv_manager, max_num_seqs=sc.max_num_seqs,
@@ -154,5 +154,6 @@ class EngineCore:
                 new_logprobs=[lp] if lp is not None else None,
                 new_prompt_logprobs=prompt_lps,
                 first_scheduled_time=request.first_scheduled_time,
+                num_cached_tokens=request.num_cached_tokens or 0,
             ))
         return outputs

@@ -71,7 +71,8 @@ class LLMEngine:
         raise ValueError("a prompt must be a string, {'prompt': str} or {'prompt_token_ids': [int, ...]}")
 
     def prepare_request(self, request_id: str, prompt: PromptType, params: SamplingParams,
-                        priority: int = 0, arrival_time: float | None = None) -> PreparedRequest:
+                        priority: int = 0, arrival_time: float | None = None,
+                        cache_salt: str | None = None) -> PreparedRequest:
         """Tokenize, fan n > 1 out, build and validate the core requests; queue nothing.
 
         Thread-safe (it reads only immutable engine state), so the server runs it on the HTTP side.
@@ -84,15 +85,16 @@ class LLMEngine:
         requests = []
         for core_id, child in samples:
             child.all_stop_token_ids = set(self.eos_token_ids)
-            requests.append(Request(core_id, prompt_ids, child, priority=priority, arrival_time=arrival_time))
+            requests.append(Request(core_id, prompt_ids, child, priority=priority, arrival_time=arrival_time,
+                                    cache_salt=cache_salt))
         self.limits.validate(requests[0])  # the children share the prompt
         return PreparedRequest(request_id, text, prompt_ids, samples, requests, arrival_time)
 
     def add_request(self, request_id: str, prompt: PromptType, params: SamplingParams,
-                    priority: int = 0, arrival_time: float | None = None) -> None:
+                    priority: int = 0, arrival_time: float | None = None, cache_salt: str | None = None) -> None:
         if request_id in self.output_processor.requests:
             raise ValueError(f"request id {request_id!r} is already in use")
-        prepared = self.prepare_request(request_id, prompt, params, priority, arrival_time)
+        prepared = self.prepare_request(request_id, prompt, params, priority, arrival_time, cache_salt)
         for request in prepared.core_requests:
             self.core.add_request(request)
         self.output_processor.add_request(*prepared.output_args())
@@ -107,6 +109,14 @@ class LLMEngine:
             seed = None if params.seed is None else params.seed + i
             children.append((f"{i}_{request_id}", params.clone(n=1, seed=seed)))
         return children
+
+    def stats(self) -> dict:
+        """Scheduler and KV-cache figures, prefix-cache hit rate and memory pressure included."""
+        import dataclasses
+
+        s = self.core.stats()
+        return {**dataclasses.asdict(s), "prefix_cache_hit_rate": s.prefix_cache_hit_rate,
+                "memory_pressure": s.memory_pressure}
 
     def abort_request(self, request_id: str) -> None:
         self.core.abort_requests(self.output_processor.core_ids(request_id))

@@ -102,6 +102,7 @@ class OutputProcessor:
             state, sample = entry
             if state.metrics.first_scheduled_time is None:
                 state.metrics.first_scheduled_time = out.first_scheduled_time
+                state.num_cached_tokens = out.num_cached_tokens
             if out.new_prompt_logprobs and state.prompt_logprobs is not None:
                 state.prompt_logprobs += [self._position(lp) for lp in out.new_prompt_logprobs]
             if out.new_token_ids:

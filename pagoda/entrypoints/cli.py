@@ -23,6 +23,8 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--seed", type=int, default=0)
     g.add_argument("--chat-template", default=None, help="a chat template, or a file holding one")
     g.add_argument("--enforce-eager", action="store_true")
+    g.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True,
+                   help="share prompt prefixes between requests through a radix tree (default: on)")
 
 
 def _add_sampling_args(p: argparse.ArgumentParser) -> None:
@@ -45,6 +47,7 @@ def _engine_args(ns: argparse.Namespace):
         max_num_batched_tokens=ns.max_num_batched_tokens, block_size=ns.block_size,
         kv_cache_memory=ns.kv_cache_memory, gpu_memory_utilization=ns.gpu_memory_utilization,
         seed=ns.seed, chat_template=ns.chat_template, enforce_eager=ns.enforce_eager,
+        enable_prefix_caching=ns.enable_prefix_caching,
     )
 
 

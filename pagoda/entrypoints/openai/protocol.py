@@ -48,6 +48,7 @@ class SamplingFields(OpenAIBase):
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
     priority: int = 0
+    cache_salt: str | None = None
 
     def sampling_params(self, max_tokens: int, logprobs: int | None, prompt_logprobs: int | None = None) -> SamplingParams:
         bias = None
@@ -119,6 +120,7 @@ class UsageInfo(BaseModel):
     prompt_tokens: int = 0
     completion_tokens: int = 0
     total_tokens: int = 0
+    prompt_tokens_details: dict | None = None
 
 
 def now() -> int:

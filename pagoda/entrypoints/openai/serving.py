@@ -85,8 +85,8 @@ class Serving:
         except ValueError as e:
             raise bad_value(e) from None
 
-    async def _run_all(self, prompts: list[list[int]], params_list, request_id: str, priority: int
-                       ) -> AsyncIterator[tuple[int, RequestOutput]]:
+    async def _run_all(self, prompts: list[list[int]], params_list, request_id: str, priority: int,
+                       cache_salt: str | None = None) -> AsyncIterator[tuple[int, RequestOutput]]:
         """Run several prompts concurrently; yield (prompt index, delta output) as they arrive."""
         merged: asyncio.Queue = asyncio.Queue()
 
@@ -94,7 +94,7 @@ class Serving:
             tracker = self.metrics.tracker(len(ids))
             sub_id, reason = f"{request_id}-{i}", "abort"
             try:
-                async for out in self.engine.generate({"prompt_token_ids": ids}, params, sub_id, priority):
+                async for out in self.engine.generate({"prompt_token_ids": ids}, params, sub_id, priority, cache_salt):
                     tracker.on_output(out)
                     if out.finished:
                         reason = ",".join(sorted({c.finish_reason or "abort" for c in out.outputs}))
@@ -167,7 +167,9 @@ class Serving:
         texts = {}
         finals: dict[int, RequestOutput] = {}
         pieces: dict[tuple[int, int], list] = {}
-        async for i, out in self._run_all(ids_only, params_list, request_id, request.priority):
+        cached = {}
+        async for i, out in self._run_all(ids_only, params_list, request_id, request.priority, request.cache_salt):
+            cached[i] = out.num_cached_tokens
             for c in out.outputs:
                 key = (i, c.index)
                 acc = pieces.setdefault(key, {"text": "", "token_ids": [], "logprobs": [], "finish": None, "stop": None})
@@ -196,8 +198,7 @@ class Serving:
                                 "finish_reason": acc["finish"], "stop_reason": acc["stop"]})
         prompt_tokens = sum(len(ids) for _, ids in prompts)
         return {"id": request_id, "object": "text_completion", "created": now(), "model": model, "choices": choices,
-                "usage": UsageInfo(prompt_tokens=prompt_tokens, completion_tokens=completion_tokens,
-                                   total_tokens=prompt_tokens + completion_tokens).model_dump()}
+                "usage": _usage(prompt_tokens, completion_tokens, sum(cached.values()))}
 
     async def _completion_stream(self, request, model, request_id, prompts, ids_only, params_list):
         created = now()
@@ -210,7 +211,9 @@ class Serving:
                         echo = text if text is not None else self.tokenizer.decode(ids)
                         yield sse({"id": request_id, "object": "text_completion", "created": created, "model": model,
                                    "choices": [{"index": i * n + j, "text": echo, "logprobs": None, "finish_reason": None}]})
-            async for i, out in self._run_all(ids_only, params_list, request_id, request.priority):
+            cached = {}
+            async for i, out in self._run_all(ids_only, params_list, request_id, request.priority, request.cache_salt):
+                cached[i] = out.num_cached_tokens
                 for c in out.outputs:
                     completion_tokens += len(c.token_ids)
                     if not c.text and c.finish_reason is None:
@@ -224,8 +227,7 @@ class Serving:
             if request.stream_options and request.stream_options.include_usage:
                 prompt_tokens = sum(len(ids) for ids in ids_only)
                 yield sse({"id": request_id, "object": "text_completion", "created": created, "model": model, "choices": [],
-                           "usage": {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
-                                     "total_tokens": prompt_tokens + completion_tokens}})
+                           "usage": _usage(prompt_tokens, completion_tokens, sum(cached.values()))})
         except OpenAIError as e:
             yield sse(e.body())
         yield sse("[DONE]")
@@ -282,7 +284,9 @@ class Serving:
         if request.stream:
             return self._chat_stream(request, model, request_id, ids, params)
         acc: dict[int, dict] = {}
-        async for _, out in self._run_all([ids], [params], request_id, request.priority):
+        cached = 0
+        async for _, out in self._run_all([ids], [params], request_id, request.priority, request.cache_salt):
+            cached = out.num_cached_tokens
             for c in out.outputs:
                 a = acc.setdefault(c.index, {"text": "", "token_ids": [], "logprobs": [], "finish": None, "stop": None})
                 a["text"] += c.text
@@ -297,8 +301,7 @@ class Serving:
                             "logprobs": self._chat_logprobs(a["token_ids"], a["logprobs"], k) if request.logprobs else None,
                             "finish_reason": a["finish"], "stop_reason": a["stop"]})
         return {"id": request_id, "object": "chat.completion", "created": now(), "model": model, "choices": choices,
-                "usage": {"prompt_tokens": len(ids), "completion_tokens": completion_tokens,
-                          "total_tokens": len(ids) + completion_tokens}}
+                "usage": _usage(len(ids), completion_tokens, cached)}
 
     async def _chat_stream(self, request, model, request_id, ids, params):
         created = now()
@@ -308,7 +311,9 @@ class Serving:
             for j in range(request.n):
                 yield sse({**head, "choices": [{"index": j, "delta": {"role": "assistant", "content": ""},
                                                 "logprobs": None, "finish_reason": None}]})
-            async for _, out in self._run_all([ids], [params], request_id, request.priority):
+            cached = 0
+            async for _, out in self._run_all([ids], [params], request_id, request.priority, request.cache_salt):
+                cached = out.num_cached_tokens
                 for c in out.outputs:
                     completion_tokens += len(c.token_ids)
                     if not c.text and c.finish_reason is None:
@@ -319,8 +324,7 @@ class Serving:
                         "logprobs": self._chat_logprobs(c.token_ids, c.logprobs or [], params.logprobs) if request.logprobs else None,
                         "finish_reason": c.finish_reason, "stop_reason": c.stop_reason}]})
             if request.stream_options and request.stream_options.include_usage:
-                yield sse({**head, "choices": [], "usage": {"prompt_tokens": len(ids), "completion_tokens": completion_tokens,
-                                                           "total_tokens": len(ids) + completion_tokens}})
+                yield sse({**head, "choices": [], "usage": _usage(len(ids), completion_tokens, cached)})
         except OpenAIError as e:
             yield sse(e.body())
         yield sse("[DONE]")
@@ -334,6 +338,12 @@ class Serving:
             content.append({"token": chosen.decoded_token, "logprob": chosen.logprob,
                             "bytes": list(chosen.decoded_token.encode()), "top_logprobs": tops})
         return {"content": content}
+
+
+def _usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int) -> dict:
+    return UsageInfo(prompt_tokens=prompt_tokens, completion_tokens=completion_tokens,
+                     total_tokens=prompt_tokens + completion_tokens,
+                     prompt_tokens_details={"cached_tokens": cached_tokens}).model_dump()
 
 
 def _top_k(position: PositionLogprobs, k: int):

@@ -1,0 +1,162 @@
+"""A radix tree over full KV blocks, for sharing prompt prefixes between requests.
+
+SGLang's RadixAttention, at block granularity: every edge of the tree is a run of whole blocks
+(its token ids, a multiple of block_size long, and the KV block id of each block). A request
+walks the tree with its tokens and reuses every block already computed for the same prefix;
+finished and preempted requests insert their full blocks. Nodes in use by running requests are
+locked (`lock_ref` counts them along the path to the root); unlocked nodes are evicted
+leaf-first in least-recently-used order, only when the block pool runs out of free blocks.
+
+Ownership: the tree holds one reference to each block it stores (BlockPool ref counts); a
+request that reuses a block takes a reference of its own. Evicting a node drops the tree's
+reference. Requests with different cache salts live under different roots and never share.
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+from dataclasses import dataclass, field
+
+_clock = itertools.count()
+
+
+@dataclass(eq=False)
+class RadixNode:
+    tokens: tuple[int, ...] = ()
+    blocks: list[int] = field(default_factory=list)
+    parent: "RadixNode | None" = None
+    children: dict[tuple[int, ...], "RadixNode"] = field(default_factory=dict)  # first block's tokens → child
+    lock_ref: int = 0
+    last_access: int = 0
+
+    def touch(self) -> None:
+        self.last_access = next(_clock)
+
+
+@dataclass
+class PrefixMatch:
+    blocks: list[int]
+    node: RadixNode  # deepest node of the match (lock it while the blocks are in use)
+
+    @property
+    def num_blocks(self) -> int:
+        return len(self.blocks)
+
+
+class RadixCache:
+    def __init__(self, block_size: int) -> None:
+        self.block_size = block_size
+        self._roots: dict[object, RadixNode] = {}
+        self.num_cached_blocks = 0
+        self.num_evictable_blocks = 0  # blocks in nodes with lock_ref == 0
+
+    def _root(self, salt) -> RadixNode:
+        root = self._roots.get(salt)
+        if root is None:
+            root = self._roots[salt] = RadixNode()
+            root.lock_ref = 1  # roots are never evicted
+        return root
+
+    def _chunks(self, tokens: list[int] | tuple[int, ...]) -> list[tuple[int, ...]]:
+        bs = self.block_size
+        return [tuple(tokens[i : i + bs]) for i in range(0, len(tokens) - len(tokens) % bs, bs)]
+
+    # -- match ------------------------------------------------------------------------------
+    def match(self, tokens: list[int], salt=None) -> PrefixMatch:
+        """Longest cached run of whole blocks that prefixes `tokens` (splitting a node where the
+        match ends inside it, so the returned node ends exactly at the match)."""
+        node = self._root(salt)
+        node.touch()
+        chunks = self._chunks(tokens)
+        blocks: list[int] = []
+        i = 0
+        while i < len(chunks):
+            child = node.children.get(chunks[i])
+            if child is None:
+                break
+            child_chunks = self._chunks(child.tokens)
+            n = 0
+            while n < len(child_chunks) and i + n < len(chunks) and child_chunks[n] == chunks[i + n]:
+                n += 1
+            if n < len(child_chunks):
+                child = self._split(child, n)
+            blocks += child.blocks
+            child.touch()
+            node, i = child, i + n
+        return PrefixMatch(blocks, node)
+
+    def _split(self, node: RadixNode, num_blocks: int) -> RadixNode:
+        """Cut node after num_blocks blocks; returns the new upper part (node becomes its child)."""
+        cut = num_blocks * self.block_size
+        upper = RadixNode(node.tokens[:cut], node.blocks[:num_blocks], node.parent, {}, node.lock_ref, node.last_access)
+        node.parent.children[upper.tokens[: self.block_size]] = upper
+        node.tokens, node.blocks, node.parent = node.tokens[cut:], node.blocks[num_blocks:], upper
+        upper.children[node.tokens[: self.block_size]] = node
+        return upper
+
+    # -- locking ----------------------------------------------------------------------------
+    def lock(self, node: RadixNode) -> None:
+        while node is not None:
+            if node.lock_ref == 0:
+                self.num_evictable_blocks -= len(node.blocks)
+            node.lock_ref += 1
+            node = node.parent
+
+    def unlock(self, node: RadixNode) -> None:
+        while node is not None:
+            node.lock_ref -= 1
+            if node.lock_ref == 0:
+                self.num_evictable_blocks += len(node.blocks)
+            node = node.parent
+
+    # -- insert -----------------------------------------------------------------------------
+    def insert(self, tokens: list[int], blocks: list[int], salt=None) -> int:
+        """Store the full blocks of `tokens` (block i holds tokens[i*bs:(i+1)*bs]).
+
+        Returns how many leading blocks were cached already (under these or other block ids):
+        the caller keeps ownership of those and drops its reference to them. The tree takes
+        over the caller's reference to every later block.
+        """
+        chunks = self._chunks(tokens)[: len(blocks)]
+        blocks = blocks[: len(chunks)]
+        match = self.match([t for c in chunks for t in c], salt)
+        have = match.num_blocks
+        if have < len(chunks):
+            new_tokens = tuple(t for c in chunks[have:] for t in c)
+            child = RadixNode(new_tokens, list(blocks[have:]), match.node)
+            child.touch()
+            match.node.children[chunks[have]] = child
+            self.num_cached_blocks += len(child.blocks)
+            self.num_evictable_blocks += len(child.blocks)
+        return have
+
+    # -- evict ------------------------------------------------------------------------------
+    def evict(self, num_blocks: int) -> list[int]:
+        """Drop least-recently-used unlocked leaves until num_blocks blocks are released."""
+        leaves = [(n.last_access, id(n), n) for n in self._leaves() if n.lock_ref == 0]
+        heapq.heapify(leaves)
+        released: list[int] = []
+        while leaves and len(released) < num_blocks:
+            _, _, node = heapq.heappop(leaves)
+            released += node.blocks
+            self.num_cached_blocks -= len(node.blocks)
+            self.num_evictable_blocks -= len(node.blocks)
+            parent = node.parent
+            del parent.children[node.tokens[: self.block_size]]
+            if parent.parent is not None and not parent.children and parent.lock_ref == 0:
+                heapq.heappush(leaves, (parent.last_access, id(parent), parent))
+        return released
+
+    def _leaves(self):
+        stack = list(self._roots.values())
+        while stack:
+            node = stack.pop()
+            if node.children:
+                stack.extend(node.children.values())
+            elif node.parent is not None:
+                yield node
+
+    def reset(self) -> list[int]:
+        """Forget everything unlocked (returns the released blocks)."""
+        return self.evict(self.num_cached_blocks)
