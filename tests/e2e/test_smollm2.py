@@ -79,3 +79,17 @@ def test_bf16_runs_and_answers(smollm2_gguf):
     assert llm.engine.config.model.dtype == torch.bfloat16
     out = llm.chat(QUESTION, SamplingParams(temperature=0, max_tokens=16), use_tqdm=False)[0]
     assert "Paris" in out.outputs[0].text
+
+
+def test_prefix_cache_hits_give_identical_answers(smol_fp32):
+    system = {"role": "system", "content": "You are a careful geography tutor who answers in one short sentence. " * 4}
+    questions = ["What is the capital of France?", "Name a river in Egypt.", "Where is Mount Fuji?"]
+    conversations = [[system, {"role": "user", "content": q}] for q in questions]
+    params = SamplingParams(temperature=0, max_tokens=16)
+    smol_fp32.chat(conversations[:1], params, use_tqdm=False)  # computes the shared system prompt once
+    hit = smol_fp32.chat(conversations, params, use_tqdm=False)
+    assert all(o.num_cached_tokens >= 48 for o in hit)
+    uncached = LLM(model="smollm2", dtype="float32", kv_cache_memory=0.25, enable_prefix_caching=False)
+    miss = uncached.chat(conversations, params, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in hit] == [o.outputs[0].token_ids for o in miss]
+    assert all(o.num_cached_tokens == 0 for o in miss)

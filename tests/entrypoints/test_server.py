@@ -108,6 +108,17 @@ def test_chat_streaming_invariants(client):
     assert full.usage.completion_tokens == 20
 
 
+def test_cached_tokens_reported_in_usage(client):
+    messages = [{"role": "system", "content": "Paris is the capital of France. " * 12}, {"role": "user", "content": "Hi"}]
+    first = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=2, temperature=0)
+    second = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=2, temperature=0)
+    assert first.usage.prompt_tokens_details.cached_tokens == 0
+    assert second.usage.prompt_tokens_details.cached_tokens >= 16
+    salted = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=2, temperature=0,
+                                            extra_body={"cache_salt": "tenant-b"})
+    assert salted.usage.prompt_tokens_details.cached_tokens == 0
+
+
 def test_sse_ends_with_done(server):
     with httpx.stream("POST", f"{server}/v1/completions", json={"prompt": "Hi", "max_tokens": 3, "stream": True}) as r:
         lines = [line for line in r.iter_lines() if line]

@@ -1,0 +1,73 @@
+"""The radix tree on its own: match, node splits, insert, locks, LRU eviction, salts."""
+
+from __future__ import annotations
+
+from pagoda.core.radix_cache import RadixCache
+
+BS = 4
+
+
+def toks(*blocks: int) -> list[int]:
+    """Tokens of whole blocks: block k is [k*10, k*10+1, k*10+2, k*10+3]."""
+    return [b * 10 + i for b in blocks for i in range(BS)]
+
+
+def test_match_empty_and_partial_blocks_do_not_count():
+    cache = RadixCache(BS)
+    assert cache.match(toks(1, 2)).blocks == []
+    assert cache.insert(toks(1, 2) + [99, 98], [100, 101, 102]) == 0  # the partial third block is not stored
+    assert cache.num_cached_blocks == 2
+    assert cache.match(toks(1, 2)).blocks == [100, 101]
+    assert cache.match(toks(1) + [10, 11]).blocks == [100]  # a partial block never matches
+
+
+def test_match_across_a_node_split():
+    cache = RadixCache(BS)
+    cache.insert(toks(1, 2, 3), [100, 101, 102])
+    m = cache.match(toks(1, 2, 7))  # diverges inside the node: split after two blocks
+    assert m.blocks == [100, 101]
+    assert cache.match(toks(1, 2, 3)).blocks == [100, 101, 102]
+    assert cache.insert(toks(1, 2, 7, 8), [200, 201, 202, 203]) == 2  # shares two blocks
+    assert cache.match(toks(1, 2, 7, 8)).blocks == [100, 101, 202, 203]
+    assert cache.num_cached_blocks == 5
+
+
+def test_insert_reports_blocks_already_cached_under_other_ids():
+    cache = RadixCache(BS)
+    cache.insert(toks(1, 2), [100, 101])
+    # another request computed the same prefix in its own blocks: the tree keeps its own
+    assert cache.insert(toks(1, 2, 3), [300, 301, 302]) == 2
+    assert cache.match(toks(1, 2, 3)).blocks == [100, 101, 302]
+
+
+def test_locked_nodes_are_not_evicted_and_lru_order():
+    cache = RadixCache(BS)
+    cache.insert(toks(1, 2), [100, 101])  # a
+    cache.insert(toks(3), [102])  # b
+    cache.insert(toks(4), [103])  # c
+    cache.match(toks(3))  # b used recently: a is now least recently used
+    locked = cache.match(toks(4))
+    cache.lock(locked.node)
+    assert cache.num_evictable_blocks == 3
+    assert cache.evict(1) == [100, 101]  # LRU leaf first, whole node
+    assert cache.evict(5) == [102]  # c is locked
+    assert cache.match(toks(4)).blocks == [103]
+    cache.unlock(locked.node)
+    assert cache.num_evictable_blocks == 1
+    assert cache.evict(5) == [103] and cache.num_cached_blocks == 0
+
+
+def test_eviction_walks_up_to_parents_that_become_leaves():
+    cache = RadixCache(BS)
+    cache.insert(toks(1, 2), [100, 101])
+    cache.insert(toks(1, 3), [100, 102])  # splits after block 1: parent [100], children [101], [102]
+    assert sorted(cache.evict(3)) == [100, 101, 102]
+    assert cache.num_cached_blocks == 0 and cache.num_evictable_blocks == 0
+
+
+def test_salts_keep_tenants_apart():
+    cache = RadixCache(BS)
+    cache.insert(toks(1, 2), [100, 101], salt="alice")
+    assert cache.match(toks(1, 2), salt="bob").blocks == []
+    assert cache.match(toks(1, 2)).blocks == []
+    assert cache.match(toks(1, 2), salt="alice").blocks == [100, 101]
