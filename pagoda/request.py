@@ -101,8 +101,3 @@ class Request:
     def append_output_token(self, token_id: int) -> None:
         self.output_token_ids.append(token_id)
         self.all_token_ids.append(token_id)
-
-    @property
-    def schedule_key(self) -> tuple[int, float, int]:
-        """Sort key for the waiting queue: higher priority first, then earlier arrival."""
-        return (-self.priority, self.arrival_time, self.arrival_seq)

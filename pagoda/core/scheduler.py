@@ -1,21 +1,29 @@
 """Continuous batching with chunked prefill, priority order and preemption by recomputation.
 
+Requests are ordered by *effective* priority (higher first), then arrival. The effective
+priority is the request's `priority` plus one level for every `aging_seconds` it has spent
+since arrival: the starvation guard. A low-priority request overtakes newer high-priority ones
+once it has waited long enough, so a steady stream of VIP traffic delays it but cannot stall it.
+
 Each step the scheduler hands out a token budget (`max_num_batched_tokens`):
-1. running requests first, highest priority first; each gets the tokens it has not computed
-   (1 for a decode, the rest of its prompt for a prefill, capped by what is left of the budget,
-   which is how long prompts are chunked and mixed with decodes);
-2. when the KV cache has no block for a running request, the lowest-priority, latest-arrived
-   running request is preempted: its blocks are freed and it goes back to the waiting queue
-   to be recomputed later (its generated tokens are kept, so its output does not change);
-3. then waiting requests in (priority desc, arrival) order, while the budget, `max_num_seqs`
-   and free blocks allow. No new request is admitted in a step that had to preempt.
+1. priority preemption: while the first waiting request outranks the lowest running one and
+   cannot be admitted (no sequence slot, or not enough KV blocks), that running request is
+   preempted: a high-priority arrival takes blocks from low-priority running work;
+2. running requests, highest first; each gets the tokens it has not computed (1 for a decode,
+   the rest of its prompt for a prefill, capped by what is left of the budget, which is how long
+   prompts are chunked and mixed with decodes). When the KV cache has no block for one, the
+   lowest, latest-arrived running request is preempted: its blocks are freed (its full blocks
+   stay in the prefix cache) and it is recomputed later, keeping its generated tokens;
+3. waiting requests in order while the budget, `max_num_seqs` and KV blocks allow. None is
+   admitted in a step whose running requests had to preempt, and none (except one that preempted
+   for priority) while memory pressure is above `admission_pressure_threshold` unless a block of
+   headroom per running request remains: a new prefill must not force running work out.
 
 The scheduler never touches tensors; it sees KV memory only through KVCacheManager.
 """
 
 from __future__ import annotations
 
-import heapq
 import time
 from dataclasses import dataclass, field
 
@@ -68,6 +76,8 @@ class Scheduler:
         max_num_seqs: int,
         max_num_batched_tokens: int,
         max_model_len: int,
+        aging_seconds: float = 30.0,
+        admission_pressure_threshold: float = 0.9,
     ) -> None:
         if max_num_seqs < 1:
             raise ValueError(f"max_num_seqs must be >= 1, got {max_num_seqs}")
@@ -77,29 +87,32 @@ class Scheduler:
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.max_model_len = max_model_len
-        self._waiting: list[tuple[tuple[int, float, int], Request]] = []  # heap by schedule_key
+        self.aging_seconds = aging_seconds
+        self.admission_pressure_threshold = admission_pressure_threshold
+        self._waiting: list[Request] = []
         self.running: list[Request] = []
         self.requests: dict[str, Request] = {}
         self.num_preemptions_total = 0
+
+    # -- ordering ---------------------------------------------------------------------------
+    def effective_priority(self, request: Request, now: float) -> int:
+        if self.aging_seconds <= 0:
+            return request.priority
+        return request.priority + int(max(0.0, now - request.arrival_time) / self.aging_seconds)
+
+    def _key(self, now: float):
+        return lambda r: (-self.effective_priority(r, now), r.arrival_time, r.arrival_seq)
 
     # -- queue management -------------------------------------------------------------------
     def add_request(self, request: Request) -> None:
         if request.request_id in self.requests:
             raise ValueError(f"request id {request.request_id!r} is already in use")
         self.requests[request.request_id] = request
-        self._push_waiting(request)
-
-    def _push_waiting(self, request: Request) -> None:
-        heapq.heappush(self._waiting, (request.schedule_key, request))
-
-    def _peek_waiting(self) -> Request | None:
-        while self._waiting and self._waiting[0][1].status.finished:
-            heapq.heappop(self._waiting)  # lazily drop aborted entries
-        return self._waiting[0][1] if self._waiting else None
+        self._waiting.append(request)
 
     @property
     def num_waiting(self) -> int:
-        return sum(1 for _, r in self._waiting if not r.status.finished)
+        return sum(1 for r in self._waiting if not r.status.finished)
 
     @property
     def num_running(self) -> int:
@@ -109,14 +122,19 @@ class Scheduler:
         return bool(self.requests)
 
     def waiting_requests(self) -> list[Request]:
-        return [r for _, r in sorted(self._waiting) if not r.status.finished]
+        return sorted((r for r in self._waiting if not r.status.finished), key=self._key(time.monotonic()))
 
     # -- scheduling -------------------------------------------------------------------------
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
-        budget = self.max_num_batched_tokens
-        self.running.sort(key=lambda r: r.schedule_key)
+        now = time.monotonic()
+        key = self._key(now)
+        self._waiting = sorted((r for r in self._waiting if not r.status.finished), key=key)
+        self.running.sort(key=key)
+        favored = self._preempt_for_priority(now, out)
 
+        budget = self.max_num_batched_tokens
+        growth_preempted = False
         i = 0
         while i < len(self.running) and budget > 0:
             request = self.running[i]
@@ -124,15 +142,41 @@ class Scheduler:
             if num_new <= 0:
                 i += 1
                 continue
-            if not self._make_room(request, num_new, out):
+            preempted_before = len(out.preempted)
+            fits = self._make_room(request, num_new, out)
+            growth_preempted |= len(out.preempted) > preempted_before
+            if not fits:
                 break  # the request itself was preempted; everything after it is gone too
             out.scheduled.append((request, num_new))
             budget -= num_new
             i += 1
 
-        if not out.preempted:
-            self._admit_waiting(out, budget)
+        if not growth_preempted:
+            self._admit_waiting(out, budget, favored)
         return out
+
+    def _blocks_to_admit(self, request: Request) -> int:
+        first_chunk = min(request.num_tokens, self.max_num_batched_tokens)
+        return -(-first_chunk // self.kv.block_size)
+
+    def _preempt_for_priority(self, now: float, out: SchedulerOutput) -> Request | None:
+        """Preempt low-priority running work that stands in the way of the first waiting request."""
+        if not self._waiting or not self.running:
+            return None
+        head = self._waiting[0]
+        favored = None
+        while self.running:
+            victim = self.running[-1]
+            if self.effective_priority(head, now) <= self.effective_priority(victim, now):
+                break
+            no_slot = len(self.running) >= self.max_num_seqs
+            no_blocks = self._blocks_to_admit(head) > self.kv.num_free_blocks
+            if not (no_slot or no_blocks):
+                break
+            self._preempt(victim)
+            out.preempted.append(victim.request_id)
+            favored = head
+        return favored
 
     def _make_room(self, request: Request, num_new: int, out: SchedulerOutput) -> bool:
         """Allocate KV slots for request, preempting from the back of `running` until it fits."""
@@ -151,22 +195,28 @@ class Scheduler:
         request.num_computed_tokens = 0
         request.num_preemptions += 1
         self.num_preemptions_total += 1
-        self._push_waiting(request)
+        self._waiting.append(request)
+        self._waiting.sort(key=self._key(time.monotonic()))
 
-    def _admit_waiting(self, out: SchedulerOutput, budget: int) -> None:
-        while budget > 0 and len(self.running) < self.max_num_seqs:
-            request = self._peek_waiting()
-            if request is None:
-                return
+    def _under_pressure(self, extra_blocks: int) -> bool:
+        """Above the pressure threshold, keep a block of headroom per running request."""
+        if not self.running or self.kv.usage() < self.admission_pressure_threshold:
+            return False
+        return self.kv.num_free_blocks - extra_blocks < len(self.running)
+
+    def _admit_waiting(self, out: SchedulerOutput, budget: int, favored: Request | None) -> None:
+        while budget > 0 and len(self.running) < self.max_num_seqs and self._waiting:
+            request = self._waiting[0]
             cached = self.kv.match_prefix(request)
             if request.num_cached_tokens is None:
                 request.num_cached_tokens = cached
             num_new = min(request.num_tokens - request.num_computed_tokens, budget)
-            if not self.kv.allocate_slots(request, num_new):
+            if (request is not favored and self._under_pressure(self.kv.blocks_needed(request, num_new))) \
+                    or not self.kv.allocate_slots(request, num_new):
                 self.kv.free(request)  # give back the matched prefix; it stays cached
                 request.num_computed_tokens = 0
                 return
-            heapq.heappop(self._waiting)
+            self._waiting.pop(0)
             request.status = RequestStatus.RUNNING
             if request.first_scheduled_time is None:
                 request.first_scheduled_time = time.monotonic()

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import random
+import time
 
 from pagoda.core.kv_cache_manager import KVCacheManager, cdiv
 from pagoda.core.scheduler import Scheduler
@@ -150,3 +151,59 @@ def test_no_leaked_block_after_1000_random_requests():
         live = [r for r in live if not r.status.finished]
     assert sched.kv.num_free_blocks == 48
     assert finished_total + aborted == 1000 and aborted > 0
+
+
+def test_high_priority_arrival_preempts_low_priority_running():
+    sched = make_scheduler(max_num_seqs=2, budget=100)
+    sched.add_request(req("low-a", 4, max_tokens=50, priority=0, t=time.monotonic()))
+    sched.add_request(req("low-b", 4, max_tokens=50, priority=1, t=time.monotonic()))
+    fake_step(sched)
+    fake_step(sched)
+    assert {r.request_id for r in sched.running} == {"low-a", "low-b"}
+    sched.add_request(req("vip", 4, max_tokens=3, priority=10, t=time.monotonic()))
+    out, _ = fake_step(sched)
+    assert out.preempted == ["low-a"]  # the lowest-priority running request makes room
+    assert "vip" in [r.request_id for r, _ in out.scheduled]
+    finished = run_to_completion(sched)
+    assert [r.request_id for r in finished][0] == "vip"
+    assert {r.request_id for r in finished} == {"vip", "low-a", "low-b"}
+    assert all(r.num_output_tokens == r.sampling_params.max_tokens for r in finished)
+
+
+def test_equal_priority_arrival_does_not_preempt():
+    sched = make_scheduler(max_num_seqs=1, budget=100)
+    now = time.monotonic()
+    sched.add_request(req("first", 4, max_tokens=5, t=now))
+    fake_step(sched)
+    sched.add_request(req("second", 4, max_tokens=5, t=now))
+    trace = []
+    run_to_completion(sched, trace=trace)
+    assert not any(out.preempted for out in trace)
+
+
+def test_starvation_guard_ages_old_low_priority_requests():
+    sched = make_scheduler(max_num_seqs=1, budget=100)
+    sched.aging_seconds = 10.0
+    now = time.monotonic()
+    sched.add_request(req("old-low", 4, max_tokens=2, priority=0, t=now - 60))  # aged 6 levels
+    sched.add_request(req("new-mid", 4, max_tokens=2, priority=3, t=now))
+    sched.add_request(req("new-high", 4, max_tokens=2, priority=9, t=now))
+    order = [r.request_id for r in run_to_completion(sched)]
+    assert order == ["new-high", "old-low", "new-mid"]  # 0 + 6 > 3, but < 9
+
+
+def test_pressure_blocks_admissions_that_would_force_preemption():
+    # 10 blocks of 4 tokens; two running requests fill most of the cache and keep growing.
+    sched = make_scheduler(num_blocks=10, block_size=4, max_num_seqs=8, budget=100)
+    sched.admission_pressure_threshold = 0.5
+    now = time.monotonic()
+    for name in ("a", "b"):
+        sched.add_request(req(name, 16, max_tokens=4, t=now))  # grows to 5 blocks each: all 10
+    fake_step(sched)  # 8 of 10 blocks used: pressure 0.8
+    sched.add_request(req("c", 4, max_tokens=2, t=now + 1))
+    out, _ = fake_step(sched)
+    assert "c" not in [r.request_id for r, _ in out.scheduled]  # 1 free block < 2 running: wait
+    trace = []
+    finished = run_to_completion(sched, trace=trace)
+    assert not any(o.preempted for o in trace)
+    assert {r.request_id for r in finished} == {"a", "b", "c"}
