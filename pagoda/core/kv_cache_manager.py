@@ -15,16 +15,18 @@ class KVCacheManager:
     """Blocks for requests, with optional prefix sharing through a radix tree.
 
     With prefix caching, a fresh request first reuses every cached full block of its prompt
-    (`match_prefix`); blocks it frees (finished or preempted) go into the tree instead of the
-    free list, and cached blocks nobody uses are evicted, LRU leaf first, only when an
-    allocation finds the free list short.
+    (`match_prefix`); every full block it computes goes into the tree as soon as the step that
+    computed it ends (`cache_computed_blocks`), with a reference of the tree's own, so its blocks
+    outlive it; cached blocks nobody uses are evicted, LRU leaf first, only when an allocation
+    finds the free list short.
     """
 
     def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = False) -> None:
         self.block_size = block_size
         self.pool = BlockPool(num_blocks)
         self.cache = RadixCache(block_size) if enable_prefix_caching else None
-        self._locked: dict[str, RadixNode] = {}
+        self._locked: dict[str, RadixNode] = {}  # request id → deepest locked node of its path
+        self._num_cached: dict[str, int] = {}  # request id → its leading blocks already in the tree
         self.prefix_query_tokens = 0
         self.prefix_hit_tokens = 0
 
@@ -54,8 +56,8 @@ class KVCacheManager:
         self.prefix_query_tokens += request.num_tokens
         if match.blocks:
             self.pool.incref(match.blocks)
-            self.cache.lock(match.node)
-            self._locked[request.request_id] = match.node
+            self._lock(request, match.node)
+            self._num_cached[request.request_id] = len(match.blocks)
             request.block_ids = list(match.blocks)
             request.num_computed_tokens = len(match.blocks) * self.block_size
             self.prefix_hit_tokens += request.num_computed_tokens
@@ -77,21 +79,38 @@ class KVCacheManager:
             request.block_ids.extend(self.pool.allocate(need))
         return True
 
+    def cache_computed_blocks(self, request: Request) -> None:
+        """Put the request's newly completed full blocks in the tree right away, so requests
+        arriving meanwhile (the same system prompt, in the same burst) share them, and lock
+        the request's path so nothing it uses can be evicted."""
+        if self.cache is None:
+            return
+        full = min(len(request.block_ids), request.num_computed_tokens // self.block_size)
+        if full <= self._num_cached.get(request.request_id, 0):
+            return
+        tokens = request.all_token_ids[: full * self.block_size]
+        have, node = self.cache.insert(tokens, request.block_ids[:full], request.cache_salt)
+        if have < full:
+            self.pool.incref(request.block_ids[have:full])  # the tree's own reference
+        self._lock(request, node)
+        self._num_cached[request.request_id] = full
+
+    def _lock(self, request: Request, node: RadixNode) -> None:
+        self.cache.lock(node)
+        old = self._locked.pop(request.request_id, None)
+        if old is not None:
+            self.cache.unlock(old)
+        self._locked[request.request_id] = node
+
     def free(self, request: Request) -> None:
-        """Release the request's blocks (finished, aborted or preempted). With prefix caching,
-        its fully computed blocks stay in the tree for later requests."""
-        blocks = request.block_ids
-        drop = blocks
-        if self.cache is not None and blocks:
-            full = min(len(blocks), request.num_computed_tokens // self.block_size)
-            tokens = request.all_token_ids[: full * self.block_size]
-            already = self.cache.insert(tokens, blocks[:full], request.cache_salt)
-            drop = blocks[:already] + blocks[full:]
+        """Release the request's blocks (finished, aborted or preempted). Blocks in the prefix
+        cache keep the tree's reference and stay there for later requests."""
         node = self._locked.pop(request.request_id, None)
         if node is not None:
             self.cache.unlock(node)
-        if drop:
-            self.pool.free(drop)
+        self._num_cached.pop(request.request_id, None)
+        if request.block_ids:
+            self.pool.free(request.block_ids)
         request.block_ids = []
 
     def reset_prefix_cache(self) -> None:

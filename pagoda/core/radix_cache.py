@@ -111,25 +111,26 @@ class RadixCache:
             node = node.parent
 
     # -- insert -----------------------------------------------------------------------------
-    def insert(self, tokens: list[int], blocks: list[int], salt=None) -> int:
+    def insert(self, tokens: list[int], blocks: list[int], salt=None) -> tuple[int, RadixNode]:
         """Store the full blocks of `tokens` (block i holds tokens[i*bs:(i+1)*bs]).
 
-        Returns how many leading blocks were cached already (under these or other block ids):
-        the caller keeps ownership of those and drops its reference to them. The tree takes
-        over the caller's reference to every later block.
+        Returns (how many leading blocks were cached already, under these or other block ids;
+        the node where the inserted run ends). The tree keeps a reference of its own to every
+        block it stores from the first return value on: the caller must add it (incref).
         """
         chunks = self._chunks(tokens)[: len(blocks)]
         blocks = blocks[: len(chunks)]
         match = self.match([t for c in chunks for t in c], salt)
         have = match.num_blocks
+        node = match.node
         if have < len(chunks):
             new_tokens = tuple(t for c in chunks[have:] for t in c)
-            child = RadixNode(new_tokens, list(blocks[have:]), match.node)
-            child.touch()
-            match.node.children[chunks[have]] = child
-            self.num_cached_blocks += len(child.blocks)
-            self.num_evictable_blocks += len(child.blocks)
-        return have
+            node = RadixNode(new_tokens, list(blocks[have:]), match.node)
+            node.touch()
+            match.node.children[chunks[have]] = node
+            self.num_cached_blocks += len(node.blocks)
+            self.num_evictable_blocks += len(node.blocks)
+        return have, node
 
     # -- evict ------------------------------------------------------------------------------
     def evict(self, num_blocks: int) -> list[int]:

@@ -232,6 +232,7 @@ class Scheduler:
             if request.status.finished:
                 continue  # aborted while the step ran
             request.num_computed_tokens += num_new
+            self.kv.cache_computed_blocks(request)
             token = sampled.get(request.request_id)
             if token is None:
                 continue

@@ -15,7 +15,7 @@ def toks(*blocks: int) -> list[int]:
 def test_match_empty_and_partial_blocks_do_not_count():
     cache = RadixCache(BS)
     assert cache.match(toks(1, 2)).blocks == []
-    assert cache.insert(toks(1, 2) + [99, 98], [100, 101, 102]) == 0  # the partial third block is not stored
+    assert cache.insert(toks(1, 2) + [99, 98], [100, 101, 102])[0] == 0  # the partial third block is not stored
     assert cache.num_cached_blocks == 2
     assert cache.match(toks(1, 2)).blocks == [100, 101]
     assert cache.match(toks(1) + [10, 11]).blocks == [100]  # a partial block never matches
@@ -27,7 +27,7 @@ def test_match_across_a_node_split():
     m = cache.match(toks(1, 2, 7))  # diverges inside the node: split after two blocks
     assert m.blocks == [100, 101]
     assert cache.match(toks(1, 2, 3)).blocks == [100, 101, 102]
-    assert cache.insert(toks(1, 2, 7, 8), [200, 201, 202, 203]) == 2  # shares two blocks
+    assert cache.insert(toks(1, 2, 7, 8), [200, 201, 202, 203])[0] == 2  # shares two blocks
     assert cache.match(toks(1, 2, 7, 8)).blocks == [100, 101, 202, 203]
     assert cache.num_cached_blocks == 5
 
@@ -36,7 +36,7 @@ def test_insert_reports_blocks_already_cached_under_other_ids():
     cache = RadixCache(BS)
     cache.insert(toks(1, 2), [100, 101])
     # another request computed the same prefix in its own blocks: the tree keeps its own
-    assert cache.insert(toks(1, 2, 3), [300, 301, 302]) == 2
+    assert cache.insert(toks(1, 2, 3), [300, 301, 302])[0] == 2
     assert cache.match(toks(1, 2, 3)).blocks == [100, 101, 302]
 
 
