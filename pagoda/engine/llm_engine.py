@@ -80,6 +80,8 @@ class LLMEngine:
         if not isinstance(params, SamplingParams):
             raise ValueError(f"sampling_params must be a SamplingParams, got {type(params).__name__}")
         text, prompt_ids = self.tokenize_prompt(prompt)
+        if isinstance(prompt, dict) and prompt.get("cache_salt") is not None:
+            cache_salt = str(prompt["cache_salt"])  # vLLM's way: the salt rides with the prompt
         arrival_time = time.monotonic() if arrival_time is None else arrival_time
         samples = self._fan_out(request_id, params)
         requests = []

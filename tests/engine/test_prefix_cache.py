@@ -86,3 +86,13 @@ def test_eviction_under_pressure_keeps_outputs_exact(tiny_llama, uncached_llm):
         assert [o.outputs[0].token_ids for o in small.generate(prompts, GREEDY, use_tqdm=False)] == reference
     kv = small.engine.core.kv_manager
     assert kv.num_free_blocks == 14 and kv.usage() == 0.0
+
+
+def test_cache_salt_in_the_prompt_dict(cached_llm):
+    prompt = _prompts(6, 48, 1)[0]
+    salted = dict(prompt, cache_salt="tenant-x")
+    first = cached_llm.generate([salted], GREEDY, use_tqdm=False)[0]
+    again = cached_llm.generate([salted], GREEDY, use_tqdm=False)[0]
+    other = cached_llm.generate([dict(prompt, cache_salt="tenant-y")], GREEDY, use_tqdm=False)[0]
+    assert first.num_cached_tokens == 0 and again.num_cached_tokens == 48 and other.num_cached_tokens == 0
+    assert first.outputs[0].token_ids == again.outputs[0].token_ids == other.outputs[0].token_ids
