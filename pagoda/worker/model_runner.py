@@ -45,9 +45,17 @@ class ModelRunner:
             attn.bind_kv_cache(kv_cache[0, i], kv_cache[1, i])
 
     # -- batch layout -----------------------------------------------------------------------
+    # A short chunk over a cached prefix (a prefix-cache hit's remaining prompt tokens, the tail
+    # of a chunked prompt) runs as one decode row per token: row j attends to the first
+    # start + j + 1 positions, read in place by the paged kernel instead of gathering the prefix.
+    SHORT_CHUNK = 32
+
+    def _is_decode_like(self, request: Request, n: int) -> bool:
+        return n == 1 or (request.num_computed_tokens > 0 and n <= self.SHORT_CHUNK)
+
     def _layout(self, sched: SchedulerOutput) -> list[tuple[Request, int]]:
-        decodes = [(r, n) for r, n in sched.scheduled if n == 1]
-        prefills = [(r, n) for r, n in sched.scheduled if n > 1]
+        decodes = [(r, n) for r, n in sched.scheduled if self._is_decode_like(r, n)]
+        prefills = [(r, n) for r, n in sched.scheduled if not self._is_decode_like(r, n)]
         return decodes + prefills
 
     def _slots(self, request: Request, start: int, n: int) -> list[int]:
@@ -60,10 +68,12 @@ class ModelRunner:
         slots: list[int] = []
         prefills: list[PrefillSeq] = []
         num_decodes = 0
+        decode_entries = []
         for request, n in batch:
             start = request.num_computed_tokens
-            if n == 1:
-                num_decodes += 1
+            if self._is_decode_like(request, n):
+                num_decodes += n
+                decode_entries.append((request, n))
             else:
                 table = torch.tensor(request.block_ids, dtype=torch.long, device=self.device)
                 prefills.append(PrefillSeq(len(input_ids), n, start, table))
@@ -75,16 +85,22 @@ class ModelRunner:
             prefills=prefills, block_size=self.block_size,
         )
         if num_decodes:
-            self._decode_metadata(batch[:num_decodes], meta)
+            self._decode_metadata(decode_entries, meta)
         return torch.tensor(input_ids, dtype=torch.long), torch.tensor(positions, dtype=torch.long), meta
 
     def _decode_metadata(self, decodes: list[tuple[Request, int]], meta: AttentionMetadata) -> None:
+        """One row per decode token: its request's block table and how many positions it sees."""
+        rows = sum(n for _, n in decodes)
         max_blocks = max(len(r.block_ids) for r, _ in decodes)
-        tables = torch.zeros(len(decodes), max_blocks, dtype=torch.long)
-        lengths = torch.empty(len(decodes), dtype=torch.long)
-        for i, (r, _) in enumerate(decodes):
-            tables[i, : len(r.block_ids)] = torch.tensor(r.block_ids, dtype=torch.long)
-            lengths[i] = r.num_computed_tokens + 1
+        tables = torch.zeros(rows, max_blocks, dtype=torch.long)
+        lengths = torch.empty(rows, dtype=torch.long)
+        i = 0
+        for r, n in decodes:
+            table = torch.tensor(r.block_ids, dtype=torch.long)
+            for j in range(n):
+                tables[i, : len(r.block_ids)] = table
+                lengths[i] = r.num_computed_tokens + j + 1
+                i += 1
         meta.decode_block_tables = tables.to(self.device)
         meta.decode_seq_lens = lengths.to(self.device)
 
