@@ -58,7 +58,19 @@ def _serve_core(core: EngineCore, inbox, emit_outputs: Callable[[list[EngineCore
             emit_outputs([])
 
 
-class ThreadCoreClient:
+class _InboxClient:
+    """What both clients share: orders go to the core's loop through an inbox queue."""
+
+    _inbox: queue.SimpleQueue
+
+    def add(self, requests: list[Request]) -> None:
+        self._inbox.put(("add", requests, None))
+
+    def finish(self, core_ids: list[str], status: RequestStatus) -> None:
+        self._inbox.put(("finish", core_ids, status))
+
+
+class ThreadCoreClient(_InboxClient):
     def __init__(self, core: EngineCore, on_outputs: OnOutputs, on_failure: OnFailure) -> None:
         self.core = core
         self.limits: RequestLimits = core.limits
@@ -72,12 +84,6 @@ class ThreadCoreClient:
     @property
     def healthy(self) -> bool:
         return self.dead_error is None and self._thread.is_alive()
-
-    def add(self, requests: list[Request]) -> None:
-        self._inbox.put(("add", requests, None))
-
-    def finish(self, core_ids: list[str], status: RequestStatus) -> None:
-        self._inbox.put(("finish", core_ids, status))
 
     def stats(self) -> SchedulerStats:
         return self.core.stats()
@@ -111,7 +117,7 @@ def _process_main(config: EngineConfig, inbox, outbox) -> None:
         outbox.put(("failed", f"{type(e).__name__}: {e}", None))
 
 
-class ProcessCoreClient:
+class ProcessCoreClient(_InboxClient):
     def __init__(self, config: EngineConfig, on_outputs: OnOutputs, on_failure: OnFailure) -> None:
         ctx = mp.get_context("spawn")  # no fork after torch has started its thread pools
         self._inbox, self._outbox = ctx.Queue(), ctx.Queue()
@@ -131,12 +137,6 @@ class ProcessCoreClient:
     @property
     def healthy(self) -> bool:
         return self.dead_error is None and self._proc.is_alive()
-
-    def add(self, requests: list[Request]) -> None:
-        self._inbox.put(("add", requests, None))
-
-    def finish(self, core_ids: list[str], status: RequestStatus) -> None:
-        self._inbox.put(("finish", core_ids, status))
 
     def stats(self) -> SchedulerStats:
         return self._stats
