@@ -15,7 +15,7 @@ from pagoda.engine.async_llm import AsyncLLM
 from pagoda.entrypoints.openai.protocol import (
     ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest, now,
 )
-from pagoda.entrypoints.openai.serving import OpenAIError, Serving
+from pagoda.entrypoints.openai.serving import OpenAIError, Serving, bad_value
 
 logger = logging.getLogger("pagoda.server")
 
@@ -54,8 +54,6 @@ def build_app(engine: AsyncLLM, served_model_names: list[str], *, api_key: str |
 
     @app.exception_handler(ValueError)
     async def on_value_error(_request: Request, e: ValueError):
-        from pagoda.entrypoints.openai.serving import bad_value
-
         return _error(bad_value(e))
 
     @app.get("/health")

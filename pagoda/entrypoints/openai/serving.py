@@ -5,13 +5,14 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+from dataclasses import dataclass, field
 from collections.abc import AsyncIterator
 
 from pagoda.engine.async_llm import AsyncLLM
 from pagoda.entrypoints.openai.protocol import (
     ChatCompletionRequest, CompletionRequest, SamplingFields, UsageInfo, now, random_id,
 )
-from pagoda.outputs import PositionLogprobs, RequestOutput
+from pagoda.outputs import CompletionOutput, PositionLogprobs, RequestOutput
 
 logger = logging.getLogger("pagoda.requests")
 
@@ -126,6 +127,20 @@ class Serving:
             for t in tasks:
                 t.cancel()
 
+    async def _collect(self, prompts: list[list[int]], params_list, request_id: str, request: SamplingFields):
+        """Run prompts to the end (non-streaming). Returns the samples by (prompt index, sample
+        index), the prompt logprobs by prompt index, and the prompt tokens served from cache."""
+        samples: dict[tuple[int, int], _Sample] = {}
+        prompt_logprobs: dict[int, list] = {}
+        cached: dict[int, int] = {}
+        async for i, out in self._run_all(prompts, params_list, request_id, request.priority, request.cache_salt):
+            cached[i] = out.num_cached_tokens
+            if out.prompt_logprobs is not None:
+                prompt_logprobs[i] = out.prompt_logprobs
+            for c in out.outputs:
+                samples.setdefault((i, c.index), _Sample()).add(c)
+        return samples, prompt_logprobs, sum(cached.values())
+
     # -- completions ------------------------------------------------------------------------
     def _completion_prompts(self, request: CompletionRequest) -> list[tuple[str | None, list[int]]]:
         p = request.prompt
@@ -164,41 +179,27 @@ class Serving:
         ids_only = [ids for _, ids in prompts]
         if request.stream:
             return self._completion_stream(request, model, request_id, prompts, ids_only, params_list)
-        texts = {}
-        finals: dict[int, RequestOutput] = {}
-        pieces: dict[tuple[int, int], list] = {}
-        cached = {}
-        async for i, out in self._run_all(ids_only, params_list, request_id, request.priority, request.cache_salt):
-            cached[i] = out.num_cached_tokens
-            for c in out.outputs:
-                key = (i, c.index)
-                acc = pieces.setdefault(key, {"text": "", "token_ids": [], "logprobs": [], "finish": None, "stop": None})
-                acc["text"] += c.text
-                acc["token_ids"] += c.token_ids
-                acc["logprobs"] += c.logprobs or []
-                acc["finish"], acc["stop"] = c.finish_reason, c.stop_reason
-            if out.prompt_logprobs is not None:
-                texts[i] = out.prompt_logprobs
-            finals[i] = out
+        samples, prompt_logprobs, cached = await self._collect(ids_only, params_list, request_id, request)
         choices, completion_tokens = [], 0
         for i, (text, ids) in enumerate(prompts):
             for j in range(n):
-                acc = pieces.get((i, j), {"text": "", "token_ids": [], "logprobs": [], "finish": "abort", "stop": None})
-                completion_tokens += len(acc["token_ids"])
-                choice_text = acc["text"]
+                sample = samples.get((i, j), _Sample())
+                completion_tokens += len(sample.token_ids)
+                choice_text = sample.text
                 logprobs = None
                 if request.logprobs is not None:
-                    logprobs = self._completion_logprobs(acc["token_ids"], acc["logprobs"], request.logprobs)
+                    logprobs = self._completion_logprobs(sample.token_ids, sample.logprobs, request.logprobs)
                 if request.echo:
                     prompt_text = text if text is not None else self.tokenizer.decode(ids)
                     choice_text = prompt_text + choice_text
                     if logprobs is not None:
-                        logprobs = _merge(self._completion_logprobs(ids, texts.get(i) or [None] * len(ids), request.logprobs), logprobs)
+                        echoed = prompt_logprobs.get(i) or [None] * len(ids)
+                        logprobs = _merge(self._completion_logprobs(ids, echoed, request.logprobs), logprobs)
                 choices.append({"index": i * n + j, "text": choice_text, "logprobs": logprobs,
-                                "finish_reason": acc["finish"], "stop_reason": acc["stop"]})
+                                "finish_reason": sample.finish_reason, "stop_reason": sample.stop_reason})
         prompt_tokens = sum(len(ids) for _, ids in prompts)
         return {"id": request_id, "object": "text_completion", "created": now(), "model": model, "choices": choices,
-                "usage": _usage(prompt_tokens, completion_tokens, sum(cached.values()))}
+                "usage": _usage(prompt_tokens, completion_tokens, cached)}
 
     async def _completion_stream(self, request, model, request_id, prompts, ids_only, params_list):
         created = now()
@@ -283,23 +284,14 @@ class Serving:
         request_id = random_id("chatcmpl")
         if request.stream:
             return self._chat_stream(request, model, request_id, ids, params)
-        acc: dict[int, dict] = {}
-        cached = 0
-        async for _, out in self._run_all([ids], [params], request_id, request.priority, request.cache_salt):
-            cached = out.num_cached_tokens
-            for c in out.outputs:
-                a = acc.setdefault(c.index, {"text": "", "token_ids": [], "logprobs": [], "finish": None, "stop": None})
-                a["text"] += c.text
-                a["token_ids"] += c.token_ids
-                a["logprobs"] += c.logprobs or []
-                a["finish"], a["stop"] = c.finish_reason, c.stop_reason
+        samples, _, cached = await self._collect([ids], [params], request_id, request)
         choices, completion_tokens = [], 0
         for j in range(request.n):
-            a = acc.get(j, {"text": "", "token_ids": [], "logprobs": [], "finish": "abort", "stop": None})
-            completion_tokens += len(a["token_ids"])
-            choices.append({"index": j, "message": {"role": "assistant", "content": a["text"]},
-                            "logprobs": self._chat_logprobs(a["token_ids"], a["logprobs"], k) if request.logprobs else None,
-                            "finish_reason": a["finish"], "stop_reason": a["stop"]})
+            sample = samples.get((0, j), _Sample())
+            completion_tokens += len(sample.token_ids)
+            choices.append({"index": j, "message": {"role": "assistant", "content": sample.text},
+                            "logprobs": self._chat_logprobs(sample.token_ids, sample.logprobs, k) if request.logprobs else None,
+                            "finish_reason": sample.finish_reason, "stop_reason": sample.stop_reason})
         return {"id": request_id, "object": "chat.completion", "created": now(), "model": model, "choices": choices,
                 "usage": _usage(len(ids), completion_tokens, cached)}
 
@@ -338,6 +330,23 @@ class Serving:
             content.append({"token": chosen.decoded_token, "logprob": chosen.logprob,
                             "bytes": list(chosen.decoded_token.encode()), "top_logprobs": tops})
         return {"content": content}
+
+
+@dataclass
+class _Sample:
+    """One choice gathered from its deltas; a choice that produced nothing counts as aborted."""
+
+    text: str = ""
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[PositionLogprobs] = field(default_factory=list)
+    finish_reason: str | None = "abort"
+    stop_reason: int | str | None = None
+
+    def add(self, delta: CompletionOutput) -> None:
+        self.text += delta.text
+        self.token_ids += delta.token_ids
+        self.logprobs += delta.logprobs or []
+        self.finish_reason, self.stop_reason = delta.finish_reason, delta.stop_reason
 
 
 def _usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int) -> dict:
