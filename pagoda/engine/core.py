@@ -117,10 +117,10 @@ class EngineCore:
         self.scheduler.add_request(request)
 
     def abort_requests(self, request_ids: list[str]) -> None:
-        for rid in request_ids:
-            self.scheduler.finish_request(rid, RequestStatus.FINISHED_ABORTED)
+        self.finish_requests(request_ids, RequestStatus.FINISHED_ABORTED)
 
     def finish_requests(self, request_ids: list[str], status: RequestStatus) -> None:
+        """Finish requests from outside a step (abort, or a stop string the detokenizer saw)."""
         for rid in request_ids:
             self.scheduler.finish_request(rid, status)
 
