@@ -23,6 +23,7 @@ class ModelConfig:
     device: torch.device
     max_model_len: int
     chat_template: str | None = None
+    quantization: str | None = None  # None, "int8", "int4" or "gguf" (pagoda/layers/quantization.py)
 
     @property
     def name(self) -> str:
@@ -69,6 +70,7 @@ class EngineArgs:
     enforce_eager: bool = False
     enable_prefix_caching: bool = True
     device: str | None = None
+    quantization: str | None = None  # none | int8 | int4 | gguf (weight-only, CPU kernels)
     extra: dict = field(default_factory=dict)
 
     def create_engine_config(self) -> EngineConfig:
@@ -84,8 +86,14 @@ class EngineArgs:
         if self.max_model_len is not None and self.max_model_len > model_max:
             raise ValueError(f"max_model_len={self.max_model_len} is larger than the model's context ({model_max})")
         chat_template = _read_template(self.chat_template)
+        quantization = _check_quantization(self.quantization, files, device)
+        if quantization is not None:
+            from pagoda.loader.model_loader import QUANTIZATION_KEY
+
+            hf_config = {**hf_config, QUANTIZATION_KEY: quantization}  # how load_model receives it
         return EngineConfig(
-            model=ModelConfig(files, hf_config, architecture, dtype, device, self.max_model_len or model_max, chat_template),
+            model=ModelConfig(files, hf_config, architecture, dtype, device, self.max_model_len or model_max,
+                              chat_template, quantization),
             cache=CacheConfig(self.block_size, self.kv_cache_memory, self.gpu_memory_utilization, self.enable_prefix_caching),
             scheduler=SchedulerConfig(self.max_num_seqs, self.max_num_batched_tokens),
             seed=self.seed,
@@ -104,6 +112,17 @@ class EngineArgs:
         for ok, name, message in checks:
             if not ok:
                 raise ValueError(f"{name} {message}, got {getattr(self, name)!r}")
+
+
+def _check_quantization(quantization: str | None, files: ModelFiles, device: torch.device) -> str | None:
+    from pagoda.layers.quantization import check_quantization
+
+    mode = check_quantization(quantization)
+    if mode is not None and device.type != "cpu":
+        raise ValueError(f"quantization={mode!r} uses torch's CPU kernels; it needs device 'cpu', got {device.type!r}")
+    if mode == "gguf" and files.gguf_file is None:
+        raise ValueError(f"quantization='gguf' keeps a GGUF's own quantized weights, but {files.name!r} is not a GGUF file")
+    return mode
 
 
 def _read_template(template: str | None) -> str | None:

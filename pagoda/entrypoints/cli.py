@@ -25,6 +25,9 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--enforce-eager", action="store_true")
     g.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True,
                    help="share prompt prefixes between requests through a radix tree (default: on)")
+    g.add_argument("--quantization", default=None, choices=["none", "int8", "int4", "gguf"],
+                   help="weight-only quantization of the projections on torch's CPU kernels; gguf keeps a "
+                        "GGUF's Q4_0/Q4_1 weights as stored (default: none, weights dequantized)")
 
 
 def _add_sampling_args(p: argparse.ArgumentParser) -> None:
@@ -47,7 +50,7 @@ def _engine_args(ns: argparse.Namespace):
         max_num_batched_tokens=ns.max_num_batched_tokens, block_size=ns.block_size,
         kv_cache_memory=ns.kv_cache_memory, gpu_memory_utilization=ns.gpu_memory_utilization,
         seed=ns.seed, chat_template=ns.chat_template, enforce_eager=ns.enforce_eager,
-        enable_prefix_caching=ns.enable_prefix_caching,
+        enable_prefix_caching=ns.enable_prefix_caching, quantization=ns.quantization,
     )
 
 

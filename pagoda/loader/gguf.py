@@ -41,6 +41,8 @@ import torch
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 from gguf.quants import dequantize
 
+from pagoda.layers.quantization import PackedWeight
+
 logger = logging.getLogger(__name__)
 
 # general.architecture → (HF class, HF model_type)
@@ -769,11 +771,55 @@ def _check_config_matches(gf: GGUFFile, config: Mapping[str, Any]) -> None:
                          f"config says model_type {model_type!r}")
 
 
-def iter_gguf_weights(gguf_path: Path, config: Mapping[str, Any]) -> Iterator[tuple[str, torch.Tensor]]:
+# GGUF types kept as stored under ``--quantization gguf``: int4 in blocks of 32 with an fp16 scale
+# (and min), which the int4 kernel's groups hold exactly. Q8_0's per-block scales do not fit the
+# int8 kernel's one scale per row, so Q8_0 (like every other type) is dequantized.
+KEPT_QUANTIZED_TYPES = (GGMLQuantizationType.Q4_0, GGMLQuantizationType.Q4_1)
+
+
+class GGUFPackedWeight(PackedWeight):
+    """A Q4_0 / Q4_1 weight as stored: ``blocks`` is [rows, bytes per row] (a view of the file).
+
+    Block layout (ggml-common.h): fp16 ``d``, for Q4_1 fp16 ``m``, then 16 bytes of codes, element j
+    in the low nibble of byte j and element j + 16 in the high nibble. ``Q4_0: w = d * (q - 8)``;
+    ``Q4_1: w = d * q + m``.
+    """
+
+    int4_exact = True
+
+    def __init__(self, ggml_type: GGMLQuantizationType, blocks: np.ndarray, shape: tuple[int, ...]) -> None:
+        if ggml_type not in KEPT_QUANTIZED_TYPES:
+            raise ValueError(f"{ggml_type.name} is not kept quantized (only {[t.name for t in KEPT_QUANTIZED_TYPES]})")
+        self.ggml_type, self.blocks, self.shape = ggml_type, blocks, tuple(shape)
+
+    def dequantize(self) -> torch.Tensor:
+        w = np.asarray(dequantize(np.ascontiguousarray(self.blocks), self.ggml_type), dtype=np.float32)
+        return torch.from_numpy(w.reshape(self.shape))
+
+    def int4_groups(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        rows, cols = self.shape
+        block_size, type_size = GGML_QUANT_SIZES[self.ggml_type]
+        blocks = np.ascontiguousarray(self.blocks).reshape(rows, cols // block_size, type_size)
+        d = blocks[..., 0:2].copy().view(np.float16)[..., 0].astype(np.float32)
+        header = 2 if self.ggml_type == GGMLQuantizationType.Q4_0 else 4
+        qs = blocks[..., header:]
+        codes = np.concatenate([qs & 0x0F, qs >> 4], axis=-1).reshape(rows, cols)
+        if self.ggml_type == GGMLQuantizationType.Q4_0:
+            zero = np.zeros_like(d)  # d * (q - 8)
+        else:
+            m = blocks[..., 2:4].copy().view(np.float16)[..., 0].astype(np.float32)
+            zero = m + np.float32(8.0) * d  # d * q + m == d * (q - 8) + (m + 8 d)
+        return torch.from_numpy(codes), torch.from_numpy(d), torch.from_numpy(zero)
+
+
+def iter_gguf_weights(gguf_path: Path, config: Mapping[str, Any], *,
+                      keep_quantized: bool = False) -> Iterator[tuple[str, torch.Tensor | GGUFPackedWeight]]:
     """Yield ``(hf_parameter_name, float32 tensor in HF shape)`` for every weight in the GGUF.
 
     ``config`` is the HF config dict (as ``convert_gguf_metadata`` writes it); head counts come from
-    it. Raises ValueError, before yielding anything, for an invalid/truncated file, an unsupported
+    it. With ``keep_quantized``, 2-D weights of a ``KEPT_QUANTIZED_TYPES`` type come as a
+    ``GGUFPackedWeight`` (the stored blocks, rows un-permuted like the float path) instead.
+    Raises ValueError, before yielding anything, for an invalid/truncated file, an unsupported
     architecture, a tensor type pagoda cannot dequantize, or a shape that disagrees with the config.
     """
     gf = read_gguf(gguf_path)
@@ -782,7 +828,9 @@ def iter_gguf_weights(gguf_path: Path, config: Mapping[str, Any]) -> Iterator[tu
     heads = config["num_attention_heads"]
     kv_heads = config.get("num_key_value_heads") or heads
     for info, hf_name in _plan_weights(gf, config):
-        w = gf.dequantized(info)
+        packed = keep_quantized and info.ggml_type in KEPT_QUANTIZED_TYPES and len(info.shape) == 2
+        w = gf.stored_array(info) if packed else gf.dequantized(info)
+        # Row permutations act on whole rows, so they apply to stored blocks as to floats.
         if arch == "llama" and ".self_attn.q_proj." in hf_name:
             w = _unpermute_rows(w, heads)
         elif arch == "llama" and ".self_attn.k_proj." in hf_name:
@@ -790,6 +838,9 @@ def iter_gguf_weights(gguf_path: Path, config: Mapping[str, Any]) -> Iterator[tu
         elif arch == "gemma3" and hf_name.endswith("norm.weight"):
             # llama.cpp's converter stores Gemma's RMSNorm weight as (1 + w); HF keeps w.
             w = w - 1.0
+        if packed:
+            yield hf_name, GGUFPackedWeight(info.ggml_type, w, info.shape)
+            continue
         w = np.ascontiguousarray(w, dtype=np.float32)
         if not w.flags.writeable:  # a view of the read-only mapping (F32 tensors)
             w = w.copy()

@@ -2,22 +2,42 @@
 
 from __future__ import annotations
 
+import logging
+
 import torch
 from torch import nn
 
+from pagoda.layers.quantization import check_quantization, quantize_linears
 from pagoda.layers.rotary import RotaryEmbedding
 from pagoda.loader.resolve import ModelFiles
 from pagoda.models.registry import resolve_architecture
 
+logger = logging.getLogger(__name__)
 
-def load_model(files: ModelFiles, hf_config: dict, dtype: torch.dtype, device: torch.device, max_position: int) -> nn.Module:
+# Where EngineArgs records --quantization in the hf_config it hands to the engine, so that
+# load_model sees it through its existing arguments (see docs/architecture.md, "Quantization").
+QUANTIZATION_KEY = "pagoda_quantization"
+
+
+def load_model(files: ModelFiles, hf_config: dict, dtype: torch.dtype, device: torch.device, max_position: int,
+               quantization: str | None = None) -> nn.Module:
+    """``quantization`` (default: ``hf_config[QUANTIZATION_KEY]``): None, "int8", "int4" or "gguf"."""
+    quantization = check_quantization(quantization or hf_config.get(QUANTIZATION_KEY))
+    if quantization == "gguf" and files.gguf_file is None:
+        raise ValueError(f"quantization='gguf' keeps a GGUF's own quantized weights, but {files.name!r} is not a GGUF")
     _, model_cls = resolve_architecture(hf_config)
     with torch.device("meta"):
         model = model_cls(hf_config, max_position)
     model = model.to_empty(device="cpu")
     _init_buffers(model)
-    model.load_weights(_weights(files, hf_config))
-    return model.to(device=device, dtype=dtype).eval()
+    model.load_weights(_weights(files, hf_config, keep_quantized=quantization == "gguf"))
+    model = model.to(device=device, dtype=dtype).eval()
+    if quantization is not None:
+        packed = getattr(model, "packed_weights", None)
+        count = quantize_linears(model, quantization, packed)
+        model.packed_weights = {}  # drop the stored blocks (views of the mapped file)
+        logger.info("quantization=%s: %d projection layers quantized", quantization, count)
+    return model
 
 
 def _init_buffers(model: nn.Module) -> None:
@@ -27,11 +47,11 @@ def _init_buffers(model: nn.Module) -> None:
             module.reset_cache()
 
 
-def _weights(files: ModelFiles, hf_config: dict):
+def _weights(files: ModelFiles, hf_config: dict, keep_quantized: bool = False):
     if files.gguf_file is not None:
         from pagoda.loader.gguf import iter_gguf_weights
 
-        return iter_gguf_weights(files.gguf_file, hf_config)
+        return iter_gguf_weights(files.gguf_file, hf_config, keep_quantized=keep_quantized)
     from pagoda.loader.safetensors import iter_safetensors_weights
 
     return iter_safetensors_weights(files.metadata_dir)

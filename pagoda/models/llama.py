@@ -15,6 +15,7 @@ from torch import nn
 
 from pagoda.layers.attention import PagedAttention
 from pagoda.layers.norm import RMSNorm
+from pagoda.layers.quantization import QUANTIZED_LINEARS, PackedWeight, can_pack
 from pagoda.layers.rotary import RotaryEmbedding
 from pagoda.models.config import TransformerConfig
 
@@ -122,10 +123,16 @@ class LlamaForCausalLM(nn.Module):
 
     # -- weights ----------------------------------------------------------------------------
     @torch.no_grad()
-    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
-        """Copy checkpoint tensors (Hugging Face names) into the merged parameters."""
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor | PackedWeight]]) -> None:
+        """Copy checkpoint tensors (Hugging Face names) into the merged parameters.
+
+        A ``PackedWeight`` (a loader's stored quantized form) for a projection that can keep it is
+        set aside in ``self.packed_weights`` (weight name → shards in order) for
+        ``quantize_linears``; anything else is dequantized into the float parameter.
+        """
         params = dict(self.named_parameters())
         loaded: set[str] = set()
+        packed: dict[str, dict[int | None, PackedWeight]] = {}
         for name, tensor in weights:
             if "rotary_emb.inv_freq" in name:
                 continue
@@ -139,13 +146,30 @@ class LlamaForCausalLM(nn.Module):
                     break
             if target not in params:
                 raise ValueError(f"checkpoint tensor {name!r} has no place in {type(self).__name__}")
-            param = params[target]
-            if shard is None:
-                _copy_checked(param.data, tensor, name)
-            else:
-                _copy_checked(self._shard_view(target, param.data, shard), tensor, name)
             loaded.add(f"{target}#{shard}")
+            if isinstance(tensor, PackedWeight):
+                if target.endswith(".weight") and target.split(".")[-2] in QUANTIZED_LINEARS:
+                    data = params[target].data
+                    want = data.shape if shard is None else self._shard_view(target, data, shard).shape
+                    if tuple(tensor.shape) != tuple(want):
+                        raise ValueError(f"checkpoint tensor {name!r} has shape {tuple(tensor.shape)}, expected {tuple(want)}")
+                    packed.setdefault(target, {})[shard] = tensor
+                    continue
+                tensor = tensor.dequantize()
+            self._copy_shard(params, target, shard, tensor, name)
         self._check_all_loaded(params, loaded)
+        self.packed_weights: dict[str, list[PackedWeight]] = {}
+        for target, shards in packed.items():
+            ordered = [shards[i] for i in sorted(shards, key=lambda i: -1 if i is None else i)]
+            if can_pack(ordered):
+                self.packed_weights[target] = ordered
+            else:  # e.g. Q4_0 q/k with a Q8_0 v: the merged layer stays float
+                for shard, tensor in shards.items():
+                    self._copy_shard(params, target, shard, tensor.dequantize(), target)
+
+    def _copy_shard(self, params: dict, target: str, shard: int | None, tensor: torch.Tensor, name: str) -> None:
+        data = params[target].data
+        _copy_checked(data if shard is None else self._shard_view(target, data, shard), tensor, name)
 
     def _shard_view(self, target: str, data: torch.Tensor, shard: int) -> torch.Tensor:
         cfg = self.config

@@ -1,0 +1,243 @@
+"""Weight-only quantized linear layers on torch's CPU kernels.
+
+Three modes (``--quantization``):
+
+- ``int8``: symmetric per-output-channel int8, ``w = q * scale``, q in [-128, 127]; the matmul is
+  ``aten._weight_int8pack_mm``.
+- ``int4``: asymmetric group-wise int4 (groups of ``INT4_GROUP_SIZE`` along the input dimension),
+  ``w = (q - 8) * scale + zero``, q in [0, 15]; the weight is packed by
+  ``aten._convert_weight_to_int4pack_for_cpu`` and the matmul is ``aten._weight_int4pack_mm_for_cpu``.
+- ``gguf``: a GGUF's Q4_0 / Q4_1 weights kept as they are stored. Both are int4 in groups of 32,
+  ``Q4_0: w = d * (q - 8)`` and ``Q4_1: w = d * q + m``, so they map onto the int4 kernel's layout
+  with ``scale = d`` and ``zero = 0`` (Q4_0) or ``zero = m + 8 d`` (Q4_1): the codes are copied, never
+  re-quantized.
+
+The kernels' activation dtype (``compute_dtype``) is bf16: on this kind of CPU (AVX2, no AMX) their
+fp32 and fp16 paths run 10-60x slower than an fp32 ``nn.Linear``, while the bf16 path beats it at
+batch 1 (benchmarks/README.md). A layer therefore casts its input to bf16 and its output back to the
+model's dtype; the scales live in bf16 too, as the kernels require. With ``compute_dtype=float32``
+the same layers compute exactly with the stored values (slowly), which is how the tests check that
+a repacked GGUF weight is the dequantized weight bit for bit.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+
+import torch
+from torch import nn
+
+logger = logging.getLogger(__name__)
+
+QUANTIZATION_MODES = ("int8", "int4", "gguf")
+INT4_GROUP_SIZE = 32
+COMPUTE_DTYPE = torch.bfloat16  # the kernels' only fast activation dtype on CPU
+# The projections that get quantized; the embedding, lm_head and norms stay in the model dtype.
+QUANTIZED_LINEARS = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")
+
+
+class PackedWeight:
+    """A weight handed over by a loader in a stored quantized form (e.g. GGUF blocks).
+
+    Where ``int4_exact`` is true, ``int4_groups`` gives that form exactly as int4 codes with a scale
+    and zero per group of ``INT4_GROUP_SIZE`` (``w = (q - 8) * scale + zero``); ``dequantize`` gives
+    the float32 weight in every case.
+    """
+
+    shape: tuple[int, ...]
+    int4_exact: bool = False
+
+    def dequantize(self) -> torch.Tensor:
+        raise NotImplementedError
+
+    def int4_groups(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        raise ValueError(f"{type(self).__name__} has no exact int4 form")
+
+
+def _matmul_input(x: torch.Tensor, in_features: int, compute_dtype: torch.dtype) -> torch.Tensor:
+    return x.reshape(-1, in_features).to(compute_dtype)
+
+
+def _finish(y: torch.Tensor, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    y = y.to(x.dtype)
+    if bias is not None:
+        y = y + bias
+    return y.reshape(*x.shape[:-1], y.shape[-1])
+
+
+class Int8Linear(nn.Module):
+    """``y = x @ (q * scale).T + bias`` with ``aten._weight_int8pack_mm``."""
+
+    def __init__(self, qweight: torch.Tensor, scales: torch.Tensor, bias: torch.Tensor | None = None) -> None:
+        super().__init__()
+        self.out_features, self.in_features = qweight.shape
+        self.register_buffer("qweight", qweight.contiguous())
+        self.register_buffer("scales", scales.contiguous())
+        self.register_buffer("bias", bias)
+
+    @property
+    def compute_dtype(self) -> torch.dtype:
+        return self.scales.dtype
+
+    @classmethod
+    def from_float(cls, weight: torch.Tensor, bias: torch.Tensor | None = None,
+                   compute_dtype: torch.dtype = COMPUTE_DTYPE) -> "Int8Linear":
+        w = weight.detach().float()
+        # Round the scale to the kernel's dtype first, then the codes against it: the layer
+        # computes with exactly q * scale, no second rounding of the scale.
+        scales = (w.abs().amax(dim=1) / 127.0).clamp(min=1e-8).to(compute_dtype)
+        q = torch.round(w / scales.float()[:, None]).clamp_(-128, 127).to(torch.int8)
+        return cls(q, scales, None if bias is None else bias.detach())
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = torch.ops.aten._weight_int8pack_mm(_matmul_input(x, self.in_features, self.compute_dtype),
+                                               self.qweight, self.scales)
+        return _finish(y, x, self.bias)
+
+    def dequantize(self) -> torch.Tensor:
+        """The float32 weight this layer multiplies by."""
+        return self.qweight.float() * self.scales.float()[:, None]
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, int8 per channel, {self.compute_dtype}"
+
+
+class Int4Linear(nn.Module):
+    """``y = x @ W.T + bias`` with W int4 in groups: ``w = (q - 8) * scale + zero``,
+    via ``aten._weight_int4pack_mm_for_cpu``."""
+
+    def __init__(self, packed: torch.Tensor, scales_and_zeros: torch.Tensor, group_size: int,
+                 bias: torch.Tensor | None = None) -> None:
+        super().__init__()
+        self.out_features = packed.shape[0]
+        self.in_features = packed.shape[1] * 2
+        self.group_size = group_size
+        self.register_buffer("qweight", packed)  # uint8 [N, K/2], the kernel's own layout
+        self.register_buffer("scales_and_zeros", scales_and_zeros)  # [K/G, N, 2]
+        self.register_buffer("bias", bias)
+
+    @property
+    def compute_dtype(self) -> torch.dtype:
+        return self.scales_and_zeros.dtype
+
+    @staticmethod
+    def supports(out_features: int, in_features: int, group_size: int = INT4_GROUP_SIZE) -> bool:
+        """Shapes the CPU packing accepts: N a multiple of 16, K of the group size."""
+        return out_features % 16 == 0 and in_features % group_size == 0
+
+    @classmethod
+    def from_groups(cls, codes: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor,
+                    bias: torch.Tensor | None = None, group_size: int = INT4_GROUP_SIZE,
+                    compute_dtype: torch.dtype = COMPUTE_DTYPE) -> "Int4Linear":
+        """From codes [N, K] in 0..15 and scale, zero [N, K/G] (``w = (q - 8) * scale + zero``)."""
+        n, k = codes.shape
+        if not cls.supports(n, k, group_size):
+            raise ValueError(f"int4 packing needs out_features % 16 == 0 and in_features % {group_size} == 0, "
+                             f"got {n} x {k}")
+        packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes.to(torch.int32).contiguous(), 1)
+        scales_and_zeros = torch.stack([scale, zero], dim=-1).transpose(0, 1).to(compute_dtype).contiguous()
+        return cls(packed, scales_and_zeros, group_size, None if bias is None else bias.detach())
+
+    @classmethod
+    def from_float(cls, weight: torch.Tensor, bias: torch.Tensor | None = None, group_size: int = INT4_GROUP_SIZE,
+                   compute_dtype: torch.dtype = COMPUTE_DTYPE) -> "Int4Linear":
+        """Min/max asymmetric quantization per group of ``group_size`` inputs."""
+        w = weight.detach().float()
+        n, k = w.shape
+        groups = w.reshape(n, k // group_size, group_size)
+        lo, hi = groups.amin(dim=-1), groups.amax(dim=-1)
+        # As for int8: scale and zero in the kernel's dtype first, the codes against those values.
+        scale = ((hi - lo) / 15.0).clamp(min=1e-8).to(compute_dtype).float()
+        zero = (lo + 8.0 * scale).to(compute_dtype).float()
+        codes = torch.round((groups - zero[..., None]) / scale[..., None] + 8.0).clamp_(0, 15)
+        return cls.from_groups(codes.reshape(n, k), scale, zero, bias, group_size, compute_dtype)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = torch.ops.aten._weight_int4pack_mm_for_cpu(_matmul_input(x, self.in_features, self.compute_dtype),
+                                                       self.qweight, self.group_size, self.scales_and_zeros)
+        return _finish(y, x, self.bias)
+
+    def dequantize(self) -> torch.Tensor:
+        """The float32 weight this layer multiplies by: the kernel itself, in fp32, applied to the
+        identity (exact: each output is one product ``1 * w`` plus zeros)."""
+        eye = torch.eye(self.in_features, dtype=torch.float32)
+        sz = self.scales_and_zeros.float()
+        return torch.ops.aten._weight_int4pack_mm_for_cpu(eye, self.qweight, self.group_size, sz).T.contiguous()
+
+    def extra_repr(self) -> str:
+        return (f"in_features={self.in_features}, out_features={self.out_features}, "
+                f"int4 groups of {self.group_size}, {self.compute_dtype}")
+
+
+def can_pack(shards: Sequence[PackedWeight]) -> bool:
+    """Whether ``shards`` (stacked along the output dimension, as merged QKV and gate/up are) have
+    an exact int4 form the CPU packing accepts."""
+    if not shards or not all(s.int4_exact for s in shards):
+        return False
+    in_features = {s.shape[1] for s in shards}
+    return len(in_features) == 1 and Int4Linear.supports(sum(s.shape[0] for s in shards), in_features.pop())
+
+
+def int4_from_packed(shards: Sequence[PackedWeight], bias: torch.Tensor | None = None,
+                     compute_dtype: torch.dtype = COMPUTE_DTYPE) -> Int4Linear:
+    """An Int4Linear holding ``shards`` (stacked along the output dimension) exactly as stored."""
+    if not can_pack(shards):
+        raise ValueError("these weights have no exact int4 form that packs")
+    codes, scale, zero = (torch.cat(parts, dim=0) for parts in zip(*(s.int4_groups() for s in shards)))
+    return Int4Linear.from_groups(codes, scale, zero, bias, INT4_GROUP_SIZE, compute_dtype)
+
+
+def check_quantization(mode: str | None) -> str | None:
+    """Normalize a ``--quantization`` value: None / "none" → None; otherwise one of QUANTIZATION_MODES."""
+    if mode is None or str(mode).lower() in ("none", ""):
+        return None
+    name = str(mode).lower()
+    if name not in QUANTIZATION_MODES:
+        raise ValueError(f"quantization must be one of none, {', '.join(QUANTIZATION_MODES)}; got {mode!r}")
+    return name
+
+
+def quantize_linears(model: nn.Module, mode: str, packed: dict[str, list[PackedWeight]] | None = None,
+                     compute_dtype: torch.dtype = COMPUTE_DTYPE) -> int:
+    """Replace the model's projection layers (``QUANTIZED_LINEARS``) with quantized ones, in place.
+
+    ``int8``/``int4`` quantize the loaded float weights. ``gguf`` repacks the stored blocks in
+    ``packed`` (linear weight name → its shards, as the loader handed them over); a layer without
+    an exact int4 form keeps its dequantized float weight. Returns how many layers were replaced.
+    """
+    mode = check_quantization(mode)
+    replaced, kept = 0, []
+    for name, module in list(model.named_modules()):
+        if not isinstance(module, nn.Linear) or name.rsplit(".", 1)[-1] not in QUANTIZED_LINEARS:
+            continue
+        bias = module.bias
+        if mode == "gguf":
+            shards = (packed or {}).get(f"{name}.weight")
+            new = int4_from_packed(shards, bias, compute_dtype) if shards else None
+        elif mode == "int8":
+            new = Int8Linear.from_float(module.weight, bias, compute_dtype)
+        elif Int4Linear.supports(module.out_features, module.in_features):
+            new = Int4Linear.from_float(module.weight, bias, INT4_GROUP_SIZE, compute_dtype)
+        else:
+            new = None
+        if new is None:
+            kept.append(name)
+            continue
+        model.set_submodule(name, new)
+        replaced += 1
+    if kept:
+        logger.info("quantization=%s: %d projections kept in float (no exact or supported packed form), e.g. %s",
+                    mode, len(kept), kept[:3])
+    return replaced
+
+
+def weight_bytes(model: nn.Module) -> int:
+    """Bytes held by the model's parameters and buffers (each tensor counted once)."""
+    seen, total = set(), 0
+    for t in list(model.parameters()) + list(model.buffers()):
+        key = (t.data_ptr(), t.nbytes)
+        if key not in seen:
+            seen.add(key)
+            total += t.nbytes
+    return total
