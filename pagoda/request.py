@@ -11,10 +11,14 @@ import enum
 import itertools
 import time
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 
 from pagoda.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from pagoda.structured_output.manager import GrammarState
 
 
 class RequestStatus(enum.Enum):
@@ -64,6 +68,8 @@ class Request:
     num_prompt_logprobs_done: int = 0
     first_scheduled_time: float | None = None
     num_cached_tokens: int | None = None  # prompt tokens served from the prefix cache (first admission)
+    # The compiled constraint and its matcher (structured outputs); set by the engine core.
+    grammar: "GrammarState | None" = field(default=None, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         self.all_token_ids: list[int] = list(self.prompt_token_ids)
@@ -75,6 +81,7 @@ class Request:
         # the seed (torch.Generator does not pickle).
         state = dict(self.__dict__)
         state["generator"] = None
+        state["grammar"] = None  # compiled in the core, from sampling_params.structured_outputs
         return state
 
     def __setstate__(self, state: dict) -> None:
@@ -93,6 +100,11 @@ class Request:
     @property
     def num_output_tokens(self) -> int:
         return len(self.output_token_ids)
+
+    @property
+    def waiting_for_grammar(self) -> bool:
+        """Its constraint is still compiling: the scheduler must not admit it yet."""
+        return self.grammar is not None and not self.grammar.is_ready()
 
     @property
     def is_finished(self) -> bool:

@@ -16,6 +16,53 @@ _GREEDY_EPS = 1e-5
 
 
 @dataclass
+class StructuredOutputsParams:
+    """A constraint on the output, exactly one of:
+
+    json: a JSON schema (dict or JSON text); json_object: any JSON object; regex: a regular
+    expression; choice: one of these strings; grammar: an EBNF grammar (GBNF-style, root rule
+    `root`). The engine compiles it with xgrammar and masks every sampled token to it.
+    """
+
+    json: dict | str | None = None
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool = False
+    whitespace_flexible: bool = False  # allow any JSON whitespace (off: compact JSON, as models write it)
+
+    def __post_init__(self) -> None:
+        given = [name for name in ("json", "regex", "choice", "grammar") if getattr(self, name) is not None]
+        if self.json_object:
+            given.append("json_object")
+        if len(given) != 1:
+            raise ValueError(
+                "structured_outputs takes exactly one of json, json_object, regex, choice, grammar; "
+                f"got {', '.join(given) if given else 'none'}"
+            )
+        if self.json is not None:
+            _check(isinstance(self.json, (dict, str)), "structured_outputs.json", "must be a JSON schema (an object or JSON text)")
+        if self.regex is not None:
+            _check(isinstance(self.regex, str) and self.regex != "", "structured_outputs.regex", "must be a non-empty string")
+        if self.choice is not None:
+            _check(isinstance(self.choice, list) and len(self.choice) > 0
+                   and all(isinstance(c, str) and c for c in self.choice),
+                   "structured_outputs.choice", "must be a non-empty list of non-empty strings")
+        if self.grammar is not None:
+            _check(isinstance(self.grammar, str) and self.grammar.strip() != "", "structured_outputs.grammar", "must be a non-empty EBNF string")
+
+    @property
+    def kind(self) -> str:
+        for name in ("json", "regex", "choice", "grammar"):
+            if getattr(self, name) is not None:
+                return name
+        return "json_object"
+
+
+GuidedDecodingParams = StructuredOutputsParams  # vLLM's older name
+
+
+@dataclass
 class SamplingParams:
     """What to generate and how, in vLLM's shape.
 
@@ -45,6 +92,7 @@ class SamplingParams:
     skip_special_tokens: bool = True
     spaces_between_special_tokens: bool = True
     output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
+    structured_outputs: StructuredOutputsParams | None = None
     # Filled by the engine: the tokens that end generation besides stop_token_ids (the model's eos).
     all_stop_token_ids: set[int] = field(default_factory=set, repr=False)
 
@@ -85,6 +133,9 @@ class SamplingParams:
             for tok, bias in self.logit_bias.items():
                 _check(isinstance(tok, int) and tok >= 0, "logit_bias", f"keys must be token ids, got {tok!r}")
                 _check_number(bias, "logit_bias", lo=-100.0, hi=100.0)
+        if self.structured_outputs is not None:
+            _check(isinstance(self.structured_outputs, StructuredOutputsParams), "structured_outputs",
+                   f"must be a StructuredOutputsParams, got {type(self.structured_outputs).__name__}")
         if self.top_k == -1:
             self.top_k = 0
 

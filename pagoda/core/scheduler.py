@@ -24,11 +24,14 @@ The scheduler never touches tensors; it sees KV memory only through KVCacheManag
 
 from __future__ import annotations
 
+import logging
 import time
 from dataclasses import dataclass, field
 
 from pagoda.core.kv_cache_manager import KVCacheManager
 from pagoda.request import Request, RequestStatus
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass
@@ -161,9 +164,9 @@ class Scheduler:
 
     def _preempt_for_priority(self, now: float, out: SchedulerOutput) -> Request | None:
         """Preempt low-priority running work that stands in the way of the first waiting request."""
-        if not self._waiting or not self.running:
+        head = self._first_admissible()
+        if head is None or not self.running:
             return None
-        head = self._waiting[0]
         favored = None
         while self.running:
             victim = self.running[-1]
@@ -198,6 +201,10 @@ class Scheduler:
         self._waiting.append(request)
         self._waiting.sort(key=self._key(time.monotonic()))
 
+    def _first_admissible(self) -> Request | None:
+        """The first waiting request in order, passing over those whose grammar still compiles."""
+        return next((r for r in self._waiting if not r.waiting_for_grammar), None)
+
     def _under_pressure(self, extra_blocks: int) -> bool:
         """Above the pressure threshold, keep a block of headroom per running request."""
         if not self.running or self.kv.usage() < self.admission_pressure_threshold:
@@ -205,8 +212,10 @@ class Scheduler:
         return self.kv.num_free_blocks - extra_blocks < len(self.running)
 
     def _admit_waiting(self, out: SchedulerOutput, budget: int, favored: Request | None) -> None:
-        while budget > 0 and len(self.running) < self.max_num_seqs and self._waiting:
-            request = self._waiting[0]
+        while budget > 0 and len(self.running) < self.max_num_seqs:
+            request = self._first_admissible()
+            if request is None:
+                return
             cached = self.kv.match_prefix(request)
             if request.num_cached_tokens is None:
                 request.num_cached_tokens = cached
@@ -216,7 +225,7 @@ class Scheduler:
                 self.kv.free(request)  # give back the matched prefix; it stays cached
                 request.num_computed_tokens = 0
                 return
-            self._waiting.pop(0)
+            self._waiting.remove(request)
             request.status = RequestStatus.RUNNING
             if request.first_scheduled_time is None:
                 request.first_scheduled_time = time.monotonic()
@@ -237,7 +246,7 @@ class Scheduler:
             if token is None:
                 continue
             request.append_output_token(token)
-            if self._check_stop(request, token):
+            if self._check_stop(request, token) or self._grammar_done(request, token):
                 self._finish(request)
                 finished.append(request)
         return finished
@@ -257,6 +266,20 @@ class Scheduler:
             return True
         if request.num_tokens >= self.max_model_len:
             request.status = RequestStatus.FINISHED_LENGTH
+            return True
+        return False
+
+    @staticmethod
+    def _grammar_done(request: Request, token: int) -> bool:
+        """Advance a constrained request's matcher; it stops when its grammar is complete."""
+        if request.grammar is None:
+            return False
+        if not request.grammar.accept(token):
+            logger.warning("request %s: token %d breaks its grammar; stopping it", request.request_id, token)
+            request.status = RequestStatus.FINISHED_STOPPED
+            return True
+        if request.grammar.is_terminated():
+            request.status = RequestStatus.FINISHED_STOPPED
             return True
         return False
 

@@ -17,6 +17,7 @@ from pagoda.core.scheduler import Scheduler, SchedulerStats
 from pagoda.loader.model_loader import load_model
 from pagoda.platform import available_memory_bytes
 from pagoda.request import Request, RequestStatus
+from pagoda.structured_output.manager import StructuredOutputManager
 from pagoda.worker.kv_cache import GiB, allocate_kv_cache, bytes_per_block
 from pagoda.worker.model_runner import ModelRunner, TokenLogprobs
 
@@ -88,6 +89,8 @@ class EngineCore:
         self.runner = ModelRunner(self.model, self.kv_cache, block_size, mc.device, generator)
         self.num_steps = 0
         self.limits = RequestLimits(self.max_model_len, cfg.vocab_size, self.num_blocks)
+        self._structured_outputs: StructuredOutputManager | None = None
+        self._compiling: list[Request] = []  # constrained requests whose grammar is not compiled yet
 
     def _num_blocks(self) -> int:
         cfg, mc, cc = self.model.config, self.config.model, self.config.cache
@@ -114,7 +117,37 @@ class EngineCore:
 
     def add_request(self, request: Request) -> None:
         self.validate_request(request)
+        constraint = request.sampling_params.structured_outputs
+        if constraint is not None:
+            request.grammar = self.structured_outputs.grammar_for(constraint)
+            self._compiling.append(request)
         self.scheduler.add_request(request)
+
+    @property
+    def structured_outputs(self) -> StructuredOutputManager:
+        """Built on the first constrained request (xgrammar's tokenizer tables cost ~0.5 s)."""
+        if self._structured_outputs is None:
+            from pagoda.tokenizer import Tokenizer
+
+            metadata_dir = self.config.model.files.metadata_dir
+            stop_ids = Tokenizer(metadata_dir).eos_token_ids
+            self._structured_outputs = StructuredOutputManager(metadata_dir, self.model.config.vocab_size, stop_ids)
+        return self._structured_outputs
+
+    def _grammar_failures(self) -> list[EngineCoreOutput]:
+        """Finish requests whose grammar failed to compile; drop compiled ones from the watch list."""
+        failed, pending = [], []
+        for request in self._compiling:
+            if request.is_finished or not request.waiting_for_grammar:
+                if request.grammar.error is not None and not request.is_finished:
+                    logger.error("request %s: grammar compilation failed: %s", request.request_id, request.grammar.error)
+                    request.stop_reason = f"grammar compilation failed: {request.grammar.error}"
+                    self.scheduler.finish_request(request.request_id, RequestStatus.FINISHED_ABORTED)
+                    failed.append(EngineCoreOutput(request.request_id, [], "abort", request.stop_reason))
+                continue
+            pending.append(request)
+        self._compiling = pending
+        return failed
 
     def abort_requests(self, request_ids: list[str]) -> None:
         self.finish_requests(request_ids, RequestStatus.FINISHED_ABORTED)
@@ -132,13 +165,17 @@ class EngineCore:
 
     # -- the step ---------------------------------------------------------------------------
     def step(self) -> list[EngineCoreOutput]:
+        failed = self._grammar_failures() if self._compiling else []
         sched = self.scheduler.schedule()
         if sched.is_empty:
-            return []
+            if self._compiling and not failed:
+                # Only requests waiting for their grammar: sleep until one compiles, not spin.
+                StructuredOutputManager.wait_any([r.grammar for r in self._compiling], timeout=0.05)
+            return failed
         result = self.runner.execute(sched)
         finished = {r.request_id for r in self.scheduler.update(sched, result.sampled)}
         self.num_steps += 1
-        outputs = []
+        outputs = failed
         for request, _ in sched.scheduled:
             rid = request.request_id
             token = result.sampled.get(rid)

@@ -17,6 +17,7 @@ from pagoda.engine.output_processor import OutputProcessor
 from pagoda.outputs import RequestOutput
 from pagoda.request import Request, RequestStatus
 from pagoda.sampling_params import SamplingParams
+from pagoda.structured_output.grammar import validate_structured_outputs
 from pagoda.tokenizer import Tokenizer
 
 PromptType = str | dict[str, Any]
@@ -79,6 +80,7 @@ class LLMEngine:
         """
         if not isinstance(params, SamplingParams):
             raise ValueError(f"sampling_params must be a SamplingParams, got {type(params).__name__}")
+        validate_structured_outputs(params.structured_outputs)
         text, prompt_ids = self.tokenize_prompt(prompt)
         if isinstance(prompt, dict) and prompt.get("cache_salt") is not None:
             cache_salt = str(prompt["cache_salt"])  # vLLM's way: the salt rides with the prompt

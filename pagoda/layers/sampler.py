@@ -1,6 +1,6 @@
 """Token sampling, vectorized over the batch.
 
-Order (as vLLM): logit bias and min_tokens masks, repetition / presence / frequency penalties,
+Order (as vLLM): logit bias and min_tokens masks, the structured-output token mask, repetition / presence / frequency penalties,
 then greedy rows take the argmax; random rows divide by temperature, apply top-k, top-p and
 min-p, and draw with the exponential trick argmax(p / q), q ~ Exp(1). A request with a seed
 draws its q from its own generator, so its tokens do not depend on the rest of the batch.
@@ -38,6 +38,10 @@ class SamplingMetadata:
     banned_rows: torch.Tensor | None = None  # min_tokens: eos / stop ids are banned until reached
     banned_tokens: torch.Tensor | None = None
     max_num_logprobs: int | None = None  # top-k logprobs to return (None: no logprobs)
+    # Structured outputs: allowed tokens as xgrammar's packed bitmask [N, ceil(V / 32)] int32,
+    # applied to these rows only (the constrained requests of the batch).
+    token_bitmask: torch.Tensor | None = None
+    bitmask_rows: list[int] | None = None
 
 
 @dataclass
@@ -73,6 +77,11 @@ class Sampler:
             logits = logits.index_put((md.bias_rows, md.bias_tokens), md.bias_values, accumulate=True)
         if md.banned_rows is not None:
             logits = logits.index_put((md.banned_rows, md.banned_tokens), torch.tensor(_NEG_INF))
+        if md.token_bitmask is not None:
+            from pagoda.structured_output import apply_token_bitmask
+
+            logits = logits.clone()  # the caller's tensor stays as it was
+            apply_token_bitmask(logits, md.token_bitmask, md.bitmask_rows)
         return logits
 
     def _sample_random(self, logits: torch.Tensor, md: SamplingMetadata) -> torch.Tensor:

@@ -15,6 +15,7 @@ from pagoda.core.scheduler import SchedulerOutput
 from pagoda.forward_context import AttentionMetadata, PrefillSeq, set_attention_metadata
 from pagoda.layers.sampler import Sampler, SamplingMetadata
 from pagoda.request import Request
+from pagoda.structured_output.manager import build_token_bitmask
 
 
 @dataclass
@@ -188,6 +189,9 @@ def build_sampling_metadata(requests: list[Request], vocab_size: int) -> Samplin
         md.min_p = torch.tensor([p.min_p for p in params], dtype=torch.float32)
     _add_penalties(md, requests)
     _add_sparse(md, requests, vocab_size)
+    bitmask = build_token_bitmask(requests, vocab_size)
+    if bitmask is not None:
+        md.token_bitmask, md.bitmask_rows = bitmask
     wanted = [p.logprobs for p in params if p.logprobs is not None]
     md.max_num_logprobs = max(wanted) if wanted else None
     return md

@@ -8,7 +8,8 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from pagoda.sampling_params import SamplingParams
+from pagoda.sampling_params import SamplingParams, StructuredOutputsParams
+from pagoda.structured_output.grammar import validate_structured_outputs
 
 
 def random_id(prefix: str) -> str:
@@ -21,6 +22,19 @@ class OpenAIBase(BaseModel):
 
 class StreamOptions(OpenAIBase):
     include_usage: bool = False
+
+
+class JsonSchemaFormat(OpenAIBase):
+    name: str | None = None
+    description: str | None = None
+    # `schema` clashes with a BaseModel attribute, hence the alias.
+    json_schema: dict[str, Any] | None = Field(default=None, alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormat(OpenAIBase):
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
 
 
 class SamplingFields(OpenAIBase):
@@ -49,6 +63,38 @@ class SamplingFields(OpenAIBase):
     include_stop_str_in_output: bool = False
     priority: int = 0
     cache_salt: str | None = None
+    # Structured outputs: OpenAI's response_format, vLLM's guided_* fields and its newer object.
+    response_format: ResponseFormat | None = None
+    guided_json: dict[str, Any] | str | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
+    structured_outputs: dict[str, Any] | None = None
+
+    def structured_outputs_params(self) -> StructuredOutputsParams | None:
+        """The one constraint this request asks for (None: free text). ValueError names the field."""
+        given: list[tuple[str, StructuredOutputsParams]] = []
+        fmt = self.response_format
+        if fmt is not None and fmt.type == "json_object":
+            given.append(("response_format", StructuredOutputsParams(json_object=True)))
+        elif fmt is not None and fmt.type == "json_schema":
+            if fmt.json_schema is None or fmt.json_schema.json_schema is None:
+                raise ValueError("response_format of type json_schema needs json_schema.schema")
+            given.append(("response_format", StructuredOutputsParams(json=fmt.json_schema.json_schema)))
+        for name, key in (("guided_json", "json"), ("guided_regex", "regex"), ("guided_choice", "choice"),
+                          ("guided_grammar", "grammar")):
+            value = getattr(self, name)
+            if value is not None:
+                given.append((name, _structured(name, {key: value})))
+        if self.structured_outputs is not None:
+            given.append(("structured_outputs", _structured("structured_outputs", self.structured_outputs)))
+        if len(given) > 1:
+            raise ValueError(f"{given[1][0]} cannot be combined with {given[0][0]}: give one constraint at most")
+        if not given:
+            return None
+        name, params = given[0]
+        validate_structured_outputs(params, name)
+        return params
 
     def sampling_params(self, max_tokens: int, logprobs: int | None, prompt_logprobs: int | None = None) -> SamplingParams:
         bias = None
@@ -77,7 +123,23 @@ class SamplingFields(OpenAIBase):
             prompt_logprobs=prompt_logprobs,
             logit_bias=bias,
             skip_special_tokens=self.skip_special_tokens,
+            structured_outputs=self.structured_outputs_params(),
         )
+
+
+_STRUCTURED_KEYS = {"json", "regex", "choice", "grammar", "json_object", "whitespace_flexible"}
+
+
+def _structured(field_name: str, spec: dict[str, Any]) -> StructuredOutputsParams:
+    if not isinstance(spec, dict):
+        raise ValueError(f"{field_name} must be an object")
+    unknown = set(spec) - _STRUCTURED_KEYS
+    if unknown:
+        raise ValueError(f"{field_name} has unknown keys {sorted(unknown)}; use {sorted(_STRUCTURED_KEYS)}")
+    try:
+        return StructuredOutputsParams(**spec)
+    except ValueError as e:
+        raise ValueError(f"{field_name} is invalid: {e}") from None
 
 
 class CompletionRequest(SamplingFields):
@@ -92,6 +154,8 @@ class ChatMessage(OpenAIBase):
     role: Literal["system", "user", "assistant", "tool", "developer"]
     content: str | list[dict[str, Any]] | None = None
     name: str | None = None
+    tool_calls: list[dict[str, Any]] | None = None  # an assistant turn that called tools
+    tool_call_id: str | None = None  # a tool turn: which call this answers
 
 
 class ChatCompletionRequest(SamplingFields):
@@ -101,6 +165,9 @@ class ChatCompletionRequest(SamplingFields):
     top_logprobs: int | None = None
     add_generation_prompt: bool = True
     chat_template_kwargs: dict[str, Any] | None = None
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: str | dict[str, Any] | None = None  # "none" | "auto" | "required" | {"type": "function", ...}
+    parallel_tool_calls: bool = True
 
 
 class TokenizeRequest(OpenAIBase):

@@ -12,7 +12,9 @@ from pagoda.engine.async_llm import AsyncLLM
 from pagoda.entrypoints.openai.protocol import (
     ChatCompletionRequest, CompletionRequest, SamplingFields, UsageInfo, now, random_id,
 )
+from pagoda.entrypoints.openai.tool_calls import ToolCallStream, ToolChoice, render_messages
 from pagoda.outputs import CompletionOutput, PositionLogprobs, RequestOutput
+from pagoda.structured_output.grammar import validate_structured_outputs
 
 logger = logging.getLogger("pagoda.requests")
 
@@ -253,7 +255,7 @@ class Serving:
         return {"tokens": tokens, "token_logprobs": token_lps, "top_logprobs": tops, "text_offset": offsets}
 
     # -- chat -------------------------------------------------------------------------------
-    def _chat_prompt(self, request: ChatCompletionRequest) -> list[int]:
+    def _chat_prompt(self, request: ChatCompletionRequest, tools: ToolChoice | None) -> list[int]:
         messages = []
         for m in request.messages:
             content = m.content
@@ -264,41 +266,73 @@ class Serving:
                         raise OpenAIError(f"unsupported content part type {part.get('type')!r}; only 'text'", param="messages")
                     texts.append(part.get("text", ""))
                 content = "".join(texts)
-            messages.append({"role": m.role, "content": content or ""})
+            message = {"role": m.role, "content": content or ""}
+            if m.tool_calls:
+                message["tool_calls"] = m.tool_calls
+            if m.tool_call_id:
+                message["tool_call_id"] = m.tool_call_id
+            messages.append(message)
+        template = self.tokenizer.chat_template or ""
+        messages, extra = render_messages(messages, tools, template_takes_tools="tools" in template)
         try:
-            return self.tokenizer.encode_chat(messages, request.add_generation_prompt, **(request.chat_template_kwargs or {}))
+            return self.tokenizer.encode_chat(messages, request.add_generation_prompt, **{**extra, **(request.chat_template_kwargs or {})})
         except ValueError as e:
             raise OpenAIError(str(e), param="messages") from None
         except Exception as e:  # jinja TemplateError from raise_exception in the template
             raise OpenAIError(f"chat template error: {e}", param="messages") from None
 
+    @staticmethod
+    def _tools(request: ChatCompletionRequest) -> ToolChoice | None:
+        try:
+            return ToolChoice.from_request(request.tools, request.tool_choice, request.parallel_tool_calls)
+        except ValueError as e:
+            raise OpenAIError(str(e), param="tool_choice" if str(e).startswith("tool_choice") else "tools") from None
+
+    def _constrain_to_tools(self, params, tools: ToolChoice | None) -> None:
+        """required / named tool_choice: the output must be the calls' JSON."""
+        constraint = tools.constraint() if tools else None
+        if constraint is None:
+            return
+        if params.structured_outputs is not None:
+            raise OpenAIError(f"tool_choice={tools.mode!r} constrains the output itself; it cannot be combined with "
+                              "response_format or guided decoding", param="tool_choice")
+        try:
+            validate_structured_outputs(constraint, "tools")
+        except ValueError as e:
+            raise OpenAIError(str(e), param="tools") from None
+        params.structured_outputs = constraint
+
     async def chat(self, request: ChatCompletionRequest):
         model = self.check_model(request.model)
-        ids = self._chat_prompt(request)
+        tools = self._tools(request)
+        ids = self._chat_prompt(request, tools)
         if request.top_logprobs is not None and not 0 <= request.top_logprobs <= 20:
             raise OpenAIError(f"top_logprobs must be in [0, 20], got {request.top_logprobs}", param="top_logprobs")
         max_tokens = self.max_tokens_for(request.max_completion_tokens or request.max_tokens, len(ids))
         k = (request.top_logprobs or 0) if request.logprobs else None
         params = self.params(request, max_tokens, k)
+        self._constrain_to_tools(params, tools)
         self.check_capacity(1)
         request_id = random_id("chatcmpl")
         if request.stream:
-            return self._chat_stream(request, model, request_id, ids, params)
+            return self._chat_stream(request, model, request_id, ids, params, tools)
         samples, _, cached = await self._collect([ids], [params], request_id, request)
         choices, completion_tokens = [], 0
         for j in range(request.n):
             sample = samples.get((0, j), _Sample())
             completion_tokens += len(sample.token_ids)
-            choices.append({"index": j, "message": {"role": "assistant", "content": sample.text},
+            message, finish_reason = _chat_message(sample, tools)
+            choices.append({"index": j, "message": message,
                             "logprobs": self._chat_logprobs(sample.token_ids, sample.logprobs, k) if request.logprobs else None,
-                            "finish_reason": sample.finish_reason, "stop_reason": sample.stop_reason})
+                            "finish_reason": finish_reason, "stop_reason": sample.stop_reason})
         return {"id": request_id, "object": "chat.completion", "created": now(), "model": model, "choices": choices,
                 "usage": _usage(len(ids), completion_tokens, cached)}
 
-    async def _chat_stream(self, request, model, request_id, ids, params):
+    async def _chat_stream(self, request, model, request_id, ids, params, tools: ToolChoice | None):
         created = now()
         head = {"id": request_id, "object": "chat.completion.chunk", "created": created, "model": model}
         completion_tokens = 0
+        streams = {j: ToolCallStream(tools) for j in range(request.n)} if tools else {}
         try:
             for j in range(request.n):
                 yield sse({**head, "choices": [{"index": j, "delta": {"role": "assistant", "content": ""},
@@ -310,11 +344,20 @@ class Serving:
                     completion_tokens += len(c.token_ids)
                     if not c.text and c.finish_reason is None:
                         continue
-                    delta = {"content": c.text} if c.text else {}
+                    finish_reason = c.finish_reason
+                    if tools:
+                        stream = streams[c.index]
+                        delta = stream.feed(c.text, c.finished)
+                        if stream.num_calls and finish_reason == "stop":
+                            finish_reason = "tool_calls"
+                        if not delta and not c.finished:
+                            continue
+                    else:
+                        delta = {"content": c.text} if c.text else {}
                     yield sse({**head, "choices": [{
                         "index": c.index, "delta": delta,
                         "logprobs": self._chat_logprobs(c.token_ids, c.logprobs or [], params.logprobs) if request.logprobs else None,
-                        "finish_reason": c.finish_reason, "stop_reason": c.stop_reason}]})
+                        "finish_reason": finish_reason, "stop_reason": c.stop_reason}]})
             if request.stream_options and request.stream_options.include_usage:
                 yield sse({**head, "choices": [], "usage": _usage(len(ids), completion_tokens, cached)})
         except OpenAIError as e:
@@ -347,6 +390,17 @@ class _Sample:
         self.token_ids += delta.token_ids
         self.logprobs += delta.logprobs or []
         self.finish_reason, self.stop_reason = delta.finish_reason, delta.stop_reason
+
+
+def _chat_message(sample: _Sample, tools: ToolChoice | None) -> tuple[dict, str | None]:
+    """The assistant message of a finished choice, with its tool calls parsed out."""
+    if tools is None:
+        return {"role": "assistant", "content": sample.text}, sample.finish_reason
+    content, calls = tools.parse(sample.text)
+    if not calls:
+        return {"role": "assistant", "content": sample.text}, sample.finish_reason
+    message = {"role": "assistant", "content": content, "tool_calls": [c.to_openai() for c in calls]}
+    return message, "tool_calls" if sample.finish_reason == "stop" else sample.finish_reason
 
 
 def _usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int) -> dict:
