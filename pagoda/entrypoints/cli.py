@@ -1,4 +1,4 @@
-"""The `pagoda` command: generate | chat | pull | list."""
+"""The `pagoda` command: generate | chat | serve | pull | list | bench."""
 
 from __future__ import annotations
 
@@ -160,6 +160,50 @@ def cmd_serve(ns: argparse.Namespace) -> int:
     return run_server(ns)
 
 
+def cmd_bench_throughput(ns: argparse.Namespace) -> int:
+    from pagoda.bench import throughput
+
+    return throughput.main(ns, _engine_args(ns))
+
+
+def cmd_bench_serve(ns: argparse.Namespace) -> int:
+    from pagoda.bench import serve
+
+    return serve.main(ns)
+
+
+def cmd_bench_plot(ns: argparse.Namespace) -> int:
+    from pagoda.bench import plots
+
+    for path in plots.main(ns.results, ns.plot_dir, ns.labels):
+        print(path)
+    return 0
+
+
+def _add_bench_parser(sub) -> None:
+    from pagoda.bench import serve, throughput
+
+    bench = sub.add_parser("bench", help="benchmarks: offline throughput, serving load, concurrency sweeps")
+    bench_sub = bench.add_subparsers(dest="bench_command", required=True)
+
+    p = bench_sub.add_parser("throughput", help="offline throughput through pagoda.LLM (and baselines)",
+                             description=throughput.__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    _add_engine_args(p)
+    throughput.add_cli_args(p)
+    p.set_defaults(func=cmd_bench_throughput)
+
+    p = bench_sub.add_parser("serve", help="load generator for an OpenAI-compatible server",
+                             description=serve.__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    serve.add_cli_args(p)
+    p.set_defaults(func=cmd_bench_serve)
+
+    p = bench_sub.add_parser("plot", help="plot saved concurrency sweeps together (PNG)")
+    p.add_argument("results", nargs="+", help="JSON files written by `pagoda bench serve --sweep-concurrency --save-result`")
+    p.add_argument("--plot-dir", required=True)
+    p.add_argument("--labels", nargs="+", default=None, help="names of the systems, in the order of the files")
+    p.set_defaults(func=cmd_bench_plot)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="pagoda", description="pagoda: LLM inference engine")
     parser.add_argument("--log-level", default="warning", choices=["debug", "info", "warning", "error"])
@@ -197,6 +241,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("list", help="list catalog models and what is pulled")
     p.set_defaults(func=cmd_list)
+
+    _add_bench_parser(sub)
     return parser
 
 

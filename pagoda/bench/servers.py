@@ -1,0 +1,63 @@
+"""Start a server to measure (pagoda, the naive transformers server, llama.cpp's) and wait until it answers."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Iterator
+
+import httpx
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def pagoda_command(model: str, port: int, *extra: str) -> list[str]:
+    return [sys.executable, "-m", "pagoda.entrypoints.cli", "serve", "--model", model, "--port", str(port),
+            "--log-level", "warning", *extra]
+
+
+def hf_naive_command(model: str, port: int, dtype: str = "auto") -> list[str]:
+    return [sys.executable, "-m", "pagoda.bench.hf_server", "--model", model, "--port", str(port), "--dtype", dtype]
+
+
+@contextlib.contextmanager
+def running(cmd: list[str], port: int, *, ready_path: str = "/v1/models", timeout_s: float = 600) -> Iterator[str]:
+    """Run `cmd` (a server on 127.0.0.1:port) until the block ends; yields its base URL.
+
+    The server is ready when GET ready_path answers 200. Its output goes to a temporary file,
+    shown in the error if it exits early.
+    """
+    base = f"http://127.0.0.1:{port}"
+    with tempfile.TemporaryFile(mode="w+") as log:
+        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=dict(os.environ))
+        try:
+            deadline = time.monotonic() + timeout_s
+            while True:
+                if proc.poll() is not None:
+                    log.seek(0)
+                    raise RuntimeError(f"server exited with {proc.returncode}: {' '.join(cmd)}\n{log.read()[-2000:]}")
+                try:
+                    if httpx.get(base + ready_path, timeout=2).status_code == 200:
+                        break
+                except httpx.HTTPError:
+                    pass
+                if time.monotonic() > deadline:
+                    raise RuntimeError(f"server did not answer {ready_path} within {timeout_s:.0f} s: {' '.join(cmd)}")
+                time.sleep(0.3)
+            yield base
+        finally:
+            proc.terminate()
+            try:
+                proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
