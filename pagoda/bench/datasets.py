@@ -15,6 +15,7 @@ prompt and, when a tokenizer is given, the token length of the reply that follow
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import random
 from dataclasses import dataclass
@@ -78,6 +79,12 @@ class PromptMaker:
         return text, len(self.tokenizer.encode(text))
 
 
+@functools.lru_cache(maxsize=4)
+def prompt_maker(tokenizer: Tokenizer) -> PromptMaker:
+    """The PromptMaker of a tokenizer, built once (scanning the vocabulary takes about a second)."""
+    return PromptMaker(tokenizer)
+
+
 def random_requests(num_prompts: int, input_len: int, output_len: int, *, range_ratio: float = 0.0,
                     tokenizer: Tokenizer | None = None, vocab_size: int | None = None, as_text: bool = True,
                     seed: int = 0) -> list[SampleRequest]:
@@ -97,7 +104,7 @@ def random_requests(num_prompts: int, input_len: int, output_len: int, *, range_
         return [SampleRequest([rng.randint(lo, hi) for _ in range(n)], n, m) for n, m in zip(in_lens, out_lens)]
     if tokenizer is None:
         return [SampleRequest(" ".join(rng.choice(_FALLBACK_WORDS) for _ in range(n)), n, m) for n, m in zip(in_lens, out_lens)]
-    maker = PromptMaker(tokenizer)
+    maker = prompt_maker(tokenizer)
     requests = []
     for n, m in zip(in_lens, out_lens):
         text, count = maker.make(n, rng)

@@ -16,11 +16,12 @@ import json
 import threading
 import time
 
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, StreamingResponse
 
-def build_app(model, tokenizer, name: str):
+
+def build_app(model, tokenizer, name: str) -> FastAPI:
     import torch
-    from fastapi import FastAPI, Request
-    from fastapi.responses import JSONResponse, StreamingResponse
 
     app = FastAPI()
     lock = threading.Lock()
