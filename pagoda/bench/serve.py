@@ -157,10 +157,10 @@ async def _probe(client: httpx.AsyncClient, path: str, done: asyncio.Event, out:
         await asyncio.sleep(0.1)
 
 
-def _client(cfg: ServeConfig, concurrency: int | None) -> httpx.AsyncClient:
+def _client(cfg: ServeConfig, concurrency: int) -> httpx.AsyncClient:
     httpx = _httpx()
     headers = {"Authorization": f"Bearer {cfg.api_key}"} if cfg.api_key else {}
-    conns = max(16, (concurrency or 0) + 8) if concurrency else None
+    conns = max(16, concurrency + 8)  # the load, a probe and some slack
     limits = httpx.Limits(max_connections=conns, max_keepalive_connections=conns)
     return httpx.AsyncClient(base_url=cfg.base_url, headers=headers, timeout=httpx.Timeout(cfg.timeout_s), limits=limits)
 
@@ -205,8 +205,8 @@ async def benchmark(cfg: ServeConfig, requests: list[datasets.SampleRequest], *,
         if prober is not None:
             await prober
     summary = summarize(results, duration, slos, percentiles)
-    summary.update({"max_concurrency": cfg.max_concurrency, "request_rate": cfg.request_rate,
-                    "num_prompts": len(requests)})
+    summary.update({"max_concurrency": cfg.max_concurrency, "num_prompts": len(requests),
+                    "request_rate": cfg.request_rate if math.isfinite(cfg.request_rate) else "inf"})
     if cfg.probe_path:
         summary["probe_path"] = cfg.probe_path
         summary.update({f"p{q:g}_probe_ms": percentile([v * 1e3 for v in probes], q) for q in (50, 99)})
@@ -270,8 +270,9 @@ def parse_percentiles(text: str) -> tuple[float, ...]:
 
 
 def environment(ns: argparse.Namespace) -> dict:
-    return {"date": datetime.now().isoformat(timespec="seconds"), "command": "pagoda " + " ".join(sys.argv[1:]),
-            "args": {k: v for k, v in vars(ns).items() if k != "func" and not callable(v)}}
+    return {"date": datetime.now().isoformat(timespec="seconds"), "command": " ".join(sys.argv),
+            "args": {k: str(v) if isinstance(v, float) and not math.isfinite(v) else v
+                     for k, v in vars(ns).items() if not callable(v)}}
 
 
 def save_json(path: str, record: dict) -> None:
