@@ -24,11 +24,22 @@ def _schema_text(params: StructuredOutputsParams, name: str = "structured_output
     return json.dumps(params.json)
 
 
+# xgrammar (0.2.x) writes the characters of a length-bounded string (minLength / maxLength) as
+# [^"\\\r\n], which admits control characters that JSON forbids; unbounded strings exclude them.
+_LOOSE_STRING_CHAR = '[^\\"\\\\\\r\\n]'
+_JSON_STRING_CHAR = '[^\\0-\\x1f\\"\\\\]'
+
+
 def _json_grammar(xgr, schema: str, params: StructuredOutputsParams, strict: bool):
     if params.whitespace_flexible:
-        return xgr.Grammar.from_json_schema(schema, any_whitespace=True, strict_mode=strict,
-                                            max_whitespace_cnt=_FLEXIBLE_MAX_WHITESPACE)
-    return xgr.Grammar.from_json_schema(schema, any_whitespace=False, separators=_SEPARATORS, strict_mode=strict)
+        grammar = xgr.Grammar.from_json_schema(schema, any_whitespace=True, strict_mode=strict,
+                                               max_whitespace_cnt=_FLEXIBLE_MAX_WHITESPACE)
+    else:
+        grammar = xgr.Grammar.from_json_schema(schema, any_whitespace=False, separators=_SEPARATORS, strict_mode=strict)
+    ebnf = str(grammar)
+    if _LOOSE_STRING_CHAR in ebnf:
+        grammar = xgr.Grammar.from_ebnf(ebnf.replace(_LOOSE_STRING_CHAR, _JSON_STRING_CHAR))
+    return grammar
 
 
 def _choice_ebnf(choices: list[str]) -> str:
