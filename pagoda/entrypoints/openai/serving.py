@@ -347,10 +347,10 @@ class Serving:
                     finish_reason = c.finish_reason
                     if tools:
                         stream = streams[c.index]
-                        delta = stream.feed(c.text, c.finished)
+                        delta = stream.feed(c.text, finished=finish_reason is not None)
                         if stream.num_calls and finish_reason == "stop":
                             finish_reason = "tool_calls"
-                        if not delta and not c.finished:
+                        if not delta and finish_reason is None:
                             continue
                     else:
                         delta = {"content": c.text} if c.text else {}
