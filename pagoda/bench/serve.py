@@ -16,6 +16,7 @@ import argparse
 import asyncio
 import json
 import math
+import os
 import random
 import sys
 import time
@@ -205,7 +206,7 @@ async def benchmark(cfg: ServeConfig, requests: list[datasets.SampleRequest], *,
         if prober is not None:
             await prober
     summary = summarize(results, duration, slos, percentiles)
-    summary.update({"max_concurrency": cfg.max_concurrency, "num_prompts": len(requests),
+    summary.update({"max_concurrency": cfg.max_concurrency, "num_prompts": len(requests), "loadavg_1m": loadavg(),
                     "request_rate": cfg.request_rate if math.isfinite(cfg.request_rate) else "inf"})
     if cfg.probe_path:
         summary["probe_path"] = cfg.probe_path
@@ -267,6 +268,11 @@ def parse_percentiles(text: str) -> tuple[float, ...]:
     if not values or not all(0 < v <= 100 for v in values):
         raise ValueError(f"--percentiles must be in (0, 100], got {text!r}")
     return values
+
+
+def loadavg() -> float | None:
+    """The 1-minute load average at the end of a measurement: on a shared machine, how busy it was."""
+    return round(os.getloadavg()[0], 2) if hasattr(os, "getloadavg") else None
 
 
 def environment(ns: argparse.Namespace) -> dict:

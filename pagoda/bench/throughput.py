@@ -22,6 +22,7 @@ import sys
 import time
 
 from pagoda.bench import baselines, datasets
+from pagoda.bench.serve import loadavg
 
 BACKENDS = ("pagoda", "hf", "llamacpp")
 
@@ -50,7 +51,8 @@ def _result(label: str, prompts: list[list[int]], output_lens: list[int], second
     inp, out = sum(len(p) for p in prompts), sum(output_lens)
     return {"label": label, "requests": len(prompts), "input_tokens": inp, "output_tokens": out, "elapsed_s": seconds,
             "requests_per_s": len(prompts) / seconds, "input_tokens_per_s": inp / seconds,
-            "output_tokens_per_s": out / seconds, "total_tokens_per_s": (inp + out) / seconds, **extra}
+            "output_tokens_per_s": out / seconds, "total_tokens_per_s": (inp + out) / seconds, "loadavg_1m": loadavg(),
+            **extra}
 
 
 def run_pagoda(engine_args, prompts: list[list[int]], output_lens: list[int]) -> dict:
