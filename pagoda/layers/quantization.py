@@ -35,6 +35,7 @@ INT4_GROUP_SIZE = 32
 COMPUTE_DTYPE = torch.bfloat16  # the kernels' only fast activation dtype on CPU
 # The projections that get quantized; the embedding, lm_head and norms stay in the model dtype.
 QUANTIZED_LINEARS = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")
+QUANTIZE_LM_HEAD = False  # int8/int4 modes: also the output head (and a tied embedding) in int8
 
 
 class PackedWeight:
@@ -101,6 +102,21 @@ class Int8Linear(nn.Module):
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, int8 per channel, {self.compute_dtype}"
+
+
+class Int8Embedding(nn.Module):
+    """An embedding table stored as int8 rows with one scale per row (the layout of an Int8Linear
+    over the same table, so a tied output head shares the tensors)."""
+
+    def __init__(self, qweight: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.num_embeddings, self.embedding_dim = qweight.shape
+        self.dtype = dtype
+        self.register_buffer("qweight", qweight)
+        self.register_buffer("scales", scales)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.qweight[ids].to(self.dtype) * self.scales[ids].to(self.dtype).unsqueeze(-1)
 
 
 class Int4Linear(nn.Module):
@@ -199,14 +215,18 @@ def check_quantization(mode: str | None) -> str | None:
 
 
 def quantize_linears(model: nn.Module, mode: str, packed: dict[str, list[PackedWeight]] | None = None,
-                     compute_dtype: torch.dtype = COMPUTE_DTYPE) -> int:
+                     compute_dtype: torch.dtype | None = None, quantize_head: bool | None = None) -> int:
     """Replace the model's projection layers (``QUANTIZED_LINEARS``) with quantized ones, in place.
 
     ``int8``/``int4`` quantize the loaded float weights. ``gguf`` repacks the stored blocks in
     ``packed`` (linear weight name → its shards, as the loader handed them over); a layer without
-    an exact int4 form keeps its dequantized float weight. Returns how many layers were replaced.
+    an exact int4 form keeps its dequantized float weight. With ``quantize_head`` (default
+    ``QUANTIZE_LM_HEAD``; int8/int4 only) the output head becomes int8 too, and a tied embedding
+    table shares its int8 tensors. ``compute_dtype`` defaults to ``COMPUTE_DTYPE``. Returns how many
+    layers were replaced.
     """
     mode = check_quantization(mode)
+    compute_dtype = compute_dtype or COMPUTE_DTYPE
     replaced, kept = 0, []
     for name, module in list(model.named_modules()):
         if not isinstance(module, nn.Linear) or name.rsplit(".", 1)[-1] not in QUANTIZED_LINEARS:
@@ -229,7 +249,23 @@ def quantize_linears(model: nn.Module, mode: str, packed: dict[str, list[PackedW
     if kept:
         logger.info("quantization=%s: %d projections kept in float (no exact or supported packed form), e.g. %s",
                     mode, len(kept), kept[:3])
+    if (QUANTIZE_LM_HEAD if quantize_head is None else quantize_head) and mode in ("int8", "int4"):
+        replaced += _quantize_head(model, compute_dtype)
     return replaced
+
+
+def _quantize_head(model: nn.Module, compute_dtype: torch.dtype) -> int:
+    """int8 output head (``model.lm_head``, or the tied ``model.embed_tokens`` table)."""
+    head = getattr(model, "lm_head", None)
+    if isinstance(head, nn.Linear):
+        model.lm_head = Int8Linear.from_float(head.weight, head.bias, compute_dtype)
+        return 1
+    embed = getattr(model, "embed_tokens", None)
+    if head is not None or not isinstance(embed, nn.Embedding):
+        return 0
+    model.lm_head = Int8Linear.from_float(embed.weight, None, compute_dtype)
+    model.embed_tokens = Int8Embedding(model.lm_head.qweight, model.lm_head.scales, embed.weight.dtype)
+    return 1
 
 
 def weight_bytes(model: nn.Module) -> int:

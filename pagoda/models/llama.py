@@ -118,8 +118,9 @@ class LlamaForCausalLM(nn.Module):
         return hidden
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        return F.linear(hidden, weight)
+        if self.lm_head is None:  # tied
+            return F.linear(hidden, self.embed_tokens.weight)
+        return self.lm_head(hidden)
 
     # -- weights ----------------------------------------------------------------------------
     @torch.no_grad()
@@ -161,7 +162,7 @@ class LlamaForCausalLM(nn.Module):
         self.packed_weights: dict[str, list[PackedWeight]] = {}
         for target, shards in packed.items():
             ordered = [shards[i] for i in sorted(shards, key=lambda i: -1 if i is None else i)]
-            if can_pack(ordered):
+            if len(ordered) == max(1, _num_shards(target)) and can_pack(ordered):
                 self.packed_weights[target] = ordered
             else:  # e.g. Q4_0 q/k with a Q8_0 v: the merged layer stays float
                 for shard, tensor in shards.items():
@@ -183,11 +184,16 @@ class LlamaForCausalLM(nn.Module):
     def _check_all_loaded(self, params: dict, loaded: set[str]) -> None:
         missing = []
         for name in params:
-            shards = 3 if ".qkv_proj." in name else 2 if ".gate_up_proj." in name else 0
+            shards = _num_shards(name)
             keys = [f"{name}#{i}" for i in range(shards)] if shards else [f"{name}#None"]
             missing += [k for k in keys if k not in loaded]
         if missing:
             raise ValueError(f"checkpoint is missing {len(missing)} tensors, e.g. {missing[:3]}")
+
+
+def _num_shards(name: str) -> int:
+    """How many checkpoint tensors a merged parameter stacks (0: not merged)."""
+    return 3 if ".qkv_proj." in name else 2 if ".gate_up_proj." in name else 0
 
 
 def _copy_checked(dst: torch.Tensor, src: torch.Tensor, name: str) -> None:

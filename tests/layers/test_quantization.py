@@ -1,0 +1,183 @@
+"""Weight-only quantization: the int8 / int4 layers against float math, the engine end to end on the
+tiny model within stated bounds, and the errors for bad settings."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+from tiny_models import make_tiny_hf_model
+
+from pagoda import LLM, SamplingParams
+from pagoda.config import EngineArgs
+from pagoda.layers import quantization
+from pagoda.layers.quantization import (
+    Int4Linear,
+    Int8Embedding,
+    Int8Linear,
+    check_quantization,
+    quantize_linears,
+    weight_bytes,
+)
+
+# Bounds on the tiny random model (hidden 64, weights ~ N(0, 0.08)), measured well inside them:
+# mean |logprob - fp32 logprob| over the prompt tokens, and the relative change of perplexity.
+LOGPROB_BOUND = {"int8": 0.02, "int4": 0.2}
+PPL_BOUND = {"int8": 0.01, "int4": 0.1}
+TEXT = ("Paris is the capital of France. Berlin is the capital of Germany. The quick brown fox jumps over "
+        "the lazy dog. Once upon a time there was a little engine that could.")
+
+
+def _weight(n: int, k: int, seed: int = 0) -> torch.Tensor:
+    return torch.randn(n, k, generator=torch.Generator().manual_seed(seed)) * 0.05
+
+
+def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    return ((a - b).norm() / b.norm()).item()
+
+
+# --- layers -----------------------------------------------------------------------------------
+
+
+def test_int8_codes_and_scales():
+    w = _weight(96, 64)
+    layer = Int8Linear.from_float(w)
+    assert layer.qweight.dtype == torch.int8 and layer.scales.dtype == torch.bfloat16
+    # Each weight within half a step of its row's scale (the scale rounded to bf16 first).
+    step = layer.scales.float()[:, None]
+    assert ((layer.dequantize() - w).abs() <= step / 2 + 1e-7).all()
+
+
+@pytest.mark.parametrize("cls", [Int8Linear, Int4Linear])
+def test_forward_matches_float_math_on_its_weight(cls):
+    w, bias = _weight(96, 64), torch.randn(96) * 0.1
+    x = torch.randn(2, 5, 64)  # any leading shape
+    exact = cls.from_float(w, bias, compute_dtype=torch.float32)
+    want = F.linear(x, exact.dequantize(), bias)
+    assert exact(x).shape == (2, 5, 96)
+    torch.testing.assert_close(exact(x), want, rtol=1e-5, atol=1e-5)
+    fast = cls.from_float(w, bias)  # bf16 activations: the kernels' fast path
+    y = fast(x)
+    assert y.dtype == torch.float32
+    assert _rel(y, F.linear(x, fast.dequantize(), bias)) < 1e-2
+
+
+def test_int4_groups_and_error():
+    w = _weight(64, 96)
+    layer = Int4Linear.from_float(w, compute_dtype=torch.float32)
+    assert layer.qweight.dtype == torch.uint8 and layer.qweight.shape == (64, 48)
+    assert layer.scales_and_zeros.shape == (96 // 32, 64, 2)
+    # Within half a step of its group's scale.
+    scale = layer.scales_and_zeros[..., 0].T.repeat_interleave(32, dim=1)
+    assert ((layer.dequantize() - w).abs() <= scale / 2 + 1e-6).all()
+    assert _rel(layer.dequantize(), w) < 0.1
+
+
+def test_int4_from_groups_is_exact():
+    g = torch.Generator().manual_seed(1)
+    codes = torch.randint(0, 16, (32, 64), generator=g)
+    scale = torch.rand(32, 2, generator=g).half().float()
+    zero = (torch.randn(32, 2, generator=g) * 0.1).half().float()
+    layer = Int4Linear.from_groups(codes, scale, zero, compute_dtype=torch.float32)
+    want = ((codes.float() - 8).reshape(32, 2, 32) * scale[..., None] + zero[..., None]).reshape(32, 64)
+    assert torch.equal(layer.dequantize(), want)
+
+
+def test_int4_rejects_shapes_it_cannot_pack():
+    assert not Int4Linear.supports(24, 64) and not Int4Linear.supports(32, 48)
+    with pytest.raises(ValueError, match="out_features % 16"):
+        Int4Linear.from_groups(torch.zeros(24, 64), torch.ones(24, 2), torch.zeros(24, 2))
+
+
+def test_quantized_head_shares_a_tied_embedding(tmp_path):
+    from pagoda.loader.model_loader import load_model
+    from pagoda.loader.resolve import resolve_model
+
+    files = resolve_model(str(make_tiny_hf_model("llama", tmp_path / "tied", seed=3, tie_word_embeddings=True)))
+    model = load_model(files, files.hf_config(), torch.float32, torch.device("cpu"), 64)
+    ids = torch.tensor([5, 17, 42])
+    before_bytes = weight_bytes(model)
+    embed = model.embed_tokens.weight.detach().clone()
+    hidden = torch.randn(3, embed.shape[1])
+    logits = model.compute_logits(hidden)
+    quantize_linears(model, "int8", quantize_head=True)
+    assert isinstance(model.embed_tokens, Int8Embedding) and isinstance(model.lm_head, Int8Linear)
+    assert model.embed_tokens.qweight is model.lm_head.qweight  # one int8 table for both
+    assert weight_bytes(model) < before_bytes / 3
+    assert _rel(model.embed_tokens(ids), embed[ids]) < 0.02
+    assert _rel(model.compute_logits(hidden), logits) < 0.02
+
+
+# --- the engine end to end ----------------------------------------------------------------------
+
+
+def _prompt_logprobs(llm: LLM, ids: list[int]) -> list[float]:
+    out = llm.generate({"prompt_token_ids": ids}, SamplingParams(max_tokens=1, prompt_logprobs=0), use_tqdm=False)
+    return [pos[tok].logprob for tok, pos in zip(ids[1:], out[0].prompt_logprobs[1:])]
+
+
+def _tiny_llm(model_dir, quantization=None) -> LLM:
+    # No prefix caching: a cache hit would skip the prompt logprobs of the cached positions.
+    return LLM(model=str(model_dir), dtype="float32", kv_cache_memory=0.02, quantization=quantization,
+               enable_prefix_caching=False)
+
+
+@pytest.fixture(scope="module")
+def fp32_reference(tiny_llama) -> tuple[list[int], list[float]]:
+    llm = _tiny_llm(tiny_llama)
+    ids = llm.get_tokenizer().encode(TEXT, add_special_tokens=False)
+    return ids, _prompt_logprobs(llm, ids)
+
+
+@pytest.mark.parametrize("mode", ["int8", "int4"])
+def test_quantized_engine_stays_within_bounds(mode, tiny_llama, fp32_reference):
+    ids, ref = fp32_reference
+    llm = _tiny_llm(tiny_llama, mode)
+    layers = [m for m in llm.engine.core.model.modules() if isinstance(m, (Int8Linear, Int4Linear))]
+    assert len(layers) == 2 * 4  # qkv, o, gate_up, down in both layers
+    got = _prompt_logprobs(llm, ids)
+    mean_diff = sum(abs(a - b) for a, b in zip(ref, got)) / len(ref)
+    ppl_ref, ppl = math.exp(-sum(ref) / len(ref)), math.exp(-sum(got) / len(got))
+    print(f"{mode}: mean |d logprob| {mean_diff:.4f}, perplexity {ppl_ref:.3f} -> {ppl:.3f}")
+    assert mean_diff < LOGPROB_BOUND[mode]
+    assert abs(ppl / ppl_ref - 1) < PPL_BOUND[mode]
+    out = llm.generate(["The quick brown fox"], SamplingParams(max_tokens=8, temperature=0, ignore_eos=True),
+                       use_tqdm=False)
+    assert len(out[0].outputs[0].token_ids) == 8
+
+
+# --- settings -----------------------------------------------------------------------------------
+
+
+def test_check_quantization_names_the_choices():
+    assert check_quantization(None) is None and check_quantization("none") is None
+    assert check_quantization("INT8") == "int8"
+    with pytest.raises(ValueError, match=r"quantization must be one of none, int8, int4, gguf; got 'fp8'"):
+        check_quantization("fp8")
+
+
+def test_engine_args_reject_bad_quantization(tiny_llama):
+    with pytest.raises(ValueError, match="quantization must be one of"):
+        EngineArgs(model=str(tiny_llama), quantization="awq").create_engine_config()
+    with pytest.raises(ValueError, match="quantization='gguf'.*not a GGUF"):
+        EngineArgs(model=str(tiny_llama), quantization="gguf").create_engine_config()
+    with pytest.raises(ValueError, match="needs device 'cpu'"):
+        EngineArgs(model=str(tiny_llama), quantization="int8", device="cuda").create_engine_config()
+    config = EngineArgs(model=str(tiny_llama), quantization="int4").create_engine_config()
+    assert config.model.quantization == "int4"
+
+
+def test_cli_flag_reaches_engine_args():
+    from pagoda.entrypoints.cli import _engine_args, build_parser
+
+    ns = build_parser().parse_args(["generate", "hi", "--quantization", "int8"])
+    assert _engine_args(ns).quantization == "int8"
+    assert _engine_args(build_parser().parse_args(["generate", "hi"])).quantization is None
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["generate", "hi", "--quantization", "int3"])
+
+
+def test_default_compute_dtype_is_bf16():
+    assert quantization.COMPUTE_DTYPE == torch.bfloat16
