@@ -3,11 +3,7 @@
 from __future__ import annotations
 
 import asyncio
-import json
-import os
-import socket
-import subprocess
-import sys
+import functools
 import time
 
 import httpx
@@ -15,34 +11,12 @@ import openai
 import pytest
 
 from pagoda import LLM, SamplingParams
+from server_process import start_server
 
 MODEL = "tiny"
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _start(model_dir, *extra: str, launcher: list[str] | None = None, name: str = MODEL):
-    port = _free_port()
-    launcher = launcher or ["-m", "pagoda.entrypoints.cli"]
-    cmd = [sys.executable, *launcher, "serve", "--model", str(model_dir), "--port", str(port),
-           "--dtype", "float32", "--kv-cache-memory", "0.02", "--served-model-name", name, "--log-level", "warning", *extra]
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=dict(os.environ))
-    base = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 120
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"server exited: {proc.stdout.read()}")
-        try:
-            if httpx.get(f"{base}/health", timeout=1).status_code == 200:
-                return proc, base
-        except httpx.HTTPError:
-            time.sleep(0.3)
-    proc.kill()
-    raise RuntimeError("server did not come up")
+_start = functools.partial(start_server, name=MODEL)
 
 
 @pytest.fixture(scope="module")

@@ -10,7 +10,7 @@ import openai
 import pytest
 from pydantic import BaseModel, Field
 
-from test_server import _start
+from server_process import start_server as _start
 
 pytestmark = pytest.mark.slow
 MODEL = "smollm2"

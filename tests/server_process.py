@@ -1,0 +1,38 @@
+"""Start `pagoda serve` as a real subprocess on a free 127.0.0.1 port, for tests."""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+import time
+
+import httpx
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def start_server(model_dir, *extra: str, launcher: list[str] | None = None, name: str = "tiny"):
+    """(process, base URL) once /health answers; a tiny fp32 engine unless `extra` says otherwise."""
+    port = _free_port()
+    launcher = launcher or ["-m", "pagoda.entrypoints.cli"]
+    cmd = [sys.executable, *launcher, "serve", "--model", str(model_dir), "--port", str(port),
+           "--dtype", "float32", "--kv-cache-memory", "0.02", "--served-model-name", name, "--log-level", "warning", *extra]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=dict(os.environ))
+    base = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"server exited: {proc.stdout.read()}")
+        try:
+            if httpx.get(f"{base}/health", timeout=1).status_code == 200:
+                return proc, base
+        except httpx.HTTPError:
+            time.sleep(0.3)
+    proc.kill()
+    raise RuntimeError("server did not come up")
