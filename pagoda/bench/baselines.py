@@ -93,18 +93,21 @@ def load_llamacpp(gguf: Path, n_ctx: int, threads: int | None = None):
                            n_threads_batch=threads, verbose=False)
 
 
-def llamacpp_generate(llm, prompts: list[list[int]], output_lens: list[int]) -> float:
-    """One request after another (llama-cpp-python's Python API runs one sequence), greedy, exactly
-    output_len tokens each (end-of-sequence is not a stop here); returns the seconds taken."""
+def llamacpp_generate(llm, prompts: list[list[int]], output_lens: list[int]) -> tuple[float, list[int]]:
+    """One request after another (llama-cpp-python's Python API runs one sequence), greedy, up to
+    output_len tokens each (end-of-sequence is not a stop here); returns (seconds, tokens generated
+    per request)."""
     start = time.perf_counter()
+    produced = []
     for prompt, n in zip(prompts, output_lens):
         llm.reset()
-        produced = 0
+        count = 0
         for _ in llm.generate(prompt, top_k=1, temp=0.0, reset=True):
-            produced += 1
-            if produced >= n:
+            count += 1
+            if count >= n:
                 break
-    return time.perf_counter() - start
+        produced.append(count)
+    return time.perf_counter() - start, produced
 
 
 def llamacpp_server_command(gguf: Path, port: int, *, n_ctx: int, threads: int | None = None,

@@ -5,9 +5,11 @@ Every system gets the same prompts (token ids) and generates exactly each reques
 
 - ``pagoda``: `LLM.generate` over all requests at once (continuous batching).
 - ``hf``: transformers `generate` on the same weights and dtype, as left-padded static batches of
-  each size in ``--hf-batch-sizes`` (``1`` runs one request after another; ``--hf-batch1-prompts``
-  caps how many, since its tokens/s does not depend on how many run in a row).
+  each size in ``--hf-batch-sizes`` (``1`` runs one request after another).
 - ``llamacpp``: llama-cpp-python on the model's GGUF, one request after another.
+
+The systems that run one request after another (hf at batch 1, llamacpp) can run only the first
+``--serial-prompts`` requests: their tokens/s does not depend on how many run in a row.
 
 A baseline that is not installed is skipped with a message.
 """
@@ -33,8 +35,8 @@ def add_cli_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("backends")
     g.add_argument("--backend", default="pagoda", help=f"comma-separated, of {', '.join(BACKENDS)} (default: pagoda)")
     g.add_argument("--hf-batch-sizes", default="1", help="static batch sizes for the hf backend (default: 1)")
-    g.add_argument("--hf-batch1-prompts", type=int, default=None,
-                   help="run only this many prompts at hf batch size 1 (default: all)")
+    g.add_argument("--serial-prompts", type=int, default=None,
+                   help="run only this many prompts on hf at batch size 1 and on llamacpp (default: all)")
     g.add_argument("--threads", type=int, default=None, help="llama.cpp threads (default: all cores)")
     g.add_argument("--save-result", default=None, metavar="FILE.json")
 
@@ -69,12 +71,12 @@ def run_pagoda(engine_args, prompts: list[list[int]], output_lens: list[int]) ->
                    dtype=str(llm.engine.config.model.dtype).removeprefix("torch."))
 
 
-def run_hf(model: str, dtype, prompts, output_lens, batch_sizes: list[int], batch1_prompts: int | None) -> list[dict]:
+def run_hf(model: str, dtype, prompts, output_lens, batch_sizes: list[int], serial_prompts: int | None) -> list[dict]:
     hf_model = baselines.load_transformers_model(model, dtype)
     baselines.hf_generate(hf_model, [prompts[0][:8]], [2], 1)  # warm-up
     results = []
     for bs in batch_sizes:
-        n = len(prompts) if bs > 1 or batch1_prompts is None else min(batch1_prompts, len(prompts))
+        n = len(prompts) if bs > 1 else _serial(len(prompts), serial_prompts)
         seconds = baselines.hf_generate(hf_model, prompts[:n], output_lens[:n], bs)
         results.append(_result(f"transformers batch {bs}", prompts[:n], output_lens[:n], seconds, backend="hf",
                                batch_size=bs, dtype=str(dtype).removeprefix("torch.")))
@@ -82,15 +84,20 @@ def run_hf(model: str, dtype, prompts, output_lens, batch_sizes: list[int], batc
     return results
 
 
-def run_llamacpp(model: str, prompts, output_lens, threads: int | None) -> dict:
+def _serial(n: int, serial_prompts: int | None) -> int:
+    return n if serial_prompts is None else max(1, min(serial_prompts, n))
+
+
+def run_llamacpp(model: str, prompts, output_lens, threads: int | None, serial_prompts: int | None) -> dict:
     gguf = baselines.gguf_file(model)
     if gguf is None:
         raise baselines.Unavailable(f"llama.cpp needs a GGUF model; {model!r} is not one")
     n_ctx = max(len(p) + n for p, n in zip(prompts, output_lens)) + 16
     llm = baselines.load_llamacpp(gguf, n_ctx, threads)
     baselines.llamacpp_generate(llm, [prompts[0][:8]], [2])  # warm-up
-    seconds = baselines.llamacpp_generate(llm, prompts, output_lens)
-    return _result("llama.cpp (one request at a time)", prompts, output_lens, seconds, backend="llamacpp",
+    n = _serial(len(prompts), serial_prompts)
+    seconds, generated = baselines.llamacpp_generate(llm, prompts[:n], output_lens[:n])
+    return _result("llama.cpp (one request at a time)", prompts[:n], generated, seconds, backend="llamacpp",
                    threads=threads or baselines.default_threads(), gguf=gguf.name)
 
 
@@ -130,9 +137,9 @@ def main(ns: argparse.Namespace, engine_args) -> int:
                 results.append(run_pagoda(engine_args, prompts, output_lens))
                 _print_line(results[-1])
             elif backend == "hf":
-                results += run_hf(ns.model, config.model.dtype, prompts, output_lens, batch_sizes, ns.hf_batch1_prompts)
+                results += run_hf(ns.model, config.model.dtype, prompts, output_lens, batch_sizes, ns.serial_prompts)
             else:
-                results.append(run_llamacpp(ns.model, prompts, output_lens, ns.threads))
+                results.append(run_llamacpp(ns.model, prompts, output_lens, ns.threads, ns.serial_prompts))
                 _print_line(results[-1])
         except baselines.Unavailable as e:
             skipped[backend] = str(e)

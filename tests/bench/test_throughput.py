@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import json
 
+import pytest
+
 from pagoda.bench import sweep
 from pagoda.entrypoints.cli import main
 
@@ -12,7 +14,7 @@ def test_cli_prints_throughput_and_writes_json(tiny_llama, tmp_path, capsys):
     out = tmp_path / "throughput.json"
     code = main(["bench", "throughput", "--model", str(tiny_llama), "--dtype", "float32", "--kv-cache-memory", "0.02",
                  "--num-prompts", "4", "--input-len", "20", "--output-len", "6", "--backend", "pagoda,hf,llamacpp",
-                 "--hf-batch-sizes", "1,4", "--hf-batch1-prompts", "2", "--save-result", str(out)])
+                 "--hf-batch-sizes", "1,4", "--serial-prompts", "2", "--save-result", str(out)])
     printed = capsys.readouterr()
     assert code == 0
     assert "pagoda: " in printed.out and "requests/s" in printed.out and "output tokens/s" in printed.out
@@ -36,3 +38,19 @@ def test_max_concurrency_is_the_largest_passing_level():
     levels[1]["failed"] = 1
     assert sweep.max_concurrency_meeting(levels, 0.99) == 1
     assert sweep.parse_levels("16,1,4,4") == [1, 4, 16]
+
+
+def test_llamacpp_baseline_on_a_gguf(tiny_llama, tmp_path, capsys):
+    """Where llama-cpp-python is installed, the llama.cpp baseline runs the GGUF pagoda loads."""
+    pytest.importorskip("llama_cpp")
+    from gguf_export import export_gguf
+
+    gguf = export_gguf(tiny_llama, tmp_path / "tiny.gguf", "Q8_0")
+    out = tmp_path / "llamacpp.json"
+    code = main(["bench", "throughput", "--model", str(gguf), "--backend", "llamacpp", "--num-prompts", "3",
+                 "--input-len", "12", "--output-len", "5", "--serial-prompts", "2", "--threads", "1",
+                 "--save-result", str(out)])
+    assert code == 0, capsys.readouterr().err
+    (r,) = json.loads(out.read_text())["results"]
+    assert r["label"] == "llama.cpp (one request at a time)" and r["threads"] == 1
+    assert (r["requests"], r["input_tokens"], r["output_tokens"]) == (2, 24, 10)
