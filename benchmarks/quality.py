@@ -2,6 +2,7 @@
 
     python benchmarks/quality.py                          # every mode; writes results/quality-<date>.json
     python benchmarks/quality.py --modes fp32,int8,gguf   # a subset (fp32 is always run: the reference)
+    python benchmarks/quality.py --kernels                # one layer per SmolLM2 shape and mode, M = 1 and 64
 
 Modes: fp32 and bf16 (GGUF dequantized, ``--dtype``), int8 and int4 (``--quantization``, from the
 dequantized weights), gguf (``--quantization gguf``: the Q4_1 blocks kept as stored), and
@@ -46,6 +47,77 @@ MODES: dict[str, dict] = {
 }
 
 
+# SmolLM2-135M's projections (out x in): merged qkv, o, merged gate/up, down; and the tied head.
+KERNEL_SHAPES = {"qkv": (960, 576), "o": (576, 576), "gate_up": (3072, 576), "down": (576, 1536), "lm_head": (49152, 576)}
+
+
+def kernel_table(threads: int, repeats: int = 20) -> list[dict]:
+    """ms per call of one layer per mode at M = 1 and 64 (best of ``repeats``; weights hot in cache)."""
+    import torch
+    import torch.nn.functional as F
+
+    from pagoda.layers.quantization import Int4Linear, Int8Linear
+
+    torch.set_num_threads(threads)
+    rows = []
+    for name, (n, k) in KERNEL_SHAPES.items():
+        w = torch.randn(n, k, generator=torch.Generator().manual_seed(0)) * 0.05
+        layers = {"fp32": lambda x, w=w: F.linear(x, w), "bf16": lambda x, wb=w.bfloat16(): F.linear(x.bfloat16(), wb).float(),
+                  "int8": Int8Linear.from_float(w), "int4": Int4Linear.from_float(w),
+                  "int8 fp32-act": Int8Linear.from_float(w, compute_dtype=torch.float32),
+                  "int4 fp32-act": Int4Linear.from_float(w, compute_dtype=torch.float32)}
+        for m in (1, 64):
+            x = torch.randn(m, k)
+            row = {"layer": name, "shape": [n, k], "M": m}
+            for mode, f in layers.items():
+                if "fp32-act" in mode and (m > 1 or n > 3072):
+                    continue  # 10-60x slower than fp32: measured once at M=1 to show it
+                with torch.inference_mode():
+                    f(x)
+                    best = float("inf")
+                    for _ in range(repeats):
+                        start = time.perf_counter()
+                        f(x)
+                        best = min(best, time.perf_counter() - start)
+                row[mode] = round(best * 1e3, 3)
+            rows.append(row)
+    rows += _model_rows(repeats=3)
+    return rows
+
+
+def _model_rows(repeats: int, num_layers: int = 30) -> list[dict]:
+    """All of SmolLM2's projections (30 layers x qkv, o, gate/up, down, distinct weights, so they
+    stream from memory as in a decode step), run one after another; ms per pass."""
+    import torch
+    import torch.nn.functional as F
+
+    from pagoda.layers.quantization import Int4Linear, Int8Linear
+
+    g = torch.Generator().manual_seed(0)
+    weights = [torch.randn(*KERNEL_SHAPES[name], generator=g) * 0.05
+               for _ in range(num_layers) for name in ("qkv", "o", "gate_up", "down")]
+    makers = {"fp32": lambda w: (lambda x: F.linear(x, w)),
+              "bf16": lambda w: (lambda x, wb=w.bfloat16(): F.linear(x.bfloat16(), wb).float()),
+              "int8": Int8Linear.from_float, "int4": Int4Linear.from_float}
+    rows = []
+    layers = {mode: [make(w) for w in weights] for mode, make in makers.items()}
+    del weights
+    for m in (1, 64):
+        inputs = {576: torch.randn(m, 576), 1536: torch.randn(m, 1536)}
+        row = {"layer": f"all {num_layers} layers", "shape": [0, 0], "M": m}
+        for mode, fs in layers.items():
+            with torch.inference_mode():
+                best = float("inf")
+                for _ in range(repeats):
+                    start = time.perf_counter()
+                    for f, w_in in zip(fs, [576, 576, 576, 1536] * num_layers):
+                        f(inputs[w_in])
+                    best = min(best, time.perf_counter() - start)
+            row[mode] = round(best * 1e3, 3)
+        rows.append(row)
+    return rows
+
+
 def _rss_mib() -> float:
     with open("/proc/self/status") as f:
         for line in f:
@@ -77,6 +149,7 @@ def run_mode(mode: str, args: argparse.Namespace) -> dict:
     from pagoda.layers import quantization
     from pagoda.sampling_params import SamplingParams
 
+    torch.set_num_threads(args.threads)
     spec = dict(MODES[mode])
     quantization.QUANTIZE_LM_HEAD = spec.pop("head", False)
     rss_before = _rss_mib()
@@ -154,14 +227,32 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--prompt-len", type=int, default=32)
     p.add_argument("--greedy-tokens", type=int, default=32)
     p.add_argument("--batch-sizes", default="1,64")
-    p.add_argument("--decode-tokens", type=int, default=32)
-    p.add_argument("--repeats", type=int, default=3, help="decode runs per batch size; the best is reported")
+    p.add_argument("--decode-tokens", type=int, default=16)
+    p.add_argument("--repeats", type=int, default=2, help="decode runs per batch size; the best is reported")
+    p.add_argument("--threads", type=int, default=1,
+                   help="torch threads (default 1: on a shared 2-core machine, 2 OpenMP threads stall whenever "
+                        "another process takes a core, which swamps the differences between modes)")
+    p.add_argument("--kernels", action="store_true", help="only time one layer per mode and shape (no model)")
     p.add_argument("--kv-cache-memory", type=float, default=0.5, help="GiB, the same for every mode")
     p.add_argument("--output", default=str(HERE / "results" / f"quality-{date.today().isoformat()}.json"))
     p.add_argument("--run-mode", default=None, help=argparse.SUPPRESS)  # internal: one mode, in this process
     p.add_argument("--run-output", default=None, help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     args.batch_sizes = [int(b) for b in args.batch_sizes.split(",")]
+
+    if args.kernels:
+        rows = kernel_table(args.threads)
+        modes = [k for k in rows[0] if k not in ("layer", "shape", "M")]
+        print("| layer | N x K | M | " + " | ".join(f"{m} ms" for m in modes) + " |")
+        print("| --- | --- | ---: | " + " | ".join("---:" for _ in modes) + " |")
+        for r in rows:
+            shape = f"{r['shape'][0]} x {r['shape'][1]}" if r["shape"][0] else "-"
+            print(f"| {r['layer']} | {shape} | {r['M']} | "
+                  + " | ".join(f"{r[m]:.3f}" if m in r else "-" for m in modes) + " |")
+        out = Path(args.output).with_name(Path(args.output).stem + "-kernels.json")
+        out.write_text(json.dumps({"date": date.today().isoformat(), "threads": args.threads, "rows": rows}, indent=2) + "\n")
+        print(f"\nwritten to {out}")
+        return 0
 
     if args.run_mode:
         Path(args.run_output).write_text(json.dumps(run_mode(args.run_mode, args)))
@@ -190,7 +281,7 @@ def main(argv: list[str] | None = None) -> int:
         "command": "python benchmarks/quality.py " + " ".join(argv if argv is not None else sys.argv[1:]),
         "model": args.model, "text": str(TEXT.relative_to(HERE.parent)), "text_tokens": results[0]["text_tokens"],
         "greedy": {"prompts": args.num_prompts, "prompt_len": args.prompt_len, "tokens": args.greedy_tokens},
-        "decode_tokens": args.decode_tokens,
+        "decode_tokens": args.decode_tokens, "threads": args.threads,
         "results": [{k: v for k, v in r.items() if k not in ("token_logprobs", "greedy_tokens")} for r in results],
     }
     Path(args.output).parent.mkdir(parents=True, exist_ok=True)

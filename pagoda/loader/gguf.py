@@ -10,7 +10,8 @@ translates:
   ``$PAGODA_HOME/converted/<key>/`` and later loads never import transformers.
 - ``iter_gguf_weights`` yields ``(hf_name, float32 tensor)`` for every weight, undoing llama.cpp's
   storage conventions: Q/K row permutation (``llama`` only), ``1 + w`` norms (``gemma3``), and the
-  reversed dimension order of GGUF shapes.
+  reversed dimension order of GGUF shapes. With ``keep_quantized`` (``--quantization gguf``), Q4_0 and
+  Q4_1 weights come as ``GGUFPackedWeight`` (the stored blocks) for the int4 kernel instead.
 
 We parse the file ourselves (``read_gguf``) instead of using ``gguf.GGUFReader``: the reader builds a
 numpy view per array element, which takes ~5 s on SmolLM2's 49k-token vocabulary and ~21 s on

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import ctypes
 import logging
 
 import torch
@@ -37,7 +38,17 @@ def load_model(files: ModelFiles, hf_config: dict, dtype: torch.dtype, device: t
         count = quantize_linears(model, quantization, packed)
         model.packed_weights = {}  # drop the stored blocks (views of the mapped file)
         logger.info("quantization=%s: %d projection layers quantized", quantization, count)
+        _release_freed_memory()
     return model
+
+
+def _release_freed_memory() -> None:
+    """Return the float weights that quantization freed to the OS: glibc keeps freed heap pages
+    mapped, so without this the process stays as large as the float model."""
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):  # not glibc
+        pass
 
 
 def _init_buffers(model: nn.Module) -> None:
