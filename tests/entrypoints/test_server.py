@@ -325,6 +325,9 @@ def test_engine_in_its_own_process(tiny_llama, offline):
         text = "".join(c.choices[0].text for c in client.completions.create(
             model=MODEL, prompt="The quick brown fox", max_tokens=12, temperature=0, stream=True) if c.choices)
         assert text == expected.outputs[0].text
+        # A constrained request: its grammar is compiled in the engine process.
+        regex = client.completions.create(model=MODEL, prompt="hi", max_tokens=20, extra_body={"guided_regex": "[0-9]{5}"})
+        assert regex.choices[0].text.isdigit() and len(regex.choices[0].text) == 5
         test_disconnect_mid_stream_aborts_and_frees_blocks(base)
     finally:
         proc.terminate()
