@@ -231,3 +231,35 @@ def test_no_leaked_block_with_prefix_caching_under_churn():
     assert kv.num_free_blocks == 40  # cached blocks count as free: nobody holds them
     kv.reset_prefix_cache()
     assert kv.pool.num_free_blocks == 40 and kv.cache.num_cached_blocks == 0
+
+
+def test_a_request_waits_for_its_grammar_without_holding_up_others():
+    """A constrained request is passed over while its grammar compiles; once compiled it runs,
+    and it stops as soon as its grammar is complete (here after the one token 7 = "x")."""
+    from concurrent.futures import Future
+
+    import xgrammar as xgr
+
+    from pagoda.structured_output import GrammarState
+
+    sched = make_scheduler()
+    constrained, free = req("constrained", 5, max_tokens=10, t=0.0), req("free", 5, t=1.0)
+    compiling: Future = Future()
+    constrained.grammar = GrammarState(compiling)
+    sched.add_request(constrained)
+    sched.add_request(free)
+    out, _ = fake_step(sched)
+    assert [r.request_id for r, _ in out.scheduled] == ["free"]
+    vocab = ["a"] * 7 + ["x", "</s>"]
+    compiler = xgr.GrammarCompiler(xgr.TokenizerInfo(vocab, stop_token_ids=[8]))
+    compiling.set_result(compiler.compile_grammar(xgr.Grammar.from_regex("x")))
+    out, _ = fake_step(sched)
+    assert "constrained" in [r.request_id for r, _ in out.scheduled]
+    assert constrained.output_token_ids == [7] and constrained.status == RequestStatus.RUNNING
+    # After "x" only the stop token is allowed; accepting it completes the grammar.
+    bitmask = xgr.allocate_token_bitmask(1, len(vocab))
+    constrained.grammar.fill_bitmask(bitmask, 0)
+    allowed = [t for t in range(len(vocab)) if (int(bitmask[0, t // 32]) >> (t % 32)) & 1]
+    assert allowed == [8]
+    sched.update(type(out)(scheduled=[(constrained, 1)]), {"constrained": 8})
+    assert constrained.status == RequestStatus.FINISHED_STOPPED
