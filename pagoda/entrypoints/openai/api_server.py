@@ -15,20 +15,27 @@ from pagoda.engine.async_llm import AsyncLLM
 from pagoda.entrypoints.openai.protocol import (
     ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest, now,
 )
-from pagoda.entrypoints.openai.serving import OpenAIError, Serving, bad_value
+from pagoda.entrypoints.openai.serving import OpenAIError, Serving, bad_value, dumps
 
 logger = logging.getLogger("pagoda.server")
 
 _OPEN_PATHS = {"/health", "/version", "/metrics", "/docs", "/openapi.json"}
 
 
+class FastJSONResponse(JSONResponse):
+    """JSON bodies written by orjson (serving.dumps): ~10x faster than json.dumps on our bodies."""
+
+    def render(self, content) -> bytes:
+        return dumps(content)
+
+
 def _error(e: OpenAIError) -> JSONResponse:
-    return JSONResponse(e.body(), status_code=e.status, headers=e.headers)
+    return FastJSONResponse(e.body(), status_code=e.status, headers=e.headers)
 
 
 def build_app(engine: AsyncLLM, served_model_names: list[str], *, api_key: str | None = None,
               max_queue_len: int | None = None, model_root: str | None = None) -> FastAPI:
-    app = FastAPI(title="pagoda", version=__version__)
+    app = FastAPI(title="pagoda", version=__version__, default_response_class=FastJSONResponse)
     serving = Serving(engine, served_model_names, max_queue_len)
     app.state.serving = serving
 
@@ -60,8 +67,8 @@ def build_app(engine: AsyncLLM, served_model_names: list[str], *, api_key: str |
     async def health():
         if engine.healthy:
             return Response(status_code=200)
-        return JSONResponse({"error": {"message": f"engine is not running: {engine.dead_error}", "type": "server_error",
-                                       "param": None, "code": "engine_dead"}}, status_code=503)
+        return FastJSONResponse({"error": {"message": f"engine is not running: {engine.dead_error}",
+                                           "type": "server_error", "param": None, "code": "engine_dead"}}, status_code=503)
 
     @app.get("/metrics")
     async def metrics():
@@ -88,7 +95,7 @@ def build_app(engine: AsyncLLM, served_model_names: list[str], *, api_key: str |
         result = await handler(body)
         if body.stream:
             return StreamingResponse(result, media_type="text/event-stream")
-        return JSONResponse(result)
+        return FastJSONResponse(result)
 
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest):

@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 from dataclasses import dataclass, field
 from collections.abc import AsyncIterator
+
+import orjson
 
 from pagoda.engine.async_llm import AsyncLLM
 from pagoda.entrypoints.openai.protocol import (
@@ -39,8 +40,16 @@ def bad_value(e: ValueError) -> OpenAIError:
     return OpenAIError(message, param=first if first.isidentifier() else None)
 
 
-def sse(data: dict | str) -> str:
-    return f"data: {data if isinstance(data, str) else json.dumps(data, ensure_ascii=False)}\n\n"
+def dumps(data) -> bytes:
+    """A response body or SSE payload as JSON: compact, UTF-8 text unescaped, keys that are not
+    strings written as strings (as json.dumps does). Non-finite floats, which JSON cannot carry,
+    become null (json.dumps wrote `-Infinity`, which strict parsers reject)."""
+    return orjson.dumps(data, option=orjson.OPT_NON_STR_KEYS)
+
+
+def sse(data: dict | str) -> bytes:
+    """One server-sent event: a JSON object, or a bare string such as [DONE]."""
+    return b"data: " + (data.encode() if isinstance(data, str) else dumps(data)) + b"\n\n"
 
 
 class Serving:
