@@ -51,6 +51,7 @@ class EngineConfig:
     scheduler: SchedulerConfig
     seed: int = 0
     enforce_eager: bool = False
+    compile: bool = False  # torch.compile the model between attention layers (see worker/compiled.py)
 
 
 @dataclass
@@ -68,6 +69,9 @@ class EngineArgs:
     seed: int = 0
     chat_template: str | None = None
     enforce_eager: bool = False
+    # torch.compile the model (off by default: on this project's 2-core AVX2 CPU it measured no
+    # faster and costs ~70 s of compilation; see benchmarks/README.md). enforce_eager wins.
+    compile: bool = False
     enable_prefix_caching: bool = True
     device: str | None = None
     quantization: str | None = None  # none | int8 | int4 | gguf (weight-only, CPU kernels)
@@ -98,6 +102,7 @@ class EngineArgs:
             scheduler=SchedulerConfig(self.max_num_seqs, self.max_num_batched_tokens),
             seed=self.seed,
             enforce_eager=self.enforce_eager,
+            compile=self.compile and not self.enforce_eager,
         )
 
     def _validate(self) -> None:

@@ -86,7 +86,7 @@ class EngineCore:
             max_num_batched_tokens=sc.max_num_batched_tokens, max_model_len=self.max_model_len,
         )
         generator = torch.Generator().manual_seed(config.seed)
-        self.runner = ModelRunner(self.model, self.kv_cache, block_size, mc.device, generator)
+        self.runner = ModelRunner(self.model, self.kv_cache, block_size, mc.device, generator, compile=config.compile)
         self.num_steps = 0
         self.limits = RequestLimits(self.max_model_len, cfg.vocab_size, self.num_blocks)
         self._structured_outputs: StructuredOutputManager | None = None

@@ -31,6 +31,7 @@ class PagedAttention(nn.Module):
     def bind_kv_cache(self, k_cache: torch.Tensor, v_cache: torch.Tensor) -> None:
         self.k_cache, self.v_cache = k_cache, v_cache
 
+    @torch.compiler.disable  # reads per-step metadata and loops in Python: stays eager under --compile
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         """q: [T, Hq, D], k/v: [T, Hkv, D] for the T tokens of the batch → [T, Hq * D]."""
         meta = get_attention_metadata()

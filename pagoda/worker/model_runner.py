@@ -16,6 +16,7 @@ from pagoda.forward_context import AttentionMetadata, PrefillSeq, set_attention_
 from pagoda.layers.sampler import Sampler, SamplingMetadata
 from pagoda.request import Request
 from pagoda.structured_output.manager import build_token_bitmask
+from pagoda.worker.compiled import compiled_forward
 
 
 @dataclass
@@ -36,8 +37,9 @@ class RunnerOutput:
 
 class ModelRunner:
     def __init__(self, model: torch.nn.Module, kv_cache: torch.Tensor, block_size: int,
-                 device: torch.device, generator: torch.Generator | None = None) -> None:
+                 device: torch.device, generator: torch.Generator | None = None, compile: bool = False) -> None:
         self.model = model
+        self.forward = compiled_forward(model) if compile else model.forward
         self.block_size = block_size
         self.device = device
         self.vocab_size = model.config.vocab_size
@@ -112,7 +114,7 @@ class ModelRunner:
         input_ids, positions, meta = self._prepare(batch)
         sample_rows, sample_reqs, prompt_rows = self._logit_rows(batch)
         with set_attention_metadata(meta):
-            hidden = self.model(input_ids.to(self.device), positions.to(self.device))
+            hidden = self.forward(input_ids.to(self.device), positions.to(self.device))
         out = RunnerOutput()
         if sample_rows:
             logits = self.model.compute_logits(hidden[sample_rows]).float().cpu()
