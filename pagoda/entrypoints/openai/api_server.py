@@ -9,6 +9,8 @@ import secrets
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
+from starlette.datastructures import Headers
+from starlette.types import ASGIApp, Receive, Scope, Send
 
 from pagoda import __version__
 from pagoda.engine.async_llm import AsyncLLM
@@ -33,20 +35,36 @@ def _error(e: OpenAIError) -> JSONResponse:
     return FastJSONResponse(e.body(), status_code=e.status, headers=e.headers)
 
 
+class _APIKeyCheck:
+    """401 for a request without `Authorization: Bearer <key>`, except on the open paths.
+
+    A plain ASGI middleware, installed only when a key is set: Starlette's `@app.middleware("http")`
+    (BaseHTTPMiddleware) relays every streamed chunk through a memory stream and a task of its own,
+    which doubled the event loop's time per streamed token (benchmarks/README.md, "Server cost per
+    token")."""
+
+    def __init__(self, app: ASGIApp, api_key: str) -> None:
+        self.app, self.expected = app, f"Bearer {api_key}"
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "http" and scope["path"] not in _OPEN_PATHS:
+            given = Headers(scope=scope).get("authorization", "")
+            if not secrets.compare_digest(given, self.expected):
+                error = OpenAIError("invalid or missing API key", status=401, type_="authentication_error",
+                                    code="invalid_api_key")
+                await _error(error)(scope, receive, send)
+                return
+        await self.app(scope, receive, send)
+
+
 def build_app(engine: AsyncLLM, served_model_names: list[str], *, api_key: str | None = None,
               max_queue_len: int | None = None, model_root: str | None = None) -> FastAPI:
     app = FastAPI(title="pagoda", version=__version__, default_response_class=FastJSONResponse)
     serving = Serving(engine, served_model_names, max_queue_len)
     app.state.serving = serving
 
-    @app.middleware("http")
-    async def check_api_key(request: Request, call_next):
-        if api_key and request.url.path not in _OPEN_PATHS:
-            given = request.headers.get("authorization", "")
-            if not secrets.compare_digest(given, f"Bearer {api_key}"):
-                return _error(OpenAIError("invalid or missing API key", status=401, type_="authentication_error",
-                                          code="invalid_api_key"))
-        return await call_next(request)
+    if api_key:
+        app.add_middleware(_APIKeyCheck, api_key=api_key)
 
     @app.exception_handler(OpenAIError)
     async def on_openai_error(_request: Request, e: OpenAIError):
