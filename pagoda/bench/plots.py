@@ -39,6 +39,14 @@ def _axis(ax, title: str, ylabel: str, levels: list[int]) -> None:
     ax.grid(True, which="both", alpha=0.3)
 
 
+def _save(plt, fig, path: Path) -> None:
+    for ax in fig.axes:
+        ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
 def plot_sweeps(records: list[dict], out_dir: str | Path) -> list[Path]:
     """Draw the sweeps (records as `run_sweep` returns them) into out_dir; returns the PNG paths."""
     plt = _pyplot()
@@ -51,11 +59,7 @@ def plot_sweeps(records: list[dict], out_dir: str | Path) -> list[Path]:
         x, y = _series(rec, "output_throughput")
         ax.plot(x, y, marker="o", label=rec["label"])
     _axis(ax, "Output throughput vs concurrency", "output tokens/s", levels)
-    ax.legend()
-    fig.tight_layout()
-    throughput_png = out / THROUGHPUT_PNG
-    fig.savefig(throughput_png, dpi=110)
-    plt.close(fig)
+    _save(plt, fig, out / THROUGHPUT_PNG)
 
     fig, (ax_ttft, ax_itl) = plt.subplots(1, 2, figsize=(11, 4.4))
     for rec in records:
@@ -68,13 +72,8 @@ def plot_sweeps(records: list[dict], out_dir: str | Path) -> list[Path]:
         ax_ttft.axhline(slo / 1e3, color="grey", linestyle="--", linewidth=1, label=f"TTFT SLO {slo / 1e3:g} s")
     _axis(ax_ttft, "p99 time to first token", "seconds", levels)
     _axis(ax_itl, "p99 inter-token latency", "milliseconds", levels)
-    ax_ttft.legend()
-    ax_itl.legend()
-    fig.tight_layout()
-    latency_png = out / LATENCY_PNG
-    fig.savefig(latency_png, dpi=110)
-    plt.close(fig)
-    return [throughput_png, latency_png]
+    _save(plt, fig, out / LATENCY_PNG)
+    return [out / THROUGHPUT_PNG, out / LATENCY_PNG]
 
 
 def load_sweep(path: str | Path) -> dict:
