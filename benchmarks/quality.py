@@ -7,7 +7,7 @@
 Modes: fp32 and bf16 (GGUF dequantized, ``--dtype``), int8 and int4 (``--quantization``, from the
 dequantized weights), gguf (``--quantization gguf``: the Q4_1 blocks kept as stored), and
 int8-head / int4-head (the same with the output head, tied to the embedding here, in int8 too).
-Each mode runs in its own process, so its memory is its own:
+Memory and quality are measured with each mode in its own process, so its memory is its own:
 
 - weight MiB: bytes of the model's parameters and buffers; RSS after load and peak RSS;
 - perplexity of ``data/perplexity.txt`` (prompt logprobs, one request), and the mean absolute
@@ -15,8 +15,9 @@ Each mode runs in its own process, so its memory is its own:
 - greedy agreement with fp32: N prompts (windows of the same text) × M greedy tokens; the share of
   positions whose token equals fp32's, and the mean share of each output before its first
   difference;
-- decode tokens/s at batch 1 and at batch 64 (32-token prompts, timed after the prefill step; the
-  best of ``--repeats`` runs, as the machine is shared).
+- decode tokens/s at batch 1 and at batch 64 (32-token prompts, timed after the prefill step), with
+  every mode loaded in one process and measured in turns, ``--repeats`` rounds; the best run of
+  each is reported (the machine is shared: the best run is the least disturbed one).
 """
 
 from __future__ import annotations
@@ -51,6 +52,20 @@ MODES: dict[str, dict] = {
 KERNEL_SHAPES = {"qkv": (960, 576), "o": (576, 576), "gate_up": (3072, 576), "down": (576, 1536), "lm_head": (49152, 576)}
 
 
+def _best_ms(f, repeats: int) -> float:
+    """The fastest of ``repeats`` calls of ``f()``, in ms (after one warm-up call)."""
+    import torch
+
+    with torch.inference_mode():
+        f()
+        best = float("inf")
+        for _ in range(repeats):
+            start = time.perf_counter()
+            f()
+            best = min(best, time.perf_counter() - start)
+    return round(best * 1e3, 3)
+
+
 def kernel_table(threads: int, repeats: int = 20) -> list[dict]:
     """ms per call of one layer per mode at M = 1 and 64 (best of ``repeats``; weights hot in cache)."""
     import torch
@@ -72,16 +87,9 @@ def kernel_table(threads: int, repeats: int = 20) -> list[dict]:
             for mode, f in layers.items():
                 if "fp32-act" in mode and (m > 1 or n > 3072):
                     continue  # 10-60x slower than fp32: measured once at M=1 to show it
-                with torch.inference_mode():
-                    f(x)
-                    best = float("inf")
-                    for _ in range(repeats):
-                        start = time.perf_counter()
-                        f(x)
-                        best = min(best, time.perf_counter() - start)
-                row[mode] = round(best * 1e3, 3)
+                row[mode] = _best_ms(lambda f=f, x=x: f(x), repeats)
             rows.append(row)
-    rows += _model_rows(repeats=3)
+    rows += _model_rows(repeats=5)
     return rows
 
 
@@ -106,14 +114,10 @@ def _model_rows(repeats: int, num_layers: int = 30) -> list[dict]:
         inputs = {576: torch.randn(m, 576), 1536: torch.randn(m, 1536)}
         row = {"layer": f"all {num_layers} layers", "shape": [0, 0], "M": m}
         for mode, fs in layers.items():
-            with torch.inference_mode():
-                best = float("inf")
-                for _ in range(repeats):
-                    start = time.perf_counter()
-                    for f, w_in in zip(fs, [576, 576, 576, 1536] * num_layers):
-                        f(inputs[w_in])
-                    best = min(best, time.perf_counter() - start)
-            row[mode] = round(best * 1e3, 3)
+            def one_pass(fs=fs):
+                for f, width in zip(fs, [576, 576, 576, 1536] * num_layers):
+                    f(inputs[width])
+            row[mode] = _best_ms(one_pass, repeats)
         rows.append(row)
     return rows
 
@@ -141,24 +145,48 @@ def _decode_tok_s(llm, prompts: list[list[int]], max_tokens: int) -> float:
     return len(prompts) * (max_tokens - 1) / (time.perf_counter() - start)
 
 
-def run_mode(mode: str, args: argparse.Namespace) -> dict:
-    """Everything measured for one mode, in this process."""
+def _load(mode: str, args: argparse.Namespace):
     import torch
 
     from pagoda import LLM
     from pagoda.layers import quantization
-    from pagoda.sampling_params import SamplingParams
 
     torch.set_num_threads(args.threads)
     spec = dict(MODES[mode])
     quantization.QUANTIZE_LM_HEAD = spec.pop("head", False)
+    llm = LLM(model=args.model, kv_cache_memory=args.kv_cache_memory, **spec)
+    quantization.QUANTIZE_LM_HEAD = False
+    return llm, spec
+
+
+def run_speed(modes: list[str], args: argparse.Namespace) -> dict:
+    """Decode tokens/s of every mode, loaded side by side in this process and measured in turns
+    (``--repeats`` rounds of all modes), so a busy spell of the shared machine hits them alike."""
+    llms = {mode: _load(mode, args)[0] for mode in modes}
+    text_ids = llms[modes[0]].get_tokenizer().encode(TEXT.read_text(), add_special_tokens=False)
+    runs: dict[str, dict[str, list[float]]] = {m: {str(b): [] for b in args.batch_sizes} for m in modes}
+    for _ in range(args.repeats):
+        for mode in modes:
+            for batch in args.batch_sizes:
+                prompts = [text_ids[(i * 7) % (len(text_ids) - 32) :][:32] for i in range(batch)]
+                runs[mode][str(batch)].append(_decode_tok_s(llms[mode], prompts, args.decode_tokens))
+    return runs
+
+
+def run_mode(mode: str, args: argparse.Namespace) -> dict:
+    """Memory and quality of one mode, in this process."""
+    import torch
+
+    from pagoda.layers import quantization
+    from pagoda.sampling_params import SamplingParams
+
     rss_before = _rss_mib()
     start = time.perf_counter()
-    llm = LLM(model=args.model, kv_cache_memory=args.kv_cache_memory, **spec)
+    llm, spec = _load(mode, args)
     load_s = time.perf_counter() - start
     model = llm.engine.core.model
     result = {
-        "mode": mode, "engine_args": spec, "quantize_lm_head": quantization.QUANTIZE_LM_HEAD,
+        "mode": mode, "engine_args": spec, "quantize_lm_head": MODES[mode].get("head", False),
         "load_s": round(load_s, 2), "weight_mib": quantization.weight_bytes(model) / 2**20,
         "rss_before_load_mib": rss_before, "rss_after_load_mib": _rss_mib(),
         "peak_rss_load_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
@@ -179,12 +207,6 @@ def run_mode(mode: str, args: argparse.Namespace) -> dict:
                           SamplingParams(max_tokens=args.greedy_tokens, temperature=0.0, ignore_eos=True), use_tqdm=False)
     result["greedy_tokens"] = [list(o.outputs[0].token_ids) for o in greedy]
 
-    result["decode_tok_s"] = {}
-    for batch in args.batch_sizes:
-        prompts = [text_ids[(i * 7) % (len(text_ids) - 32) :][:32] for i in range(batch)]
-        runs = [_decode_tok_s(llm, prompts, args.decode_tokens) for _ in range(args.repeats)]
-        result["decode_tok_s"][str(batch)] = max(runs)  # the least disturbed run (the machine is shared)
-        result.setdefault("decode_tok_s_runs", {})[str(batch)] = runs
     result["peak_rss_mib"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
     return result
 
@@ -228,7 +250,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--greedy-tokens", type=int, default=32)
     p.add_argument("--batch-sizes", default="1,64")
     p.add_argument("--decode-tokens", type=int, default=16)
-    p.add_argument("--repeats", type=int, default=2, help="decode runs per batch size; the best is reported")
+    p.add_argument("--repeats", type=int, default=3, help="rounds of decode runs over all modes; the best is reported")
     p.add_argument("--threads", type=int, default=1,
                    help="torch threads (default 1: on a shared 2-core machine, 2 OpenMP threads stall whenever "
                         "another process takes a core, which swamps the differences between modes)")
@@ -237,6 +259,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--output", default=str(HERE / "results" / f"quality-{date.today().isoformat()}.json"))
     p.add_argument("--run-mode", default=None, help=argparse.SUPPRESS)  # internal: one mode, in this process
     p.add_argument("--run-output", default=None, help=argparse.SUPPRESS)
+    p.add_argument("--speed", action="store_true", help=argparse.SUPPRESS)  # internal: with --run-mode
     args = p.parse_args(argv)
     args.batch_sizes = [int(b) for b in args.batch_sizes.split(",")]
 
@@ -255,7 +278,8 @@ def main(argv: list[str] | None = None) -> int:
         return 0
 
     if args.run_mode:
-        Path(args.run_output).write_text(json.dumps(run_mode(args.run_mode, args)))
+        result = run_speed(args.run_mode.split(","), args) if args.speed else run_mode(args.run_mode, args)
+        Path(args.run_output).write_text(json.dumps(result))
         return 0
 
     modes = [m for m in args.modes.split(",") if m]
@@ -266,19 +290,28 @@ def main(argv: list[str] | None = None) -> int:
         modes.insert(0, "fp32")
     modes.sort(key=lambda m: m != "fp32")
     results = []
-    with tempfile.TemporaryDirectory() as tmp:
-        for mode in modes:
-            out = Path(tmp) / f"{mode}.json"
-            cmd = [sys.executable, __file__, *(argv if argv is not None else sys.argv[1:]), "--run-mode", mode,
-                   "--run-output", str(out)]
-            print(f"[quality] {mode} ...", file=sys.stderr, flush=True)
+    own_args = argv if argv is not None else sys.argv[1:]
+
+    def child(run_mode: str, *extra: str) -> dict:
+        with tempfile.TemporaryDirectory() as tmp:
+            out = Path(tmp) / "result.json"
+            cmd = [sys.executable, __file__, *own_args, "--run-mode", run_mode, "--run-output", str(out), *extra]
             subprocess.run(cmd, check=True, env={**os.environ, "TOKENIZERS_PARALLELISM": "false"})
-            results.append(json.loads(out.read_text()))
+            return json.loads(out.read_text())
+
+    for mode in modes:  # memory and quality: one process per mode, so its memory is its own
+        print(f"[quality] {mode} ...", file=sys.stderr, flush=True)
+        results.append(child(mode))
+    print("[quality] decode speed, all modes in turns ...", file=sys.stderr, flush=True)
+    speed = child(",".join(modes), "--speed")
+    for res in results:
+        res["decode_tok_s_runs"] = speed[res["mode"]]
+        res["decode_tok_s"] = {b: max(runs) for b, runs in speed[res["mode"]].items()}
     for res in results[1:]:
         compare(results[0], res)
     summary = {
         "date": date.today().isoformat(),
-        "command": "python benchmarks/quality.py " + " ".join(argv if argv is not None else sys.argv[1:]),
+        "command": "python benchmarks/quality.py " + " ".join(own_args),
         "model": args.model, "text": str(TEXT.relative_to(HERE.parent)), "text_tokens": results[0]["text_tokens"],
         "greedy": {"prompts": args.num_prompts, "prompt_len": args.prompt_len, "tokens": args.greedy_tokens},
         "decode_tokens": args.decode_tokens, "threads": args.threads,
