@@ -66,21 +66,37 @@ def _best_ms(f, repeats: int) -> float:
     return round(best * 1e3, 3)
 
 
-def kernel_table(threads: int, repeats: int = 20) -> list[dict]:
-    """ms per call of one layer per mode at M = 1 and 64 (best of ``repeats``; weights hot in cache)."""
+def _layers(w, modes: list[str]) -> dict:
+    """One layer per mode on weight ``w``: ``F.linear`` in fp32 or bf16, or pagoda's quantized
+    layers (bf16 activations, or fp32 ones: the kernels' slow exact path)."""
     import torch
     import torch.nn.functional as F
 
     from pagoda.layers.quantization import Int4Linear, Int8Linear
 
+    wb = w.bfloat16()
+    makers = {
+        "fp32": lambda: (lambda x: F.linear(x, w)),
+        "bf16": lambda: (lambda x: F.linear(x.bfloat16(), wb).float()),
+        "int8": lambda: Int8Linear.from_float(w),
+        "int4": lambda: Int4Linear.from_float(w),
+        "int8 fp32-act": lambda: Int8Linear.from_float(w, compute_dtype=torch.float32),
+        "int4 fp32-act": lambda: Int4Linear.from_float(w, compute_dtype=torch.float32),
+    }
+    return {mode: makers[mode]() for mode in modes}
+
+
+KERNEL_MODES = ["fp32", "bf16", "int8", "int4", "int8 fp32-act", "int4 fp32-act"]
+
+
+def kernel_table(threads: int, repeats: int = 20) -> list[dict]:
+    """ms per call of one layer per mode at M = 1 and 64 (best of ``repeats``; weights hot in cache)."""
+    import torch
+
     torch.set_num_threads(threads)
     rows = []
     for name, (n, k) in KERNEL_SHAPES.items():
-        w = torch.randn(n, k, generator=torch.Generator().manual_seed(0)) * 0.05
-        layers = {"fp32": lambda x, w=w: F.linear(x, w), "bf16": lambda x, wb=w.bfloat16(): F.linear(x.bfloat16(), wb).float(),
-                  "int8": Int8Linear.from_float(w), "int4": Int4Linear.from_float(w),
-                  "int8 fp32-act": Int8Linear.from_float(w, compute_dtype=torch.float32),
-                  "int4 fp32-act": Int4Linear.from_float(w, compute_dtype=torch.float32)}
+        layers = _layers(torch.randn(n, k, generator=torch.Generator().manual_seed(0)) * 0.05, KERNEL_MODES)
         for m in (1, 64):
             x = torch.randn(m, k)
             row = {"layer": name, "shape": [n, k], "M": m}
@@ -97,26 +113,19 @@ def _model_rows(repeats: int, num_layers: int = 30) -> list[dict]:
     """All of SmolLM2's projections (30 layers x qkv, o, gate/up, down, distinct weights, so they
     stream from memory as in a decode step), run one after another; ms per pass."""
     import torch
-    import torch.nn.functional as F
-
-    from pagoda.layers.quantization import Int4Linear, Int8Linear
 
     g = torch.Generator().manual_seed(0)
-    weights = [torch.randn(*KERNEL_SHAPES[name], generator=g) * 0.05
-               for _ in range(num_layers) for name in ("qkv", "o", "gate_up", "down")]
-    makers = {"fp32": lambda w: (lambda x: F.linear(x, w)),
-              "bf16": lambda w: (lambda x, wb=w.bfloat16(): F.linear(x.bfloat16(), wb).float()),
-              "int8": Int8Linear.from_float, "int4": Int4Linear.from_float}
+    names = ["qkv", "o", "gate_up", "down"] * num_layers
+    per_layer = [_layers(torch.randn(*KERNEL_SHAPES[name], generator=g) * 0.05, KERNEL_MODES[:4]) for name in names]
+    widths = [KERNEL_SHAPES[name][1] for name in names]
     rows = []
-    layers = {mode: [make(w) for w in weights] for mode, make in makers.items()}
-    del weights
     for m in (1, 64):
-        inputs = {576: torch.randn(m, 576), 1536: torch.randn(m, 1536)}
+        inputs = {width: torch.randn(m, width) for width in set(widths)}
         row = {"layer": f"all {num_layers} layers", "shape": [0, 0], "M": m}
-        for mode, fs in layers.items():
-            def one_pass(fs=fs):
-                for f, width in zip(fs, [576, 576, 576, 1536] * num_layers):
-                    f(inputs[width])
+        for mode in KERNEL_MODES[:4]:
+            def one_pass(mode=mode, inputs=inputs):
+                for layers, width in zip(per_layer, widths):
+                    layers[mode](inputs[width])
             row[mode] = _best_ms(one_pass, repeats)
         rows.append(row)
     return rows
@@ -228,8 +237,9 @@ def compare(ref: dict, res: dict) -> None:
 
 
 def _table(results: list[dict]) -> str:
-    rows = ["| mode | weight MiB | RSS after load MiB | peak RSS while loading MiB | perplexity | Δ ppl | mean abs Δ logprob "
-            "| greedy agreement | agreement before first difference | decode tok/s b=1 | decode tok/s b=64 |",
+    rows = [("| mode | weight MiB | RSS after load MiB | peak RSS while loading MiB | perplexity | Δ ppl "
+             "| mean abs Δ logprob | greedy agreement | agreement before first difference | decode tok/s b=1 "
+             "| decode tok/s b=64 |"),
             "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
     for r in results:
         tps = r["decode_tok_s"]

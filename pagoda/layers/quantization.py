@@ -83,7 +83,7 @@ class Int8Linear(nn.Module):
 
     @classmethod
     def from_float(cls, weight: torch.Tensor, bias: torch.Tensor | None = None,
-                   compute_dtype: torch.dtype = COMPUTE_DTYPE) -> "Int8Linear":
+                   compute_dtype: torch.dtype = COMPUTE_DTYPE) -> Int8Linear:
         w = weight.detach().float()
         # Round the scale to the kernel's dtype first, then the codes against it: the layer
         # computes with exactly q * scale, no second rounding of the scale.
@@ -145,7 +145,7 @@ class Int4Linear(nn.Module):
     @classmethod
     def from_groups(cls, codes: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor,
                     bias: torch.Tensor | None = None, group_size: int = INT4_GROUP_SIZE,
-                    compute_dtype: torch.dtype = COMPUTE_DTYPE) -> "Int4Linear":
+                    compute_dtype: torch.dtype = COMPUTE_DTYPE) -> Int4Linear:
         """From codes [N, K] in 0..15 and scale, zero [N, K/G] (``w = (q - 8) * scale + zero``)."""
         n, k = codes.shape
         if not cls.supports(n, k, group_size):
@@ -157,7 +157,7 @@ class Int4Linear(nn.Module):
 
     @classmethod
     def from_float(cls, weight: torch.Tensor, bias: torch.Tensor | None = None, group_size: int = INT4_GROUP_SIZE,
-                   compute_dtype: torch.dtype = COMPUTE_DTYPE) -> "Int4Linear":
+                   compute_dtype: torch.dtype = COMPUTE_DTYPE) -> Int4Linear:
         """Min/max asymmetric quantization per group of ``group_size`` inputs."""
         w = weight.detach().float()
         n, k = w.shape

@@ -93,7 +93,7 @@ def _run(llm: LLM, prompts) -> tuple[list[list[int]], list[list[float]]]:
 
 def test_gguf_mode_greedy_matches_the_dequantized_path(ggufs, monkeypatch):
     path = str(ggufs["llama", "Q4_1"])
-    args = dict(dtype="float32", kv_cache_memory=0.02)
+    args = {"dtype": "float32", "kv_cache_memory": 0.02}
     want, want_lp = _run(LLM(model=path, **args), PROMPTS)
     monkeypatch.setattr(quantization, "COMPUTE_DTYPE", torch.float32)  # exact weights, fp32 activations
     exact = LLM(model=path, quantization="gguf", **args)
