@@ -50,7 +50,7 @@ class KVCacheManager:
     def match_prefix(self, request: Request) -> int:
         """Give a request with nothing computed the cached blocks of its prefix; returns the
         number of tokens it no longer has to compute. At least one token is left to compute."""
-        if self.cache is None or request.block_ids or request.num_computed_tokens:
+        if self.cache is None or request.block_ids or request.num_computed_tokens or self._needs_prompt_logprobs(request):
             return 0
         match = self.cache.match(request.all_token_ids[: request.num_tokens - 1], request.cache_salt)
         self.prefix_query_tokens += request.num_tokens
@@ -62,6 +62,13 @@ class KVCacheManager:
             request.num_computed_tokens = len(match.blocks) * self.block_size
             self.prefix_hit_tokens += request.num_computed_tokens
         return request.num_computed_tokens
+
+    @staticmethod
+    def _needs_prompt_logprobs(request: Request) -> bool:
+        """Prompt logprobs come from computing the prompt, so a request that still owes some
+        skips the cache (as in vLLM); once they are all reported (a preempted request), it may hit."""
+        wanted = request.sampling_params.prompt_logprobs is not None
+        return wanted and request.num_prompt_logprobs_done < request.num_prompt_tokens - 1
 
     def allocate_slots(self, request: Request, num_new_tokens: int) -> bool:
         """Grow the request's block table to hold num_new_tokens more tokens.

@@ -96,3 +96,16 @@ def test_cache_salt_in_the_prompt_dict(cached_llm):
     other = cached_llm.generate([dict(prompt, cache_salt="tenant-y")], GREEDY, use_tqdm=False)[0]
     assert first.num_cached_tokens == 0 and again.num_cached_tokens == 48 and other.num_cached_tokens == 0
     assert first.outputs[0].token_ids == again.outputs[0].token_ids == other.outputs[0].token_ids
+
+
+def test_prompt_logprobs_are_complete_on_a_cached_prompt(cached_llm, uncached_llm):
+    prompt = _prompts(5, 46, 1)
+    with_lps = SamplingParams(temperature=0.0, max_tokens=2, prompt_logprobs=1)
+    cached_llm.generate(prompt, GREEDY, use_tqdm=False)  # the prompt's blocks are now cached
+    again = cached_llm.generate(prompt, with_lps, use_tqdm=False)[0]
+    reference = uncached_llm.generate(prompt, with_lps, use_tqdm=False)[0]
+    n = len(prompt[0]["prompt_token_ids"])
+    assert len(again.prompt_logprobs) == len(reference.prompt_logprobs) == n
+    assert again.num_cached_tokens == 0  # it computed the prompt to get them
+    for got, want in zip(again.prompt_logprobs[1:], reference.prompt_logprobs[1:]):
+        assert got.keys() == want.keys()
