@@ -58,6 +58,7 @@ class OutputProcessor:
         self.tokenizer = tokenizer
         self.requests: dict[str, RequestState] = {}
         self._by_core_id: dict[str, tuple[RequestState, SampleState]] = {}
+        self._token_texts: dict[int, str] = {}  # token id → its text, for logprobs (at most the vocabulary)
 
     def add_request(self, request_id: str, prompt: str | None, prompt_token_ids: list[int],
                     samples: list[tuple[str, SamplingParams]], arrival_time: float) -> None:
@@ -161,8 +162,16 @@ class OutputProcessor:
         for i, (tid, value) in enumerate(zip(lp.token_ids, lp.logprobs)):
             if tid not in position:
                 rank = lp.rank if i == 0 else i
-                position[tid] = Logprob(value, rank, self.tokenizer.decode([tid], skip_special_tokens=False))
+                position[tid] = Logprob(value, rank, self._token_text(tid))
         return position
+
+    def _token_text(self, tid: int) -> str:
+        """One token's text (special tokens kept), decoded once: logprobs ask for k + 1 tokens
+        a position, and a tokenizer call costs more than the rest of the position's work."""
+        text = self._token_texts.get(tid)
+        if text is None:
+            text = self._token_texts[tid] = self.tokenizer.decode([tid], skip_special_tokens=False)
+        return text
 
     def _make_output(self, state: RequestState) -> RequestOutput | None:
         kind = state.output_kind
