@@ -9,6 +9,7 @@ interpreter and pays for pickling requests and outputs through queues.
 from __future__ import annotations
 
 import logging
+import os
 import multiprocessing as mp
 import queue
 import threading
@@ -102,8 +103,10 @@ class ThreadCoreClient(_InboxClient):
             self._on_failure(e)
 
 
-def _process_main(config: EngineConfig, inbox, outbox) -> None:
-    """Entry point of the engine process."""
+def _process_main(config: EngineConfig, inbox, outbox, parent_pid: int) -> None:
+    """Entry point of the engine process. It stops when told to, or when the server process is
+    gone (killed, or stopped by a signal that skipped shutdown): an orphan would hold the model
+    and the KV cache forever."""
     try:
         core = EngineCore(config)
     except BaseException as e:  # noqa: BLE001 - reported to the parent
@@ -111,7 +114,8 @@ def _process_main(config: EngineConfig, inbox, outbox) -> None:
         return
     outbox.put(("ready", core.limits, core.stats()))
     try:
-        _serve_core(core, inbox, lambda outs: outbox.put(("outputs", outs, core.stats())), lambda: False)
+        _serve_core(core, inbox, lambda outs: outbox.put(("outputs", outs, core.stats())),
+                    lambda: os.getppid() != parent_pid)
         outbox.put(("stopped", None, None))
     except BaseException as e:  # noqa: BLE001
         outbox.put(("failed", f"{type(e).__name__}: {e}", None))
@@ -121,7 +125,7 @@ class ProcessCoreClient(_InboxClient):
     def __init__(self, config: EngineConfig, on_outputs: OnOutputs, on_failure: OnFailure) -> None:
         ctx = mp.get_context("spawn")  # no fork after torch has started its thread pools
         self._inbox, self._outbox = ctx.Queue(), ctx.Queue()
-        self._proc = ctx.Process(target=_process_main, args=(config, self._inbox, self._outbox),
+        self._proc = ctx.Process(target=_process_main, args=(config, self._inbox, self._outbox, os.getpid()),
                                  name="pagoda-engine", daemon=True)
         self._proc.start()
         kind, payload, stats = self._outbox.get()

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import functools
 import time
+from pathlib import Path
 
 import httpx
 import openai
@@ -332,3 +333,30 @@ def test_engine_in_its_own_process(tiny_llama, offline):
     finally:
         proc.terminate()
         proc.wait(timeout=30)
+
+
+def _children(pid: int) -> list[int]:
+    kids = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if int(fields[1]) == pid:
+            kids.append(int(stat.parent.name))
+    return kids
+
+
+@pytest.mark.skipif(not Path("/proc/self/stat").exists(), reason="reads /proc")
+def test_engine_process_exits_when_the_server_is_killed(tiny_llama):
+    proc, _ = _start(tiny_llama, "--engine-process")
+    engines = _children(proc.pid)
+    assert engines, "the server should have an engine process"
+    proc.kill()  # SIGKILL: no shutdown code runs in the server
+    proc.wait(timeout=30)
+    deadline = time.monotonic() + 20
+    while time.monotonic() < deadline and any(Path(f"/proc/{pid}").exists() for pid in engines):
+        time.sleep(0.2)
+    alive = [pid for pid in engines if Path(f"/proc/{pid}/stat").exists()
+             and Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"]
+    assert not alive, f"engine process(es) {alive} outlived the server"
