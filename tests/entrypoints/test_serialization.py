@@ -2,16 +2,15 @@
 
 from __future__ import annotations
 
-import functools
 import json
 import math
 
 import httpx
 import openai
 import pytest
+from server_process import start_server
 
 from pagoda.entrypoints.openai.serving import dumps, sse
-from server_process import start_server
 
 TEXT = "你好，世界。 Emoji: 😀🚀 é"
 
