@@ -8,7 +8,8 @@
 1. Microbenchmarks of the per-token work, with the objects the server really builds (best of 9
    repeats): JSON + SSE framing of a chunk (json.dumps, the old path, vs `serving.sse`), the
    engine → event loop hop (call_soon_threadsafe, a queue per request, the consumer's wake-up),
-   incremental detokenization, and OutputProcessor.process_outputs per step at batch 64.
+   incremental detokenization, OutputProcessor.process_outputs per step at batch 64, and the
+   texts of one position's logprobs (tokenizer calls vs the OutputProcessor's cache).
 2. End to end: `pagoda serve` under N concurrent streaming clients (`pagoda bench serve`'s client,
    /v1/completions, prompts of --input-len tokens, exactly --output-len tokens each), with py-spy
    sampling the server process. Each sample goes to one component by the frames on its stack
@@ -224,6 +225,24 @@ def micro_output_processor(tokenizer, batch: int, steps: int, logprobs: int | No
     return best / (batch * steps) * 1e6
 
 
+def micro_logprob_position(tokenizer, k: int) -> dict[str, float]:
+    """µs to turn one position's k + 1 logprobs into Logprobs with their texts: each token decoded
+    by the tokenizer (as before the cache; the cache emptied each time) vs found in the cache."""
+    from pagoda.engine.output_processor import OutputProcessor
+    from pagoda.worker.model_runner import TokenLogprobs
+
+    proc = OutputProcessor(tokenizer)
+    ids = _token_stream(tokenizer, k + 1)
+    lp = TokenLogprobs(ids, [-0.5] * (k + 1), 1)
+
+    def cold():
+        proc._token_texts.clear()
+        return proc._position(lp)
+
+    decoded, cached = per_call_us(cold, lambda: proc._position(lp))
+    return {"decoded_us": decoded, "cached_us": cached}
+
+
 def run_micro(models: dict[str, str], batch: int, k: int) -> dict:
     from pagoda.bench.datasets import load_tokenizer
 
@@ -236,6 +255,7 @@ def run_micro(models: dict[str, str], batch: int, k: int) -> dict:
             "detokenize_us_per_token": micro_detokenize(tok),
             "output_processor_us_per_token": micro_output_processor(tok, batch, 64, None),
             f"output_processor_logprobs{k}_us_per_token": micro_output_processor(tok, batch, 64, k),
+            "logprob_position": {n: micro_logprob_position(tok, n) for n in (k, 20)},
         }
         out["models"][label] = rec
         print(f"\n{label}: per-chunk serialization (µs)\n")
@@ -247,6 +267,9 @@ def run_micro(models: dict[str, str], batch: int, k: int) -> dict:
         print(f"\n{label}: detokenization {rec['detokenize_us_per_token']:.2f} µs/token; OutputProcessor at batch {batch}: "
               f"{rec['output_processor_us_per_token']:.2f} µs/token, with logprobs={k}: "
               f"{rec[f'output_processor_logprobs{k}_us_per_token']:.2f} µs/token", flush=True)
+        for n, r in rec["logprob_position"].items():
+            print(f"{label}: one position's {n + 1} logprobs: {r['decoded_us']:.2f} µs decoding each token, "
+                  f"{r['cached_us']:.2f} µs from the cache", flush=True)
     return out
 
 
@@ -383,6 +406,7 @@ def run_e2e(spec: ServerSpec, tree: Path, model: str, ns: argparse.Namespace, pr
     seconds = summary["duration_s"]
     return {"output_tokens": tokens, "failed": sum(not r.success for r in results),
             "duration_s": seconds, "output_tok_s": tokens / seconds, "loadavg_1m": summary.get("loadavg_1m"),
+            "itl_ms": {q: summary[f"{q}_itl_ms"] for q in ("median", "p99")},
             "process_cpu_us_per_token": sum(u + k for u, k in cpu.values()) / tokens * 1e6,
             "client_cpu_us_per_token": client_cpu / tokens * 1e6,
             "gil_held_share": {name: n / ns.rate / seconds for name, n in held.items()},
@@ -402,6 +426,7 @@ def mean_records(records: list[dict]) -> dict:
     return {"rounds": len(records), "output_tok_s": avg("output_tok_s"), "output_tokens": records[0]["output_tokens"],
             "server_us_per_token": avg("server_us_per_token"), "engine_us_per_token": avg("engine_us_per_token"),
             "process_cpu_us_per_token": avg("process_cpu_us_per_token"), "client_cpu_us_per_token": avg("client_cpu_us_per_token"),
+            "itl_ms": {q: sum(r["itl_ms"][q] for r in records) / len(records) for q in ("median", "p99")},
             "gil_held_share": {t: sum(r["gil_held_share"].get(t, 0.0) for r in records) / len(records)
                                for t in ("MainThread", "pagoda-engine")},
             "us_per_token": {n: sum(r["us_per_token"].get(n, 0.0) for r in records) / len(records) for n in names}}
@@ -424,6 +449,7 @@ def format_e2e(label: str, by_server: dict[str, dict]) -> str:
     row("load generator CPU (not the server)", lambda m: f"{m['client_cpu_us_per_token']:.0f}")
     row("GIL held by the event loop / engine thread", lambda m: "{:.0%} / {:.0%}".format(
         m["gil_held_share"].get("MainThread", 0.0), m["gil_held_share"].get("pagoda-engine", 0.0)))
+    row("ITL p50 / p99 (ms)", lambda m: f"{m['itl_ms']['median']:.0f} / {m['itl_ms']['p99']:.0f}")
     row("output tok/s", lambda m: f"{m['output_tok_s']:.0f}")
     return "\n".join(lines)
 
