@@ -47,3 +47,16 @@ def _quiet_threads():
     # Two cores here: keep torch from oversubscribing when tests run beside other work.
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     yield
+
+
+@pytest.fixture
+def torch_kernels_only(monkeypatch):
+    """Run as on a machine where pagoda's C++ kernels cannot be built: every layer takes its
+    pure-torch path (quantized layers: torch's int8/int4 kernels)."""
+    from pagoda.layers import cpu_kernels
+
+    monkeypatch.setenv("PAGODA_DISABLE_KERNELS", "1")
+    cpu_kernels.reread_environment()
+    yield
+    monkeypatch.undo()
+    cpu_kernels.reread_environment()

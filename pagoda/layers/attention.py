@@ -45,6 +45,10 @@ class PagedAttention(nn.Module):
         return out.view(q.shape[0], self.num_heads * self.head_dim)
 
     def _write_cache(self, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata) -> None:
+        kernels = load_cpu_kernels() if k.device.type == "cpu" else None
+        if kernels is not None:
+            kernels.write_kv_cache(k, v, self.k_cache, self.v_cache, meta.slot_mapping)
+            return
         blocks, offsets = meta.slot_blocks_and_offsets()
         self.k_cache[blocks, :, offsets] = k
         self.v_cache[blocks, :, offsets] = v

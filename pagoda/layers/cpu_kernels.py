@@ -14,11 +14,29 @@ logger = logging.getLogger(__name__)
 _CSRC = Path(__file__).resolve().parent.parent / "csrc"
 
 
-@functools.cache
+_SOURCES = ("paged_attention.cpp", "block_matmul.cpp", "fused_ops.cpp")
+
+
+_disabled: bool | None = None  # PAGODA_DISABLE_KERNELS, read once (this is called per layer per step)
+
+
 def load_cpu_kernels():
-    """The compiled module, or None when kernels are disabled or cannot be built here."""
-    if os.environ.get("PAGODA_DISABLE_KERNELS", "") not in ("", "0"):
-        return None
+    """``torch.ops.pagoda`` with the compiled kernels, or None when they are disabled
+    (PAGODA_DISABLE_KERNELS; see ``reread_environment``) or cannot be built here."""
+    global _disabled
+    if _disabled is None:
+        _disabled = os.environ.get("PAGODA_DISABLE_KERNELS", "") not in ("", "0")
+    return None if _disabled else _build()
+
+
+def reread_environment() -> None:
+    """Make the next ``load_cpu_kernels`` read PAGODA_DISABLE_KERNELS again (tests flip it)."""
+    global _disabled
+    _disabled = None
+
+
+@functools.cache
+def _build():
     try:
         from torch.utils.cpp_extension import load
 
@@ -28,8 +46,8 @@ def load_cpu_kernels():
         build_dir.mkdir(parents=True, exist_ok=True)
         load(
             name="pagoda_cpu_kernels",
-            sources=[str(_CSRC / "paged_attention.cpp")],
-            extra_cflags=["-O3", "-march=native", "-fopenmp"],
+            sources=[str(_CSRC / name) for name in _SOURCES],
+            extra_cflags=["-O3", "-march=native", "-fopenmp", "-ffp-contract=off"],
             extra_ldflags=["-fopenmp"],
             build_directory=str(build_dir),
             verbose=False,
@@ -37,7 +55,37 @@ def load_cpu_kernels():
         )
         import torch
 
+        try:
+            _register_fakes()
+        except Exception as e:  # the eager ops still work; only --compile would miss them
+            logger.warning("could not register fake kernels for torch.compile (%s)", e)
+
         return torch.ops.pagoda
     except Exception as e:  # no compiler, no ninja, ...
-        logger.warning("CPU attention kernel unavailable (%s); using the torch SDPA path", e)
+        logger.warning("CPU kernels unavailable (%s); using the pure-torch paths", e)
         return None
+
+
+def _register_fakes() -> None:
+    """Shape-only versions of the ops, so torch.compile (--compile) can trace through them."""
+    import torch
+
+    @torch.library.register_fake("pagoda::block_matmul")
+    def _(x, weight, block_type):
+        return x.new_empty(x.shape[0], weight.shape[0])
+
+    @torch.library.register_fake("pagoda::paged_decode_attention")
+    def _(q, k_cache, v_cache, block_tables, seq_lens, scale):
+        return torch.empty_like(q)
+
+
+def fused_kernels(x, contiguous: bool = True):
+    """The compiled ops when ``x`` can take the fused float32 CPU path (fused_ops.cpp), else None.
+    Under torch.compile the pure-torch code is traced instead: inductor fuses it itself."""
+    import torch
+
+    if torch.compiler.is_compiling() or x.dtype != torch.float32 or x.device.type != "cpu":
+        return None
+    if contiguous and not x.is_contiguous():
+        return None
+    return load_cpu_kernels()

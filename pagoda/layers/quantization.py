@@ -1,4 +1,10 @@
-"""Weight-only quantized linear layers on torch's CPU kernels.
+"""Weight-only quantized linear layers.
+
+Where pagoda's compiled CPU kernels load (the usual case), every mode stores ggml's blocks of 32
+and multiplies them with ``torch.ops.pagoda.block_matmul`` (pagoda/layers/ggml_blocks.py):
+``int8`` → Q8_0, ``int4`` → Q4_1, ``gguf`` → the file's Q4_0 / Q4_1 / Q8_0 blocks byte for byte,
+and the output head (with a tied embedding) in Q8_0, or as the GGUF stores it. The rest of this
+module is the fallback on torch's own CPU kernels, used when no compiler is available:
 
 Three modes (``--quantization``):
 
@@ -28,6 +34,10 @@ from collections.abc import Sequence
 import torch
 from torch import nn
 
+from pagoda.layers import ggml_blocks
+from pagoda.layers.cpu_kernels import load_cpu_kernels
+from pagoda.layers.ggml_blocks import BlockEmbedding, BlockLinear
+
 logger = logging.getLogger(__name__)
 
 QUANTIZATION_MODES = ("int8", "int4", "gguf")
@@ -51,6 +61,10 @@ class PackedWeight:
 
     def dequantize(self) -> torch.Tensor:
         raise NotImplementedError
+
+    def ggml_blocks(self) -> tuple[int, torch.Tensor] | None:
+        """(ggml type, uint8 [rows, bytes per row]) when the stored form is one of ggml_blocks' types."""
+        return None
 
     def int4_groups(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         raise ValueError(f"{type(self).__name__} has no exact int4 form")
@@ -186,6 +200,41 @@ class Int4Linear(nn.Module):
                 f"int4 groups of {self.group_size}, {self.compute_dtype}")
 
 
+def block_kernels_available() -> bool:
+    """Whether quantized layers use the block kernels (else torch's int8/int4 kernels)."""
+    return load_cpu_kernels() is not None
+
+
+def _block_type(shards: Sequence[PackedWeight]) -> int | None:
+    """The one block type ``shards`` stack into (Q4_0 joins Q4_1 as Q4_1), or None."""
+    types = {s.ggml_blocks()[0] if s.ggml_blocks() is not None else None for s in shards}
+    if not shards or None in types or len({s.shape[1] for s in shards}) != 1:
+        return None
+    if len(types) == 1:
+        return types.pop()
+    return ggml_blocks.Q4_1 if types <= {ggml_blocks.Q4_0, ggml_blocks.Q4_1} else None
+
+
+def stacked_blocks(shards: Sequence[PackedWeight]) -> tuple[int, torch.Tensor]:
+    """``shards`` stacked along the output dimension as one (block type, blocks)."""
+    block_type = _block_type(shards)
+    if block_type is None:
+        raise ValueError("these weights have no common ggml block form")
+    parts = []
+    for shard in shards:
+        t, blocks = shard.ggml_blocks()
+        parts.append(ggml_blocks.q4_0_to_q4_1(blocks) if t != block_type else blocks)
+    return block_type, torch.cat(parts)
+
+
+def keeps_packed(shards: Sequence[PackedWeight], projection: bool = True) -> bool:
+    """Whether a loader's stored shards of one weight can stay quantized: as blocks with the block
+    kernels; otherwise, for projections only, as torch's int4 groups."""
+    if block_kernels_available():
+        return _block_type(shards) is not None
+    return projection and can_pack(shards)
+
+
 def can_pack(shards: Sequence[PackedWeight]) -> bool:
     """Whether ``shards`` (stacked along the output dimension, as merged QKV and gate/up are) have
     an exact int4 form the CPU packing accepts."""
@@ -218,29 +267,22 @@ def quantize_linears(model: nn.Module, mode: str, packed: dict[str, list[PackedW
                      compute_dtype: torch.dtype | None = None, quantize_head: bool | None = None) -> int:
     """Replace the model's projection layers (``QUANTIZED_LINEARS``) with quantized ones, in place.
 
-    ``int8``/``int4`` quantize the loaded float weights. ``gguf`` repacks the stored blocks in
-    ``packed`` (linear weight name → its shards, as the loader handed them over); a layer without
-    an exact int4 form keeps its dequantized float weight. With ``quantize_head`` (default
-    ``QUANTIZE_LM_HEAD``; int8/int4 only) the output head becomes int8 too, and a tied embedding
-    table shares its int8 tensors. ``compute_dtype`` defaults to ``COMPUTE_DTYPE``. Returns how many
-    layers were replaced.
+    ``int8``/``int4`` quantize the loaded float weights. ``gguf`` keeps the stored blocks in
+    ``packed`` (weight name → its shards, as the loader handed them over); a layer without a kept
+    form stays float. The output head: with the block kernels, ``gguf`` keeps it as stored (a tied
+    embedding shares its blocks) and ``int8``/``int4`` make it Q8_0 unless ``quantize_head`` is
+    False; with torch's kernels it becomes int8 only with ``quantize_head`` (default
+    ``QUANTIZE_LM_HEAD``). ``compute_dtype`` (torch's kernels only) defaults to ``COMPUTE_DTYPE``.
+    Returns how many layers were replaced.
     """
     mode = check_quantization(mode)
-    compute_dtype = compute_dtype or COMPUTE_DTYPE
+    blocks = block_kernels_available()
     replaced, kept = 0, []
     for name, module in list(model.named_modules()):
         if not isinstance(module, nn.Linear) or name.rsplit(".", 1)[-1] not in QUANTIZED_LINEARS:
             continue
-        bias = module.bias
-        if mode == "gguf":
-            shards = (packed or {}).get(f"{name}.weight")
-            new = int4_from_packed(shards, bias, compute_dtype) if shards else None
-        elif mode == "int8":
-            new = Int8Linear.from_float(module.weight, bias, compute_dtype)
-        elif Int4Linear.supports(module.out_features, module.in_features):
-            new = Int4Linear.from_float(module.weight, bias, INT4_GROUP_SIZE, compute_dtype)
-        else:
-            new = None
+        new = (_block_layer if blocks else _torch_kernel_layer)(module, mode, (packed or {}).get(f"{name}.weight"),
+                                                                 compute_dtype or COMPUTE_DTYPE)
         if new is None:
             kept.append(name)
             continue
@@ -249,8 +291,66 @@ def quantize_linears(model: nn.Module, mode: str, packed: dict[str, list[PackedW
     if kept:
         logger.info("quantization=%s: %d projections kept in float (no exact or supported packed form), e.g. %s",
                     mode, len(kept), kept[:3])
-    if (QUANTIZE_LM_HEAD if quantize_head is None else quantize_head) and mode in ("int8", "int4"):
-        replaced += _quantize_head(model, compute_dtype)
+    if blocks:
+        replaced += _block_head(model, mode, packed or {}, quantize_head is not False)
+    elif (QUANTIZE_LM_HEAD if quantize_head is None else quantize_head) and mode in ("int8", "int4"):
+        replaced += _quantize_head(model, compute_dtype or COMPUTE_DTYPE)
+    return replaced
+
+
+_FLOAT_BLOCK_TYPE = {"int8": ggml_blocks.Q8_0, "int4": ggml_blocks.Q4_1}
+
+
+def _block_layer(module: nn.Linear, mode: str, shards: list[PackedWeight] | None, _dtype) -> nn.Module | None:
+    if mode == "gguf":
+        return BlockLinear(*_stacked(shards), module.in_features, module.bias) if shards else None
+    if module.in_features % ggml_blocks.BLOCK:
+        return None
+    return BlockLinear.from_float(module.weight, _FLOAT_BLOCK_TYPE[mode], module.bias)
+
+
+def _stacked(shards: list[PackedWeight]) -> tuple[torch.Tensor, int]:
+    block_type, blocks = stacked_blocks(shards)
+    return blocks, block_type
+
+
+def _torch_kernel_layer(module: nn.Linear, mode: str, shards: list[PackedWeight] | None,
+                        compute_dtype: torch.dtype) -> nn.Module | None:
+    if mode == "gguf":
+        return int4_from_packed(shards, module.bias, compute_dtype) if shards else None
+    if mode == "int8":
+        return Int8Linear.from_float(module.weight, module.bias, compute_dtype)
+    if Int4Linear.supports(module.out_features, module.in_features):
+        return Int4Linear.from_float(module.weight, module.bias, INT4_GROUP_SIZE, compute_dtype)
+    return None
+
+
+def _block_head(model: nn.Module, mode: str, packed: dict[str, list[PackedWeight]], quantize_floats: bool) -> int:
+    """The embedding and output head as blocks: a GGUF's stored ones under ``gguf``, Q8_0 from the
+    float weights under ``int8``/``int4``. A tied head shares the embedding's blocks."""
+    embed, head = getattr(model, "embed_tokens", None), getattr(model, "lm_head", None)
+    if not isinstance(embed, nn.Embedding) or not (head is None or isinstance(head, nn.Linear)):
+        return 0
+    dim, dtype = embed.embedding_dim, embed.weight.dtype
+    if mode == "gguf":
+        embed_blocks = stacked_blocks(packed["embed_tokens.weight"]) if "embed_tokens.weight" in packed else None
+        head_blocks = stacked_blocks(packed["lm_head.weight"]) if "lm_head.weight" in packed else None
+    elif quantize_floats and dim % ggml_blocks.BLOCK == 0:
+        embed_blocks = (ggml_blocks.Q8_0, ggml_blocks.quantize_q8_0(embed.weight)) if head is None else None
+        head_blocks = None if head is None else (ggml_blocks.Q8_0, ggml_blocks.quantize_q8_0(head.weight))
+    else:
+        return 0
+    replaced = 0
+    if embed_blocks is not None:
+        block_type, blocks = embed_blocks
+        model.embed_tokens = BlockEmbedding(blocks, block_type, dim, dtype)
+        if head is None:
+            model.lm_head = BlockLinear(blocks, block_type, dim)
+        replaced += 1
+    if head is not None and head_blocks is not None:
+        block_type, blocks = head_blocks
+        model.lm_head = BlockLinear(blocks, block_type, head.in_features, head.bias)
+        replaced += 1
     return replaced
 
 

@@ -7,6 +7,8 @@ import math
 import torch
 from torch import nn
 
+from pagoda.layers.cpu_kernels import fused_kernels
+
 
 def _llama3_inv_freq(inv_freq: torch.Tensor, scaling: dict) -> torch.Tensor:
     """Llama 3.1+ frequency scaling: long wavelengths are divided by `factor`, smoothly."""
@@ -54,7 +56,12 @@ class RotaryEmbedding(nn.Module):
         return emb.cos() * attention_factor, emb.sin() * attention_factor
 
     def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor):
-        """q: [T, Hq, D], k: [T, Hkv, D] → rotated (same shapes, same dtype)."""
+        """q: [T, Hq, D], k: [T, Hkv, D] → rotated (same shapes, same dtype); on the fused float32
+        CPU path in place."""
+        kernels = fused_kernels(q, contiguous=False) if k.dtype == torch.float32 else None
+        if kernels is not None and q.stride(-1) == k.stride(-1) == 1 and positions.is_contiguous():
+            kernels.rotary_embedding(q, k, positions, self.cos_cache, self.sin_cache)
+            return q, k
         cos = self.cos_cache[positions].unsqueeze(1).to(q.dtype)
         sin = self.sin_cache[positions].unsqueeze(1).to(q.dtype)
         return _apply(q, cos, sin), _apply(k, cos, sin)

@@ -772,32 +772,37 @@ def _check_config_matches(gf: GGUFFile, config: Mapping[str, Any]) -> None:
                          f"config says model_type {model_type!r}")
 
 
-# GGUF types kept as stored under ``--quantization gguf``: int4 in blocks of 32 with an fp16 scale
-# (and min), which the int4 kernel's groups hold exactly. Q8_0's per-block scales do not fit the
-# int8 kernel's one scale per row, so Q8_0 (like every other type) is dequantized.
-KEPT_QUANTIZED_TYPES = (GGMLQuantizationType.Q4_0, GGMLQuantizationType.Q4_1)
+# GGUF types kept as stored under ``--quantization gguf``: ggml's blocks of 32, which pagoda's block
+# kernels multiply as they are (pagoda/layers/ggml_blocks.py). Without those kernels, Q4_0 / Q4_1
+# map exactly onto torch's int4 kernel groups, and Q8_0 is dequantized like every other type.
+KEPT_QUANTIZED_TYPES = (GGMLQuantizationType.Q4_0, GGMLQuantizationType.Q4_1, GGMLQuantizationType.Q8_0)
 
 
 class GGUFPackedWeight(PackedWeight):
-    """A Q4_0 / Q4_1 weight as stored: ``blocks`` is [rows, bytes per row] (a view of the file).
+    """A Q4_0 / Q4_1 / Q8_0 weight as stored: ``blocks`` is [rows, bytes per row] (a view of the file).
 
-    Block layout (ggml-common.h): fp16 ``d``, for Q4_1 fp16 ``m``, then 16 bytes of codes, element j
-    in the low nibble of byte j and element j + 16 in the high nibble. ``Q4_0: w = d * (q - 8)``;
-    ``Q4_1: w = d * q + m``.
+    Block layout (ggml-common.h): fp16 ``d``, for Q4_1 fp16 ``m``, then the codes: for the 4-bit
+    types 16 bytes, element j in the low nibble of byte j and element j + 16 in the high nibble;
+    for Q8_0 32 int8. ``Q4_0: w = d * (q - 8)``; ``Q4_1: w = d * q + m``; ``Q8_0: w = d * q``.
     """
-
-    int4_exact = True
 
     def __init__(self, ggml_type: GGMLQuantizationType, blocks: np.ndarray, shape: tuple[int, ...]) -> None:
         if ggml_type not in KEPT_QUANTIZED_TYPES:
             raise ValueError(f"{ggml_type.name} is not kept quantized (only {[t.name for t in KEPT_QUANTIZED_TYPES]})")
         self.ggml_type, self.blocks, self.shape = ggml_type, blocks, tuple(shape)
+        self.int4_exact = ggml_type != GGMLQuantizationType.Q8_0
+
+    def ggml_blocks(self) -> tuple[int, torch.Tensor]:
+        rows = self.shape[0]
+        return int(self.ggml_type), torch.from_numpy(np.array(self.blocks, dtype=np.uint8).reshape(rows, -1))
 
     def dequantize(self) -> torch.Tensor:
         w = np.asarray(dequantize(np.ascontiguousarray(self.blocks), self.ggml_type), dtype=np.float32)
         return torch.from_numpy(w.reshape(self.shape))
 
     def int4_groups(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        if not self.int4_exact:
+            return super().int4_groups()
         rows, cols = self.shape
         block_size, type_size = GGML_QUANT_SIZES[self.ggml_type]
         blocks = np.ascontiguousarray(self.blocks).reshape(rows, cols // block_size, type_size)

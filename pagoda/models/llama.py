@@ -14,8 +14,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from pagoda.layers.attention import PagedAttention
+from pagoda.layers.cpu_kernels import fused_kernels
 from pagoda.layers.norm import RMSNorm
-from pagoda.layers.quantization import QUANTIZED_LINEARS, PackedWeight, can_pack
+from pagoda.layers.quantization import QUANTIZED_LINEARS, PackedWeight, keeps_packed
 from pagoda.layers.rotary import RotaryEmbedding
 from pagoda.models.config import TransformerConfig
 
@@ -55,7 +56,11 @@ class MLP(nn.Module):
         self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).split(self.intermediate_size, dim=-1)
+        gate_up = self.gate_up_proj(x)
+        kernels = fused_kernels(gate_up)
+        if kernels is not None:
+            return self.down_proj(kernels.silu_and_mul(gate_up))
+        gate, up = gate_up.split(self.intermediate_size, dim=-1)
         return self.down_proj(F.silu(gate) * up)
 
 
@@ -68,11 +73,9 @@ class DecoderLayer(nn.Module):
         self.mlp = MLP(cfg)
 
     def forward(self, positions, hidden, residual):
-        if residual is None:
-            residual = hidden
-            hidden = self.input_layernorm(hidden)
-        else:
-            hidden, residual = self.input_layernorm(hidden, residual)
+        if residual is None:  # first layer: 0 + x == x exactly, and every layer takes one path
+            residual = torch.zeros_like(hidden)
+        hidden, residual = self.input_layernorm(hidden, residual)
         hidden = self.self_attn(positions, hidden)
         hidden, residual = self.post_attention_layernorm(hidden, residual)
         return self.mlp(hidden), residual
@@ -127,9 +130,10 @@ class LlamaForCausalLM(nn.Module):
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor | PackedWeight]]) -> None:
         """Copy checkpoint tensors (Hugging Face names) into the merged parameters.
 
-        A ``PackedWeight`` (a loader's stored quantized form) for a projection that can keep it is
-        set aside in ``self.packed_weights`` (weight name → shards in order) for
-        ``quantize_linears``; anything else is dequantized into the float parameter.
+        A ``PackedWeight`` (a loader's stored quantized form) for a projection, the embedding or the
+        output head that can keep it (``keeps_packed``) is set aside in ``self.packed_weights``
+        (weight name → shards in order) for ``quantize_linears``; anything else is dequantized into
+        the float parameter.
         """
         params = dict(self.named_parameters())
         loaded: set[str] = set()
@@ -149,7 +153,7 @@ class LlamaForCausalLM(nn.Module):
                 raise ValueError(f"checkpoint tensor {name!r} has no place in {type(self).__name__}")
             loaded.add(f"{target}#{shard}")
             if isinstance(tensor, PackedWeight):
-                if target.endswith(".weight") and target.split(".")[-2] in QUANTIZED_LINEARS:
+                if _may_stay_packed(target):
                     data = params[target].data
                     want = data.shape if shard is None else self._shard_view(target, data, shard).shape
                     if tuple(tensor.shape) != tuple(want):
@@ -162,7 +166,8 @@ class LlamaForCausalLM(nn.Module):
         self.packed_weights: dict[str, list[PackedWeight]] = {}
         for target, shards in packed.items():
             ordered = [shards[i] for i in sorted(shards, key=lambda i: -1 if i is None else i)]
-            if len(ordered) == max(1, _num_shards(target)) and can_pack(ordered):
+            projection = target.split(".")[-2] in QUANTIZED_LINEARS
+            if len(ordered) == max(1, _num_shards(target)) and keeps_packed(ordered, projection):
                 self.packed_weights[target] = ordered
             else:  # e.g. Q4_0 q/k with a Q8_0 v: the merged layer stays float
                 for shard, tensor in shards.items():
@@ -189,6 +194,11 @@ class LlamaForCausalLM(nn.Module):
             missing += [k for k in keys if k not in loaded]
         if missing:
             raise ValueError(f"checkpoint is missing {len(missing)} tensors, e.g. {missing[:3]}")
+
+
+def _may_stay_packed(target: str) -> bool:
+    return target in ("embed_tokens.weight", "lm_head.weight") or (
+        target.endswith(".weight") and target.split(".")[-2] in QUANTIZED_LINEARS)
 
 
 def _num_shards(name: str) -> int:

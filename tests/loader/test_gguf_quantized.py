@@ -1,5 +1,6 @@
-"""GGUF weights kept quantized (``quantization="gguf"``): Q4_0 / Q4_1 blocks repacked into the int4
-kernel's layout reproduce the dequantized weights exactly, and the engine's outputs follow."""
+"""GGUF weights kept quantized (``quantization="gguf"``): the Q4_0 / Q4_1 / Q8_0 blocks, held as stored
+for pagoda's block kernels or repacked into torch's int4 layout where those cannot be built,
+reproduce the dequantized weights exactly, and the engine's outputs follow."""
 
 from __future__ import annotations
 
@@ -11,7 +12,13 @@ from gguf_export import export_gguf
 
 from pagoda import LLM, SamplingParams
 from pagoda.layers import quantization
-from pagoda.layers.quantization import Int4Linear, PackedWeight, int4_from_packed
+from pagoda.layers.ggml_blocks import BlockEmbedding, BlockLinear
+from pagoda.layers.quantization import (
+    Int4Linear,
+    PackedWeight,
+    int4_from_packed,
+    stacked_blocks,
+)
 from pagoda.loader.gguf import GGUFPackedWeight, iter_gguf_weights, load_gguf_model_dir
 from pagoda.loader.model_loader import load_model
 from pagoda.loader.resolve import resolve_model
@@ -19,9 +26,10 @@ from pagoda.loader.resolve import resolve_model
 ARCHS = ["llama", "qwen2", "qwen3"]
 QTYPES = ["Q4_0", "Q4_1"]
 PROMPTS = ["The quick brown fox", "Paris is the capital of", "def main():"]
-# bf16 activations and bf16-rounded scales against the fp32 dequantized path, on the tiny model:
-# mean |logprob difference| over the scored tokens (measured 0.0034).
-BF16_LOGPROB_BOUND = 0.02
+# The fast paths against the fp32 dequantized path, on the tiny model: mean |logprob difference|
+# over the scored tokens. torch's kernels: bf16 activations and scales (measured 0.0034); block
+# kernels: int8 activations per block of 32.
+FAST_LOGPROB_BOUND = 0.02
 
 
 @pytest.fixture(scope="module")
@@ -37,7 +45,7 @@ def _config(path) -> dict:
 
 @pytest.mark.parametrize("qtype", QTYPES)
 @pytest.mark.parametrize("arch", ARCHS)
-def test_repacked_blocks_are_the_dequantized_weights(arch, qtype, ggufs):
+def test_kept_blocks_are_the_dequantized_weights(arch, qtype, ggufs):
     path = ggufs[arch, qtype]
     config = _config(path)
     floats = dict(iter_gguf_weights(path, config))
@@ -48,25 +56,48 @@ def test_repacked_blocks_are_the_dequantized_weights(arch, qtype, ggufs):
     for name, w in kept.items():
         assert isinstance(w, GGUFPackedWeight) and w.shape == tuple(floats[name].shape)
         assert torch.equal(w.dequantize(), floats[name]), name
+        layer = BlockLinear(*reversed(stacked_blocks([w])), w.shape[1])
+        assert torch.equal(layer.dequantize(), floats[name]), name  # the stored bytes, as the kernel reads them
         if w.shape[0] % 16 == 0:
             layer = int4_from_packed([w], compute_dtype=torch.float32)
             assert torch.equal(layer.dequantize(), floats[name]), name  # bit for bit, through the kernel
 
 
-@pytest.mark.parametrize("qtype", QTYPES)
-def test_gguf_mode_model_holds_the_exact_weights(qtype, ggufs, monkeypatch):
-    monkeypatch.setattr(quantization, "COMPUTE_DTYPE", torch.float32)
-    files = resolve_model(str(ggufs["llama", qtype]))
+def _exact_models(path):
+    files = resolve_model(str(path))
     config = files.hf_config()
     reference = load_model(files, config, torch.float32, torch.device("cpu"), 64)
-    model = load_model(files, config, torch.float32, torch.device("cpu"), 64, quantization="gguf")
-    float_layers = dict(reference.named_modules())
-    packed = {name: m for name, m in model.named_modules() if isinstance(m, Int4Linear)}
+    return reference, load_model(files, config, torch.float32, torch.device("cpu"), 64, quantization="gguf")
+
+
+def _check_exact_layers(reference, model, kind) -> None:
+    float_layers = dict(reference.layers.named_modules())
+    packed = {name: m for name, m in model.layers.named_modules() if isinstance(m, kind)}
     assert len(packed) == 2 * 4  # merged qkv and gate/up included
     for name, layer in packed.items():
         assert torch.equal(layer.dequantize(), float_layers[name].weight), name
+    assert model.packed_weights == {}  # the loader's stored blocks are dropped once used
+
+
+@pytest.mark.parametrize("qtype", QTYPES + ["Q8_0"])
+def test_gguf_mode_model_holds_the_exact_blocks(qtype, ggufs):
+    reference, model = _exact_models(ggufs["llama", qtype])
+    _check_exact_layers(reference, model, BlockLinear)
+    ids = torch.arange(0, 300, 7)
+    assert isinstance(model.embed_tokens, BlockEmbedding)  # the file's token_embd blocks, rows on lookup
+    assert torch.equal(model.embed_tokens(ids), reference.embed_tokens(ids))
+    if reference.lm_head is None:  # tied: the head reads the embedding's blocks
+        assert model.lm_head.blocks is model.embed_tokens.blocks
+    float_head = reference.embed_tokens if reference.lm_head is None else reference.lm_head
+    assert torch.equal(model.lm_head.dequantize(), float_head.weight)
+
+
+@pytest.mark.parametrize("qtype", QTYPES)
+def test_gguf_mode_model_holds_the_exact_weights_on_torch_kernels(qtype, ggufs, monkeypatch, torch_kernels_only):
+    monkeypatch.setattr(quantization, "COMPUTE_DTYPE", torch.float32)
+    reference, model = _exact_models(ggufs["llama", qtype])
+    _check_exact_layers(reference, model, Int4Linear)
     assert torch.equal(model.embed_tokens.weight, reference.embed_tokens.weight)
-    assert model.packed_weights == {}  # the stored blocks are not kept once packed
 
 
 def test_a_merged_layer_with_a_shard_of_another_type_stays_float(ggufs):
@@ -91,7 +122,7 @@ def _run(llm: LLM, prompts) -> tuple[list[list[int]], list[list[float]]]:
     return tokens, logprobs
 
 
-def test_gguf_mode_greedy_matches_the_dequantized_path(ggufs, monkeypatch):
+def test_gguf_mode_greedy_matches_the_dequantized_path(ggufs, monkeypatch, torch_kernels_only):
     path = str(ggufs["llama", "Q4_1"])
     args = {"dtype": "float32", "kv_cache_memory": 0.02}
     want, want_lp = _run(LLM(model=path, **args), PROMPTS)
@@ -102,7 +133,20 @@ def test_gguf_mode_greedy_matches_the_dequantized_path(ggufs, monkeypatch):
     assert got == want
     torch.testing.assert_close(torch.tensor(got_lp), torch.tensor(want_lp), atol=1e-4, rtol=0)
     monkeypatch.setattr(quantization, "COMPUTE_DTYPE", torch.bfloat16)  # the fast path
+    _check_fast_path(LLM(model=path, quantization="gguf", enable_prefix_caching=False, **args), want, want_lp)
+
+
+@pytest.mark.parametrize("qtype", ["Q4_1", "Q8_0"])
+def test_gguf_mode_block_kernels_stay_close_to_the_dequantized_path(qtype, ggufs):
+    path = str(ggufs["llama", qtype])
+    args = {"dtype": "float32", "kv_cache_memory": 0.02}
+    want, want_lp = _run(LLM(model=path, **args), PROMPTS)
     fast = LLM(model=path, quantization="gguf", enable_prefix_caching=False, **args)
+    assert sum(isinstance(m, BlockLinear) for m in fast.engine.core.model.modules()) == 8 + 1  # and the head
+    _check_fast_path(fast, want, want_lp)
+
+
+def _check_fast_path(fast: LLM, want, want_lp) -> None:
     assert len(_run(fast, PROMPTS)[0]) == len(PROMPTS)
     # Score fp32's continuations under the fast path: close to fp32's own logprobs.
     ids = [fast.get_tokenizer().encode(p, add_special_tokens=False) + t for p, t in zip(PROMPTS, want)]
@@ -112,14 +156,13 @@ def test_gguf_mode_greedy_matches_the_dequantized_path(ggufs, monkeypatch):
     for o, toks, lps in zip(outs, want, want_lp):
         scored = [pos[t].logprob for t, pos in zip(toks, o.prompt_logprobs[-len(toks):])]
         diffs += [abs(a - b) for a, b in zip(scored, lps)]
-    print(f"bf16 gguf path: mean |d logprob| {sum(diffs) / len(diffs):.4f}")
-    assert sum(diffs) / len(diffs) < BF16_LOGPROB_BOUND
+    print(f"fast gguf path: mean |d logprob| {sum(diffs) / len(diffs):.4f}")
+    assert sum(diffs) / len(diffs) < FAST_LOGPROB_BOUND
 
 
-def test_q8_0_is_not_kept_quantized(ggufs):
-    """Q8_0's 32-wide block scales have no exact form in the int8 kernel (one scale per row)."""
+def test_q8_0_stays_float_on_torch_kernels(ggufs, torch_kernels_only):
+    """Q8_0's 32-wide block scales have no exact form in torch's int8 kernel (one scale per row)."""
     path = str(ggufs["llama", "Q8_0"])
-    assert not any(isinstance(w, PackedWeight) for _, w in iter_gguf_weights(path, _config(path), keep_quantized=True))
     llm = LLM(model=path, dtype="float32", kv_cache_memory=0.02, quantization="gguf")
     assert not any(isinstance(m, Int4Linear) for m in llm.engine.core.model.modules())
     want, _ = _run(LLM(model=path, dtype="float32", kv_cache_memory=0.02), PROMPTS[:1])

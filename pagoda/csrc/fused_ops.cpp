@@ -1,0 +1,142 @@
+// Small fused ops for the float32 CPU forward: each replaces 5-25 separate torch calls per layer,
+// whose dispatch overhead (not their arithmetic) is most of a batch-1 decode step's time.
+// Every op computes what the pure-torch path computes, in the same order of roundings
+// (the extension is built with -ffp-contract=off, so no multiply-add is fused behind our back).
+// Registered as torch.ops.pagoda.* (no pybind11: it compiles faster).
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <torch/library.h>
+
+#include <cmath>
+#include <cstring>
+
+namespace {
+
+void check_float(const at::Tensor& t, const char* name) {
+  TORCH_CHECK(t.scalar_type() == at::kFloat && t.is_contiguous(), name, " must be a contiguous float32 tensor");
+}
+
+// residual += x; x = weight * rmsnorm(residual)   (rows of H; in place)
+void fused_add_rms_norm(at::Tensor x, at::Tensor residual, const at::Tensor& weight, double eps) {
+  check_float(x, "x");
+  check_float(residual, "residual");
+  check_float(weight, "weight");
+  const int64_t H = weight.numel(), T = x.numel() / H;
+  TORCH_CHECK(residual.numel() == x.numel(), "x and residual differ in size");
+  float* xs = x.data_ptr<float>();
+  float* rs = residual.data_ptr<float>();
+  const float* w = weight.data_ptr<float>();
+  at::parallel_for(0, T, 16, [&](int64_t begin, int64_t end) {
+    for (int64_t t = begin; t < end; ++t) {
+      float* xr = xs + t * H;
+      float* rr = rs + t * H;
+      float ss = 0.f;
+      for (int64_t i = 0; i < H; ++i) {
+        rr[i] += xr[i];
+        ss += rr[i] * rr[i];
+      }
+      const float inv = 1.f / std::sqrt(ss / static_cast<float>(H) + static_cast<float>(eps));
+      for (int64_t i = 0; i < H; ++i) xr[i] = w[i] * (rr[i] * inv);
+    }
+  });
+}
+
+// q [T, Hq, D] and k [T, Hk, D] rotated in place (rotate-half convention):
+//   x[i]     = x[i] * cos[i]         - x[i + D/2] * sin[i]
+//   x[i+D/2] = x[i + D/2] * cos[i+D/2] + x[i] * sin[i+D/2]
+void rotary_embedding(at::Tensor q, at::Tensor k, const at::Tensor& positions, const at::Tensor& cos_cache,
+                      const at::Tensor& sin_cache) {
+  for (const at::Tensor* t : {&q, &k})
+    TORCH_CHECK(t->scalar_type() == at::kFloat && t->dim() == 3 && t->stride(2) == 1 && t->stride(1) == t->size(2),
+                "q and k must be float32 [T, heads, D] with contiguous heads (rows may be strided)");
+  check_float(cos_cache, "cos_cache");
+  check_float(sin_cache, "sin_cache");
+  TORCH_CHECK(positions.scalar_type() == at::kLong && positions.is_contiguous(), "positions must be int64");
+  const int64_t T = q.size(0), D = q.size(2), half = D / 2;
+  const int64_t heads_q = q.size(1), heads_k = k.size(1), max_pos = cos_cache.size(0);
+  const int64_t q_row = q.stride(0), k_row = k.stride(0);
+  TORCH_CHECK(cos_cache.size(1) == D, "rotary tables do not match head_dim");
+  const int64_t* pos = positions.data_ptr<int64_t>();
+  float* qs = q.data_ptr<float>();
+  float* ks = k.data_ptr<float>();
+  for (int64_t t = 0; t < T; ++t) TORCH_CHECK(pos[t] >= 0 && pos[t] < max_pos, "position ", pos[t], " out of range");
+  at::parallel_for(0, T, 8, [&](int64_t begin, int64_t end) {
+    for (int64_t t = begin; t < end; ++t) {
+      const float* c = cos_cache.data_ptr<float>() + pos[t] * D;
+      const float* s = sin_cache.data_ptr<float>() + pos[t] * D;
+      auto rotate = [&](float* x) {
+        for (int64_t i = 0; i < half; ++i) {
+          const float a = x[i], b = x[i + half];
+          const float lo1 = a * c[i], lo2 = -b * s[i];
+          const float hi1 = b * c[i + half], hi2 = a * s[i + half];
+          x[i] = lo1 + lo2;
+          x[i + half] = hi1 + hi2;
+        }
+      };
+      for (int64_t h = 0; h < heads_q; ++h) rotate(qs + t * q_row + h * D);
+      for (int64_t h = 0; h < heads_k; ++h) rotate(ks + t * k_row + h * D);
+    }
+  });
+}
+
+// x [T, 2I] (gate | up) → silu(gate) * up  [T, I]
+at::Tensor silu_and_mul(const at::Tensor& x) {
+  check_float(x, "x");
+  const int64_t I = x.size(-1) / 2, T = x.numel() / (2 * I);
+  at::Tensor out = at::empty({T, I}, x.options());
+  const float* xs = x.data_ptr<float>();
+  float* o = out.data_ptr<float>();
+  at::parallel_for(0, T, 4, [&](int64_t begin, int64_t end) {
+    for (int64_t t = begin; t < end; ++t) {
+      const float* g = xs + t * 2 * I;
+      const float* u = g + I;
+      float* y = o + t * I;
+      for (int64_t i = 0; i < I; ++i) y[i] = (g[i] / (1.f + std::exp(-g[i]))) * u[i];
+    }
+  });
+  return out;
+}
+
+// k/v [T, Hkv, D] → the paged caches [blocks, Hkv, BS, D] at slot_mapping[t] = block * BS + offset
+void write_kv_cache(const at::Tensor& k, const at::Tensor& v, at::Tensor k_cache, at::Tensor v_cache,
+                    const at::Tensor& slot_mapping) {
+  TORCH_CHECK(k.scalar_type() == k_cache.scalar_type() && v.scalar_type() == v_cache.scalar_type(), "cache dtype mismatch");
+  TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous() && slot_mapping.is_contiguous(), "caches must be contiguous");
+  for (const at::Tensor* t : {&k, &v})
+    TORCH_CHECK(t->dim() == 3 && t->stride(2) == 1 && t->stride(1) == t->size(2), "k and v must be [T, heads, D] with contiguous heads");
+  const at::Tensor& kc = k;
+  const at::Tensor& vc = v;
+  const int64_t k_row = k.stride(0) * k.element_size(), v_row = v.stride(0) * v.element_size();
+  const int64_t T = kc.size(0), H = kc.size(1), D = kc.size(2), BS = k_cache.size(2), blocks = k_cache.size(0);
+  const int64_t row = D * kc.element_size();
+  const int64_t* slots = slot_mapping.data_ptr<int64_t>();
+  auto* kd = static_cast<uint8_t*>(k_cache.data_ptr());
+  auto* vd = static_cast<uint8_t*>(v_cache.data_ptr());
+  const auto* ks = static_cast<const uint8_t*>(kc.data_ptr());
+  const auto* vs = static_cast<const uint8_t*>(vc.data_ptr());
+  for (int64_t t = 0; t < T; ++t) {
+    const int64_t block = slots[t] / BS, offset = slots[t] % BS;
+    TORCH_CHECK(block >= 0 && block < blocks, "slot ", slots[t], " out of range");
+    for (int64_t h = 0; h < H; ++h) {
+      const int64_t dst = ((block * H + h) * BS + offset) * row;
+      std::memcpy(kd + dst, ks + t * k_row + h * row, row);
+      std::memcpy(vd + dst, vs + t * v_row + h * row, row);
+    }
+  }
+}
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(pagoda, m) {
+  m.def("fused_add_rms_norm(Tensor(a!) x, Tensor(b!) residual, Tensor weight, float eps) -> ()");
+  m.def("rotary_embedding(Tensor(a!) q, Tensor(b!) k, Tensor positions, Tensor cos_cache, Tensor sin_cache) -> ()");
+  m.def("silu_and_mul(Tensor x) -> Tensor");
+  m.def("write_kv_cache(Tensor k, Tensor v, Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor slot_mapping) -> ()");
+}
+
+TORCH_LIBRARY_IMPL(pagoda, CPU, m) {
+  m.impl("fused_add_rms_norm", &fused_add_rms_norm);
+  m.impl("rotary_embedding", &rotary_embedding);
+  m.impl("silu_and_mul", &silu_and_mul);
+  m.impl("write_kv_cache", &write_kv_cache);
+}

@@ -1,0 +1,157 @@
+"""Weights kept in ggml's blocks of 32 (Q4_0, Q4_1, Q8_0) and multiplied without dequantizing.
+
+The layout is ggml's own (ggml-common.h), so a GGUF's tensors are used byte for byte, and
+``--quantization int4 | int8`` produce the same formats from float weights (Q4_1 and Q8_0, as
+llama.cpp's quantizer would):
+
+- Q4_0, 18 bytes: fp16 ``d``, 16 bytes of codes; ``w = d * (q - 8)``
+- Q4_1, 20 bytes: fp16 ``d``, fp16 ``m``, 16 bytes of codes; ``w = d * q + m``
+- Q8_0, 34 bytes: fp16 ``d``, 32 int8 codes; ``w = d * q``
+
+In a 4-bit block, element j sits in the low nibble of byte j and element j + 16 in the high nibble.
+The matmul (``torch.ops.pagoda.block_matmul``, pagoda/csrc/block_matmul.cpp) quantizes the
+activations to int8 per block of 32 and runs integer dot products, as llama.cpp does; without the
+compiled kernels the layers dequantize their weight on every call (correct, slow).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from pagoda.layers.cpu_kernels import load_cpu_kernels
+
+BLOCK = 32
+# GGMLQuantizationType values → bytes per block
+Q4_0, Q4_1, Q8_0 = 2, 3, 8
+BLOCK_BYTES = {Q4_0: 18, Q4_1: 20, Q8_0: 34}
+TYPE_NAMES = {Q4_0: "Q4_0", Q4_1: "Q4_1", Q8_0: "Q8_0"}
+
+
+def _check_shape(rows: int, cols: int) -> None:
+    if cols % BLOCK:
+        raise ValueError(f"block quantization needs in_features to be a multiple of {BLOCK}, got {cols}")
+
+
+def _fp16_bytes(x: torch.Tensor) -> torch.Tensor:
+    """[..., nb] float → [..., nb, 2] uint8 (fp16, little-endian as ggml stores it)."""
+    return x.to(torch.float16).contiguous().view(torch.uint8).reshape(*x.shape, 2)
+
+
+def _fp16_from(b: torch.Tensor) -> torch.Tensor:
+    """[..., 2] uint8 → [...] float32."""
+    return b.contiguous().view(torch.float16).squeeze(-1).float()
+
+
+def quantize_q4_1(weight: torch.Tensor) -> torch.Tensor:
+    """float [N, K] → Q4_1 blocks uint8 [N, K / 32 * 20]: per block ``d = (max - min) / 15``,
+    ``m = min`` (both rounded to fp16 first), codes rounded against those values."""
+    n, k = weight.shape
+    _check_shape(n, k)
+    g = weight.detach().float().reshape(n, k // BLOCK, BLOCK)
+    lo, hi = g.amin(dim=-1), g.amax(dim=-1)
+    d = ((hi - lo) / 15.0).to(torch.float16).float()
+    m = lo.to(torch.float16).float()
+    inv = torch.where(d > 0, 1.0 / d, torch.zeros_like(d))
+    q = torch.round((g - m[..., None]) * inv[..., None]).clamp_(0, 15).to(torch.uint8)
+    codes = q[..., :16] | (q[..., 16:] << 4)
+    return torch.cat([_fp16_bytes(d), _fp16_bytes(m), codes], dim=-1).reshape(n, -1)
+
+
+def quantize_q8_0(weight: torch.Tensor) -> torch.Tensor:
+    """float [N, K] → Q8_0 blocks uint8 [N, K / 32 * 34]: ``d = amax / 127`` per block."""
+    n, k = weight.shape
+    _check_shape(n, k)
+    g = weight.detach().float().reshape(n, k // BLOCK, BLOCK)
+    d = (g.abs().amax(dim=-1) / 127.0).to(torch.float16).float()
+    inv = torch.where(d > 0, 1.0 / d, torch.zeros_like(d))
+    q = torch.round(g * inv[..., None]).clamp_(-127, 127).to(torch.int8).view(torch.uint8)
+    return torch.cat([_fp16_bytes(d), q], dim=-1).reshape(n, -1)
+
+
+def dequantize_blocks(blocks: torch.Tensor, block_type: int) -> torch.Tensor:
+    """uint8 [N, bytes] of ``block_type`` blocks → float32 [N, K] (exact: fp32 of d * q + m)."""
+    bb = BLOCK_BYTES[block_type]
+    n = blocks.shape[0]
+    b = blocks.reshape(n, -1, bb)
+    d = _fp16_from(b[..., 0:2])
+    if block_type == Q8_0:
+        q = b[..., 2:].contiguous().view(torch.int8).float()
+        return (d[..., None] * q).reshape(n, -1)
+    header = 2 if block_type == Q4_0 else 4
+    qs = b[..., header:]
+    q = torch.cat([qs & 0x0F, qs >> 4], dim=-1).float()
+    if block_type == Q4_0:
+        return (d[..., None] * (q - 8.0)).reshape(n, -1)
+    m = _fp16_from(b[..., 2:4])
+    return (d[..., None] * q + m[..., None]).reshape(n, -1)
+
+
+def q4_0_to_q4_1(blocks: torch.Tensor) -> torch.Tensor:
+    """Q4_0 blocks → the same weights as Q4_1 (``m = -8 d``, exact in fp16), so that Q4_0 and Q4_1
+    shards of one merged projection stack into one tensor."""
+    n = blocks.shape[0]
+    b = blocks.reshape(n, -1, 18)
+    d = _fp16_from(b[..., 0:2])
+    return torch.cat([b[..., 0:2], _fp16_bytes(-8.0 * d), b[..., 2:]], dim=-1).reshape(n, -1)
+
+
+def block_matmul(x: torch.Tensor, blocks: torch.Tensor, block_type: int) -> torch.Tensor:
+    """``x [M, K] @ W.T`` for W held as blocks, in fp32 (int8 dot products with the kernel)."""
+    kernels = load_cpu_kernels()
+    if kernels is not None and x.device.type == "cpu":
+        return kernels.block_matmul(x.float(), blocks, block_type)
+    return x.float() @ dequantize_blocks(blocks, block_type).T
+
+
+class BlockLinear(nn.Module):
+    """``y = x @ W.T + bias`` with W in ggml blocks (``blocks``: uint8 [out_features, bytes per row])."""
+
+    def __init__(self, blocks: torch.Tensor, block_type: int, in_features: int, bias: torch.Tensor | None = None) -> None:
+        super().__init__()
+        if block_type not in BLOCK_BYTES:
+            raise ValueError(f"block type {block_type} is not one of {sorted(TYPE_NAMES.values())}")
+        _check_shape(blocks.shape[0], in_features)
+        if blocks.shape[1] != in_features // BLOCK * BLOCK_BYTES[block_type]:
+            raise ValueError(f"{TYPE_NAMES[block_type]} rows of {in_features} inputs take "
+                             f"{in_features // BLOCK * BLOCK_BYTES[block_type]} bytes, got {blocks.shape[1]}")
+        self.block_type = block_type
+        self.in_features, self.out_features = in_features, blocks.shape[0]
+        self.register_buffer("blocks", blocks.contiguous())
+        self.register_buffer("bias", bias)
+
+    @classmethod
+    def from_float(cls, weight: torch.Tensor, block_type: int, bias: torch.Tensor | None = None) -> BlockLinear:
+        quantize = {Q4_1: quantize_q4_1, Q8_0: quantize_q8_0}.get(block_type)
+        if quantize is None:
+            raise ValueError(f"quantizing float weights to {TYPE_NAMES.get(block_type, block_type)} is not supported")
+        return cls(quantize(weight), block_type, weight.shape[1], None if bias is None else bias.detach())
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.dim() == 2 and self.bias is None and x.dtype == torch.float32:  # the decode step's case, kept short
+            return block_matmul(x, self.blocks, self.block_type)
+        y = block_matmul(x.reshape(-1, self.in_features), self.blocks, self.block_type).to(x.dtype)
+        if self.bias is not None:
+            y = y + self.bias
+        return y.reshape(*x.shape[:-1], self.out_features)
+
+    def dequantize(self) -> torch.Tensor:
+        return dequantize_blocks(self.blocks, self.block_type)
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, {TYPE_NAMES[self.block_type]}"
+
+
+class BlockEmbedding(nn.Module):
+    """An embedding table in blocks; looking up a row dequantizes it. A tied output head is a
+    ``BlockLinear`` over the same ``blocks`` tensor."""
+
+    def __init__(self, blocks: torch.Tensor, block_type: int, embedding_dim: int, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.block_type, self.embedding_dim, self.dtype = block_type, embedding_dim, dtype
+        self.num_embeddings = blocks.shape[0]
+        self.register_buffer("blocks", blocks)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        rows = self.blocks[ids.reshape(-1)]
+        return dequantize_blocks(rows, self.block_type).to(self.dtype).reshape(*ids.shape, self.embedding_dim)

@@ -1,0 +1,87 @@
+"""The fused float32 CPU ops (pagoda/csrc/fused_ops.cpp) against the pure-torch code they replace,
+op by op and through the whole engine."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from pagoda import LLM, SamplingParams
+from pagoda.layers.cpu_kernels import load_cpu_kernels
+from pagoda.layers.norm import RMSNorm
+from pagoda.layers.rotary import RotaryEmbedding
+
+pytestmark = pytest.mark.skipif(load_cpu_kernels() is None, reason="pagoda's C++ kernels cannot be built here")
+
+
+def _torch_path(monkeypatch):
+    monkeypatch.setattr("pagoda.layers.norm.fused_kernels", lambda *a, **k: None)
+    monkeypatch.setattr("pagoda.layers.rotary.fused_kernels", lambda *a, **k: None)
+
+
+def test_fused_add_rms_norm(monkeypatch):
+    norm = RMSNorm(96, 1e-5)
+    norm.weight.data = torch.randn(96)
+    x, residual = torch.randn(7, 96), torch.randn(7, 96)
+    got_x, got_r = norm(x.clone(), residual.clone())
+    _torch_path(monkeypatch)
+    want_x, want_r = norm(x, residual)
+    assert torch.equal(got_r, want_r)  # the same one addition
+    torch.testing.assert_close(got_x, want_x, rtol=1e-6, atol=1e-6)  # sums of squares in another order
+
+
+def test_rotary_in_place_on_strided_rows(monkeypatch):
+    rotary = RotaryEmbedding(32, 64, 10000.0)
+    qkv = torch.randn(5, 4 * 32 + 2 * 2 * 32)
+    q, k, _ = qkv.split([128, 64, 64], dim=-1)  # views with a row stride, as the model has them
+    q, k = q.view(5, 4, 32), k.view(5, 2, 32)
+    positions = torch.tensor([0, 3, 9, 10, 63])
+    _torch_path(monkeypatch)
+    want = rotary(positions, q.clone(), k.clone())
+    monkeypatch.undo()
+    got = rotary(positions, q, k)
+    assert got[0].data_ptr() == q.data_ptr()  # in place
+    assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])  # the same roundings
+    with pytest.raises(RuntimeError, match="position 64 out of range"):
+        rotary(torch.tensor([0, 1, 2, 3, 64]), q, k)
+
+
+def test_silu_and_mul():
+    x = torch.randn(6, 2 * 48) * 4
+    gate, up = x.split(48, dim=-1)
+    torch.testing.assert_close(load_cpu_kernels().silu_and_mul(x), F.silu(gate) * up, rtol=1e-6, atol=1e-6)
+
+
+def test_write_kv_cache():
+    k_cache, v_cache = torch.zeros(4, 2, 8, 16), torch.zeros(4, 2, 8, 16)
+    kv = torch.randn(3, 2 * 2 * 16)
+    k, v = (t.view(3, 2, 16) for t in kv.split(32, dim=-1))
+    slots = torch.tensor([0, 13, 31])
+    load_cpu_kernels().write_kv_cache(k, v, k_cache, v_cache, slots)
+    want_k, want_v = torch.zeros_like(k_cache), torch.zeros_like(v_cache)
+    want_k[slots // 8, :, slots % 8] = k
+    want_v[slots // 8, :, slots % 8] = v
+    assert torch.equal(k_cache, want_k) and torch.equal(v_cache, want_v)
+    with pytest.raises(RuntimeError, match="slot 32 out of range"):
+        load_cpu_kernels().write_kv_cache(k, v, k_cache, v_cache, torch.tensor([0, 1, 32]))
+
+
+def test_engine_tokens_equal_the_pure_torch_path(tiny_llama, torch_kernels_only):
+    """Greedy tokens and logprobs of a batch, fused CPU path vs every layer in plain torch."""
+    from pagoda.layers import cpu_kernels
+
+    params = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True, logprobs=0)
+    prompts = ["The quick brown fox", "Paris is the capital of", "Once upon a time"]
+
+    def run():
+        llm = LLM(model=str(tiny_llama), dtype="float32", kv_cache_memory=0.02)
+        outs = llm.generate(prompts, params, use_tqdm=False)
+        return ([list(o.outputs[0].token_ids) for o in outs],
+                [[pos[t].logprob for t, pos in zip(o.outputs[0].token_ids, o.outputs[0].logprobs)] for o in outs])
+
+    plain_tokens, plain_lps = run()  # PAGODA_DISABLE_KERNELS=1 (the fixture)
+    cpu_kernels._disabled = False
+    fused_tokens, fused_lps = run()
+    assert fused_tokens == plain_tokens
+    torch.testing.assert_close(torch.tensor(fused_lps), torch.tensor(plain_lps), rtol=0, atol=1e-4)
