@@ -14,6 +14,8 @@
 #include <c10/util/Half.h>
 #include <torch/library.h>
 
+#include "ops.h"
+
 #include <algorithm>
 #include <cmath>
 #include <cstring>
@@ -154,6 +156,10 @@ void dot_row(const uint8_t* w, int64_t type, int64_t nb, const int8_t* qx, const
 
 constexpr int64_t ROW_CHUNK = 16;  // weight rows kept in L1 while every activation row passes over them
 
+}  // namespace
+
+namespace pagoda {
+
 at::Tensor block_matmul(const at::Tensor& x, const at::Tensor& weight, int64_t type) {
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat, "block_matmul: x must be float32 [M, K]");
   TORCH_CHECK(weight.dim() == 2 && weight.scalar_type() == at::kByte, "block_matmul: weight must be uint8 [N, bytes]");
@@ -192,10 +198,10 @@ at::Tensor block_matmul(const at::Tensor& x, const at::Tensor& weight, int64_t t
   return out;
 }
 
-}  // namespace
+}  // namespace pagoda
 
 TORCH_LIBRARY_FRAGMENT(pagoda, m) {
   m.def("block_matmul(Tensor x, Tensor weight, int block_type) -> Tensor");
 }
 
-TORCH_LIBRARY_IMPL(pagoda, CPU, m) { m.impl("block_matmul", &block_matmul); }
+TORCH_LIBRARY_IMPL(pagoda, CPU, m) { m.impl("block_matmul", &pagoda::block_matmul); }

@@ -7,6 +7,8 @@
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
+#include "ops.h"
+
 #include <cmath>
 #include <cstring>
 
@@ -15,6 +17,10 @@ namespace {
 void check_float(const at::Tensor& t, const char* name) {
   TORCH_CHECK(t.scalar_type() == at::kFloat && t.is_contiguous(), name, " must be a contiguous float32 tensor");
 }
+
+}  // namespace
+
+namespace pagoda {
 
 // residual += x; x = weight * rmsnorm(residual)   (rows of H; in place)
 void fused_add_rms_norm(at::Tensor x, at::Tensor residual, const at::Tensor& weight, double eps) {
@@ -125,7 +131,7 @@ void write_kv_cache(const at::Tensor& k, const at::Tensor& v, at::Tensor k_cache
   }
 }
 
-}  // namespace
+}  // namespace pagoda
 
 TORCH_LIBRARY_FRAGMENT(pagoda, m) {
   m.def("fused_add_rms_norm(Tensor(a!) x, Tensor(b!) residual, Tensor weight, float eps) -> ()");
@@ -135,8 +141,8 @@ TORCH_LIBRARY_FRAGMENT(pagoda, m) {
 }
 
 TORCH_LIBRARY_IMPL(pagoda, CPU, m) {
-  m.impl("fused_add_rms_norm", &fused_add_rms_norm);
-  m.impl("rotary_embedding", &rotary_embedding);
-  m.impl("silu_and_mul", &silu_and_mul);
-  m.impl("write_kv_cache", &write_kv_cache);
+  m.impl("fused_add_rms_norm", &pagoda::fused_add_rms_norm);
+  m.impl("rotary_embedding", &pagoda::rotary_embedding);
+  m.impl("silu_and_mul", &pagoda::silu_and_mul);
+  m.impl("write_kv_cache", &pagoda::write_kv_cache);
 }

@@ -8,6 +8,8 @@
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
+#include "ops.h"
+
 #include <cmath>
 #include <limits>
 #include <vector>
@@ -93,6 +95,10 @@ void decode_attention_impl(const scalar_t* __restrict__ q, const scalar_t* __res
   });
 }
 
+}  // namespace
+
+namespace pagoda {
+
 // q: [B, Hq, D]; k_cache, v_cache: [num_blocks, Hkv, block_size, D]; block_tables: [B, max_blocks]
 // int64; seq_lens: [B] int64 (tokens to attend, the query's own included). Returns [B, Hq, D].
 at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
@@ -116,12 +122,12 @@ at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& k_cache
   return out;
 }
 
-}  // namespace
+}  // namespace pagoda
 
 TORCH_LIBRARY(pagoda, m) {
   m.def("paged_decode_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor block_tables, Tensor seq_lens, float scale) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(pagoda, CPU, m) {
-  m.impl("paged_decode_attention", &paged_decode_attention);
+  m.impl("paged_decode_attention", &pagoda::paged_decode_attention);
 }

@@ -13,12 +13,14 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from pagoda.forward_context import get_attention_metadata
 from pagoda.layers.attention import PagedAttention
 from pagoda.layers.cpu_kernels import fused_kernels
 from pagoda.layers.norm import RMSNorm
 from pagoda.layers.quantization import QUANTIZED_LINEARS, PackedWeight, keeps_packed
 from pagoda.layers.rotary import RotaryEmbedding
 from pagoda.models.config import TransformerConfig
+from pagoda.models.decode_stack import DecodeStack
 
 
 class Attention(nn.Module):
@@ -114,11 +116,25 @@ class LlamaForCausalLM(nn.Module):
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         hidden = self.embed_tokens(input_ids)
-        residual = None
-        for layer in self.layers:
-            hidden, residual = layer(positions, hidden, residual)
+        stack = None if torch.compiler.is_compiling() else self._decode_stack()
+        meta = get_attention_metadata() if stack is not None else None
+        if stack is not None and stack.applies(hidden, meta):
+            residual = torch.zeros_like(hidden)
+            hidden = stack(hidden, residual, positions, meta)  # every layer in one C++ call
+        else:
+            residual = None
+            for layer in self.layers:
+                hidden, residual = layer(positions, hidden, residual)
         hidden, _ = self.norm(hidden, residual)
         return hidden
+
+    def _decode_stack(self) -> DecodeStack | None:
+        """Built on first use, once the KV cache is bound; rebuilt if the cache or a layer changes."""
+        first, last = self.layers[0], self.layers[-1]
+        key = (id(first.self_attn.attn.k_cache), id(first.self_attn.qkv_proj), id(last.mlp.down_proj))
+        if getattr(self, "_stack_key", None) != key:
+            self._stack_key, self._stack = key, DecodeStack.build(self)
+        return self._stack
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         if self.lm_head is None:  # tied

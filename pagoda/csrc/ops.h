@@ -1,0 +1,19 @@
+// The kernels' entry points, shared by the files that register them and by decode_layers.cpp,
+// which chains them for a whole decoder stack.
+#pragma once
+
+#include <ATen/ATen.h>
+
+namespace pagoda {
+
+at::Tensor block_matmul(const at::Tensor& x, const at::Tensor& weight, int64_t type);
+at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                                  const at::Tensor& block_tables, const at::Tensor& seq_lens, double scale);
+void fused_add_rms_norm(at::Tensor x, at::Tensor residual, const at::Tensor& weight, double eps);
+void rotary_embedding(at::Tensor q, at::Tensor k, const at::Tensor& positions, const at::Tensor& cos_cache,
+                      const at::Tensor& sin_cache);
+at::Tensor silu_and_mul(const at::Tensor& x);
+void write_kv_cache(const at::Tensor& k, const at::Tensor& v, at::Tensor k_cache, at::Tensor v_cache,
+                    const at::Tensor& slot_mapping);
+
+}  // namespace pagoda

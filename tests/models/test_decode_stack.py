@@ -1,0 +1,68 @@
+"""The decoder stack in one C++ call (pagoda/models/decode_stack.py) computes exactly what the
+Python layers compute, for float and block-quantized weights, and steps aside where it does not apply."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from pagoda import LLM, SamplingParams
+from pagoda.layers.cpu_kernels import load_cpu_kernels
+from pagoda.models.decode_stack import DecodeStack
+
+pytestmark = pytest.mark.skipif(load_cpu_kernels() is None, reason="pagoda's C++ kernels cannot be built here")
+
+PROMPTS = ["The quick brown fox", "Paris is the capital of", "Once upon a time there"]
+
+
+def _run(llm: LLM):
+    params = SamplingParams(max_tokens=10, temperature=0, ignore_eos=True, logprobs=2)
+    outs = llm.generate(PROMPTS, params, use_tqdm=False)
+    return [(list(o.outputs[0].token_ids), [{t: lp.logprob for t, lp in pos.items()} for pos in o.outputs[0].logprobs])
+            for o in outs]
+
+
+def _count_stack_calls(monkeypatch) -> list[int]:
+    calls = [0]
+    original = DecodeStack.__call__
+
+    def counted(self, *args):
+        calls[0] += 1
+        return original(self, *args)
+
+    monkeypatch.setattr(DecodeStack, "__call__", counted)
+    return calls
+
+
+@pytest.mark.parametrize("quantization", [None, "int4"])
+def test_stack_equals_the_python_layers_bit_for_bit(tiny_llama, quantization, monkeypatch):
+    args = {"dtype": "float32", "kv_cache_memory": 0.02, "quantization": quantization}
+    calls = _count_stack_calls(monkeypatch)
+    fast = _run(LLM(model=str(tiny_llama), **args))
+    assert calls[0] >= 9  # every decode step of the batch went through the stack
+    monkeypatch.setattr(DecodeStack, "build", classmethod(lambda cls, model: None))
+    calls[0] = 0
+    python = _run(LLM(model=str(tiny_llama), **args))
+    assert calls[0] == 0
+    assert fast == python  # tokens and logprobs identical, not merely close
+
+
+def test_stack_steps_aside_where_it_does_not_apply(tiny_model_dirs, monkeypatch):
+    calls = _count_stack_calls(monkeypatch)
+    qwen3 = LLM(model=str(tiny_model_dirs["qwen3"]), dtype="float32", kv_cache_memory=0.02)  # q/k norms
+    qwen2 = LLM(model=str(tiny_model_dirs["qwen2"]), dtype="float32", kv_cache_memory=0.02)  # qkv biases
+    bf16 = LLM(model=str(tiny_model_dirs["llama"]), dtype="bfloat16", kv_cache_memory=0.02)
+    for llm in (qwen3, qwen2, bf16):
+        assert DecodeStack.build(llm.engine.core.model) is None
+        assert len(_run(llm)) == len(PROMPTS)
+    assert calls[0] == 0
+    llama = LLM(model=str(tiny_model_dirs["llama"]), dtype="float32", kv_cache_memory=0.02)
+    stack = DecodeStack.build(llama.engine.core.model)
+    assert stack is not None and len(stack.k_caches) == len(llama.engine.core.model.layers)
+    hidden = torch.zeros(4, 8)
+    from pagoda.forward_context import AttentionMetadata, PrefillSeq
+
+    with_prefill = AttentionMetadata(slot_mapping=torch.zeros(4, dtype=torch.long), num_decodes=1,
+                                     prefills=[PrefillSeq(1, 3, 0, torch.zeros(1, dtype=torch.long))])
+    assert not stack.applies(hidden, with_prefill)
+    assert stack.applies(hidden, AttentionMetadata(slot_mapping=torch.zeros(4, dtype=torch.long), num_decodes=4))
