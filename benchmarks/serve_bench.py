@@ -13,6 +13,7 @@ prints the seed's columns (throughput, TTFT, ITL, the largest concurrency meetin
 Systems:
   pagoda          pagoda serve (engine core on a thread, the default)
   pagoda-process  pagoda serve --engine-process
+  pagoda-gguf     pagoda serve --quantization gguf (the GGUF's own blocks, as llama.cpp runs them)
   hf              transformers served one request at a time (python -m pagoda.bench.hf_server)
   llamacpp        llama-cpp-python's server on the model's GGUF (one request at a time)
   llama-server    llama.cpp's own server binary (--llama-server PATH), one slot per client of the largest level
@@ -30,8 +31,9 @@ from pagoda.bench import baselines, datasets, plots, serve, servers, sweep
 from pagoda.bench.metrics import parse_slos
 
 HERE = Path(__file__).resolve().parent
-SYSTEMS = ("pagoda", "pagoda-process", "hf", "llamacpp", "llama-server")
+SYSTEMS = ("pagoda", "pagoda-process", "pagoda-gguf", "hf", "llamacpp", "llama-server")
 LABELS = {"pagoda": "pagoda serve", "pagoda-process": "pagoda serve --engine-process",
+          "pagoda-gguf": "pagoda serve --quantization gguf",
           "hf": "transformers, one request at a time", "llamacpp": "llama-cpp-python server",
           "llama-server": "llama.cpp llama-server"}
 
@@ -39,8 +41,8 @@ LABELS = {"pagoda": "pagoda serve", "pagoda-process": "pagoda serve --engine-pro
 def command_for(system: str, ns: argparse.Namespace, port: int, levels: list[int]) -> tuple[list[str], dict]:
     """(command line, request fields it needs) of one system."""
     n_ctx = ns.input_len + ns.output_len + 64
-    if system in ("pagoda", "pagoda-process"):
-        extra = ["--engine-process"] if system == "pagoda-process" else []
+    if system in ("pagoda", "pagoda-process", "pagoda-gguf"):
+        extra = {"pagoda-process": ["--engine-process"], "pagoda-gguf": ["--quantization", "gguf"]}.get(system, [])
         return servers.pagoda_command(ns.model, port, "--kv-cache-memory", str(ns.kv_cache_memory), *extra), {}
     if system == "hf":
         return servers.hf_naive_command(ns.model, port), {}
