@@ -4,9 +4,10 @@
     python benchmarks/quality.py --modes fp32,int8,gguf   # a subset (fp32 is always run: the reference)
     python benchmarks/quality.py --kernels                # one layer per SmolLM2 shape and mode, M = 1 and 64
 
-Modes: fp32 and bf16 (GGUF dequantized, ``--dtype``), int8 and int4 (``--quantization``, from the
-dequantized weights), gguf (``--quantization gguf``: the Q4_1 blocks kept as stored), and
-int8-head / int4-head (the same with the output head, tied to the embedding here, in int8 too).
+Modes: fp32 and bf16 (GGUF dequantized, ``--dtype``), int8 and int4 (``--quantization``: Q8_0 and
+Q4_1 blocks from the dequantized weights, the head tied to the embedding in Q8_0), gguf
+(``--quantization gguf``: the file's Q4_1 projections and Q8_0 embedding/head as stored), and
+int8-floathead / int4-floathead (the same with the head left in fp32).
 Memory and quality are measured with each mode in its own process, so its memory is its own:
 
 - weight MiB: bytes of the model's parameters and buffers; RSS after load and peak RSS;
@@ -43,8 +44,8 @@ MODES: dict[str, dict] = {
     "int8": {"dtype": "float32", "quantization": "int8"},
     "int4": {"dtype": "float32", "quantization": "int4"},
     "gguf": {"dtype": "float32", "quantization": "gguf"},
-    "int8-head": {"dtype": "float32", "quantization": "int8", "head": True},
-    "int4-head": {"dtype": "float32", "quantization": "int4", "head": True},
+    "int8-floathead": {"dtype": "float32", "quantization": "int8", "head": False},
+    "int4-floathead": {"dtype": "float32", "quantization": "int4", "head": False},
 }
 
 
@@ -72,12 +73,16 @@ def _layers(w, modes: list[str]) -> dict:
     import torch
     import torch.nn.functional as F
 
+    from pagoda.layers import ggml_blocks
+    from pagoda.layers.ggml_blocks import BlockLinear
     from pagoda.layers.quantization import Int4Linear, Int8Linear
 
     wb = w.bfloat16()
     makers = {
         "fp32": lambda: (lambda x: F.linear(x, w)),
         "bf16": lambda: (lambda x: F.linear(x.bfloat16(), wb).float()),
+        "Q8_0": lambda: BlockLinear.from_float(w, ggml_blocks.Q8_0),
+        "Q4_1": lambda: BlockLinear.from_float(w, ggml_blocks.Q4_1),
         "int8": lambda: Int8Linear.from_float(w),
         "int4": lambda: Int4Linear.from_float(w),
         "int8 fp32-act": lambda: Int8Linear.from_float(w, compute_dtype=torch.float32),
@@ -86,7 +91,8 @@ def _layers(w, modes: list[str]) -> dict:
     return {mode: makers[mode]() for mode in modes}
 
 
-KERNEL_MODES = ["fp32", "bf16", "int8", "int4", "int8 fp32-act", "int4 fp32-act"]
+# Q8_0 / Q4_1: pagoda's block kernel (int8 activations); int8 / int4: torch's kernels (the fallback).
+KERNEL_MODES = ["fp32", "bf16", "Q8_0", "Q4_1", "int8", "int4", "int8 fp32-act", "int4 fp32-act"]
 
 
 def kernel_table(threads: int, repeats: int = 20) -> list[dict]:
@@ -116,13 +122,13 @@ def _model_rows(repeats: int, num_layers: int = 30) -> list[dict]:
 
     g = torch.Generator().manual_seed(0)
     names = ["qkv", "o", "gate_up", "down"] * num_layers
-    per_layer = [_layers(torch.randn(*KERNEL_SHAPES[name], generator=g) * 0.05, KERNEL_MODES[:4]) for name in names]
+    per_layer = [_layers(torch.randn(*KERNEL_SHAPES[name], generator=g) * 0.05, KERNEL_MODES[:6]) for name in names]
     widths = [KERNEL_SHAPES[name][1] for name in names]
     rows = []
     for m in (1, 64):
         inputs = {width: torch.randn(m, width) for width in set(widths)}
         row = {"layer": f"all {num_layers} layers", "shape": [0, 0], "M": m}
-        for mode in KERNEL_MODES[:4]:
+        for mode in KERNEL_MODES[:6]:
             def one_pass(mode=mode, inputs=inputs):
                 for layers, width in zip(per_layer, widths):
                     layers[mode](inputs[width])
@@ -162,9 +168,9 @@ def _load(mode: str, args: argparse.Namespace):
 
     torch.set_num_threads(args.threads)
     spec = dict(MODES[mode])
-    quantization.QUANTIZE_LM_HEAD = spec.pop("head", False)
+    quantization.QUANTIZE_LM_HEAD = spec.pop("head", None)
     llm = LLM(model=args.model, kv_cache_memory=args.kv_cache_memory, **spec)
-    quantization.QUANTIZE_LM_HEAD = False
+    quantization.QUANTIZE_LM_HEAD = None
     return llm, spec
 
 
@@ -195,7 +201,7 @@ def run_mode(mode: str, args: argparse.Namespace) -> dict:
     load_s = time.perf_counter() - start
     model = llm.engine.core.model
     result = {
-        "mode": mode, "engine_args": spec, "quantize_lm_head": MODES[mode].get("head", False),
+        "mode": mode, "engine_args": spec, "quantize_lm_head": MODES[mode].get("head"),
         "load_s": round(load_s, 2), "weight_mib": quantization.weight_bytes(model) / 2**20,
         "rss_before_load_mib": rss_before, "rss_after_load_mib": _rss_mib(),
         "peak_rss_load_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,

@@ -29,8 +29,9 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True,
                    help="share prompt prefixes between requests through a radix tree (default: on)")
     g.add_argument("--quantization", default=None, choices=["none", "int8", "int4", "gguf"],
-                   help="weight-only quantization of the projections on torch's CPU kernels; gguf keeps a "
-                        "GGUF's Q4_0/Q4_1 weights as stored (default: none, weights dequantized)")
+                   help="weight-only quantization in ggml blocks on pagoda's CPU kernels: int8 = Q8_0, "
+                        "int4 = Q4_1 (head Q8_0); gguf keeps a GGUF's Q4_0/Q4_1/Q8_0 blocks as stored, the "
+                        "fast way to run a quantized GGUF (default: none, weights dequantized to the dtype)")
 
 
 def _add_sampling_args(p: argparse.ArgumentParser) -> None:

@@ -45,7 +45,9 @@ INT4_GROUP_SIZE = 32
 COMPUTE_DTYPE = torch.bfloat16  # the kernels' only fast activation dtype on CPU
 # The projections that get quantized; the embedding, lm_head and norms stay in the model dtype.
 QUANTIZED_LINEARS = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")
-QUANTIZE_LM_HEAD = False  # int8/int4 modes: also the output head (and a tied embedding) in int8
+# int8/int4 modes: also the output head (and a tied embedding). None: yes (Q8_0) with the block
+# kernels, no with torch's kernels (their int8 head loses to the float one at batch 64).
+QUANTIZE_LM_HEAD: bool | None = None
 
 
 class PackedWeight:
@@ -270,9 +272,9 @@ def quantize_linears(model: nn.Module, mode: str, packed: dict[str, list[PackedW
     ``int8``/``int4`` quantize the loaded float weights. ``gguf`` keeps the stored blocks in
     ``packed`` (weight name → its shards, as the loader handed them over); a layer without a kept
     form stays float. The output head: with the block kernels, ``gguf`` keeps it as stored (a tied
-    embedding shares its blocks) and ``int8``/``int4`` make it Q8_0 unless ``quantize_head`` is
-    False; with torch's kernels it becomes int8 only with ``quantize_head`` (default
-    ``QUANTIZE_LM_HEAD``). ``compute_dtype`` (torch's kernels only) defaults to ``COMPUTE_DTYPE``.
+    embedding shares its blocks) and ``int8``/``int4`` make it Q8_0 unless ``quantize_head`` (default
+    ``QUANTIZE_LM_HEAD``) is False; with torch's kernels it becomes int8 only if ``quantize_head``
+    is True. ``compute_dtype`` (torch's kernels only) defaults to ``COMPUTE_DTYPE``.
     Returns how many layers were replaced.
     """
     mode = check_quantization(mode)
@@ -291,9 +293,10 @@ def quantize_linears(model: nn.Module, mode: str, packed: dict[str, list[PackedW
     if kept:
         logger.info("quantization=%s: %d projections kept in float (no exact or supported packed form), e.g. %s",
                     mode, len(kept), kept[:3])
+    head = QUANTIZE_LM_HEAD if quantize_head is None else quantize_head
     if blocks:
-        replaced += _block_head(model, mode, packed or {}, quantize_head is not False)
-    elif (QUANTIZE_LM_HEAD if quantize_head is None else quantize_head) and mode in ("int8", "int4"):
+        replaced += _block_head(model, mode, packed or {}, head is not False)
+    elif head and mode in ("int8", "int4"):
         replaced += _quantize_head(model, compute_dtype or COMPUTE_DTYPE)
     return replaced
 

@@ -63,7 +63,7 @@ def test_q4_0_as_q4_1_is_the_same_weight():
 
 @pytest.mark.skipif(load_cpu_kernels() is None, reason="pagoda's C++ kernels cannot be built here")
 @pytest.mark.parametrize("block_type", sorted(GGML))
-@pytest.mark.parametrize("m", [1, 2, 3, 4, 5, 9, 64])
+@pytest.mark.parametrize("m", [1, 2, 3, 4, 5, 9, 64, 200])
 def test_kernel_computes_int8_block_dot_products(block_type, m):
     n, k = 80, 96
     blocks = _blocks(_weight(n, k), block_type)
