@@ -64,9 +64,11 @@ class PackedWeight:
     def dequantize(self) -> torch.Tensor:
         raise NotImplementedError
 
-    def ggml_blocks(self) -> tuple[int, torch.Tensor] | None:
-        """(ggml type, uint8 [rows, bytes per row]) when the stored form is one of ggml_blocks' types."""
-        return None
+    ggml_block_type: int | None = None  # one of ggml_blocks' types when the stored form is one
+
+    def ggml_blocks(self) -> torch.Tensor:
+        """The stored blocks, uint8 [rows, bytes per row] (only where ``ggml_block_type`` is set)."""
+        raise ValueError(f"{type(self).__name__} holds no ggml blocks")
 
     def int4_groups(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         raise ValueError(f"{type(self).__name__} has no exact int4 form")
@@ -209,7 +211,7 @@ def block_kernels_available() -> bool:
 
 def _block_type(shards: Sequence[PackedWeight]) -> int | None:
     """The one block type ``shards`` stack into (Q4_0 joins Q4_1 as Q4_1), or None."""
-    types = {s.ggml_blocks()[0] if s.ggml_blocks() is not None else None for s in shards}
+    types = {s.ggml_block_type for s in shards}
     if not shards or None in types or len({s.shape[1] for s in shards}) != 1:
         return None
     if len(types) == 1:
@@ -217,16 +219,14 @@ def _block_type(shards: Sequence[PackedWeight]) -> int | None:
     return ggml_blocks.Q4_1 if types <= {ggml_blocks.Q4_0, ggml_blocks.Q4_1} else None
 
 
-def stacked_blocks(shards: Sequence[PackedWeight]) -> tuple[int, torch.Tensor]:
-    """``shards`` stacked along the output dimension as one (block type, blocks)."""
+def stacked_blocks(shards: Sequence[PackedWeight]) -> tuple[torch.Tensor, int]:
+    """``shards`` stacked along the output dimension as one (blocks, block type)."""
     block_type = _block_type(shards)
     if block_type is None:
         raise ValueError("these weights have no common ggml block form")
-    parts = []
-    for shard in shards:
-        t, blocks = shard.ggml_blocks()
-        parts.append(ggml_blocks.q4_0_to_q4_1(blocks) if t != block_type else blocks)
-    return block_type, torch.cat(parts)
+    parts = [s.ggml_blocks() if s.ggml_block_type == block_type else ggml_blocks.q4_0_to_q4_1(s.ggml_blocks())
+             for s in shards]
+    return torch.cat(parts), block_type
 
 
 def keeps_packed(shards: Sequence[PackedWeight], projection: bool = True) -> bool:
@@ -306,15 +306,10 @@ _FLOAT_BLOCK_TYPE = {"int8": ggml_blocks.Q8_0, "int4": ggml_blocks.Q4_1}
 
 def _block_layer(module: nn.Linear, mode: str, shards: list[PackedWeight] | None, _dtype) -> nn.Module | None:
     if mode == "gguf":
-        return BlockLinear(*_stacked(shards), module.in_features, module.bias) if shards else None
+        return BlockLinear(*stacked_blocks(shards), module.in_features, module.bias) if shards else None
     if module.in_features % ggml_blocks.BLOCK:
         return None
     return BlockLinear.from_float(module.weight, _FLOAT_BLOCK_TYPE[mode], module.bias)
-
-
-def _stacked(shards: list[PackedWeight]) -> tuple[torch.Tensor, int]:
-    block_type, blocks = stacked_blocks(shards)
-    return blocks, block_type
 
 
 def _torch_kernel_layer(module: nn.Linear, mode: str, shards: list[PackedWeight] | None,
@@ -339,19 +334,19 @@ def _block_head(model: nn.Module, mode: str, packed: dict[str, list[PackedWeight
         embed_blocks = stacked_blocks(packed["embed_tokens.weight"]) if "embed_tokens.weight" in packed else None
         head_blocks = stacked_blocks(packed["lm_head.weight"]) if "lm_head.weight" in packed else None
     elif quantize_floats and dim % ggml_blocks.BLOCK == 0:
-        embed_blocks = (ggml_blocks.Q8_0, ggml_blocks.quantize_q8_0(embed.weight)) if head is None else None
-        head_blocks = None if head is None else (ggml_blocks.Q8_0, ggml_blocks.quantize_q8_0(head.weight))
+        embed_blocks = (ggml_blocks.quantize_q8_0(embed.weight), ggml_blocks.Q8_0) if head is None else None
+        head_blocks = None if head is None else (ggml_blocks.quantize_q8_0(head.weight), ggml_blocks.Q8_0)
     else:
         return 0
     replaced = 0
     if embed_blocks is not None:
-        block_type, blocks = embed_blocks
+        blocks, block_type = embed_blocks
         model.embed_tokens = BlockEmbedding(blocks, block_type, dim, dtype)
         if head is None:
             model.lm_head = BlockLinear(blocks, block_type, dim)
         replaced += 1
     if head is not None and head_blocks is not None:
-        block_type, blocks = head_blocks
+        blocks, block_type = head_blocks
         model.lm_head = BlockLinear(blocks, block_type, head.in_features, head.bias)
         replaced += 1
     return replaced

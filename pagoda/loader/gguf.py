@@ -791,10 +791,11 @@ class GGUFPackedWeight(PackedWeight):
             raise ValueError(f"{ggml_type.name} is not kept quantized (only {[t.name for t in KEPT_QUANTIZED_TYPES]})")
         self.ggml_type, self.blocks, self.shape = ggml_type, blocks, tuple(shape)
         self.int4_exact = ggml_type != GGMLQuantizationType.Q8_0
+        self.ggml_block_type = int(ggml_type)  # the GGMLQuantizationType values ggml_blocks uses
 
-    def ggml_blocks(self) -> tuple[int, torch.Tensor]:
-        rows = self.shape[0]
-        return int(self.ggml_type), torch.from_numpy(np.array(self.blocks, dtype=np.uint8).reshape(rows, -1))
+    def ggml_blocks(self) -> torch.Tensor:
+        """A copy of the stored rows (the file mapping is closed after loading)."""
+        return torch.from_numpy(np.array(self.blocks, dtype=np.uint8).reshape(self.shape[0], -1))
 
     def dequantize(self) -> torch.Tensor:
         w = np.asarray(dequantize(np.ascontiguousarray(self.blocks), self.ggml_type), dtype=np.float32)

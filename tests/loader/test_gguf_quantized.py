@@ -56,7 +56,7 @@ def test_kept_blocks_are_the_dequantized_weights(arch, qtype, ggufs):
     for name, w in kept.items():
         assert isinstance(w, GGUFPackedWeight) and w.shape == tuple(floats[name].shape)
         assert torch.equal(w.dequantize(), floats[name]), name
-        layer = BlockLinear(*reversed(stacked_blocks([w])), w.shape[1])
+        layer = BlockLinear(*stacked_blocks([w]), w.shape[1])
         assert torch.equal(layer.dequantize(), floats[name]), name  # the stored bytes, as the kernel reads them
         if w.shape[0] % 16 == 0:
             layer = int4_from_packed([w], compute_dtype=torch.float32)
