@@ -6,7 +6,7 @@
 //   norm(x + residual) → qkv → rotary → KV write → paged attention → o → norm(x + residual)
 //   → gate_up → silu * up → down
 // so its outputs are those of the Python path bit for bit. Float32 on the CPU; each projection
-// is either a float weight (at::linear, as nn.Linear calls it) or ggml blocks (block_matmul).
+// is either a float weight (pagoda::linear, as the Python layers call it) or ggml blocks (block_matmul).
 #include <ATen/ATen.h>
 #include <torch/library.h>
 
@@ -18,7 +18,7 @@ constexpr int64_t WEIGHTS_PER_LAYER = 6;      // input norm, qkv, o, post-attent
 constexpr int64_t PROJECTIONS_PER_LAYER = 4;  // qkv, o, gate_up, down: their block types (-1 = float)
 
 at::Tensor project(const at::Tensor& x, const at::Tensor& weight, int64_t block_type) {
-  return block_type < 0 ? at::linear(x, weight) : pagoda::block_matmul(x, weight, block_type);
+  return block_type < 0 ? pagoda::linear(x, weight) : pagoda::block_matmul(x, weight, block_type);
 }
 
 }  // namespace

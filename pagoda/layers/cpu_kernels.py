@@ -14,7 +14,7 @@ logger = logging.getLogger(__name__)
 _CSRC = Path(__file__).resolve().parent.parent / "csrc"
 
 
-_SOURCES = ("paged_attention.cpp", "block_matmul.cpp", "fused_ops.cpp", "decode_layers.cpp")
+_SOURCES = ("paged_attention.cpp", "block_matmul.cpp", "fused_ops.cpp", "small_matmul.cpp", "decode_layers.cpp")
 
 
 _disabled: bool | None = None  # PAGODA_DISABLE_KERNELS, read once (this is called per layer per step)

@@ -16,6 +16,7 @@ from torch import nn
 from pagoda.forward_context import get_attention_metadata
 from pagoda.layers.attention import PagedAttention
 from pagoda.layers.cpu_kernels import fused_kernels
+from pagoda.layers.linear import linear, project
 from pagoda.layers.norm import RMSNorm
 from pagoda.layers.quantization import QUANTIZED_LINEARS, PackedWeight, keeps_packed
 from pagoda.layers.rotary import RotaryEmbedding
@@ -37,7 +38,7 @@ class Attention(nn.Module):
         self.attn = PagedAttention(cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, scale=cfg.head_dim**-0.5)
 
     def forward(self, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
-        qkv = self.qkv_proj(x)
+        qkv = project(self.qkv_proj, x)
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.view(-1, self.num_heads, self.head_dim)
         k = k.view(-1, self.num_kv_heads, self.head_dim)
@@ -45,7 +46,7 @@ class Attention(nn.Module):
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = self.rotary(positions, q, k)
-        return self.o_proj(self.attn(q, k, v))
+        return project(self.o_proj, self.attn(q, k, v))
 
 
 class MLP(nn.Module):
@@ -58,12 +59,12 @@ class MLP(nn.Module):
         self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate_up = self.gate_up_proj(x)
+        gate_up = project(self.gate_up_proj, x)
         kernels = fused_kernels(gate_up)
         if kernels is not None:
-            return self.down_proj(kernels.silu_and_mul(gate_up))
+            return project(self.down_proj, kernels.silu_and_mul(gate_up))
         gate, up = gate_up.split(self.intermediate_size, dim=-1)
-        return self.down_proj(F.silu(gate) * up)
+        return project(self.down_proj, F.silu(gate) * up)
 
 
 class DecoderLayer(nn.Module):
@@ -138,8 +139,8 @@ class LlamaForCausalLM(nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         if self.lm_head is None:  # tied
-            return F.linear(hidden, self.embed_tokens.weight)
-        return self.lm_head(hidden)
+            return linear(hidden, self.embed_tokens.weight)
+        return project(self.lm_head, hidden)
 
     # -- weights ----------------------------------------------------------------------------
     @torch.no_grad()

@@ -85,3 +85,17 @@ def test_engine_tokens_equal_the_pure_torch_path(tiny_llama, torch_kernels_only)
     fused_tokens, fused_lps = run()
     assert fused_tokens == plain_tokens
     torch.testing.assert_close(torch.tensor(fused_lps), torch.tensor(plain_lps), rtol=0, atol=1e-4)
+
+
+@pytest.mark.parametrize("m", [1, 3, 4, 9, 32, 33])
+def test_small_m_linear_is_the_float_product(m):
+    """pagoda::linear: its own kernel up to 32 rows (sums in another order than MKL's), at::linear beyond."""
+    from pagoda.layers.linear import linear
+
+    w = torch.randn(70, 100)  # K not a multiple of 8: the scalar tail
+    x = torch.randn(m, 100)
+    torch.testing.assert_close(linear(x, w), F.linear(x, w), rtol=1e-5, atol=1e-5)
+    rows = torch.cat([linear(x[i : i + 1], w) for i in range(m)])
+    if m <= 32:
+        assert torch.equal(linear(x, w), rows)  # each row computed alone, whatever the batch
+    assert torch.equal(linear(x.double(), w.double()), F.linear(x.double(), w.double()))  # other dtypes: torch
