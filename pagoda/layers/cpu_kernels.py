@@ -1,5 +1,5 @@
 """Hand-written CPU kernels (pagoda/csrc), compiled on first use with torch's C++ extension
-builder and cached (under $PAGODA_HOME/kernels). Where no compiler is available, callers fall
+builder and cached (under $PAGODA_HOME/kernels/<cpu>). Where no compiler is available, callers fall
 back to the pure-torch path; PAGODA_DISABLE_KERNELS=1 forces that fallback."""
 
 from __future__ import annotations
@@ -35,6 +35,18 @@ def reread_environment() -> None:
     _disabled = None
 
 
+def _cpu_key() -> str:
+    """A short name for this CPU's instruction set, so that a home directory shared by machines
+    never hands one of them a build with instructions it lacks."""
+    import hashlib
+    import platform
+
+    from pagoda.platform import cpu_flags
+
+    flags = " ".join(sorted(cpu_flags())) or platform.processor() or platform.machine()
+    return f"{platform.machine()}-{hashlib.sha256(flags.encode()).hexdigest()[:12]}"
+
+
 @functools.cache
 def _build():
     try:
@@ -42,7 +54,7 @@ def _build():
 
         from pagoda.loader.catalog import pagoda_home
 
-        build_dir = pagoda_home() / "kernels"
+        build_dir = pagoda_home() / "kernels" / _cpu_key()  # -march=native: one build per kind of CPU
         build_dir.mkdir(parents=True, exist_ok=True)
         load(
             name="pagoda_cpu_kernels",
