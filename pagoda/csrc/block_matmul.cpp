@@ -96,8 +96,7 @@ QuantizedActivations quantize_rows(const float* x, int64_t M, int64_t K) {
       const float* src = x + i * QK;  // rows are contiguous, so block i of the flat array
 #ifdef PAGODA_AVX2
       quantize_block(src, a.q.data() + i * QK, &a.d[i], &a.s[i]);
-      continue;
-#endif
+#else
       float amax = 0.f;
       for (int64_t j = 0; j < QK; ++j) amax = std::max(amax, std::fabs(src[j]));
       const float d = amax / 127.f;
@@ -110,6 +109,7 @@ QuantizedActivations quantize_rows(const float* x, int64_t M, int64_t K) {
       }
       a.d[i] = d;
       a.s[i] = d * static_cast<float>(sum);
+#endif
     }
   });
   return a;

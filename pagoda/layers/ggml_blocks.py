@@ -28,9 +28,9 @@ BLOCK_BYTES = {Q4_0: 18, Q4_1: 20, Q8_0: 34}
 TYPE_NAMES = {Q4_0: "Q4_0", Q4_1: "Q4_1", Q8_0: "Q8_0"}
 
 
-def _check_shape(rows: int, cols: int) -> None:
-    if cols % BLOCK:
-        raise ValueError(f"block quantization needs in_features to be a multiple of {BLOCK}, got {cols}")
+def _check_in_features(k: int) -> None:
+    if k % BLOCK:
+        raise ValueError(f"block quantization needs in_features to be a multiple of {BLOCK}, got {k}")
 
 
 def _fp16_bytes(x: torch.Tensor) -> torch.Tensor:
@@ -47,7 +47,7 @@ def quantize_q4_1(weight: torch.Tensor) -> torch.Tensor:
     """float [N, K] → Q4_1 blocks uint8 [N, K / 32 * 20]: per block ``d = (max - min) / 15``,
     ``m = min`` (both rounded to fp16 first), codes rounded against those values."""
     n, k = weight.shape
-    _check_shape(n, k)
+    _check_in_features(k)
     g = weight.detach().float().reshape(n, k // BLOCK, BLOCK)
     lo, hi = g.amin(dim=-1), g.amax(dim=-1)
     d = ((hi - lo) / 15.0).to(torch.float16).float()
@@ -61,7 +61,7 @@ def quantize_q4_1(weight: torch.Tensor) -> torch.Tensor:
 def quantize_q8_0(weight: torch.Tensor) -> torch.Tensor:
     """float [N, K] → Q8_0 blocks uint8 [N, K / 32 * 34]: ``d = amax / 127`` per block."""
     n, k = weight.shape
-    _check_shape(n, k)
+    _check_in_features(k)
     g = weight.detach().float().reshape(n, k // BLOCK, BLOCK)
     d = (g.abs().amax(dim=-1) / 127.0).to(torch.float16).float()
     inv = torch.where(d > 0, 1.0 / d, torch.zeros_like(d))
@@ -111,7 +111,7 @@ class BlockLinear(nn.Module):
         super().__init__()
         if block_type not in BLOCK_BYTES:
             raise ValueError(f"block type {block_type} is not one of {sorted(TYPE_NAMES.values())}")
-        _check_shape(blocks.shape[0], in_features)
+        _check_in_features(in_features)
         if blocks.shape[1] != in_features // BLOCK * BLOCK_BYTES[block_type]:
             raise ValueError(f"{TYPE_NAMES[block_type]} rows of {in_features} inputs take "
                              f"{in_features // BLOCK * BLOCK_BYTES[block_type]} bytes, got {blocks.shape[1]}")

@@ -60,8 +60,8 @@ class DecodeStack:
         return cls(weights, types, k_caches, v_caches, rotary, cfg)
 
     def applies(self, hidden: torch.Tensor, meta: AttentionMetadata) -> bool:
-        return (not meta.prefills and meta.num_decodes == hidden.shape[0] and hidden.dtype == torch.float32
-                and not torch.compiler.is_compiling())
+        """A batch of decode rows only (the caller keeps torch.compile away from the stack)."""
+        return not meta.prefills and meta.num_decodes == hidden.shape[0] and hidden.dtype == torch.float32
 
     def __call__(self, hidden: torch.Tensor, residual: torch.Tensor, positions: torch.Tensor,
                  meta: AttentionMetadata) -> torch.Tensor:

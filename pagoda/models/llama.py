@@ -183,8 +183,7 @@ class LlamaForCausalLM(nn.Module):
         self.packed_weights: dict[str, list[PackedWeight]] = {}
         for target, shards in packed.items():
             ordered = [shards[i] for i in sorted(shards, key=lambda i: -1 if i is None else i)]
-            projection = target.split(".")[-2] in QUANTIZED_LINEARS
-            if len(ordered) == max(1, _num_shards(target)) and keeps_packed(ordered, projection):
+            if len(ordered) == max(1, _num_shards(target)) and keeps_packed(ordered, _is_projection(target)):
                 self.packed_weights[target] = ordered
             else:  # e.g. Q4_0 q/k with a Q8_0 v: the merged layer stays float
                 for shard, tensor in shards.items():
@@ -213,9 +212,12 @@ class LlamaForCausalLM(nn.Module):
             raise ValueError(f"checkpoint is missing {len(missing)} tensors, e.g. {missing[:3]}")
 
 
+def _is_projection(target: str) -> bool:
+    return target.endswith(".weight") and target.split(".")[-2] in QUANTIZED_LINEARS
+
+
 def _may_stay_packed(target: str) -> bool:
-    return target in ("embed_tokens.weight", "lm_head.weight") or (
-        target.endswith(".weight") and target.split(".")[-2] in QUANTIZED_LINEARS)
+    return target in ("embed_tokens.weight", "lm_head.weight") or _is_projection(target)
 
 
 def _num_shards(name: str) -> int:
