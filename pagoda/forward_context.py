@@ -8,6 +8,10 @@ from dataclasses import dataclass, field
 
 import torch
 
+# Where EngineArgs records deterministic inference in the hf_config handed to the engine (as it
+# does --quantization): the model keeps it, and the model runner reads it from the model.
+DETERMINISTIC_KEY = "pagoda_deterministic"
+
 
 @dataclass
 class PrefillSeq:

@@ -193,6 +193,8 @@ constexpr int64_t ROW_CHUNK = 16;  // weight rows kept in L1 while every activat
 // From this many activation rows on (a prefill chunk), dequantizing the weight once and running
 // the BLAS fp32 GEMM beats the integer kernel: ~1-2 ms to expand a SmolLM2 projection, against
 // a GEMM that is compute-bound at ~100 GFLOP/s while the integer path reaches ~60 here.
+// Not under batch invariance (deterministic inference): the integer kernel's row results do not
+// depend on M, the GEMM's do, and differ from the integer kernel's.
 constexpr int64_t GEMM_MIN_ROWS = 128;
 
 // fp32 [N, K] of the blocks: exactly d * q (+ m), as ggml dequantizes them.
@@ -252,7 +254,7 @@ at::Tensor block_matmul(const at::Tensor& x, const at::Tensor& weight, int64_t t
   if (M == 0 || N == 0) return out;
   const QuantizedActivations a = quantize_rows(xc.data_ptr<float>(), M, K);
   const uint8_t* w = wc.data_ptr<uint8_t>();
-  if (M >= GEMM_MIN_ROWS) return at::linear(rounded_activations(a, M, K), dequantize(w, type, N, K));
+  if (M >= GEMM_MIN_ROWS && !pagoda::batch_invariant()) return at::linear(rounded_activations(a, M, K), dequantize(w, type, N, K));
   float* y = out.data_ptr<float>();
   at::parallel_for(0, (N + ROW_CHUNK - 1) / ROW_CHUNK, 1, [&](int64_t begin, int64_t end) {
     for (int64_t chunk = begin; chunk < end; ++chunk) {

@@ -1,4 +1,6 @@
-// A whole Llama decoder stack for a batch of decode tokens, in one call.
+// A whole Llama decoder stack for a batch of decode-like rows, in one call: decode tokens, and
+// under deterministic inference prefill chunks too (each token a row that attends through the
+// paged kernel to the positions before it; its K/V is written to the cache first).
 //
 // At batch 1 a step's arithmetic takes ~10 ms here, and calling ~40 torch ops per layer from
 // Python added ~5 ms more. This runs the same ops in the same order as the Python modules

@@ -7,6 +7,8 @@
 namespace pagoda {
 
 at::Tensor linear(const at::Tensor& x, const at::Tensor& weight);  // small_matmul.cpp
+bool batch_invariant();  // small_matmul.cpp: deterministic inference asked (see set_batch_invariant)
+bool set_batch_invariant(bool enabled);
 at::Tensor block_matmul(const at::Tensor& x, const at::Tensor& weight, int64_t type);
 at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
                                   const at::Tensor& block_tables, const at::Tensor& seq_lens, double scale);

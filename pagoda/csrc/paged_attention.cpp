@@ -1,8 +1,11 @@
-// Paged attention for decode tokens (one query per sequence) on the CPU.
+// Paged attention on the CPU for rows that each attend over a prefix of their sequence: decode
+// tokens, and (the runner's "decode-like" layout) every token of a prefill chunk, row j of a
+// chunk starting at position s seeing s + j + 1 positions, its K/V already in the cache.
 //
 // Reads each sequence's K/V straight from the block pool through its block table: no gather
-// copy, no padding to the longest sequence. One work item per (sequence, kv head) pair handles
-// the whole GQA group of query heads that share that kv head. Softmax in fp32.
+// copy, no padding to the longest sequence. One work item per (tile of up to 8 consecutive rows
+// of one sequence, kv head) handles the whole GQA group of query heads that share that kv head.
+// Softmax in fp32. A row's result does not depend on the batch (see TILE below).
 // Registered as torch.ops.pagoda.paged_decode_attention (no pybind11: it compiles faster).
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -10,7 +13,10 @@
 
 #include "ops.h"
 
+#include <algorithm>
+#include <atomic>
 #include <cmath>
+#include <type_traits>
 #include <limits>
 #include <vector>
 
@@ -46,9 +52,19 @@ inline __m256 exp256(__m256 x) {
 // p[t] = exp(s[t] - max) / sum, in place.
 inline void softmax(float* s, int64_t L) {
   float m = -std::numeric_limits<float>::infinity();
-  for (int64_t t = 0; t < L; ++t) m = std::max(m, s[t]);
-  float sum = 0.f;
   int64_t t = 0;
+#ifdef PAGODA_AVX2
+  {  // the max is exact in any order: 8 lanes at a time
+    __m256 mv = _mm256_set1_ps(m);
+    for (; t + 8 <= L; t += 8) mv = _mm256_max_ps(mv, _mm256_loadu_ps(s + t));
+    alignas(32) float lanes[8];
+    _mm256_store_ps(lanes, mv);
+    for (float lane : lanes) m = std::max(m, lane);
+  }
+#endif
+  for (; t < L; ++t) m = std::max(m, s[t]);
+  float sum = 0.f;
+  t = 0;
 #ifdef PAGODA_AVX2
   const __m256 mv = _mm256_set1_ps(m);
   __m256 acc = _mm256_setzero_ps();
@@ -69,14 +85,221 @@ inline void softmax(float* s, int64_t L) {
   for (int64_t i = 0; i < L; ++i) s[i] *= inv;
 }
 
-// Load one row of D values as fp32 (a copy only when the cache is not fp32).
-template <typename scalar_t>
-inline const float* row_as_float(const scalar_t* src, float* buf, int64_t D) {
-  for (int64_t d = 0; d < D; ++d) buf[d] = static_cast<float>(src[d]);
-  return buf;
+// Rows of the batch that belong to one sequence's chunk (consecutive rows with the same block
+// table, each seeing one position more than the one before) are attended together, TILE rows at a
+// time, so that each block of keys and values is read once for the whole tile. Tiling changes
+// only which sums are computed together, never how one is: for a query row,
+//   score[t] = q . k_t   a multiply-add chain over d = 0..D-1 (lanes hold keys, not d),
+//   softmax  over its own L scores (the order depends on L only),
+//   out[d]   = sum_t p[t] * v_t[d]   a multiply-add chain over t = 0..L-1 (lanes hold d),
+// so a token's attention output is the same whether it is a decode, one row of a prefill chunk,
+// or the tail of a prompt after a prefix-cache hit, and whatever else is in the batch.
+constexpr int64_t TILE = 16;
+
+struct Item {
+  int64_t row, rows, h;  // rows row .. row + rows - 1 of the batch, kv head h
+  int64_t cost;          // positions of its longest row (for ordering the queue)
+};
+
+#ifdef PAGODA_AVX2
+// scores for NQ query vectors against the 8 keys of kt (kt[d * ldk + lane]), each a fma chain over d.
+template <int NQ>
+inline void score8(const float* q, int64_t D, const float* kt, int64_t ldk, float* out, int64_t ldo) {
+  __m256 acc[NQ];
+  for (int i = 0; i < NQ; ++i) acc[i] = _mm256_setzero_ps();
+  for (int64_t d = 0; d < D; ++d) {
+    const __m256 kv = _mm256_loadu_ps(kt + d * ldk);
+    for (int i = 0; i < NQ; ++i) acc[i] = _mm256_fmadd_ps(_mm256_set1_ps(q[i * D + d]), kv, acc[i]);
+  }
+  for (int i = 0; i < NQ; ++i) _mm256_storeu_ps(out + i * ldo, acc[i]);
 }
-template <>
-inline const float* row_as_float<float>(const float* src, float*, int64_t) { return src; }
+#endif
+
+#ifdef __FMA__
+inline float madd(float a, float b, float c) { return std::fma(a, b, c); }  // as the vector FMAs round
+#else
+inline float madd(float a, float b, float c) { return a * b + c; }  // no vector path here either
+#endif
+
+#if defined(__AVX512F__)
+template <int NQ>
+inline void score16(const float* q, int64_t D, const float* kt, int64_t ldk, float* out, int64_t ldo) {
+  __m512 acc[NQ];
+  for (int i = 0; i < NQ; ++i) acc[i] = _mm512_setzero_ps();
+  for (int64_t d = 0; d < D; ++d) {
+    const __m512 kv = _mm512_loadu_ps(kt + d * ldk);
+    for (int i = 0; i < NQ; ++i) acc[i] = _mm512_fmadd_ps(_mm512_set1_ps(q[i * D + d]), kv, acc[i]);
+  }
+  for (int i = 0; i < NQ; ++i) _mm512_storeu_ps(out + i * ldo, acc[i]);
+}
+#endif
+
+// scores of query vectors q[0..nq) (rows of D) against n keys kt (transposed: kt[d * ldk + j])
+inline void scores_block(const float* q, int64_t nq, int64_t D, const float* kt, int64_t ldk, int64_t n,
+                         float* out, int64_t ldo) {
+  int64_t j = 0;
+#if defined(__AVX512F__)
+  for (; j + 16 <= n; j += 16) {
+    int64_t i = 0;
+    for (; i + 8 <= nq; i += 8) score16<8>(q + i * D, D, kt + j, ldk, out + i * ldo + j, ldo);
+    switch (nq - i) {
+      case 7: score16<7>(q + i * D, D, kt + j, ldk, out + i * ldo + j, ldo); break;
+      case 6: score16<6>(q + i * D, D, kt + j, ldk, out + i * ldo + j, ldo); break;
+      case 5: score16<5>(q + i * D, D, kt + j, ldk, out + i * ldo + j, ldo); break;
+      case 4: score16<4>(q + i * D, D, kt + j, ldk, out + i * ldo + j, ldo); break;
+      case 3: score16<3>(q + i * D, D, kt + j, ldk, out + i * ldo + j, ldo); break;
+      case 2: score16<2>(q + i * D, D, kt + j, ldk, out + i * ldo + j, ldo); break;
+      case 1: score16<1>(q + i * D, D, kt + j, ldk, out + i * ldo + j, ldo); break;
+      default: break;
+    }
+  }
+#endif
+#ifdef PAGODA_AVX2
+  for (; j + 8 <= n; j += 8) {
+    int64_t i = 0;
+    for (; i + 8 <= nq; i += 8) score8<8>(q + i * D, D, kt + j, ldk, out + i * ldo + j, ldo);
+    switch (nq - i) {
+      case 7: score8<7>(q + i * D, D, kt + j, ldk, out + i * ldo + j, ldo); break;
+      case 6: score8<6>(q + i * D, D, kt + j, ldk, out + i * ldo + j, ldo); break;
+      case 5: score8<5>(q + i * D, D, kt + j, ldk, out + i * ldo + j, ldo); break;
+      case 4: score8<4>(q + i * D, D, kt + j, ldk, out + i * ldo + j, ldo); break;
+      case 3: score8<3>(q + i * D, D, kt + j, ldk, out + i * ldo + j, ldo); break;
+      case 2: score8<2>(q + i * D, D, kt + j, ldk, out + i * ldo + j, ldo); break;
+      case 1: score8<1>(q + i * D, D, kt + j, ldk, out + i * ldo + j, ldo); break;
+      default: break;
+    }
+  }
+#endif
+  for (; j < n; ++j)
+    for (int64_t i = 0; i < nq; ++i) {
+      float s = 0.f;
+      for (int64_t d = 0; d < D; ++d) s = madd(q[i * D + d], kt[d * ldk + j], s);
+      out[i * ldo + j] = s;
+    }
+}
+
+// acc_i[0..D) += p_i[t] * v[t][0..D) for t = 0..n-1 in order (a fma per element), for NV query
+// vectors i (acc_i = acc + i * D, p_i = p + i * ldp) that share the values: each value vector is
+// loaded once for all of them, and their independent chains keep the FMA units busy.
+template <int NV>
+inline void accumulate_block(float* acc, const float* p, int64_t ldp, const float* v, int64_t n, int64_t D) {
+  int64_t d = 0;
+#if defined(__AVX512F__)
+  for (; d + 64 <= D; d += 64) {
+    __m512 a[NV][4];
+    for (int i = 0; i < NV; ++i)
+      for (int c = 0; c < 4; ++c) a[i][c] = _mm512_loadu_ps(acc + i * D + d + 16 * c);
+    for (int64_t t = 0; t < n; ++t) {
+      const float* vt = v + t * D + d;
+      const __m512 v0 = _mm512_loadu_ps(vt), v1 = _mm512_loadu_ps(vt + 16);
+      const __m512 v2 = _mm512_loadu_ps(vt + 32), v3 = _mm512_loadu_ps(vt + 48);
+      for (int i = 0; i < NV; ++i) {
+        const __m512 pv = _mm512_set1_ps(p[i * ldp + t]);
+        a[i][0] = _mm512_fmadd_ps(pv, v0, a[i][0]);
+        a[i][1] = _mm512_fmadd_ps(pv, v1, a[i][1]);
+        a[i][2] = _mm512_fmadd_ps(pv, v2, a[i][2]);
+        a[i][3] = _mm512_fmadd_ps(pv, v3, a[i][3]);
+      }
+    }
+    for (int i = 0; i < NV; ++i)
+      for (int c = 0; c < 4; ++c) _mm512_storeu_ps(acc + i * D + d + 16 * c, a[i][c]);
+  }
+#endif
+#ifdef PAGODA_AVX2
+  for (; d + 16 <= D; d += 16) {
+    __m256 a[NV][2];
+    for (int i = 0; i < NV; ++i)
+      for (int c = 0; c < 2; ++c) a[i][c] = _mm256_loadu_ps(acc + i * D + d + 8 * c);
+    for (int64_t t = 0; t < n; ++t) {
+      const __m256 v0 = _mm256_loadu_ps(v + t * D + d), v1 = _mm256_loadu_ps(v + t * D + d + 8);
+      for (int i = 0; i < NV; ++i) {
+        const __m256 pv = _mm256_set1_ps(p[i * ldp + t]);
+        a[i][0] = _mm256_fmadd_ps(pv, v0, a[i][0]);
+        a[i][1] = _mm256_fmadd_ps(pv, v1, a[i][1]);
+      }
+    }
+    for (int i = 0; i < NV; ++i)
+      for (int c = 0; c < 2; ++c) _mm256_storeu_ps(acc + i * D + d + 8 * c, a[i][c]);
+  }
+  for (; d + 8 <= D; d += 8)
+    for (int i = 0; i < NV; ++i) {
+      __m256 a = _mm256_loadu_ps(acc + i * D + d);
+      for (int64_t t = 0; t < n; ++t) a = _mm256_fmadd_ps(_mm256_set1_ps(p[i * ldp + t]), _mm256_loadu_ps(v + t * D + d), a);
+      _mm256_storeu_ps(acc + i * D + d, a);
+    }
+#endif
+  for (; d < D; ++d)
+    for (int i = 0; i < NV; ++i) {
+      float a = acc[i * D + d];
+      for (int64_t t = 0; t < n; ++t) a = madd(p[i * ldp + t], v[t * D + d], a);
+      acc[i * D + d] = a;
+    }
+}
+
+// accumulate_block for any number of vectors, up to 4 at a time
+inline void accumulate_vectors(int64_t nv, float* acc, const float* p, int64_t ldp, const float* v, int64_t n, int64_t D) {
+  for (; nv >= 4; nv -= 4, acc += 4 * D, p += 4 * ldp) accumulate_block<4>(acc, p, ldp, v, n, D);
+  switch (nv) {
+    case 3: accumulate_block<3>(acc, p, ldp, v, n, D); break;
+    case 2: accumulate_block<2>(acc, p, ldp, v, n, D); break;
+    case 1: accumulate_block<1>(acc, p, ldp, v, n, D); break;
+    default: break;
+  }
+}
+
+#ifdef PAGODA_AVX2
+// dst[c * ldd + r] = src[r * lds + c] for an 8 x 8 block
+inline void transpose8x8(const float* src, int64_t lds, float* dst, int64_t ldd) {
+  __m256 r[8], t[8];
+  for (int i = 0; i < 8; ++i) r[i] = _mm256_loadu_ps(src + i * lds);
+  for (int i = 0; i < 8; i += 2) {
+    t[i] = _mm256_unpacklo_ps(r[i], r[i + 1]);
+    t[i + 1] = _mm256_unpackhi_ps(r[i], r[i + 1]);
+  }
+  for (int i = 0; i < 8; i += 4) {
+    r[i] = _mm256_shuffle_ps(t[i], t[i + 2], _MM_SHUFFLE(1, 0, 1, 0));
+    r[i + 1] = _mm256_shuffle_ps(t[i], t[i + 2], _MM_SHUFFLE(3, 2, 3, 2));
+    r[i + 2] = _mm256_shuffle_ps(t[i + 1], t[i + 3], _MM_SHUFFLE(1, 0, 1, 0));
+    r[i + 3] = _mm256_shuffle_ps(t[i + 1], t[i + 3], _MM_SHUFFLE(3, 2, 3, 2));
+  }
+  for (int i = 0; i < 4; ++i) {
+    _mm256_storeu_ps(dst + i * ldd, _mm256_permute2f128_ps(r[i], r[i + 4], 0x20));
+    _mm256_storeu_ps(dst + (i + 4) * ldd, _mm256_permute2f128_ps(r[i], r[i + 4], 0x31));
+  }
+}
+#endif
+
+// kt[d * ldk + j] = k[j][d] as float, for keys j < n (copies: no arithmetic)
+template <typename scalar_t>
+inline void transpose(const scalar_t* k, int64_t n, int64_t D, float* kt, int64_t ldk) {
+  int64_t j0 = 0;
+#ifdef PAGODA_AVX2
+  if constexpr (std::is_same_v<scalar_t, float>) {
+    if (D % 8 == 0)
+      for (; j0 + 8 <= n; j0 += 8)
+        for (int64_t d = 0; d < D; d += 8) transpose8x8(k + j0 * D + d, D, kt + d * ldk + j0, ldk);
+  }
+#endif
+  for (int64_t j = j0; j < n; ++j)
+    for (int64_t d = 0; d < D; ++d) kt[d * ldk + j] = static_cast<float>(k[j * D + d]);
+}
+
+// Rows of the batch → work items: runs of rows of one sequence cut into tiles, times kv heads,
+// longest first (a queue that threads pull from, so a long prompt's last tiles do not end up on
+// one thread).
+std::vector<Item> plan(const int64_t* tables, const int64_t* lens, int64_t B, int64_t max_blocks, int64_t Hkv) {
+  std::vector<Item> items;
+  for (int64_t b = 0; b < B;) {
+    int64_t e = b + 1;
+    while (e < B && e - b < TILE && lens[e] == lens[e - 1] + 1 &&
+           std::equal(tables + e * max_blocks, tables + (e + 1) * max_blocks, tables + b * max_blocks))
+      ++e;
+    for (int64_t h = 0; h < Hkv; ++h) items.push_back({b, e - b, h, lens[e - 1]});
+    b = e;
+  }
+  std::stable_sort(items.begin(), items.end(), [](const Item& a, const Item& b) { return a.cost > b.cost; });
+  return items;
+}
 
 template <typename scalar_t>
 void decode_attention_impl(const scalar_t* __restrict__ q, const scalar_t* __restrict__ k_cache,
@@ -88,51 +311,61 @@ void decode_attention_impl(const scalar_t* __restrict__ q, const scalar_t* __res
   // Cache layout [num_blocks, Hkv, BS, D]: one head's tokens of a block are contiguous rows.
   const int64_t head_stride = BS * D;
   const int64_t block_stride = Hkv * head_stride;
-  at::parallel_for(0, B * Hkv, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> qf(G * D), acc(G * D), buf(D), scores;
-    for (int64_t item = begin; item < end; ++item) {
-      const int64_t b = item / Hkv, h = item % Hkv;
-      const int64_t L = lens[b];
-      const int64_t* table = tables + b * max_blocks;
-      scores.resize(G * L);
-      for (int64_t g = 0; g < G; ++g)
-        for (int64_t d = 0; d < D; ++d)
-          qf[g * D + d] = static_cast<float>(q[(b * Hq + h * G + g) * D + d]) * scale;
+  for (int64_t b = 0; b < B; ++b)
+    TORCH_CHECK(lens[b] >= 1 && lens[b] <= max_blocks * BS, "paged_decode_attention: bad seq_len ", lens[b]);
+  const std::vector<Item> items = plan(tables, lens, B, max_blocks, Hkv);
+  std::atomic<int64_t> next{0};
+  const int64_t workers = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), items.size()));
+  at::parallel_for(0, workers, 1, [&](int64_t, int64_t) {
+    const int64_t NQ = TILE * G;
+    std::vector<float> qf(NQ * D), acc(NQ * D), kt(D * BS), vf(BS * D), scores;
+    for (int64_t it = next++; it < static_cast<int64_t>(items.size()); it = next++) {
+      const Item& item = items[it];
+      const int64_t h = item.h, nq = item.rows * G, Lmax = item.cost;
+      const int64_t ld = (Lmax + BS - 1) / BS * BS;  // a row of scores, padded to whole blocks
+      const int64_t* table = tables + item.row * max_blocks;
+      scores.resize(nq * ld);
       float* sc = scores.data();
-      // scores[g][t] = q_g . k_t
-      for (int64_t t0 = 0; t0 < L; t0 += BS) {
+      for (int64_t r = 0; r < item.rows; ++r)
+        for (int64_t g = 0; g < G; ++g)
+          for (int64_t d = 0; d < D; ++d)
+            qf[(r * G + g) * D + d] = static_cast<float>(q[((item.row + r) * Hq + h * G + g) * D + d]) * scale;
+      // scores: a block of keys transposed once, against every query of the tile that sees it
+      for (int64_t t0 = 0; t0 < Lmax; t0 += BS) {
         const scalar_t* kb = k_cache + table[t0 / BS] * block_stride + h * head_stride;
-        const int64_t n = std::min(BS, L - t0);
-        for (int64_t i = 0; i < n; ++i) {
-          const float* k = row_as_float(kb + i * D, buf.data(), D);
-          for (int64_t g = 0; g < G; ++g) {
-            const float* qg = qf.data() + g * D;
-            float s = 0.f;
-#pragma omp simd reduction(+ : s)
-            for (int64_t d = 0; d < D; ++d) s += qg[d] * k[d];
-            sc[g * L + t0 + i] = s;
-          }
-        }
+        const int64_t n = std::min(BS, Lmax - t0);
+        transpose(kb, n, D, kt.data(), BS);
+        int64_t r0 = 0;  // rows before r0 end before this block
+        while (lens[item.row + r0] <= t0) ++r0;
+        scores_block(qf.data() + r0 * G * D, nq - r0 * G, D, kt.data(), BS, n, sc + r0 * G * ld + t0, ld);
       }
-      for (int64_t g = 0; g < G; ++g) softmax(sc + g * L, L);
-      // acc[g] = sum_t p[g][t] * v_t
-      std::fill(acc.begin(), acc.end(), 0.f);
-      for (int64_t t0 = 0; t0 < L; t0 += BS) {
+      for (int64_t r = 0; r < item.rows; ++r)
+        for (int64_t g = 0; g < G; ++g) softmax(sc + (r * G + g) * ld, lens[item.row + r]);
+      // out: each query's values, a block at a time
+      std::fill(acc.begin(), acc.begin() + nq * D, 0.f);
+      for (int64_t t0 = 0; t0 < Lmax; t0 += BS) {
         const scalar_t* vb = v_cache + table[t0 / BS] * block_stride + h * head_stride;
-        const int64_t n = std::min(BS, L - t0);
-        for (int64_t i = 0; i < n; ++i) {
-          const float* v = row_as_float(vb + i * D, buf.data(), D);
-          for (int64_t g = 0; g < G; ++g) {
-            const float p = sc[g * L + t0 + i];
-            float* ag = acc.data() + g * D;
-#pragma omp simd
-            for (int64_t d = 0; d < D; ++d) ag[d] += p * v[d];
-          }
+        const int64_t n = std::min(BS, Lmax - t0);
+        const float* v = vf.data();
+        if constexpr (std::is_same_v<scalar_t, float>) {
+          v = vb;
+        } else {
+          for (int64_t j = 0; j < n * D; ++j) vf[j] = static_cast<float>(vb[j]);
         }
+        // rows that see all n keys of this block together, then the one or two that see fewer
+        int64_t r = 0;
+        while (r < item.rows && lens[item.row + r] - t0 <= 0) ++r;
+        int64_t full = r;
+        while (full < item.rows && lens[item.row + full] - t0 < n) ++full;
+        for (; r < full; ++r)
+          accumulate_vectors(G, acc.data() + r * G * D, sc + r * G * ld + t0, ld, v, lens[item.row + r] - t0, D);
+        if (full < item.rows)
+          accumulate_vectors((item.rows - full) * G, acc.data() + full * G * D, sc + full * G * ld + t0, ld, v, n, D);
       }
-      for (int64_t g = 0; g < G; ++g)
-        for (int64_t d = 0; d < D; ++d)
-          out[(b * Hq + h * G + g) * D + d] = static_cast<scalar_t>(acc[g * D + d]);
+      for (int64_t r = 0; r < item.rows; ++r)
+        for (int64_t g = 0; g < G; ++g)
+          for (int64_t d = 0; d < D; ++d)
+            out[((item.row + r) * Hq + h * G + g) * D + d] = static_cast<scalar_t>(acc[(r * G + g) * D + d]);
     }
   });
 }

@@ -1,15 +1,29 @@
-// fp32 x [M, K] @ W.T for up to 32 rows (a decode step of a few sequences).
+// fp32 x [M, K] @ W.T for any M, batch-invariant: every output (m, n) is computed with exactly
+// the same arithmetic whatever M is and wherever row m sits in the batch.
 //
-// A decode step streams every weight from memory. MKL's sgemm did that well at M = 1 but took
-// twice as long at M = 2..8 (SmolLM2's decode step went from 75 to 158 ms); this streams each
-// weight row once against up to 4 activation rows at a time: 30 layers of gate/up + down took
-// 26 ms at M = 1 (MKL 43), 27 at M = 4 (MKL 81), 52 at M = 16 (MKL 73); from ~64 rows MKL wins. Used for both the Python layers and decode_layers, so the
-// two compute the same sums (pagoda::linear picks it; everything else goes to at::linear).
+// Each output is one dot product of a weight row and an activation row, in a fixed order:
+//   - per-lane vector FMAs over K in steps of VL (16 lanes with AVX-512, 8 with AVX2),
+//   - a fixed tree sum of the VL lanes (hsum below),
+//   - then the scalar tail k = K - K % VL .. K - 1, one multiply and one add at a time.
+// Without AVX2 the whole sum is the scalar loop. The kernel is register-tiled (MR activation rows
+// x NR weight rows share their loads, with K innermost), but tiling only changes which sums are
+// computed together, never how one is computed: a 1-row decode and a 2048-row prefill give a row
+// the same bits. (Lane widths differ between machines, so results are invariant on one machine,
+// not across AVX-512 and AVX2 ones.)
+//
+// Why not MKL: at::linear's sgemm picks its blocking and reduction order by M, so a row's sums
+// change with the batch (and it took twice as long at 2-8 rows as at 1). Speed against it:
+// benchmarks/README.md, "Deterministic inference". Used for both the Python layers and
+// decode_layers, so the two compute the same sums (pagoda::linear; non-contiguous or non-float
+// inputs go to at::linear).
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
 #include "ops.h"
+
+#include <algorithm>
+#include <atomic>
 
 #if defined(__AVX2__) && defined(__FMA__)
 #include <immintrin.h>
@@ -18,48 +32,154 @@
 
 namespace {
 
-constexpr int64_t SMALL_M_MAX = 32;
-
-template <int T>
-void dot_row(const float* w, const float* x, int64_t K, float* out, int64_t out_stride) {
-  float sums[T];
-  int64_t k = 0;
-#ifdef PAGODA_AVX2
-  __m256 acc[T];
-  for (int t = 0; t < T; ++t) acc[t] = _mm256_setzero_ps();
-  for (; k + 8 <= K; k += 8) {
-    const __m256 wv = _mm256_loadu_ps(w + k);
-    for (int t = 0; t < T; ++t) acc[t] = _mm256_fmadd_ps(wv, _mm256_loadu_ps(x + t * K + k), acc[t]);
-  }
-  for (int t = 0; t < T; ++t) {
-    alignas(32) float lanes[8];
-    _mm256_store_ps(lanes, acc[t]);
-    sums[t] = ((lanes[0] + lanes[1]) + (lanes[2] + lanes[3])) + ((lanes[4] + lanes[5]) + (lanes[6] + lanes[7]));
-  }
-#else
-  for (int t = 0; t < T; ++t) sums[t] = 0.f;
-#endif
-  for (; k < K; ++k)
-    for (int t = 0; t < T; ++t) sums[t] += w[k] * x[t * K + k];
-  for (int t = 0; t < T; ++t) out[t * out_stride] = sums[t];
+#if defined(__AVX512F__)
+constexpr int VL = 16;
+using vec = __m512;
+inline vec vzero() { return _mm512_setzero_ps(); }
+inline vec vload(const float* p) { return _mm512_loadu_ps(p); }
+inline vec vfma(vec a, vec b, vec c) { return _mm512_fmadd_ps(a, b, c); }
+inline float hsum(vec v) {
+  const __m256 s8 = _mm256_add_ps(_mm512_castps512_ps256(v), _mm512_extractf32x8_ps(v, 1));
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(s8), _mm256_extractf128_ps(s8, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  s = _mm_add_ss(s, _mm_movehdup_ps(s));
+  return _mm_cvtss_f32(s);
+}
+constexpr int MR = 4, NR = 6;  // 24 accumulators + 6 weight vectors + 1 activation vector of 32 registers
+// out[i] = hsum(v[i]) for C vectors, 16 at a time through a transposing network that adds the
+// same lanes in the same order as hsum (lane i + lane i+8, then i + i+4, i + i+2, i + i+1), so
+// each result is hsum's bit for bit; it takes ~1/4 of the shuffles of C separate hsums.
+inline __m512 hsum16(const __m512* a) {
+  __m512 c[8], e[4], g[2];
+  for (int k = 0; k < 8; ++k)  // [s8 of a[2k] | s8 of a[2k+1]]
+    c[k] = _mm512_add_ps(_mm512_shuffle_f32x4(a[2 * k], a[2 * k + 1], _MM_SHUFFLE(1, 0, 1, 0)),
+                         _mm512_shuffle_f32x4(a[2 * k], a[2 * k + 1], _MM_SHUFFLE(3, 2, 3, 2)));
+  for (int k = 0; k < 4; ++k)  // quarter q: s4 of a[4k + q]
+    e[k] = _mm512_add_ps(_mm512_shuffle_f32x4(c[2 * k], c[2 * k + 1], _MM_SHUFFLE(2, 0, 2, 0)),
+                         _mm512_shuffle_f32x4(c[2 * k], c[2 * k + 1], _MM_SHUFFLE(3, 1, 3, 1)));
+  for (int k = 0; k < 2; ++k)  // quarter q: s2 of a[8k + q], then of a[8k + 4 + q]
+    g[k] = _mm512_add_ps(_mm512_shuffle_ps(e[2 * k], e[2 * k + 1], _MM_SHUFFLE(1, 0, 1, 0)),
+                         _mm512_shuffle_ps(e[2 * k], e[2 * k + 1], _MM_SHUFFLE(3, 2, 3, 2)));
+  // quarter q, element j: the sum of a[q + 4 j]
+  return _mm512_add_ps(_mm512_shuffle_ps(g[0], g[1], _MM_SHUFFLE(2, 0, 2, 0)),
+                       _mm512_shuffle_ps(g[0], g[1], _MM_SHUFFLE(3, 1, 3, 1)));
 }
 
-at::Tensor small_m_matmul(const at::Tensor& x, const at::Tensor& w) {
+template <int C>
+inline void hsum_all(const __m512* acc, float* out) {
+  int i = 0;
+  for (; i + 16 <= C; i += 16) {
+    alignas(64) float r[16];
+    _mm512_store_ps(r, hsum16(acc + i));
+    for (int q = 0; q < 4; ++q)
+      for (int j = 0; j < 4; ++j) out[i + q + 4 * j] = r[4 * q + j];
+  }
+  for (; i < C; ++i) out[i] = hsum(acc[i]);
+}
+#elif defined(PAGODA_AVX2)
+constexpr int VL = 8;
+using vec = __m256;
+inline vec vzero() { return _mm256_setzero_ps(); }
+inline vec vload(const float* p) { return _mm256_loadu_ps(p); }
+inline vec vfma(vec a, vec b, vec c) { return _mm256_fmadd_ps(a, b, c); }
+inline float hsum(vec v) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  s = _mm_add_ss(s, _mm_movehdup_ps(s));
+  return _mm_cvtss_f32(s);
+}
+constexpr int MR = 4, NR = 3;  // 12 accumulators + 3 weight vectors + 1 activation vector of 16 registers
+template <int C>
+inline void hsum_all(const __m256* acc, float* out) {
+  for (int i = 0; i < C; ++i) out[i] = hsum(acc[i]);
+}
+#else
+constexpr int VL = 1;
+constexpr int MR = 4, NR = 4;
+#endif
+
+// out[m * ldo + n] = x[m] . w[n] for m < TM, n < TN (x rows and w rows of K floats, contiguous).
+template <int TM, int TN>
+inline void tile(const float* __restrict__ x, const float* __restrict__ w, int64_t K, float* __restrict__ out,
+                 int64_t ldo) {
+  float sums[TM][TN];
+  int64_t k = 0;
+#ifdef PAGODA_AVX2
+  vec acc[TM][TN];
+  for (int m = 0; m < TM; ++m)
+    for (int n = 0; n < TN; ++n) acc[m][n] = vzero();
+  for (; k + VL <= K; k += VL) {
+    vec wv[TN];
+    for (int n = 0; n < TN; ++n) wv[n] = vload(w + n * K + k);
+    for (int m = 0; m < TM; ++m) {
+      const vec xv = vload(x + m * K + k);
+      for (int n = 0; n < TN; ++n) acc[m][n] = vfma(wv[n], xv, acc[m][n]);
+    }
+  }
+  hsum_all<TM * TN>(&acc[0][0], &sums[0][0]);
+#else
+  for (int m = 0; m < TM; ++m)
+    for (int n = 0; n < TN; ++n) sums[m][n] = 0.f;
+#endif
+  for (; k < K; ++k)
+    for (int m = 0; m < TM; ++m)
+      for (int n = 0; n < TN; ++n) sums[m][n] += w[n * K + k] * x[m * K + k];
+  for (int m = 0; m < TM; ++m)
+    for (int n = 0; n < TN; ++n) out[m * ldo + n] = sums[m][n];
+}
+
+// A tile of tm <= MR rows by tn <= NR weight rows (MR <= 4, NR <= 6): the switch picks the unrolled kernel.
+template <int TM>
+inline void tile_n(int tn, const float* x, const float* w, int64_t K, float* out, int64_t ldo) {
+  switch (tn) {
+    case 6: tile<TM, 6>(x, w, K, out, ldo); break;
+    case 5: tile<TM, 5>(x, w, K, out, ldo); break;
+    case 4: tile<TM, 4>(x, w, K, out, ldo); break;
+    case 3: tile<TM, 3>(x, w, K, out, ldo); break;
+    case 2: tile<TM, 2>(x, w, K, out, ldo); break;
+    default: tile<TM, 1>(x, w, K, out, ldo);
+  }
+}
+
+inline void any_tile(int tm, int tn, const float* x, const float* w, int64_t K, float* out, int64_t ldo) {
+  switch (tm) {
+    case 4: tile_n<4>(tn, x, w, K, out, ldo); break;
+    case 3: tile_n<3>(tn, x, w, K, out, ldo); break;
+    case 2: tile_n<2>(tn, x, w, K, out, ldo); break;
+    default: tile_n<1>(tn, x, w, K, out, ldo);
+  }
+}
+
+// (Packing the operands into contiguous tile panels, as BLAS does, measured slower here: the
+// rows already stream well at these K.)
+at::Tensor invariant_matmul(const at::Tensor& x, const at::Tensor& w) {
   const int64_t M = x.size(0), K = x.size(1), N = w.size(0);
   at::Tensor out = at::empty({M, N}, x.options());
+  if (M == 0 || N == 0) return out;
   const float* xs = x.data_ptr<float>();
   const float* ws = w.data_ptr<float>();
   float* y = out.data_ptr<float>();
-  at::parallel_for(0, N, 16, [&](int64_t begin, int64_t end) {
-    for (int64_t n = begin; n < end; ++n) {
-      for (int64_t m = 0; m < M; m += 4) {
-        const float* xm = xs + m * K;
-        float* o = y + m * N + n;
-        switch (std::min<int64_t>(4, M - m)) {
-          case 4: dot_row<4>(ws + n * K, xm, K, o, N); break;
-          case 3: dot_row<3>(ws + n * K, xm, K, o, N); break;
-          case 2: dot_row<2>(ws + n * K, xm, K, o, N); break;
-          default: dot_row<1>(ws + n * K, xm, K, o, N);
+  // Blocking: a thread takes a panel of NB weight rows; for each block of MB activation rows (kept
+  // in L2) it sweeps NR weight rows (kept in L1) over the block's MR-row tiles.
+  const int64_t NB = std::max<int64_t>(NR, (std::min<int64_t>(N, 96) / NR) * NR);
+  const int64_t MB = std::max<int64_t>(MR, ((256 * 1024 / 4) / std::max<int64_t>(K, 1) / MR) * MR);
+  const int64_t panels = (N + NB - 1) / NB;
+  at::parallel_for(0, panels, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t p = begin; p < end; ++p) {
+      const int64_t n0 = p * NB, n1 = std::min(N, n0 + NB);
+      for (int64_t mb = 0; mb < M; mb += MB) {
+        const int64_t mb1 = std::min(M, mb + MB);
+        for (int64_t n = n0; n < n1; n += NR) {
+          const int tn = static_cast<int>(std::min<int64_t>(NR, n1 - n));
+          const float* wn = ws + n * K;
+          int64_t m = mb;
+          for (; m + MR <= mb1; m += MR) {
+            if (tn == NR)
+              tile<MR, NR>(xs + m * K, wn, K, y + m * N + n, N);
+            else
+              tile_n<MR>(tn, xs + m * K, wn, K, y + m * N + n, N);
+          }
+          if (m < mb1) any_tile(static_cast<int>(mb1 - m), tn, xs + m * K, wn, K, y + m * N + n, N);
         }
       }
     }
@@ -71,15 +191,35 @@ at::Tensor small_m_matmul(const at::Tensor& x, const at::Tensor& w) {
 
 namespace pagoda {
 
+namespace {
+std::atomic<bool> g_batch_invariant{false};
+}  // namespace
+
+bool batch_invariant() { return g_batch_invariant.load(std::memory_order_relaxed); }
+
+// The switch of deterministic inference (the model runner sets it for each step): pagoda::linear
+// takes its own kernel at any M, and block_matmul keeps its integer kernel at any M. Off, both
+// hand large M (a prefill) to MKL's GEMM, whose per-row sums depend on M. Returns the old value.
+bool set_batch_invariant(bool enabled) { return g_batch_invariant.exchange(enabled); }
+
+// Rows from which MKL is used when batch invariance is off (it is faster there; below, this
+// kernel is: MKL's sgemm took twice as long at 2-8 rows as at 1).
+constexpr int64_t SMALL_M_MAX = 32;
+
 at::Tensor linear(const at::Tensor& x, const at::Tensor& weight) {
-  const bool small = x.dim() == 2 && x.size(0) >= 1 && x.size(0) <= SMALL_M_MAX && x.scalar_type() == at::kFloat &&
-                     weight.scalar_type() == at::kFloat && x.is_contiguous() && weight.is_contiguous() &&
-                     x.device().is_cpu() && weight.dim() == 2 && weight.size(1) == x.size(1);
-  return small ? small_m_matmul(x, weight) : at::linear(x, weight);
+  const bool ours = x.dim() == 2 && x.scalar_type() == at::kFloat && weight.scalar_type() == at::kFloat &&
+                    x.is_contiguous() && weight.is_contiguous() && x.device().is_cpu() && weight.dim() == 2 &&
+                    weight.size(1) == x.size(1) && (x.size(0) <= SMALL_M_MAX || batch_invariant());
+  return ours ? invariant_matmul(x, weight) : at::linear(x, weight);
 }
 
 }  // namespace pagoda
 
-TORCH_LIBRARY_FRAGMENT(pagoda, m) { m.def("linear(Tensor x, Tensor weight) -> Tensor"); }
+static bool set_batch_invariant_op(bool enabled) { return pagoda::set_batch_invariant(enabled); }
+
+TORCH_LIBRARY_FRAGMENT(pagoda, m) {
+  m.def("linear(Tensor x, Tensor weight) -> Tensor");
+  m.def("set_batch_invariant(bool enabled) -> bool", &set_batch_invariant_op);  // no tensor: one kernel for all
+}
 
 TORCH_LIBRARY_IMPL(pagoda, CPU, m) { m.impl("linear", &pagoda::linear); }

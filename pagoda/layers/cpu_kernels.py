@@ -4,6 +4,7 @@ back to the pure-torch path; PAGODA_DISABLE_KERNELS=1 forces that fallback."""
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import logging
 import os
@@ -33,6 +34,24 @@ def reread_environment() -> None:
     """Make the next ``load_cpu_kernels`` read PAGODA_DISABLE_KERNELS again (tests flip it)."""
     global _disabled
     _disabled = None
+
+
+@contextlib.contextmanager
+def batch_invariant(enabled: bool = True):
+    """Within the block, the kernels compute every row the same way whatever the batch's size
+    (deterministic inference): ``pagoda::linear`` uses its own GEMM at any M instead of MKL's
+    from 33 rows, and ``block_matmul`` keeps its integer kernel instead of dequantizing for MKL
+    from 128 rows. A process-wide switch (the model runner sets it for each step); yields whether
+    the kernels are there to honour it."""
+    kernels = load_cpu_kernels()
+    if kernels is None:
+        yield False
+        return
+    previous = kernels.set_batch_invariant(enabled)
+    try:
+        yield True
+    finally:
+        kernels.set_batch_invariant(previous)
 
 
 def _cpu_key() -> str:
@@ -101,3 +120,15 @@ def fused_kernels(x, contiguous: bool = True):
     if contiguous and not x.is_contiguous():
         return None
     return load_cpu_kernels()
+
+
+def kernels_are_built() -> bool:
+    """Whether this CPU's kernel library exists and is newer than every source (then loading it
+    takes a second; otherwise the first load compiles, about a minute)."""
+    from pagoda.loader.catalog import pagoda_home
+
+    library = pagoda_home() / "kernels" / _cpu_key() / "pagoda_cpu_kernels.so"
+    if not library.exists():
+        return False
+    built = library.stat().st_mtime
+    return all(path.stat().st_mtime <= built for path in _CSRC.iterdir() if path.suffix in (".cpp", ".h"))

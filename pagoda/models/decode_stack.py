@@ -1,5 +1,6 @@
 """A Llama-family decoder stack as one C++ call (pagoda/csrc/decode_layers.cpp) for batches of
-decode tokens on the CPU in float32.
+decode-like rows on the CPU in float32: decode tokens, short chunks over a cached prefix, and
+under deterministic inference every prefill chunk too (each token a row of the paged kernel).
 
 The call runs the same ops in the same order as the Python modules, so outputs do not change;
 what goes away is the Python between them (~40 torch calls per layer, ~5 ms of a 18 ms batch-1

@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from pagoda.forward_context import get_attention_metadata
+from pagoda.forward_context import DETERMINISTIC_KEY, get_attention_metadata
 from pagoda.layers.attention import PagedAttention
 from pagoda.layers.cpu_kernels import fused_kernels
 from pagoda.layers.linear import linear, project
@@ -106,6 +106,7 @@ class LlamaForCausalLM(nn.Module):
             hf_config, type(self).__name__, attention_bias=self.attention_bias, qk_norm=self.qk_norm
         )
         self.config = cfg
+        self.deterministic = bool(hf_config.get(DETERMINISTIC_KEY, False))  # read by the model runner
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
         rotary = RotaryEmbedding(cfg.head_dim, max_position, cfg.rope_theta, cfg.rope_scaling)
         self.layers = nn.ModuleList(DecoderLayer(cfg, rotary) for _ in range(cfg.num_layers))

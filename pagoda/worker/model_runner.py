@@ -7,16 +7,21 @@ and the prompt positions of requests that asked for prompt logprobs.
 
 from __future__ import annotations
 
+import contextlib
+import logging
 from dataclasses import dataclass, field
 
 import torch
 
 from pagoda.core.scheduler import SchedulerOutput
 from pagoda.forward_context import AttentionMetadata, PrefillSeq, set_attention_metadata
+from pagoda.layers.cpu_kernels import batch_invariant, load_cpu_kernels
 from pagoda.layers.sampler import Sampler, SamplingMetadata
 from pagoda.request import Request
 from pagoda.structured_output.manager import build_token_bitmask
 from pagoda.worker.compiled import compiled_forward
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass
@@ -37,8 +42,23 @@ class RunnerOutput:
 
 class ModelRunner:
     def __init__(self, model: torch.nn.Module, kv_cache: torch.Tensor, block_size: int,
-                 device: torch.device, generator: torch.Generator | None = None, compile: bool = False) -> None:
+                 device: torch.device, generator: torch.Generator | None = None, compile: bool = False,
+                 deterministic: bool | None = None) -> None:
+        """``deterministic`` (default: what the model was loaded with, EngineConfig.deterministic):
+        batch-invariant inference, see ``_is_decode_like`` and ``execute``."""
         self.model = model
+        if deterministic is None:
+            deterministic = bool(getattr(model, "deterministic", False))
+        # Batch invariance takes pagoda's CPU kernels (the paged kernel for every row, the
+        # invariant GEMM); without them (CUDA, no compiler) the layout stays as it is.
+        self.deterministic = deterministic and device.type == "cpu" and load_cpu_kernels() is not None
+        if deterministic and not self.deterministic:
+            logger.warning("deterministic inference needs pagoda's CPU kernels: not available here, so results "
+                           "may depend on the batch and on prefix caching")
+        # the kernels' batch-invariant switch, set for each step (another engine may share the process)
+        self._invariance = (
+            (lambda: batch_invariant(self.deterministic)) if device.type == "cpu" else contextlib.nullcontext
+        )
         self.forward = compiled_forward(model) if compile else model.forward
         self.block_size = block_size
         self.device = device
@@ -51,10 +71,14 @@ class ModelRunner:
     # A short chunk over a cached prefix (a prefix-cache hit's remaining prompt tokens, the tail
     # of a chunked prompt) runs as one decode row per token: row j attends to the first
     # start + j + 1 positions, read in place by the paged kernel instead of gathering the prefix.
+    # Under deterministic inference every chunk runs so, whatever its length or prefix: a token's
+    # attention is then computed the same way whether it is a decode, in a fresh prompt, after a
+    # cache hit or in any chunk (the paged kernel tiles a chunk's rows without changing a row's
+    # sums), and a batch of decode-like rows only runs as one C++ call (models/decode_stack.py).
     SHORT_CHUNK = 32
 
     def _is_decode_like(self, request: Request, n: int) -> bool:
-        return n == 1 or (request.num_computed_tokens > 0 and n <= self.SHORT_CHUNK)
+        return self.deterministic or n == 1 or (request.num_computed_tokens > 0 and n <= self.SHORT_CHUNK)
 
     def _layout(self, sched: SchedulerOutput) -> list[tuple[Request, int]]:
         decodes = [(r, n) for r, n in sched.scheduled if self._is_decode_like(r, n)]
@@ -99,11 +123,10 @@ class ModelRunner:
         lengths = torch.empty(rows, dtype=torch.long)
         i = 0
         for r, n in decodes:
-            table = torch.tensor(r.block_ids, dtype=torch.long)
-            for j in range(n):
-                tables[i, : len(r.block_ids)] = table
-                lengths[i] = r.num_computed_tokens + j + 1
-                i += 1
+            tables[i : i + n, : len(r.block_ids)] = torch.tensor(r.block_ids, dtype=torch.long)
+            start = r.num_computed_tokens
+            lengths[i : i + n] = torch.arange(start + 1, start + n + 1)
+            i += n
         meta.decode_block_tables = tables.to(self.device)
         meta.decode_seq_lens = lengths.to(self.device)
 
@@ -113,15 +136,16 @@ class ModelRunner:
         batch = self._layout(sched)
         input_ids, positions, meta = self._prepare(batch)
         sample_rows, sample_reqs, prompt_rows = self._logit_rows(batch)
-        with set_attention_metadata(meta):
-            hidden = self.forward(input_ids.to(self.device), positions.to(self.device))
         out = RunnerOutput()
-        if sample_rows:
-            logits = self.model.compute_logits(hidden[sample_rows]).float().cpu()
-            self._sample(logits, sample_reqs, out)
-        for request, rows, targets in prompt_rows:
-            logits = self.model.compute_logits(hidden[rows]).float().cpu()
-            out.prompt_logprobs[request.request_id] = _prompt_logprobs(logits, targets, request.sampling_params.prompt_logprobs)
+        with self._invariance():  # the kernels' batch-invariant mode, for this engine's steps
+            with set_attention_metadata(meta):
+                hidden = self.forward(input_ids.to(self.device), positions.to(self.device))
+            if sample_rows:
+                logits = self.model.compute_logits(hidden[sample_rows]).float().cpu()
+                self._sample(logits, sample_reqs, out)
+            for request, rows, targets in prompt_rows:
+                logits = self.model.compute_logits(hidden[rows]).float().cpu()
+                out.prompt_logprobs[request.request_id] = _prompt_logprobs(logits, targets, request.sampling_params.prompt_logprobs)
         return out
 
     def _logit_rows(self, batch):
