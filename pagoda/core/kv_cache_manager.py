@@ -27,8 +27,12 @@ class KVCacheManager:
         self.cache = RadixCache(block_size) if enable_prefix_caching else None
         self._locked: dict[str, RadixNode] = {}  # request id → deepest locked node of its path
         self._num_cached: dict[str, int] = {}  # request id → its leading blocks already in the tree
+        # Counted once per admission (`record_prefix_query`), vLLM's split: fresh requests here,
+        # requests resumed after a preemption in the preempted_* pair.
         self.prefix_query_tokens = 0
         self.prefix_hit_tokens = 0
+        self.prefix_preempted_query_tokens = 0
+        self.prefix_preempted_hit_tokens = 0
 
     @property
     def num_free_blocks(self) -> int:
@@ -49,19 +53,39 @@ class KVCacheManager:
 
     def match_prefix(self, request: Request) -> int:
         """Give a request with nothing computed the cached blocks of its prefix; returns the
-        number of tokens it no longer has to compute. At least one token is left to compute."""
-        if self.cache is None or request.block_ids or request.num_computed_tokens or self._needs_prompt_logprobs(request):
+        number of tokens it no longer has to compute. At least one token is left to compute.
+
+        Counts nothing: a request that cannot be admitted gives the match back (`free`) and is
+        matched again next step, so the scheduler counts it with `record_prefix_query` once it
+        is admitted."""
+        if request.block_ids or request.num_computed_tokens or not self._uses_prefix_cache(request):
             return 0
         match = self.cache.match(request.all_token_ids[: request.num_tokens - 1], request.cache_salt)
-        self.prefix_query_tokens += request.num_tokens
         if match.blocks:
             self.pool.incref(match.blocks)
             self._lock(request, match.node)
             self._num_cached[request.request_id] = len(match.blocks)
             request.block_ids = list(match.blocks)
             request.num_computed_tokens = len(match.blocks) * self.block_size
-            self.prefix_hit_tokens += request.num_computed_tokens
         return request.num_computed_tokens
+
+    def record_prefix_query(self, request: Request, num_hit_tokens: int) -> None:
+        """Count an admitted request's lookup: its tokens as queries, `num_hit_tokens` (what
+        `match_prefix` gave it) as hits. As in vLLM, a request resumed after a preemption
+        (recomputing prompt + output) counts in the preempted_* pair instead, so the main pair
+        is exactly the prompt tokens of the requests admitted, each once. Requests that skip
+        the cache (prompt logprobs still owed) count nowhere."""
+        if not self._uses_prefix_cache(request):
+            return
+        if request.num_preemptions:
+            self.prefix_preempted_query_tokens += request.num_tokens
+            self.prefix_preempted_hit_tokens += num_hit_tokens
+        else:
+            self.prefix_query_tokens += request.num_tokens
+            self.prefix_hit_tokens += num_hit_tokens
+
+    def _uses_prefix_cache(self, request: Request) -> bool:
+        return self.cache is not None and not self._needs_prompt_logprobs(request)
 
     @staticmethod
     def _needs_prompt_logprobs(request: Request) -> bool:

@@ -58,8 +58,10 @@ class SchedulerStats:
     num_preemptions_total: int
     num_blocks: int = 0
     num_cached_free_blocks: int = 0  # in the prefix cache, used by nobody: reclaimable
-    prefix_cache_query_tokens: int = 0
+    prefix_cache_query_tokens: int = 0  # prompt tokens of admitted requests, each request once
     prefix_cache_hit_tokens: int = 0
+    prefix_cache_preempted_query_tokens: int = 0  # resumed after preemption: prompt + output tokens
+    prefix_cache_preempted_hit_tokens: int = 0
 
     @property
     def prefix_cache_hit_rate(self) -> float:
@@ -217,8 +219,6 @@ class Scheduler:
             if request is None:
                 return
             cached = self.kv.match_prefix(request)
-            if request.num_cached_tokens is None:
-                request.num_cached_tokens = cached
             num_new = min(request.num_tokens - request.num_computed_tokens, budget)
             if (request is not favored and self._under_pressure(self.kv.blocks_needed(request, num_new))) \
                     or not self.kv.allocate_slots(request, num_new):
@@ -226,6 +226,9 @@ class Scheduler:
                 request.num_computed_tokens = 0
                 return
             self._waiting.remove(request)
+            self.kv.record_prefix_query(request, cached)  # here, not per attempt: a waiting request retries every step
+            if request.num_cached_tokens is None:
+                request.num_cached_tokens = cached
             request.status = RequestStatus.RUNNING
             if request.first_scheduled_time is None:
                 request.first_scheduled_time = time.monotonic()
@@ -308,4 +311,6 @@ class Scheduler:
             num_cached_free_blocks=self.kv.num_evictable_blocks,
             prefix_cache_query_tokens=self.kv.prefix_query_tokens,
             prefix_cache_hit_tokens=self.kv.prefix_hit_tokens,
+            prefix_cache_preempted_query_tokens=self.kv.prefix_preempted_query_tokens,
+            prefix_cache_preempted_hit_tokens=self.kv.prefix_preempted_hit_tokens,
         )

@@ -263,3 +263,32 @@ def test_a_request_waits_for_its_grammar_without_holding_up_others():
     assert allowed == [8]
     sched.update(type(out)(scheduled=[(constrained, 1)]), {"constrained": 8})
     assert constrained.status == RequestStatus.FINISHED_STOPPED
+
+
+def test_prefix_cache_counters_count_each_admitted_request_once_under_pressure():
+    """The issue's case at the scheduler level: a tiny cache, 8 sequence slots, 4 concurrent
+    100-token prompts (a shared 48-token head). Requests wait for blocks over many steps and get
+    preempted; the queries are still exactly the prompt tokens sent, each request counted when
+    it is admitted, and the hits exactly what the requests were given."""
+    block_size, head = 16, list(range(100, 148))
+    sched = make_scheduler(num_blocks=12, block_size=block_size, max_num_seqs=8, budget=64, max_model_len=512,
+                           caching=True)
+    prompts = [head + [1000 * (i + 1) + j for j in range(52)] for i in range(4)]
+    requests = [Request(f"r{i}", p, SamplingParams(max_tokens=40, ignore_eos=True), arrival_time=i)
+                for i, p in enumerate(prompts)]
+    for r in requests:
+        sched.add_request(r)
+    waited_steps = 0
+    for _ in range(10_000):
+        if not sched.has_unfinished_requests():
+            break
+        fake_step(sched)
+        waited_steps += sched.num_waiting
+    else:
+        raise AssertionError("scheduler did not finish")
+    stats = sched.stats()
+    assert waited_steps > 10 and sched.num_preemptions_total > 0  # the pressure really happened
+    assert stats.prefix_cache_query_tokens == sum(len(p) for p in prompts) == 400
+    assert stats.prefix_cache_hit_tokens == sum(r.num_cached_tokens for r in requests) > 0
+    assert 0 < stats.prefix_cache_hit_rate < 1
+    assert stats.prefix_cache_preempted_query_tokens > 0  # resumed requests, counted apart
