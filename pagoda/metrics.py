@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import time
 
-from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client import CollectorRegistry, Counter, Histogram, ProcessCollector, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 80.0, 160.0)
@@ -39,6 +39,10 @@ class _EngineCollector:
         for name, doc, value in [
             ("pagoda:prefix_cache_queries", "Prompt tokens looked up in the prefix cache.", stats.prefix_cache_query_tokens),
             ("pagoda:prefix_cache_hits", "Prompt tokens found in the prefix cache.", stats.prefix_cache_hit_tokens),
+            ("pagoda:prefix_cache_preempted_queries", "Tokens looked up in the prefix cache by requests resumed "
+             "after preemption.", stats.prefix_cache_preempted_query_tokens),
+            ("pagoda:prefix_cache_preempted_hits", "Tokens found in the prefix cache by requests resumed after "
+             "preemption.", stats.prefix_cache_preempted_hit_tokens),
         ]:
             c = CounterMetricFamily(name, doc, labels=["model_name"])
             c.add_metric([self.model_name], value)
@@ -50,6 +54,7 @@ class ServerMetrics:
         self.registry = CollectorRegistry()
         self.model_name = model_name
         self.registry.register(_EngineCollector(engine, model_name))
+        ProcessCollector(registry=self.registry)  # process_resident_memory_bytes, CPU seconds, open fds
         labels = ["model_name"]
         self.prompt_tokens = Counter("pagoda:prompt_tokens", "Prompt tokens processed.", labels, registry=self.registry)
         self.generation_tokens = Counter("pagoda:generation_tokens", "Tokens generated.", labels, registry=self.registry)

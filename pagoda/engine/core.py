@@ -62,12 +62,27 @@ class RequestLimits:
             raise ValueError(f"prompt token ids must be in [0, {self.vocab_size}), got {bad[:5]}")
 
 
+def _prepare_cpu_kernels() -> None:
+    """Build (first run on this CPU, about a minute) or load the C++ kernels now, so the engine
+    is ready when it says so: built lazily, the first request waited for the compiler."""
+    from pagoda.layers.cpu_kernels import kernels_are_built, load_cpu_kernels
+
+    if not kernels_are_built():
+        logger.warning("building pagoda's CPU kernels for this CPU (once; about a minute)...")
+    start = time.monotonic()
+    kernels = load_cpu_kernels()
+    if kernels is not None:
+        logger.info("CPU kernels ready in %.1fs", time.monotonic() - start)
+
+
 class EngineCore:
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
         mc = config.model
         start = time.monotonic()
         torch.manual_seed(config.seed)
+        if mc.device.type == "cpu":
+            _prepare_cpu_kernels()
         self.model = load_model(mc.files, mc.hf_config, mc.dtype, mc.device, mc.max_model_len)
         self.load_seconds = time.monotonic() - start
         self.num_blocks = self._num_blocks()

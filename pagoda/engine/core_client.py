@@ -12,6 +12,7 @@ import logging
 import os
 import multiprocessing as mp
 import queue
+import signal
 import threading
 from collections.abc import Callable
 
@@ -106,7 +107,12 @@ class ThreadCoreClient(_InboxClient):
 def _process_main(config: EngineConfig, inbox, outbox, parent_pid: int) -> None:
     """Entry point of the engine process. It stops when told to, or when the server process is
     gone (killed, or stopped by a signal that skipped shutdown): an orphan would hold the model
-    and the KV cache forever."""
+    and the KV cache forever.
+
+    It ignores SIGINT and SIGTERM: a terminal's Ctrl-C and a service manager's SIGTERM reach the
+    whole process group, and the server, not the engine, decides when to stop (after draining)."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
     try:
         core = EngineCore(config)
     except BaseException as e:  # noqa: BLE001 - reported to the parent
@@ -122,53 +128,104 @@ def _process_main(config: EngineConfig, inbox, outbox, parent_pid: int) -> None:
 
 
 class ProcessCoreClient(_InboxClient):
-    def __init__(self, config: EngineConfig, on_outputs: OnOutputs, on_failure: OnFailure) -> None:
-        ctx = mp.get_context("spawn")  # no fork after torch has started its thread pools
-        self._inbox, self._outbox = ctx.Queue(), ctx.Queue()
-        self._proc = ctx.Process(target=_process_main, args=(config, self._inbox, self._outbox, os.getpid()),
-                                 name="pagoda-engine", daemon=True)
-        self._proc.start()
-        kind, payload, stats = self._outbox.get()
-        if kind != "ready":
-            raise RuntimeError(f"the engine process failed to start: {payload}")
-        self.limits: RequestLimits = payload
-        self._stats: SchedulerStats = stats
+    """The EngineCore in a spawned process, restarted (up to `max_restarts` times) when it dies.
+
+    A dead engine fails every request in flight at once (the reader thread watches the process's
+    sentinel, not a timeout); while the replacement loads, `healthy` is False and new requests
+    are refused. Each engine process gets fresh queues: one killed while holding a queue's lock
+    would leave that queue unusable."""
+
+    def __init__(self, config: EngineConfig, on_outputs: OnOutputs, on_failure: OnFailure,
+                 max_restarts: int = 0) -> None:
+        self._config = config
+        self._ctx = mp.get_context("spawn")  # no fork after torch has started its thread pools
         self._on_outputs, self._on_failure = on_outputs, on_failure
+        self.max_restarts, self.num_restarts = max_restarts, 0
         self.dead_error: BaseException | None = None
+        self.restarting = False
+        self._closing = False
+        self._start_process()  # raises if the first engine cannot start
         self._reader = threading.Thread(target=self._read, name="pagoda-engine-reader", daemon=True)
         self._reader.start()
 
+    def _start_process(self) -> None:
+        self._inbox, self._outbox = self._ctx.Queue(), self._ctx.Queue()
+        self._proc = self._ctx.Process(target=_process_main, args=(self._config, self._inbox, self._outbox, os.getpid()),
+                                       name="pagoda-engine", daemon=True)
+        self._proc.start()
+        kind, payload, stats = self._outbox.get()
+        if kind != "ready":
+            self._proc.join(timeout=5)
+            raise RuntimeError(f"the engine process failed to start: {payload}")
+        self.limits: RequestLimits = payload
+        self._stats: SchedulerStats = stats
+
     @property
     def healthy(self) -> bool:
-        return self.dead_error is None and self._proc.is_alive()
+        return self.dead_error is None and not self.restarting and self._proc.is_alive()
 
     def stats(self) -> SchedulerStats:
         return self._stats
 
     def shutdown(self) -> None:
+        self._closing = True
         self._inbox.put(None)
         self._proc.join(timeout=10)
         if self._proc.is_alive():
             self._proc.kill()
+            self._proc.join(timeout=5)
 
     def _read(self) -> None:
+        while not self._closing:
+            error = self._read_until_exit()
+            if error is None or self._closing:
+                return
+            self._fail(error)
+            if not self._restart():
+                return
+
+    def _read_until_exit(self) -> BaseException | None:
+        """Relay the engine's outputs until it stops (None) or dies (the error)."""
+        from multiprocessing.connection import wait
+
+        reader = self._outbox._reader  # noqa: SLF001 - the queue's pipe, to wait on it with the sentinel
         while True:
-            try:
-                kind, payload, stats = self._outbox.get(timeout=1.0)
-            except queue.Empty:
-                if not self._proc.is_alive():
-                    self._fail(RuntimeError(f"the engine process exited (code {self._proc.exitcode})"))
-                    return
-                continue
-            if kind == "outputs":
-                self._stats = stats
-                if payload:
-                    self._on_outputs(payload)
-            elif kind == "failed":
-                self._fail(RuntimeError(payload))
-                return
-            elif kind == "stopped":
-                return
+            if not self._outbox.empty() or wait([reader, self._proc.sentinel], timeout=1.0):
+                try:
+                    kind, payload, stats = self._outbox.get(timeout=0.05)
+                except queue.Empty:
+                    if self._proc.is_alive():
+                        continue
+                    self._proc.join(timeout=1)
+                    return RuntimeError(f"the engine process exited (code {self._proc.exitcode})")
+                if kind == "outputs":
+                    self._stats = stats
+                    if payload:
+                        self._on_outputs(payload)
+                elif kind == "failed":
+                    return RuntimeError(payload)
+                elif kind == "stopped":
+                    return None
+
+    def _restart(self) -> bool:
+        """Start a new engine process if the restart budget allows; True once it is serving."""
+        if self.num_restarts >= self.max_restarts:
+            logger.error("engine process will not be restarted (%d of %d restarts used)", self.num_restarts, self.max_restarts)
+            return False
+        self.num_restarts += 1
+        self.restarting = True
+        logger.warning("restarting the engine process (restart %d of %d)", self.num_restarts, self.max_restarts)
+        try:
+            self._start_process()
+        except BaseException as e:  # noqa: BLE001
+            logger.error("engine restart failed: %s", e)
+            self.dead_error = e
+            return False
+        finally:
+            self.restarting = False
+        self.dead_error = None
+        logger.warning("engine process restarted; serving again")
+        return True
 
     def _fail(self, error: BaseException) -> None:
         logger.error("engine process failed: %s", error)

@@ -1,13 +1,80 @@
-"""The `pagoda` command: generate | chat | serve | pull | list | bench."""
+"""The `pagoda` command: generate | chat | serve | pull | list | bench.
+
+Building the parser imports nothing heavy (no torch, transformers or fastapi, not even numpy):
+each command imports what it needs when it runs, so `pagoda --help` answers at once.
+"""
 
 from __future__ import annotations
 
 import argparse
+import copy
 import logging
 import sys
 import uuid
+from collections.abc import Callable
 
-from pagoda.config import DEFAULT_MODEL
+from pagoda import __version__
+
+# pagoda.config.DEFAULT_MODEL, repeated because pagoda.config imports torch (~1.5 s);
+# tests/entrypoints/test_cli.py checks the two agree.
+DEFAULT_MODEL = "smollm2-135m-instruct"
+LOG_LEVELS = ["debug", "info", "warning", "error"]
+DEFAULT_LOG_LEVEL = "warning"
+
+
+class HelpFormatter(argparse.RawDescriptionHelpFormatter):
+    """Keeps descriptions as written and shows each option's default after its help (also for
+    options given no help), unless the help already states it or the option is a plain flag
+    (store_true, --help, --version)."""
+
+    def _format_action(self, action: argparse.Action) -> str:
+        if action.help is None and self._default_note(action):
+            action = copy.copy(action)  # argparse prints nothing for help=None
+            action.help = self._default_note(action).strip()
+        return super()._format_action(action)
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        help_text = action.help or ""
+        return help_text if "default" in help_text else help_text + self._default_note(action)
+
+    @staticmethod
+    def _default_note(action: argparse.Action) -> str:
+        if action.default is argparse.SUPPRESS or action.help is argparse.SUPPRESS:
+            return ""
+        if isinstance(action, argparse.BooleanOptionalAction):
+            return f" (default: {'on' if action.default else 'off'})"
+        takes_value = action.nargs != 0
+        if not (takes_value and (action.option_strings or action.nargs in (argparse.OPTIONAL, argparse.ZERO_OR_MORE))):
+            return ""
+        return " (default: %(default)s)"
+
+
+class Parser(argparse.ArgumentParser):
+    """An ArgumentParser that shows defaults (subparsers inherit the class) and may fill itself
+    on first use: `populate` runs once, before the parser parses or prints help, so a command
+    whose options come from heavy modules (bench) costs nothing unless it is used."""
+
+    def __init__(self, *args, populate: Callable[[argparse.ArgumentParser], None] | None = None, **kwargs) -> None:
+        kwargs.setdefault("formatter_class", HelpFormatter)
+        super().__init__(*args, **kwargs)
+        self._populate = populate
+
+    def _ensure_populated(self) -> None:
+        populate, self._populate = self._populate, None
+        if populate is not None:
+            populate(self)
+
+    def parse_known_args(self, args=None, namespace=None):
+        self._ensure_populated()
+        return super().parse_known_args(args, namespace)
+
+    def format_help(self) -> str:
+        self._ensure_populated()
+        return super().format_help()
+
+    def format_usage(self) -> str:
+        self._ensure_populated()
+        return super().format_usage()
 
 
 def _add_engine_args(p: argparse.ArgumentParser) -> None:
@@ -28,6 +95,10 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
                         "off by default: measured no faster on a 2-core AVX2 CPU)")
     g.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True,
                    help="share prompt prefixes between requests through a radix tree (default: on)")
+    g.add_argument("--deterministic", action=argparse.BooleanOptionalAction, default=None,
+                   help="batch-invariant inference: a request's tokens and logprobs do not depend on prefix "
+                        "caching, chunking or the rest of the batch (float32 on the CPU; costs 10-12%% of "
+                        "offline throughput; default: off)")
     g.add_argument("--quantization", default=None, choices=["none", "int8", "int4", "gguf"],
                    help="weight-only quantization in ggml blocks on pagoda's CPU kernels: int8 = Q8_0, "
                         "int4 = Q4_1 (head Q8_0); gguf keeps a GGUF's Q4_0/Q4_1/Q8_0 blocks as stored, the "
@@ -55,6 +126,7 @@ def _engine_args(ns: argparse.Namespace):
         kv_cache_memory=ns.kv_cache_memory, gpu_memory_utilization=ns.gpu_memory_utilization,
         seed=ns.seed, chat_template=ns.chat_template, enforce_eager=ns.enforce_eager, compile=ns.compile,
         enable_prefix_caching=ns.enable_prefix_caching, quantization=ns.quantization,
+        deterministic=ns.deterministic,
     )
 
 
@@ -122,6 +194,7 @@ def cmd_chat(ns: argparse.Namespace) -> int:
             return 0
         if line.strip() == "/reset":
             messages = messages[:1] if ns.system else []
+            print("(conversation reset" + (", system prompt kept)" if ns.system else ")"), file=sys.stderr)
             continue
         messages.append({"role": "user", "content": line})
         text = engine.tokenizer.apply_chat_template(messages)
@@ -185,19 +258,25 @@ def cmd_bench_plot(ns: argparse.Namespace) -> int:
 
 
 def _add_bench_parser(sub) -> None:
+    sub.add_parser("bench", help="benchmarks: offline throughput, serving load, concurrency sweeps",
+                   populate=_populate_bench)
+
+
+def _populate_bench(bench: argparse.ArgumentParser) -> None:
+    """The bench subcommands; their options live in pagoda.bench, which imports numpy and asyncio,
+    so this runs only when `pagoda bench ...` is parsed."""
     from pagoda.bench import serve, throughput
 
-    bench = sub.add_parser("bench", help="benchmarks: offline throughput, serving load, concurrency sweeps")
     bench_sub = bench.add_subparsers(dest="bench_command", required=True)
 
     p = bench_sub.add_parser("throughput", help="offline throughput through pagoda.LLM (and baselines)",
-                             description=throughput.__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+                             description=throughput.__doc__)
     _add_engine_args(p)
     throughput.add_cli_args(p)
     p.set_defaults(func=cmd_bench_throughput)
 
     p = bench_sub.add_parser("serve", help="load generator for an OpenAI-compatible server",
-                             description=serve.__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+                             description=serve.__doc__)
     serve.add_cli_args(p)
     p.set_defaults(func=cmd_bench_serve)
 
@@ -209,8 +288,10 @@ def _add_bench_parser(sub) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="pagoda", description="pagoda: LLM inference engine")
-    parser.add_argument("--log-level", default="warning", choices=["debug", "info", "warning", "error"])
+    parser = Parser(prog="pagoda", description="pagoda: LLM inference engine")
+    parser.add_argument("--version", action="version", version=f"pagoda {__version__}")
+    parser.add_argument("--log-level", dest="global_log_level", default=None, choices=LOG_LEVELS,
+                        help=f"default: {DEFAULT_LOG_LEVEL} (serve: info); a command's own --log-level wins")
     sub = parser.add_subparsers(dest="command", required=True)
 
     p = sub.add_parser("generate", help="generate a completion for one prompt, streamed to the terminal")
@@ -235,9 +316,17 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--tensor-parallel-size", type=int, default=1)
     p.add_argument("--engine-process", action="store_true",
                    help="run the engine core in its own process instead of a thread (see benchmarks/README.md)")
-    p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    p.add_argument("--max-engine-restarts", type=int, default=3,
+                   help="with --engine-process: how many times a dead engine process is restarted")
+    p.add_argument("--request-timeout", type=float, default=None,
+                   help="seconds a request may live, queueing included; past it the request is aborted "
+                        "and answered 504 (default: no limit)")
+    p.add_argument("--shutdown-timeout", type=float, default=10.0,
+                   help="on SIGTERM / SIGINT, seconds in-flight requests get to finish before they are aborted")
+    p.add_argument("--log-level", default=None, choices=LOG_LEVELS,
+                   help="default: the global --log-level (pagoda --log-level LEVEL serve), else info")
     _add_engine_args(p)
-    p.set_defaults(func=cmd_serve)
+    p.set_defaults(func=cmd_serve, default_log_level="info")
 
     p = sub.add_parser("pull", help="download a catalog model into the local store")
     p.add_argument("name")
@@ -250,9 +339,17 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def resolve_log_level(ns: argparse.Namespace) -> str:
+    """The command's own --log-level if given, else the global one (`pagoda --log-level X cmd`),
+    else the command's default. The two options have separate dests: argparse copies every
+    subcommand default over the global namespace, so one dest let serve's default win silently."""
+    return getattr(ns, "log_level", None) or ns.global_log_level or getattr(ns, "default_log_level", DEFAULT_LOG_LEVEL)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     ns = parser.parse_args(argv)
+    ns.log_level = resolve_log_level(ns)
     logging.basicConfig(level=ns.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
     try:
         return ns.func(ns)

@@ -2,11 +2,20 @@
 
 from __future__ import annotations
 
+import importlib.metadata
 import os
+import signal
 import subprocess
 import sys
+import textwrap
+import time
 
-from pagoda import LLM, SamplingParams
+import httpx
+import pytest
+
+from pagoda import LLM, SamplingParams, __version__
+from pagoda.entrypoints.cli import build_parser, resolve_log_level
+from server_process import _free_port
 
 
 def _run(args: list[str], input_text: str | None = None, timeout: int = 300) -> subprocess.CompletedProcess:
@@ -61,3 +70,112 @@ def test_serve_fails_clearly_before_listening(tiny_llama):
     assert proc.returncode == 1 and "model 'definitely-not-a-model' not found" in proc.stderr
     proc = _run(["serve", "--model", str(tiny_llama), "--tensor-parallel-size", "2"])
     assert proc.returncode == 1 and "tensor_parallel_size > 1 is not supported yet" in proc.stderr
+
+
+def test_version_names_the_package():
+    proc = _run(["--version"], timeout=60)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout == f"pagoda {__version__}\n"
+    assert __version__ == importlib.metadata.version("pagoda")
+
+
+def test_help_imports_nothing_heavy_and_shows_defaults():
+    """`pagoda --help` used to import torch through pagoda.config (~2 s); now the parser is
+    built from light modules only, bench's options included until `bench` is used."""
+    proc = subprocess.run([sys.executable, "-X", "importtime", "-m", "pagoda.entrypoints.cli", "--help"],
+                          capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0 and "serve" in proc.stdout
+    imported = {line.rsplit("|", 1)[-1].strip() for line in proc.stderr.splitlines() if line.startswith("import time:")}
+    heavy = {"torch", "transformers", "fastapi", "uvicorn", "numpy", "pagoda.config", "pagoda.bench"}
+    assert not heavy & imported
+    serve_help = _run(["serve", "--help"], timeout=60).stdout
+    assert "(default: 8000)" in serve_help and "(default: 127.0.0.1)" in serve_help
+    assert "(default: smollm2-135m-instruct)" in serve_help and "(default: on)" in serve_help
+    assert "(default: False)" not in serve_help  # plain flags say nothing
+    bench_help = _run(["bench", "throughput", "--help"], timeout=60)
+    assert bench_help.returncode == 0 and "(default: 256)" in bench_help.stdout  # --max-num-seqs
+
+
+def test_cli_default_model_is_the_engines():
+    from pagoda.config import DEFAULT_MODEL
+
+    assert build_parser().parse_args(["generate", "hi"]).model == DEFAULT_MODEL
+
+
+@pytest.mark.parametrize(("argv", "level"), [
+    (["serve"], "info"),
+    (["generate", "hi"], "warning"),
+    (["--log-level", "debug", "serve"], "debug"),
+    (["--log-level", "error", "generate", "hi"], "error"),
+    (["--log-level", "debug", "serve", "--log-level", "warning"], "warning"),
+    (["serve", "--log-level", "error"], "error"),
+])
+def test_log_level_explicit_command_option_then_global_then_default(argv, level):
+    assert resolve_log_level(build_parser().parse_args(argv)) == level
+
+
+def _serve_then_stop(args: list[str], model, request: dict | None = None,
+                     stop: signal.Signals = signal.SIGTERM) -> subprocess.CompletedProcess:
+    """Start `pagoda <args> serve` on the model, wait for /health, optionally POST one completion
+    request (its status must be 200), then stop the server with a signal; stdout and stderr."""
+    port = _free_port()
+    cmd = [sys.executable, "-m", "pagoda.entrypoints.cli", *args, "serve", "--model", str(model), "--port", str(port),
+           "--dtype", "float32", "--kv-cache-memory", "0.01"]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    base = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 120
+        while proc.poll() is None and time.monotonic() < deadline:
+            try:
+                if httpx.get(f"{base}/health", timeout=1).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                time.sleep(0.3)
+        if request is not None:
+            response = httpx.post(f"{base}/v1/completions", json={"model": str(model), **request}, timeout=60)
+            assert response.status_code == 200, response.text
+        proc.send_signal(stop)
+        stdout, stderr = proc.communicate(timeout=60)
+    finally:
+        proc.kill()
+    return subprocess.CompletedProcess(cmd, proc.returncode, stdout, stderr)
+
+
+def test_global_log_level_reaches_serve(tiny_llama):
+    """`pagoda --log-level debug serve` used to run at serve's default (info): no debug line."""
+    proc = _serve_then_stop(["--log-level", "debug"], tiny_llama)
+    assert "pagoda: serving on" in proc.stdout, proc.stdout + proc.stderr
+    assert any(line.startswith("DEBUG") for line in proc.stderr.splitlines()), proc.stderr
+
+
+def test_server_with_structured_outputs_exits_cleanly(tiny_llama):
+    """Every server exit used to print ~27 lines of "nanobind: leaked ..." (triton's bindings,
+    kept alive past the final collection by the server's gc.freeze())."""
+    proc = _serve_then_stop([], tiny_llama, stop=signal.SIGINT,
+                            request={"prompt": "hi", "max_tokens": 5, "structured_outputs": {"regex": "[ab]+"}})
+    assert proc.returncode == 0, proc.stderr
+    assert "leaked" not in proc.stderr and "nanobind" not in proc.stderr, proc.stderr
+
+
+def test_llm_script_with_structured_outputs_exits_cleanly(tiny_llama):
+    script = textwrap.dedent(f"""
+        from pagoda import LLM, SamplingParams
+        from pagoda.sampling_params import StructuredOutputsParams
+
+        llm = LLM(model={str(tiny_llama)!r}, dtype="float32", kv_cache_memory=0.01)
+        params = SamplingParams(max_tokens=5, structured_outputs=StructuredOutputsParams(regex="[ab]+"))
+        print(llm.generate(["hi"], params, use_tqdm=False)[0].outputs[0].text)
+    """)
+    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    assert set(proc.stdout.strip()) <= {"a", "b"} and proc.stdout.strip()
+    assert "leaked" not in proc.stderr and "nanobind" not in proc.stderr, proc.stderr
+
+
+def test_chat_reset_forgets_and_says_so(tiny_llama):
+    proc = _run(["chat", "--model", str(tiny_llama), "--dtype", "float32", "--kv-cache-memory", "0.01",
+                 "--temperature", "0", "--max-tokens", "5"], input_text="Hello\n/reset\nHello\n/exit\n")
+    assert proc.returncode == 0, proc.stderr
+    assert "conversation reset" in proc.stderr
+    replies = [part.split("\n", 1)[0] for part in proc.stdout.split(">>> ")[1:] if part.strip()]
+    assert len(replies) == 2 and replies[0] == replies[1]  # the second "Hello" starts afresh

@@ -12,7 +12,7 @@ import openai
 import pytest
 
 from pagoda import LLM, SamplingParams
-from server_process import start_server
+from server_process import child_pids, start_server
 
 MODEL = "tiny"
 
@@ -242,14 +242,21 @@ def test_disconnect_mid_stream_aborts_and_frees_blocks(server):
     assert _metric(server, "pagoda:generation_tokens_total") == total_generated_before  # nothing still generating
 
 
-def test_queue_limit_gives_429_with_retry_after(tiny_llama):
-    proc, base = _start(tiny_llama, "--max-queue-len", "2")
+def test_queue_limit_gives_429_with_retry_after(long_tiny_llama):
+    proc, base = _start(long_tiny_llama, "--max-queue-len", "2", "--max-model-len", "16384", "--kv-cache-memory", "0.05")
     try:
+        def in_flight() -> float:
+            lines = httpx.get(f"{base}/metrics").text.splitlines()
+            return sum(float(x.rsplit(" ", 1)[1]) for x in lines
+                       if x.startswith(("pagoda:num_requests_running{", "pagoda:num_requests_waiting{")))
+
         async def run():
-            async with httpx.AsyncClient(base_url=base, timeout=60) as c:
-                long = {"prompt": "Once upon a time", "max_tokens": 240, "ignore_eos": True}
+            async with httpx.AsyncClient(base_url=base, timeout=120) as c:
+                long = {"prompt": "Once upon a time", "max_tokens": 3000, "ignore_eos": True}
                 first = [asyncio.create_task(c.post("/v1/completions", json=long)) for _ in range(2)]
-                await asyncio.sleep(0.3)  # both admitted, far from done (240 steps)
+                deadline = time.monotonic() + 60
+                while in_flight() < 2 and time.monotonic() < deadline:  # both queued or running
+                    await asyncio.sleep(0.02)
                 third = await c.post("/v1/completions", json={"prompt": "Hi", "max_tokens": 2})
                 done = await asyncio.gather(*first)
                 after = await c.post("/v1/completions", json={"prompt": "Hi", "max_tokens": 2})
@@ -335,22 +342,10 @@ def test_engine_in_its_own_process(tiny_llama, offline):
         proc.wait(timeout=30)
 
 
-def _children(pid: int) -> list[int]:
-    kids = []
-    for stat in Path("/proc").glob("[0-9]*/stat"):
-        try:
-            fields = stat.read_text().rsplit(")", 1)[1].split()
-        except OSError:
-            continue
-        if int(fields[1]) == pid:
-            kids.append(int(stat.parent.name))
-    return kids
-
-
 @pytest.mark.skipif(not Path("/proc/self/stat").exists(), reason="reads /proc")
 def test_engine_process_exits_when_the_server_is_killed(tiny_llama):
     proc, _ = _start(tiny_llama, "--engine-process")
-    engines = _children(proc.pid)
+    engines = child_pids(proc.pid)
     assert engines, "the server should have an engine process"
     proc.kill()  # SIGKILL: no shutdown code runs in the server
     proc.wait(timeout=30)

@@ -2,14 +2,32 @@
 
 from __future__ import annotations
 
+import re
 import time
 import uuid
-from typing import Any, Literal
+from collections.abc import Sequence
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, PlainValidator, field_validator
 
 from pagoda.sampling_params import SamplingParams, StructuredOutputsParams
 from pagoda.structured_output.grammar import validate_structured_outputs
+
+# -- limits -------------------------------------------------------------------------------------
+# Bounds on what one request may ask for, so that an adversarial body is refused at validation,
+# before it costs tokenizing, compiling or generating. Each refusal is a 400 naming the field.
+MAX_N = 128  # choices per prompt: OpenAI's own bound (vLLM has none)
+MAX_STOP = 64  # stop strings (OpenAI takes 4, vLLM has no bound; each is checked on every step)
+MAX_STOP_TOKEN_IDS = 1024
+MAX_LOGIT_BIAS = 1024  # entries (OpenAI takes 300)
+MAX_PROMPTS = 2048  # prompts in one completions request (as OpenAI bounds an embeddings input list)
+# Nesting of the free-form JSON values (schemas, tools, template arguments), which reach
+# recursive code: the grammar compiler, the chat template. Typed fields are bounded by their type.
+MAX_DEPTH = 64
+INT64_MAX = 2**63 - 1
+
+# Every integer field: the engine puts these in int64 tensors (a larger top_k overflowed there).
+Int64 = Annotated[int, Field(ge=-INT64_MAX - 1, le=INT64_MAX)]
 
 
 def random_id(prefix: str) -> str:
@@ -17,7 +35,36 @@ def random_id(prefix: str) -> str:
 
 
 class OpenAIBase(BaseModel):
-    model_config = ConfigDict(extra="allow")  # unknown fields are ignored, as OpenAI does
+    # Unknown fields are ignored, as OpenAI does. NaN and Infinity (which Python's JSON parser
+    # reads) are refused: no sampling parameter means anything with them.
+    model_config = ConfigDict(extra="allow", allow_inf_nan=False)
+
+
+def _too_deep(value: Any, limit: int = MAX_DEPTH) -> bool:
+    """Whether `value` nests lists / objects more than `limit` levels (iterative: no recursion)."""
+    stack = [(value, 1)]
+    while stack:
+        item, depth = stack.pop()
+        children = item.values() if isinstance(item, dict) else item if isinstance(item, list) else None
+        if children is None:
+            continue
+        if depth > limit:
+            return True
+        stack.extend((child, depth + 1) for child in children if isinstance(child, (dict, list)))
+    return False
+
+
+def _check_depth(value: Any, field: str) -> Any:
+    if _too_deep(value):
+        raise ValueError(f"{field} is nested more than {MAX_DEPTH} levels deep")
+    return value
+
+
+def _check_count(value: Any, field: str, limit: int, what: str) -> Any:
+    """Refuses an over-long list / object before pydantic validates each of its items."""
+    if isinstance(value, (list, dict)) and len(value) > limit:
+        raise ValueError(f"{field} may have at most {limit} {what}, got {len(value)}")
+    return value
 
 
 class StreamOptions(OpenAIBase):
@@ -37,31 +84,35 @@ class ResponseFormat(OpenAIBase):
     json_schema: JsonSchemaFormat | None = None
 
 
-class SamplingFields(OpenAIBase):
+class RequestBody(OpenAIBase):
+    """A route's whole body (not a nested object)."""
+
+
+class SamplingFields(RequestBody):
     """Fields shared by completions and chat (OpenAI's, then vLLM's extensions)."""
 
     model: str | None = None
-    max_tokens: int | None = None
+    max_tokens: Int64 | None = None
     temperature: float | None = None
     top_p: float | None = None
-    n: int = 1
+    n: Int64 = 1
     stream: bool = False
     stream_options: StreamOptions | None = None
     stop: str | list[str] | None = None
-    seed: int | None = None
+    seed: Int64 | None = None
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     logit_bias: dict[str, float] | None = None
     user: str | None = None
-    top_k: int | None = None
+    top_k: Int64 | None = None
     min_p: float | None = None
     repetition_penalty: float | None = None
-    min_tokens: int = 0
+    min_tokens: Int64 = 0
     ignore_eos: bool = False
-    stop_token_ids: list[int] | None = None
+    stop_token_ids: list[Int64] | None = None
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
-    priority: int = 0
+    priority: Int64 = 0
     cache_salt: str | None = None
     # Structured outputs: OpenAI's response_format, vLLM's guided_* fields and its newer object.
     response_format: ResponseFormat | None = None
@@ -70,6 +121,33 @@ class SamplingFields(OpenAIBase):
     guided_choice: list[str] | None = None
     guided_grammar: str | None = None
     structured_outputs: dict[str, Any] | None = None
+
+    @field_validator("n")
+    @classmethod
+    def _n_bounded(cls, n: int) -> int:
+        if n > MAX_N:
+            raise ValueError(f"n must be at most {MAX_N}, got {n}")
+        return n
+
+    @field_validator("stop", mode="before")
+    @classmethod
+    def _stop_bounded(cls, stop: Any) -> Any:
+        return _check_count(stop, "stop", MAX_STOP, "strings")
+
+    @field_validator("stop_token_ids", mode="before")
+    @classmethod
+    def _stop_ids_bounded(cls, ids: Any) -> Any:
+        return _check_count(ids, "stop_token_ids", MAX_STOP_TOKEN_IDS, "token ids")
+
+    @field_validator("logit_bias", mode="before")
+    @classmethod
+    def _bias_bounded(cls, bias: Any) -> Any:
+        return _check_count(bias, "logit_bias", MAX_LOGIT_BIAS, "entries")
+
+    @field_validator("response_format", "guided_json", "structured_outputs", mode="before")
+    @classmethod
+    def _shallow(cls, value: Any, info) -> Any:
+        return _check_depth(value, info.field_name)
 
     def structured_outputs_params(self) -> StructuredOutputsParams | None:
         """The one constraint this request asks for (None: free text). ValueError names the field."""
@@ -142,35 +220,98 @@ def _structured(field_name: str, spec: dict[str, Any]) -> StructuredOutputsParam
         raise ValueError(f"{field_name} is invalid: {e}") from None
 
 
+def _prompt(value: Any) -> str | list[str] | list[int] | list[list[int]]:
+    """A completions prompt: a string, strings, token ids, or lists of token ids.
+
+    Checked by hand rather than as a pydantic union: the union validated a list of 8M token ids
+    in 6 s, and a list with one string among them in 90 s (one error per item and member)."""
+    if isinstance(value, str):
+        return value
+    if not isinstance(value, list):
+        raise ValueError(_PROMPT_FORMS)
+    if value and all(type(x) is int for x in value):
+        return value
+    _check_count(value, "prompt", MAX_PROMPTS, "prompts")
+    if all(isinstance(x, str) for x in value):
+        return value
+    if all(isinstance(x, list) and all(type(t) is int for t in x) for x in value):
+        return value
+    raise ValueError(_PROMPT_FORMS)
+
+
+_PROMPT_FORMS = "prompt must be a string, a list of strings, a list of token ids, or a list of token-id lists"
+Prompt = Annotated[str | list[str] | list[int] | list[list[int]],
+                   PlainValidator(_prompt, json_schema_input_type=str | list[str] | list[Int64] | list[list[Int64]])]
+
+
 class CompletionRequest(SamplingFields):
-    prompt: str | list[str] | list[int] | list[list[int]]
-    max_tokens: int | None = 16
-    logprobs: int | None = None
+    prompt: Prompt
+    max_tokens: Int64 | None = 16
+    logprobs: Int64 | None = None
     echo: bool = False
     suffix: str | None = None
 
 
+class ContentPart(OpenAIBase):
+    """One part of a message's content; only `text` parts are served (others get a 400)."""
+
+    type: str
+    text: str | None = None
+
+
+class ToolCallFunction(OpenAIBase):
+    name: str
+    arguments: str | dict[str, Any] | None = None  # OpenAI sends JSON text
+
+
+class MessageToolCall(OpenAIBase):
+    """A call an earlier assistant turn made (chat templates read function.name / arguments)."""
+
+    id: str | None = None
+    type: Literal["function"] = "function"
+    function: ToolCallFunction
+
+
 class ChatMessage(OpenAIBase):
     role: Literal["system", "user", "assistant", "tool", "developer"]
-    content: str | list[dict[str, Any]] | None = None
+    content: str | list[ContentPart] | None = None
     name: str | None = None
-    tool_calls: list[dict[str, Any]] | None = None  # an assistant turn that called tools
+    tool_calls: list[MessageToolCall] | None = None  # an assistant turn that called tools
     tool_call_id: str | None = None  # a tool turn: which call this answers
+
+    @field_validator("tool_calls", mode="before")
+    @classmethod
+    def _shallow(cls, value: Any) -> Any:
+        return _check_depth(value, "tool_calls")
+
+    def text(self) -> str:
+        """The content as one string (text parts joined). ValueError for a part that is not text."""
+        if not isinstance(self.content, list):
+            return self.content or ""
+        for part in self.content:
+            if part.type != "text":
+                raise ValueError(f"content part type {part.type!r} is not supported; only 'text'")
+        return "".join(part.text or "" for part in self.content)
 
 
 class ChatCompletionRequest(SamplingFields):
     messages: list[ChatMessage] = Field(min_length=1)
-    max_completion_tokens: int | None = None
+    max_completion_tokens: Int64 | None = None
     logprobs: bool = False
-    top_logprobs: int | None = None
+    top_logprobs: Int64 | None = None
     add_generation_prompt: bool = True
     chat_template_kwargs: dict[str, Any] | None = None
     tools: list[dict[str, Any]] | None = None
     tool_choice: str | dict[str, Any] | None = None  # "none" | "auto" | "required" | {"type": "function", ...}
     parallel_tool_calls: bool = True
 
+    @field_validator("chat_template_kwargs", "tools", "tool_choice", mode="before")
+    @classmethod
+    def _shallow_chat(cls, value: Any, info) -> Any:
+        return _check_depth(value, info.field_name)
 
-class TokenizeRequest(OpenAIBase):
+
+class TokenizeRequest(RequestBody):
     model: str | None = None
     prompt: str | None = None
     messages: list[ChatMessage] | None = None
@@ -178,9 +319,9 @@ class TokenizeRequest(OpenAIBase):
     add_generation_prompt: bool = True
 
 
-class DetokenizeRequest(OpenAIBase):
+class DetokenizeRequest(RequestBody):
     model: str | None = None
-    tokens: list[int]
+    tokens: list[Int64]
 
 
 class UsageInfo(BaseModel):
@@ -192,3 +333,58 @@ class UsageInfo(BaseModel):
 
 def now() -> int:
     return int(time.time())
+
+
+# -- validation errors → one readable message -----------------------------------------------------
+# pydantic names a union's member in the error location ('str', 'list[ContentPart]', ...): not a
+# field, so left out of `param`.
+_UNION_TAG = re.compile(r"^[\w-]+\[.*\]$|^(str|int|float|bool|none|bytes|dict|list|any)$|^[A-Z]\w*$")
+_JSON_TYPES = {dict: "an object", list: "an array", str: "a string", int: "a number", float: "a number",
+               bool: "a boolean", type(None): "null"}
+
+
+def _field_path(loc: Sequence[Any]) -> str:
+    """pydantic's error location → the field's dotted path (`messages.0.role`); '' for the body."""
+    parts = [str(x) for x in loc[1:] if not (isinstance(x, str) and _UNION_TAG.match(x))] if loc[:1] == ("body",) \
+        else [str(x) for x in loc]
+    return ".".join(parts)
+
+
+def _body_message(error: dict) -> str:
+    """The message for an error about the body as a whole."""
+    kind, given = error.get("type"), error.get("input")
+    if kind == "missing":
+        return "the request body is missing: send a JSON object"
+    if isinstance(given, (bytes, bytearray)):
+        return "the request body must be a JSON object, sent with Content-Type: application/json"
+    if kind in ("model_attributes_type", "model_type", "dict_type"):
+        return f"the request body must be a JSON object, got {_JSON_TYPES.get(type(given), 'something else')}"
+    return _plain(error["msg"])
+
+
+def _plain(message: str) -> str:
+    return message.removeprefix("Value error, ")
+
+
+def describe_validation_errors(errors: Sequence[dict]) -> tuple[str, str | None]:
+    """FastAPI's / pydantic's errors for a request → (message, param) for one OpenAI-style 400.
+
+    The message names the field and says what it should be; it never carries the input back (a
+    10 MB prompt) nor a Python repr. Of the first field's errors, the most specific (deepest)
+    location is reported; a union's alternatives for it are joined with "or"."""
+    if not errors:
+        return "invalid request", None
+    first = errors[0]
+    if first.get("type") == "json_invalid":
+        where = first["loc"][-1] if isinstance(first["loc"][-1], int) else None
+        detail = (first.get("ctx") or {}).get("error", "JSON decode error")
+        return f"the body is not valid JSON: {detail}" + (f" (at character {where})" if where is not None else ""), None
+    paths = [_field_path(e.get("loc", ())) for e in errors]
+    top = paths[0].split(".")[0]
+    chosen = max((p for p in paths if p.split(".")[0] == top), key=lambda p: p.count(".") + bool(p))
+    if not chosen:
+        return _body_message(first), None
+    messages = list(dict.fromkeys(_plain(e["msg"]) for e, p in zip(errors, paths) if p == chosen))
+    text = " or ".join([messages[0]] + [m.removeprefix("Input should be ") for m in messages[1:3]])
+    named = text.startswith(chosen.rsplit(".", 1)[-1] + " ") or text.startswith(chosen + " ")
+    return (text if named else f"{chosen}: {text}"), chosen

@@ -5,13 +5,13 @@ from __future__ import annotations
 import asyncio
 import logging
 from dataclasses import dataclass, field
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 
 import orjson
 
-from pagoda.engine.async_llm import AsyncLLM
+from pagoda.engine.async_llm import AsyncLLM, EngineUnavailableError, ShuttingDownError
 from pagoda.entrypoints.openai.protocol import (
-    ChatCompletionRequest, CompletionRequest, SamplingFields, UsageInfo, now, random_id,
+    ChatCompletionRequest, ChatMessage, CompletionRequest, SamplingFields, UsageInfo, now, random_id,
 )
 from pagoda.entrypoints.openai.tool_calls import ToolCallStream, ToolChoice, render_messages
 from pagoda.outputs import CompletionOutput, PositionLogprobs, RequestOutput
@@ -34,10 +34,11 @@ class OpenAIError(Exception):
 
 
 def bad_value(e: ValueError) -> OpenAIError:
-    """A ValueError from SamplingParams / the engine names the field as its first word."""
+    """A ValueError from SamplingParams / the engine names the field as its first word (a field
+    name: lower case; "Overflow when unpacking long long" names none)."""
     message = str(e)
     first = message.split(" ", 1)[0]
-    return OpenAIError(message, param=first if first.isidentifier() else None)
+    return OpenAIError(message, param=first if first.isidentifier() and first.islower() else None)
 
 
 def dumps(data) -> bytes:
@@ -53,34 +54,46 @@ def sse(data: dict | str) -> bytes:
 
 
 class Serving:
-    def __init__(self, engine: AsyncLLM, served_model_names: list[str], max_queue_len: int | None = None) -> None:
+    def __init__(self, engine: AsyncLLM, served_model_names: list[str], max_queue_len: int | None = None,
+                 aliases: Sequence[str] = ()) -> None:
         from pagoda.metrics import ServerMetrics
 
         self.engine = engine
         self.metrics = ServerMetrics(engine, served_model_names[0])
         self.tokenizer = engine.engine.tokenizer
         self.model_names = served_model_names
+        # What a request's `model` may say: the served names, then other names of the same model
+        # (a catalog model's name and aliases), in the order the 404 lists them.
+        self.accepted_names = list(dict.fromkeys([*served_model_names, *aliases]))
+        self._max_token_chars: int | None = None
         self.max_model_len = engine.engine.max_model_len
         self.max_queue_len = max_queue_len
+        self.request_timeout: float | None = None  # seconds a request may live (--request-timeout)
 
     # -- shared checks ----------------------------------------------------------------------
     def check_model(self, model: str | None) -> str:
-        if model is None or model in self.model_names:
+        """The served name for a request's `model` (any accepted name; none means the served one)."""
+        if model is None or model in self.accepted_names:
             return self.model_names[0]
-        raise OpenAIError(f"The model `{model}` does not exist.", status=404, type_="NotFoundError",
-                          param="model", code="model_not_found")
+        names = ", ".join(f"`{name}`" for name in self.accepted_names)
+        raise OpenAIError(f"The model `{model}` does not exist. This server serves {names}.", status=404,
+                          type_="NotFoundError", param="model", code="model_not_found")
 
     def check_capacity(self, new_requests: int) -> None:
         if self.max_queue_len is not None and self.engine.num_pending + new_requests > self.max_queue_len:
             raise OpenAIError(f"the server's queue is full ({self.max_queue_len} requests); retry later",
                               status=429, type_="rate_limit_error", code="queue_full", headers={"Retry-After": "1"})
 
-    def max_tokens_for(self, requested: int | None, prompt_len: int) -> int:
+    def max_tokens_for(self, requested: int | None, prompt_len: int, prompt_param: str = "prompt") -> int:
+        """The completion's token budget. A prompt that leaves no room is the prompt's fault (param
+        `prompt`, or `messages` for chat) whatever max_tokens says; max_tokens is named only when
+        the prompt fits but the two together do not."""
         room = self.max_model_len - prompt_len
+        if room < 1:
+            raise OpenAIError(f"This model's maximum context length is {self.max_model_len} tokens. However, "
+                              f"{_subject(prompt_param)} {prompt_len} tokens, leaving no room to generate. Please "
+                              f"shorten the {prompt_param}.", param=prompt_param, code="context_length_exceeded")
         if requested is None:
-            if room < 1:
-                raise OpenAIError(f"This model's maximum context length is {self.max_model_len} tokens. However, "
-                                  f"your prompt has {prompt_len} tokens, leaving no room to generate.", param="prompt")
             return room
         if requested < 1:
             raise OpenAIError(f"max_tokens must be at least 1, got {requested}", param="max_tokens")
@@ -90,6 +103,27 @@ class Serving:
                 f"{prompt_len + requested} tokens ({prompt_len} in the prompt, {requested} in the completion). "
                 "Please reduce the prompt or max_tokens.", param="max_tokens", code="context_length_exceeded")
         return requested
+
+    @property
+    def max_token_chars(self) -> int:
+        """The most characters one token stands for: the longest vocabulary entry (a byte-level
+        entry has one character per byte, so it never covers more characters than its length)."""
+        if self._max_token_chars is None:
+            vocab = self.tokenizer.convert_ids_to_tokens(range(self.tokenizer.vocab_size))
+            self._max_token_chars = max(max(map(len, vocab), default=1), 1)
+        return self._max_token_chars
+
+    def check_prompt_chars(self, num_chars: int, param: str = "prompt") -> None:
+        """Refuse, before tokenizing it, text longer than the whole context could hold even if every
+        token were the longest in the vocabulary: tokenizing a 10 MB prompt held the event loop for
+        ~12 s only to find it too long. Text within the bound costs at most that many characters of
+        tokenizing (3.3k on the tiny test model; ~8k tokens x the longest entry for a real one)."""
+        limit = self.max_model_len * self.max_token_chars
+        if num_chars > limit:
+            raise OpenAIError(f"This model's maximum context length is {self.max_model_len} tokens. However, "
+                              f"{_subject(param)} {num_chars} characters, more than {self.max_model_len} tokens can "
+                              f"hold (at most {limit}). Please shorten the {param}.", param=param,
+                              code="context_length_exceeded")
 
     def params(self, request: SamplingFields, max_tokens: int, logprobs: int | None, prompt_logprobs: int | None = None):
         try:
@@ -111,8 +145,11 @@ class Serving:
                     if out.finished:
                         reason = ",".join(sorted({c.finish_reason or "abort" for c in out.outputs}))
                     await merged.put((i, out))
+            except asyncio.CancelledError:  # the client went away, or the request timed out
+                reason = "abort"
+                raise
             except BaseException as e:  # noqa: BLE001 - forwarded to the consumer
-                reason = "error"
+                reason = "abort" if isinstance(e, ShuttingDownError) else "error"
                 await merged.put((i, e))
             finally:
                 elapsed = tracker.on_finish(reason)
@@ -123,20 +160,30 @@ class Serving:
 
         tasks = [asyncio.create_task(pump(i, ids, p)) for i, (ids, p) in enumerate(zip(prompts, params_list))]
         remaining = len(tasks)
+        deadline = None if self.request_timeout is None else asyncio.get_running_loop().time() + self.request_timeout
         try:
             while remaining:
-                i, item = await merged.get()
+                # Not `asyncio.timeout` around the loop: this generator yields, and a streaming
+                # response's task would be cancelled wherever it is between two chunks.
+                i, item = await (merged.get() if deadline is None else self._before(deadline, merged.get()))
                 if item is None:
                     remaining -= 1
                 elif isinstance(item, BaseException):
-                    if isinstance(item, ValueError):
-                        raise bad_value(item)
-                    raise OpenAIError(str(item), status=503 if not self.engine.healthy else 500, type_="server_error")
+                    raise _as_openai_error(item, self.engine.healthy)
                 else:
                     yield i, item
         finally:
             for t in tasks:
                 t.cancel()
+
+    async def _before(self, deadline: float, waiting):
+        """Await `waiting` until the loop time `deadline` (--request-timeout), else a 504."""
+        try:
+            return await asyncio.wait_for(waiting, max(0.0, deadline - asyncio.get_running_loop().time()))
+        except TimeoutError:
+            raise OpenAIError(f"the request did not finish within the server's request timeout "
+                              f"({self.request_timeout:g} s) and was aborted", status=504, type_="timeout_error",
+                              code="request_timeout", headers={"x-should-retry": "false"}) from None
 
     async def _collect(self, prompts: list[list[int]], params_list, request_id: str, request: SamplingFields):
         """Run prompts to the end (non-streaming). Returns the samples by (prompt index, sample
@@ -163,6 +210,9 @@ class Serving:
             items = p
         else:
             raise OpenAIError("prompt must be a non-empty string, list of strings, or token ids", param="prompt")
+        for item in items:  # every prompt's size before tokenizing any
+            if isinstance(item, str):
+                self.check_prompt_chars(len(item))
         out = []
         for item in items:
             if isinstance(item, str):
@@ -265,26 +315,41 @@ class Serving:
 
     # -- chat -------------------------------------------------------------------------------
     def _chat_prompt(self, request: ChatCompletionRequest, tools: ToolChoice | None) -> list[int]:
-        messages = []
-        for m in request.messages:
-            content = m.content
-            if isinstance(content, list):  # text parts
-                texts = []
-                for part in content:
-                    if part.get("type") != "text":
-                        raise OpenAIError(f"unsupported content part type {part.get('type')!r}; only 'text'", param="messages")
-                    texts.append(part.get("text", ""))
-                content = "".join(texts)
-            message = {"role": m.role, "content": content or ""}
+        messages = self.chat_messages(request.messages)
+        template = self.tokenizer.chat_template or ""
+        try:
+            messages, extra = render_messages(messages, tools, template_takes_tools="tools" in template)
+        except (ValueError, TypeError, KeyError) as e:
+            raise OpenAIError(f"messages cannot be rendered with tools: {e!s}", param="messages") from None
+        return self.encode_chat(messages, request.add_generation_prompt, **{**extra, **(request.chat_template_kwargs or {})})
+
+    def chat_messages(self, messages: list[ChatMessage]) -> list[dict]:
+        """The request's messages as a chat template takes them, text parts joined. 400s name the
+        message: a part that is not text, and (before any template renders them) more messages or
+        more text than the context could hold."""
+        if not messages:
+            raise OpenAIError("messages must have at least one message", param="messages")
+        if len(messages) > self.max_model_len:
+            raise OpenAIError(f"{len(messages)} messages cannot fit in this model's maximum context length of "
+                              f"{self.max_model_len} tokens", param="messages", code="context_length_exceeded")
+        out = []
+        for i, m in enumerate(messages):
+            try:
+                message = {"role": m.role, "content": m.text()}
+            except ValueError as e:
+                raise OpenAIError(f"messages.{i}.content: {e}", param=f"messages.{i}.content") from None
             if m.tool_calls:
-                message["tool_calls"] = m.tool_calls
+                message["tool_calls"] = [call.model_dump(exclude_unset=True) for call in m.tool_calls]
             if m.tool_call_id:
                 message["tool_call_id"] = m.tool_call_id
-            messages.append(message)
-        template = self.tokenizer.chat_template or ""
-        messages, extra = render_messages(messages, tools, template_takes_tools="tools" in template)
+            out.append(message)
+        self.check_prompt_chars(sum(len(m["content"]) for m in out), "messages")
+        return out
+
+    def encode_chat(self, messages: list[dict], add_generation_prompt: bool, **template_kwargs) -> list[int]:
+        """Render the chat template and tokenize; a template that fails on the messages is a 400."""
         try:
-            return self.tokenizer.encode_chat(messages, request.add_generation_prompt, **{**extra, **(request.chat_template_kwargs or {})})
+            return self.tokenizer.encode_chat(messages, add_generation_prompt, **template_kwargs)
         except ValueError as e:
             raise OpenAIError(str(e), param="messages") from None
         except Exception as e:  # jinja TemplateError from raise_exception in the template
@@ -317,7 +382,7 @@ class Serving:
         ids = self._chat_prompt(request, tools)
         if request.top_logprobs is not None and not 0 <= request.top_logprobs <= 20:
             raise OpenAIError(f"top_logprobs must be in [0, 20], got {request.top_logprobs}", param="top_logprobs")
-        max_tokens = self.max_tokens_for(request.max_completion_tokens or request.max_tokens, len(ids))
+        max_tokens = self.max_tokens_for(request.max_completion_tokens or request.max_tokens, len(ids), "messages")
         k = (request.top_logprobs or 0) if request.logprobs else None
         params = self.params(request, max_tokens, k)
         self._constrain_to_tools(params, tools)
@@ -382,6 +447,21 @@ class Serving:
             content.append({"token": chosen.decoded_token, "logprob": chosen.logprob,
                             "bytes": list(chosen.decoded_token.encode()), "top_logprobs": tops})
         return {"content": content}
+
+
+def _subject(param: str) -> str:
+    return "the messages have" if param == "messages" else f"the {param} has"
+
+
+def _as_openai_error(error: BaseException, engine_healthy: bool) -> OpenAIError:
+    """What a request's failure looks like to its client: 400 for bad input, 503 when the engine
+    is gone or the server is stopping, else 500."""
+    if isinstance(error, ValueError):
+        return bad_value(error)
+    if isinstance(error, EngineUnavailableError) or not engine_healthy:
+        code = "shutting_down" if isinstance(error, ShuttingDownError) else "engine_unavailable"
+        return OpenAIError(str(error), status=503, type_="server_error", code=code)
+    return OpenAIError(str(error), status=500, type_="server_error")
 
 
 @dataclass

@@ -1,0 +1,315 @@
+"""Fuzz a pagoda server: schemathesis over every route of its /openapi.json, then typical OpenAI SDK
+calls, then check that nothing was left behind.
+
+    python tools/fuzz_server.py                       # a tiny random model, 300 cases per route and mode
+    python tools/fuzz_server.py --cases 1000 --seed 7
+    python tools/fuzz_server.py --url http://127.0.0.1:8000 --model-name smollm2-135m-instruct
+
+Passes when no request got a 5xx (or no answer), every SDK call did what it should (invalid ones
+raise openai.BadRequestError / NotFoundError), and afterwards the server is idle: no request
+running or waiting, no KV block in use, /health 200. Prints cases per route, statuses seen and
+times. tests/entrypoints/test_fuzz.py runs the same, smaller.
+"""
+
+from __future__ import annotations
+
+import argparse
+import random
+import sys
+import tempfile
+import threading
+import time
+from collections import Counter, defaultdict
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+# Generated bodies may ask for up to n=128 choices of a context's worth of tokens each: valid,
+# but seconds of CPU per case. The fuzz caps what a case may generate (the fields stay present,
+# so their validation is still exercised).
+GENERATION_CAPS = {"n": 2, "max_tokens": 4, "max_completion_tokens": 4, "min_tokens": 2}
+IDLE_METRICS = ("pagoda:num_requests_running", "pagoda:num_requests_waiting", "pagoda:kv_cache_usage_perc")
+
+
+@dataclass
+class FuzzReport:
+    """What a fuzz run saw: cases and statuses per route, the failures, the time taken."""
+
+    cases: Counter = field(default_factory=Counter)
+    statuses: dict[str, Counter] = field(default_factory=lambda: defaultdict(Counter))
+    failures: list[str] = field(default_factory=list)
+    seconds: float = 0.0
+
+    def record(self, route: str, status: int | str, failure: str | None = None) -> None:
+        self.cases[route] += 1
+        self.statuses[route][status] += 1
+        if failure:
+            self.failures.append(f"{route}: {failure}")
+
+    def lines(self) -> list[str]:
+        out = [f"{sum(self.cases.values())} cases in {self.seconds:.1f} s, {len(self.failures)} failures"]
+        for route in sorted(self.cases):
+            seen = ", ".join(f"{s}: {c}" for s, c in sorted(self.statuses[route].items(), key=lambda x: str(x[0])))
+            out.append(f"  {route:32s} {self.cases[route]:5d}   {seen}")
+        return out + [f"  FAIL {f}" for f in self.failures[:20]]
+
+
+def cap_generation(body: Any) -> None:
+    """Lower, in place, the integer fields of a generated body that set how much it generates."""
+    if not isinstance(body, dict):
+        return
+    for name, cap in GENERATION_CAPS.items():
+        value = body.get(name)
+        if type(value) is int and value > cap:
+            body[name] = cap
+
+
+# -- schemathesis ---------------------------------------------------------------------------
+def fuzz_schema(base_url: str, cases_per_operation: int, seed: int | None = None,
+                modes: tuple[str, ...] = ("positive", "negative"), timeout: float = 60.0) -> FuzzReport:
+    """Every operation of the server's /openapi.json, `cases_per_operation` generated cases in
+    each generation mode (schema-valid bodies, then bodies that break the schema). A case fails
+    on a 5xx or on no answer at all. Failing cases are recorded, not shrunk, so a run stays
+    within its case budget."""
+    import requests
+    import schemathesis
+    from hypothesis import HealthCheck, Phase, given, settings
+    from hypothesis import seed as hypothesis_seed
+    from hypothesis.errors import Unsatisfiable
+    from schemathesis import GenerationMode
+
+    schema = schemathesis.openapi.from_url(f"{base_url}/openapi.json")
+    report = FuzzReport()
+    session = requests.Session()
+    start = time.monotonic()
+    for result in schema.get_all_operations():
+        operation = result.ok()
+        route = f"{operation.method.upper()} {operation.path}"
+        for mode in modes:
+            strategy = operation.as_strategy(generation_mode=GenerationMode(mode))
+
+            @settings(max_examples=cases_per_operation, deadline=None, database=None, phases=[Phase.generate],
+                      suppress_health_check=list(HealthCheck), print_blob=False)
+            @given(case=strategy)
+            def run(case) -> None:
+                cap_generation(case.body)
+                try:
+                    response = case.call(base_url=base_url, session=session, timeout=timeout)
+                except requests.RequestException as e:
+                    report.record(route, "no answer", f"{type(e).__name__}: {e} for {_describe(case)}")
+                    return
+                status = response.status_code
+                report.record(route, status, f"{status} {response.text[:300]!r} for {_describe(case)}"
+                              if status >= 500 else None)
+
+            if seed is not None:
+                run = hypothesis_seed(seed)(run)
+            try:
+                run()
+            except Unsatisfiable:  # nothing to break: a GET without parameters has no negative case
+                pass
+    report.seconds = time.monotonic() - start
+    return report
+
+
+def _describe(case) -> str:
+    body = repr(case.body)
+    return f"{case.method} {case.formatted_path} body={body[:300]}{'...' if len(body) > 300 else ''}"
+
+
+# -- the OpenAI SDK's typical bodies ----------------------------------------------------------
+WEATHER_TOOL = {"type": "function", "function": {
+    "name": "get_weather", "description": "Current weather in a city",
+    "parameters": {"type": "object", "properties": {"city": {"type": "string", "maxLength": 12}}, "required": ["city"]}}}
+ASK = [{"role": "user", "content": "Hello there"}]
+
+
+def sdk_cases(model: str) -> list[tuple[str, str, dict, str]]:
+    """(label, endpoint, keyword arguments, expected): expected is "ok", "bad" (400), "missing"
+    (404), or "ok-or-long": ok, or a 400 context_length_exceeded where the model's context cannot
+    hold the prompt (tool definitions make a long one: ~500 tokens on the tiny test model). The
+    valid ones are combinations an OpenAI SDK user writes; the invalid ones the mistakes they make."""
+    ok_completions = [
+        {"prompt": "Once upon a time", "max_tokens": 4},
+        {"prompt": ["Hello", "Paris is"], "max_tokens": 3, "n": 2, "temperature": 0.7, "top_p": 0.9, "seed": 3},
+        {"prompt": "Hi", "max_tokens": 3, "stream": True, "stream_options": {"include_usage": True}},
+        {"prompt": "Hi", "max_tokens": 3, "logprobs": 2, "echo": True},
+        {"prompt": "Hi", "max_tokens": 3, "stop": ["\n", "."], "presence_penalty": 0.5, "frequency_penalty": -0.5,
+         "logit_bias": {"5": -100, "7": 3}, "user": "u-1"},
+        {"prompt": [1, 5, 9], "max_tokens": 3, "temperature": 0},
+        {"prompt": "Hi", "max_tokens": 4, "extra_body": {"top_k": 5, "min_p": 0.1, "repetition_penalty": 1.2,
+                                                          "min_tokens": 2, "ignore_eos": True}},
+        {"prompt": "Pick:", "max_tokens": 4, "extra_body": {"guided_choice": ["yes", "no"]}},
+        {"prompt": "Hi", "max_tokens": 3, "best_of": 1, "suffix": "end"},
+    ]
+    ok_chat = [
+        {"messages": ASK, "max_tokens": 4},
+        {"messages": [{"role": "system", "content": "Be brief."}, *ASK, {"role": "assistant", "content": "Hi!"},
+                      {"role": "user", "content": "Again"}], "max_completion_tokens": 4, "temperature": 0},
+        {"messages": [{"role": "user", "content": [{"type": "text", "text": "Hello"}, {"type": "text", "text": " you"}]}],
+         "max_tokens": 3},
+        {"messages": ASK, "max_tokens": 3, "stream": True, "stream_options": {"include_usage": True}, "n": 2},
+        {"messages": ASK, "max_tokens": 3, "logprobs": True, "top_logprobs": 2, "seed": 1},
+        {"messages": ASK, "max_tokens": 8, "response_format": {"type": "json_object"}},
+        {"messages": ASK, "max_tokens": 8, "response_format": {"type": "json_schema", "json_schema": {
+            "name": "x", "schema": {"type": "object", "properties": {"a": {"type": "integer"}}}}}},
+        {"messages": ASK, "max_tokens": 4, "tools": [WEATHER_TOOL]},
+        {"messages": ASK, "max_tokens": 4, "tools": [WEATHER_TOOL], "tool_choice": "none"},
+        {"messages": ASK, "max_tokens": 24, "tools": [WEATHER_TOOL], "tool_choice": "required",
+         "parallel_tool_calls": False},
+        {"messages": ASK, "max_tokens": 24, "tools": [WEATHER_TOOL], "stream": True,
+         "tool_choice": {"type": "function", "function": {"name": "get_weather"}}},
+        {"messages": [*ASK, {"role": "assistant", "content": None, "tool_calls": [
+            {"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": "{\"city\": \"Oslo\"}"}}]},
+            {"role": "tool", "tool_call_id": "call_1", "content": "sunny"}], "max_tokens": 4, "tools": [WEATHER_TOOL]},
+        {"messages": ASK, "max_tokens": 3, "stop": "x", "presence_penalty": 1, "metadata": {"k": "v"}, "store": False,
+         "service_tier": "auto", "user": "u"},
+        {"messages": [{"role": "developer", "content": "Be brief."}, *ASK], "max_tokens": 3},
+    ]
+    bad_completions = [
+        {"prompt": "Hi", "temperature": -1}, {"prompt": "Hi", "top_p": 2}, {"prompt": "Hi", "n": 0},
+        {"prompt": "Hi", "n": 1000}, {"prompt": "Hi", "max_tokens": 0}, {"prompt": "Hi", "max_tokens": 10**6},
+        {"prompt": "Hi", "logprobs": 50}, {"prompt": "Hi", "stop": [f"s{i}" for i in range(100)]},
+        {"prompt": "Hi", "logit_bias": {str(i): 1 for i in range(2000)}}, {"prompt": "Hi", "logit_bias": {"abc": 1}},
+        {"prompt": "hello " * 2000}, {"prompt": "Hi", "presence_penalty": 5}, {"prompt": "Hi", "seed": 2**70},
+        {"prompt": []}, {"prompt": [[]]}, {"prompt": "Hi", "extra_body": {"guided_regex": "[0-9"}},
+        {"prompt": "Hi", "extra_body": {"top_k": -5}},
+    ]
+    bad_chat = [
+        {"messages": []}, {"messages": [{"role": "bogus", "content": "x"}]},
+        {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "http://x/y.png"}}]}]},
+        {"messages": [{"role": "user", "content": "hello " * 2000}]}, {"messages": ASK, "top_logprobs": 50, "logprobs": True},
+        {"messages": ASK, "response_format": {"type": "json_schema", "json_schema": {"name": "x"}}},
+        {"messages": ASK, "tools": [WEATHER_TOOL], "tool_choice": {"type": "function", "function": {"name": "nope"}}},
+        {"messages": ASK, "tools": [{"type": "function", "function": {}}]},
+        {"messages": ASK, "tool_choice": "required"}, {"messages": ASK, "n": 129}, {"messages": ASK, "max_tokens": 10**6},
+        {"messages": [{"role": "user", "content": 5}]}, {"messages": [{"role": "tool", "content": [{}]}]},
+    ]
+    cases = [(f"completions ok {i}", "completions", {"model": model, **kw}, "ok") for i, kw in enumerate(ok_completions)]
+    cases += [(f"chat ok {i}", "chat", {"model": model, **kw}, "ok-or-long" if "tools" in kw else "ok")
+              for i, kw in enumerate(ok_chat)]
+    cases += [(f"completions bad {i}", "completions", {"model": model, "max_tokens": 3, **kw}, "bad")
+              for i, kw in enumerate(bad_completions)]
+    cases += [(f"chat bad {i}", "chat", {"model": model, "max_tokens": 3, **kw}, "bad") for i, kw in enumerate(bad_chat)]
+    cases += [("unknown model completions", "completions", {"model": "no-such-model", "prompt": "Hi"}, "missing"),
+              ("unknown model chat", "chat", {"model": "no-such-model", "messages": ASK}, "missing")]
+    return cases
+
+
+def run_sdk_cases(base_url: str, model: str) -> FuzzReport:
+    """Each of sdk_cases through the openai package; a case fails if the outcome is not the
+    expected one (a 5xx, a 422, a 400 for a valid call, a success for an invalid one)."""
+    import openai
+
+    client = openai.OpenAI(base_url=f"{base_url}/v1", api_key="unused", max_retries=0, timeout=60)
+    calls: dict[str, Callable[..., Any]] = {"completions": client.completions.create,
+                                             "chat": client.chat.completions.create}
+    expected_error = {"bad": openai.BadRequestError, "missing": openai.NotFoundError}
+    report = FuzzReport()
+    start = time.monotonic()
+    for label, endpoint, kwargs, expected in sdk_cases(model):
+        route = f"sdk {endpoint} {expected}"
+        try:
+            result = calls[endpoint](**kwargs)
+            if kwargs.get("stream"):
+                list(result)
+            ok = expected.startswith("ok")
+            report.record(route, 200, None if ok else f"{label}: succeeded, expected {expected}")
+        except openai.APIStatusError as e:
+            wanted = expected_error.get(expected)
+            too_long = expected == "ok-or-long" and e.status_code == 400 and e.code == "context_length_exceeded"
+            wrong = not too_long and (wanted is None or not isinstance(e, wanted))
+            report.record(route, e.status_code, f"{label}: {e.status_code} {e.message[:200]}" if wrong else None)
+        except openai.APIError as e:
+            report.record(route, "no answer", f"{label}: {type(e).__name__}: {e}")
+    report.seconds = time.monotonic() - start
+    return report
+
+
+# -- afterwards --------------------------------------------------------------------------------
+def scrape(base_url: str) -> dict[str, float]:
+    """The /metrics samples without labels' detail: name → value (the first series of each name)."""
+    values: dict[str, float] = {}
+    for line in httpx.get(f"{base_url}/metrics", timeout=10).text.splitlines():
+        if line and not line.startswith("#"):
+            name, _, value = line.rpartition(" ")
+            values.setdefault(name.split("{", 1)[0], float(value))
+    return values
+
+
+def wait_idle(base_url: str, timeout: float = 30.0) -> dict[str, float]:
+    """Polls /metrics until no request runs or waits and no KV block is in use; returns those
+    gauges. AssertionError with the last values if that does not happen within `timeout`."""
+    deadline = time.monotonic() + timeout
+    while True:
+        values = scrape(base_url)
+        idle = {name: values.get(name) for name in IDLE_METRICS}
+        if all(v == 0 for v in idle.values()):
+            return idle
+        if time.monotonic() > deadline:
+            raise AssertionError(f"the server is not idle {timeout:g} s after the fuzz: {idle}")
+        time.sleep(0.1)
+
+
+def drain_log(proc) -> list[str]:
+    """Read a server subprocess's output on a thread (an unread pipe would fill and block the
+    server); the returned list fills as lines arrive."""
+    lines: list[str] = []
+    threading.Thread(target=lambda: lines.extend(proc.stdout), daemon=True).start()
+    return lines
+
+
+def _start_tiny_server(max_model_len: int, name: str):
+    root = Path(__file__).resolve().parents[1]
+    sys.path.insert(0, str(root / "tests"))
+    from server_process import start_server
+    from tiny_models import make_tiny_hf_model
+
+    model_dir = make_tiny_hf_model("llama", Path(tempfile.mkdtemp(prefix="pagoda-fuzz-")) / "llama")
+    return start_server(model_dir, "--max-model-len", str(max_model_len), name=name)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--url", help="fuzz this running server (default: start one on a tiny random model)")
+    ap.add_argument("--model-name", default="tiny", help="the served model name (for the SDK calls)")
+    ap.add_argument("--cases", type=int, default=300, help="generated cases per route and generation mode")
+    ap.add_argument("--seed", type=int, default=None, help="hypothesis seed (default: random, printed)")
+    ap.add_argument("--modes", default="positive,negative")
+    ap.add_argument("--max-model-len", type=int, default=128, help="context of the started server")
+    args = ap.parse_args(argv)
+    seed = args.seed if args.seed is not None else random.randrange(2**32)
+    proc, log = None, []
+    base = args.url
+    if base is None:
+        started = time.monotonic()
+        proc, base = _start_tiny_server(args.max_model_len, args.model_name)
+        log = drain_log(proc)
+        print(f"server up in {time.monotonic() - started:.1f} s at {base}", flush=True)
+    try:
+        print(f"schemathesis: {args.cases} cases per route and mode ({args.modes}), seed {seed}", flush=True)
+        schema = fuzz_schema(base, args.cases, seed, tuple(args.modes.split(",")))
+        print("\n".join(schema.lines()), flush=True)
+        sdk = run_sdk_cases(base, args.model_name)
+        print("openai SDK calls:\n" + "\n".join(sdk.lines()), flush=True)
+        started = time.monotonic()
+        idle = wait_idle(base)
+        print(f"idle after {time.monotonic() - started:.2f} s: {idle}")
+        health = httpx.get(f"{base}/health", timeout=10).status_code
+        print(f"/health: {health}")
+        ok = not schema.failures and not sdk.failures and health == 200
+    finally:
+        if proc is not None:
+            proc.terminate()
+            proc.wait(timeout=60)
+            tracebacks = sum("Traceback" in line for line in log)
+            print(f"server log: {len(log)} lines, {tracebacks} tracebacks")
+    print("PASS" if ok else "FAIL")
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
