@@ -30,6 +30,8 @@ def test_bad_token_ids_and_empty_prompt(tiny_llm):
 @pytest.mark.parametrize("field,value", [
     ("max_tokens", 0), ("temperature", -1.0), ("top_p", 0.0), ("top_p", 1.5), ("top_k", -2), ("n", 0),
     ("min_p", 2.0), ("presence_penalty", 3.0), ("repetition_penalty", 0.0), ("logprobs", 21), ("stop", [""]),
+    # integers that would overflow the int64 tensors they reach (top_k 2**70 once killed the engine)
+    ("top_k", 2**70), ("seed", 2**64), ("stop_token_ids", [2**63]), ("logit_bias", {2**63: 1.0}),
 ])
 def test_sampling_params_name_the_bad_field(field, value):
     with pytest.raises(ValueError, match=field):
