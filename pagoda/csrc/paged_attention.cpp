@@ -134,41 +134,50 @@ inline void score16(const float* q, int64_t D, const float* kt, int64_t ldk, flo
 }
 #endif
 
+// scores of NQ query vectors against the LANES keys of kt: the 16- or the 8-lane kernel.
+template <int LANES, int NQ>
+inline void score_tile(const float* q, int64_t D, const float* kt, int64_t ldk, float* out, int64_t ldo) {
+#if defined(__AVX512F__)
+  if constexpr (LANES == 16) score16<NQ>(q, D, kt, ldk, out, ldo);
+#endif
+#ifdef PAGODA_AVX2
+  if constexpr (LANES == 8) score8<NQ>(q, D, kt, ldk, out, ldo);
+#endif
+}
+
+// scores of q[0..nq) against the keys j.. of kt, LANES keys at a time (8 queries a kernel call,
+// then the remaining 1-7); returns the first key left over (fewer than LANES remain).
+template <int LANES>
+inline int64_t score_columns(const float* q, int64_t nq, int64_t D, const float* kt, int64_t ldk, int64_t j,
+                             int64_t n, float* out, int64_t ldo) {
+  for (; j + LANES <= n; j += LANES) {
+    int64_t i = 0;
+    for (; i + 8 <= nq; i += 8) score_tile<LANES, 8>(q + i * D, D, kt + j, ldk, out + i * ldo + j, ldo);
+    const float* qi = q + i * D;
+    float* oi = out + i * ldo + j;
+    switch (nq - i) {
+      case 7: score_tile<LANES, 7>(qi, D, kt + j, ldk, oi, ldo); break;
+      case 6: score_tile<LANES, 6>(qi, D, kt + j, ldk, oi, ldo); break;
+      case 5: score_tile<LANES, 5>(qi, D, kt + j, ldk, oi, ldo); break;
+      case 4: score_tile<LANES, 4>(qi, D, kt + j, ldk, oi, ldo); break;
+      case 3: score_tile<LANES, 3>(qi, D, kt + j, ldk, oi, ldo); break;
+      case 2: score_tile<LANES, 2>(qi, D, kt + j, ldk, oi, ldo); break;
+      case 1: score_tile<LANES, 1>(qi, D, kt + j, ldk, oi, ldo); break;
+      default: break;
+    }
+  }
+  return j;
+}
+
 // scores of query vectors q[0..nq) (rows of D) against n keys kt (transposed: kt[d * ldk + j])
 inline void scores_block(const float* q, int64_t nq, int64_t D, const float* kt, int64_t ldk, int64_t n,
                          float* out, int64_t ldo) {
   int64_t j = 0;
 #if defined(__AVX512F__)
-  for (; j + 16 <= n; j += 16) {
-    int64_t i = 0;
-    for (; i + 8 <= nq; i += 8) score16<8>(q + i * D, D, kt + j, ldk, out + i * ldo + j, ldo);
-    switch (nq - i) {
-      case 7: score16<7>(q + i * D, D, kt + j, ldk, out + i * ldo + j, ldo); break;
-      case 6: score16<6>(q + i * D, D, kt + j, ldk, out + i * ldo + j, ldo); break;
-      case 5: score16<5>(q + i * D, D, kt + j, ldk, out + i * ldo + j, ldo); break;
-      case 4: score16<4>(q + i * D, D, kt + j, ldk, out + i * ldo + j, ldo); break;
-      case 3: score16<3>(q + i * D, D, kt + j, ldk, out + i * ldo + j, ldo); break;
-      case 2: score16<2>(q + i * D, D, kt + j, ldk, out + i * ldo + j, ldo); break;
-      case 1: score16<1>(q + i * D, D, kt + j, ldk, out + i * ldo + j, ldo); break;
-      default: break;
-    }
-  }
+  j = score_columns<16>(q, nq, D, kt, ldk, j, n, out, ldo);
 #endif
 #ifdef PAGODA_AVX2
-  for (; j + 8 <= n; j += 8) {
-    int64_t i = 0;
-    for (; i + 8 <= nq; i += 8) score8<8>(q + i * D, D, kt + j, ldk, out + i * ldo + j, ldo);
-    switch (nq - i) {
-      case 7: score8<7>(q + i * D, D, kt + j, ldk, out + i * ldo + j, ldo); break;
-      case 6: score8<6>(q + i * D, D, kt + j, ldk, out + i * ldo + j, ldo); break;
-      case 5: score8<5>(q + i * D, D, kt + j, ldk, out + i * ldo + j, ldo); break;
-      case 4: score8<4>(q + i * D, D, kt + j, ldk, out + i * ldo + j, ldo); break;
-      case 3: score8<3>(q + i * D, D, kt + j, ldk, out + i * ldo + j, ldo); break;
-      case 2: score8<2>(q + i * D, D, kt + j, ldk, out + i * ldo + j, ldo); break;
-      case 1: score8<1>(q + i * D, D, kt + j, ldk, out + i * ldo + j, ldo); break;
-      default: break;
-    }
-  }
+  j = score_columns<8>(q, nq, D, kt, ldk, j, n, out, ldo);
 #endif
   for (; j < n; ++j)
     for (int64_t i = 0; i < nq; ++i) {
