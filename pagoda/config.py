@@ -8,10 +8,10 @@ from pathlib import Path
 
 import torch
 
+from pagoda.loader.catalog import DEFAULT_MODEL  # noqa: F401 - the engine's default, re-exported
 from pagoda.loader.resolve import ModelFiles, resolve_model
 from pagoda.platform import default_device, resolve_dtype
 
-DEFAULT_MODEL = "smollm2-135m-instruct"
 DEFAULT_KV_CACHE_GIB = 2.0
 # EngineArgs.deterministic when not given. Off: measured on SmolLM2 fp32 (2 threads, AVX-512), it
 # cost 10-12 % of offline throughput (64 x 128/128 tokens) and up to ~30 % of a long (2048-token)

@@ -13,7 +13,7 @@ class RequestOutputKind(IntEnum):
 
 
 _GREEDY_EPS = 1e-5
-_INT64_MAX = 2**63 - 1  # integers that reach int64 tensors (top_k, token ids) must fit
+INT64_MAX = 2**63 - 1  # integers that reach int64 tensors (top_k, token ids) must fit
 
 
 @dataclass
@@ -110,7 +110,7 @@ class SamplingParams:
         _check_number(self.temperature, "temperature", lo=0.0)
         _check_number(self.top_p, "top_p", lo=0.0, hi=1.0)
         _check(self.top_p > 0.0, "top_p", f"must be in (0, 1], got {self.top_p}")
-        _check(isinstance(self.top_k, int) and -1 <= self.top_k <= _INT64_MAX, "top_k",
+        _check(isinstance(self.top_k, int) and -1 <= self.top_k <= INT64_MAX, "top_k",
                f"must be -1, 0 (off) or a positive integer (int64), got {self.top_k!r}")
         _check_number(self.min_p, "min_p", lo=0.0, hi=1.0)
         _check_number(self.presence_penalty, "presence_penalty", lo=-2.0, hi=2.0)
@@ -126,7 +126,7 @@ class SamplingParams:
         if self.max_tokens is not None:
             _check(self.min_tokens <= self.max_tokens, "min_tokens", f"must be <= max_tokens={self.max_tokens}, got {self.min_tokens}")
         _check(all(isinstance(s, str) and s for s in self.stop), "stop", "must be non-empty strings")
-        _check(all(isinstance(t, int) and 0 <= t <= _INT64_MAX for t in self.stop_token_ids), "stop_token_ids",
+        _check(all(isinstance(t, int) and 0 <= t <= INT64_MAX for t in self.stop_token_ids), "stop_token_ids",
                "must be non-negative integers (int64)")
         for name in ("logprobs", "prompt_logprobs"):
             value = getattr(self, name)
@@ -135,7 +135,7 @@ class SamplingParams:
         if self.logit_bias is not None:
             _check(isinstance(self.logit_bias, dict), "logit_bias", "must map token ids to biases")
             for tok, bias in self.logit_bias.items():
-                _check(isinstance(tok, int) and 0 <= tok <= _INT64_MAX, "logit_bias", f"keys must be token ids, got {tok!r}")
+                _check(isinstance(tok, int) and 0 <= tok <= INT64_MAX, "logit_bias", f"keys must be token ids, got {tok!r}")
                 _check_number(bias, "logit_bias", lo=-100.0, hi=100.0)
         if self.structured_outputs is not None:
             _check(isinstance(self.structured_outputs, StructuredOutputsParams), "structured_outputs",

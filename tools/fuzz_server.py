@@ -27,11 +27,12 @@ from typing import Any
 
 import httpx
 
+from pagoda.bench.servers import IDLE_METRICS, wait_idle
+
 # Generated bodies may ask for up to n=128 choices of a context's worth of tokens each: valid,
 # but seconds of CPU per case. The fuzz caps what a case may generate (the fields stay present,
 # so their validation is still exercised).
 GENERATION_CAPS = {"n": 2, "max_tokens": 4, "max_completion_tokens": 4, "min_tokens": 2}
-IDLE_METRICS = ("pagoda:num_requests_running", "pagoda:num_requests_waiting", "pagoda:kv_cache_usage_perc")
 
 
 @dataclass
@@ -230,30 +231,6 @@ def run_sdk_cases(base_url: str, model: str) -> FuzzReport:
 
 
 # -- afterwards --------------------------------------------------------------------------------
-def scrape(base_url: str) -> dict[str, float]:
-    """The /metrics samples without labels' detail: name → value (the first series of each name)."""
-    values: dict[str, float] = {}
-    for line in httpx.get(f"{base_url}/metrics", timeout=10).text.splitlines():
-        if line and not line.startswith("#"):
-            name, _, value = line.rpartition(" ")
-            values.setdefault(name.split("{", 1)[0], float(value))
-    return values
-
-
-def wait_idle(base_url: str, timeout: float = 30.0) -> dict[str, float]:
-    """Polls /metrics until no request runs or waits and no KV block is in use; returns those
-    gauges. AssertionError with the last values if that does not happen within `timeout`."""
-    deadline = time.monotonic() + timeout
-    while True:
-        values = scrape(base_url)
-        idle = {name: values.get(name) for name in IDLE_METRICS}
-        if all(v == 0 for v in idle.values()):
-            return idle
-        if time.monotonic() > deadline:
-            raise AssertionError(f"the server is not idle {timeout:g} s after the fuzz: {idle}")
-        time.sleep(0.1)
-
-
 def drain_log(proc) -> list[str]:
     """Read a server subprocess's output on a thread (an unread pipe would fill and block the
     server); the returned list fills as lines arrive."""
@@ -296,8 +273,8 @@ def main(argv: list[str] | None = None) -> int:
         sdk = run_sdk_cases(base, args.model_name)
         print("openai SDK calls:\n" + "\n".join(sdk.lines()), flush=True)
         started = time.monotonic()
-        idle = wait_idle(base)
-        print(f"idle after {time.monotonic() - started:.2f} s: {idle}")
+        metrics = wait_idle(base, timeout=30)
+        print(f"idle after {time.monotonic() - started:.2f} s: {({name: metrics.get(name, 0.0) for name in IDLE_METRICS})}")
         health = httpx.get(f"{base}/health", timeout=10).status_code
         print(f"/health: {health}")
         ok = not schema.failures and not sdk.failures and health == 200

@@ -61,3 +61,39 @@ def running(cmd: list[str], port: int, *, ready_path: str = "/v1/models", timeou
             except subprocess.TimeoutExpired:
                 proc.kill()
                 proc.wait()
+
+
+# The gauges that say a server is idle: no request running or waiting, no KV block held by one.
+IDLE_METRICS = ("pagoda:num_requests_running", "pagoda:num_requests_waiting", "pagoda:kv_cache_usage_perc")
+
+
+def scrape_metrics(base_url: str) -> dict[str, float]:
+    """A pagoda server's `pagoda:` samples of /metrics, summed over labels except the finish
+    reason, which is kept as a suffix (`pagoda:request_success_total:abort`); histogram buckets
+    and `_created` timestamps are left out."""
+    out: dict[str, float] = {}
+    for line in httpx.get(f"{base_url}/metrics", timeout=30).text.splitlines():
+        if not line.startswith("pagoda:"):
+            continue
+        head, value = line.rsplit(" ", 1)
+        name = head.split("{")[0]
+        if "finished_reason=" in head:
+            name += ":" + head.split('finished_reason="')[1].split('"')[0]
+        if name.endswith(("_bucket", "_created")):
+            continue
+        out[name] = out.get(name, 0.0) + float(value)
+    return out
+
+
+def wait_idle(base_url: str, timeout: float = 60.0) -> dict[str, float]:
+    """Poll /metrics until the server is idle (IDLE_METRICS all 0); returns the metrics then.
+    TimeoutError with those gauges if it is not idle within `timeout` seconds."""
+    deadline = time.monotonic() + timeout
+    while True:
+        metrics = scrape_metrics(base_url)
+        idle = {name: metrics.get(name, 0.0) for name in IDLE_METRICS}
+        if not any(idle.values()):
+            return metrics
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"the server is not idle after {timeout:g} s: {idle}")
+        time.sleep(0.05)

@@ -22,6 +22,8 @@ from pathlib import Path
 
 import httpx
 
+from pagoda.bench.servers import wait_idle
+
 KINDS = ("completion", "chat_stream", "dropped_stream", "structured", "n2", "cached", "invalid")
 _WEIGHTS = (3, 3, 2, 1, 1, 3, 1)
 _SHARED_PREFIX = "You are a helpful assistant. Answer briefly."
@@ -66,22 +68,6 @@ class SoakReport:
             "rss_slope_bytes_per_request": round(self.rss_slope_bytes_per_request(), 1),
             "metrics_delta": {k: self.delta(k) for k in sorted(self.metrics_after)},
         }
-
-
-def scrape(base_url: str) -> dict[str, float]:
-    """`pagoda:` samples of /metrics, summed over labels except finished_reason."""
-    out: dict[str, float] = {}
-    for line in httpx.get(f"{base_url}/metrics", timeout=30).text.splitlines():
-        if not line.startswith("pagoda:") or line.startswith("#"):
-            continue
-        head, value = line.rsplit(" ", 1)
-        name = head.split("{")[0]
-        if "finished_reason=" in head:
-            name += ":" + head.split('finished_reason="')[1].split('"')[0]
-        if name.endswith(("_bucket", "_created")):
-            continue
-        out[name] = out.get(name, 0.0) + float(value)
-    return out
 
 
 def rss_bytes(pids: list[int]) -> int:
@@ -167,19 +153,6 @@ async def _run(base_url: str, requests: int, concurrency: int, seed: int, model:
                     report.rss_samples.append((done, rss_bytes(pids)))
 
     await asyncio.gather(*(worker() for _ in range(concurrency)))
-
-
-def wait_idle(base_url: str, timeout: float = 60.0) -> dict[str, float]:
-    """The metrics once nothing runs, waits or holds a KV block (raises after `timeout`)."""
-    deadline = time.monotonic() + timeout
-    while True:
-        m = scrape(base_url)
-        if (m.get("pagoda:num_requests_running", 0) == 0 and m.get("pagoda:num_requests_waiting", 0) == 0
-                and m.get("pagoda:kv_cache_usage_perc", 0) == 0):
-            return m
-        if time.monotonic() > deadline:
-            raise RuntimeError(f"the server did not become idle: {m}")
-        time.sleep(0.1)
 
 
 def soak(base_url: str, requests: int, *, concurrency: int = 16, seed: int = 0, model: str | None = None,

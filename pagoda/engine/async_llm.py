@@ -135,15 +135,11 @@ class AsyncLLM:
     def abort_all(self, error: BaseException) -> int:
         """End every request in flight with `error` (raised in its consumer) and free its KV
         blocks; returns how many were ended. Call on the event loop (shutdown's drain deadline)."""
-        ended = 0
-        for rid, stream in list(self._streams.items()):
-            core_ids = self.output_processor.core_ids(rid)
-            self.output_processor.abort_request(rid)
-            if core_ids:
-                self.client.finish(core_ids, RequestStatus.FINISHED_ABORTED)
+        streams = list(self._streams.items())
+        for rid, stream in streams:
+            self._abort(rid)
             stream.put_nowait(error)
-            ended += 1
-        return ended
+        return len(streams)
 
     # -- called from the client's background thread ------------------------------------------
     def _from_core(self, outputs: list[EngineCoreOutput]) -> None:

@@ -190,7 +190,7 @@ class ProcessCoreClient(_InboxClient):
 
         reader = self._outbox._reader  # noqa: SLF001 - the queue's pipe, to wait on it with the sentinel
         while True:
-            if not self._outbox.empty() or wait([reader, self._proc.sentinel], timeout=1.0):
+            if wait([reader, self._proc.sentinel], timeout=1.0):
                 try:
                     kind, payload, stats = self._outbox.get(timeout=0.05)
                 except queue.Empty:

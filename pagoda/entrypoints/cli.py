@@ -14,10 +14,8 @@ import uuid
 from collections.abc import Callable
 
 from pagoda import __version__
+from pagoda.loader.catalog import DEFAULT_MODEL  # not from pagoda.config, which imports torch (~1.5 s)
 
-# pagoda.config.DEFAULT_MODEL, repeated because pagoda.config imports torch (~1.5 s);
-# tests/entrypoints/test_cli.py checks the two agree.
-DEFAULT_MODEL = "smollm2-135m-instruct"
 LOG_LEVELS = ["debug", "info", "warning", "error"]
 DEFAULT_LOG_LEVEL = "warning"
 

@@ -64,6 +64,8 @@ _GEMMA_PARTS = tuple(
     for i in range(4)
 )
 
+DEFAULT_MODEL = "smollm2-135m-instruct"  # what `--model` / LLM() serve when not told (a catalog name)
+
 CATALOG: tuple[CatalogEntry, ...] = (
     CatalogEntry(
         name="smollm2-135m-instruct",

@@ -16,6 +16,7 @@ from pathlib import Path
 import httpx
 import pytest
 
+from pagoda.bench.servers import IDLE_METRICS, wait_idle
 from server_process import start_server
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "tools"))
@@ -38,8 +39,8 @@ def server(tiny_llama):
 
 
 def _assert_idle_and_healthy(base: str) -> None:
-    idle = fuzz_server.wait_idle(base, timeout=30)
-    assert idle == {name: 0 for name in fuzz_server.IDLE_METRICS}
+    metrics = wait_idle(base, timeout=30)
+    assert {name: metrics.get(name, 0.0) for name in IDLE_METRICS} == {name: 0 for name in IDLE_METRICS}
     assert httpx.get(f"{base}/health", timeout=10).status_code == 200
 
 

@@ -18,6 +18,7 @@ from pathlib import Path
 import httpx
 import pytest
 
+from pagoda.bench.servers import scrape_metrics, wait_idle
 from server_process import engine_pids, start_server
 
 LONG = 15000  # tokens: minutes of work on the tiny model, so only an abort ends it early
@@ -45,17 +46,10 @@ def server(long_model):
     _stop(proc)
 
 
-def metric(base: str, name: str, **labels: str) -> float:
-    """The summed value of a Prometheus sample (`pagoda:` prefix implied) matching the labels."""
-    total = 0.0
-    for line in httpx.get(f"{base}/metrics", timeout=10).text.splitlines():
-        if not line.startswith(f"pagoda:{name}"):
-            continue
-        head, value = line.rsplit(" ", 1)
-        if head.split("{")[0] != f"pagoda:{name}" or not all(f'{k}="{v}"' in head for k, v in labels.items()):
-            continue
-        total += float(value)
-    return total
+def metric(base: str, name: str) -> float:
+    """One `pagoda:` metric of the server, summed over labels (`request_success_total:abort`: by
+    finish reason); 0 for one not reported yet."""
+    return scrape_metrics(base).get(f"pagoda:{name}", 0.0)
 
 
 def wait_for(predicate, timeout: float = 60.0, what: str = "condition"):
@@ -66,12 +60,6 @@ def wait_for(predicate, timeout: float = 60.0, what: str = "condition"):
             return value
         time.sleep(0.05)
     raise AssertionError(f"timed out waiting for {what}")
-
-
-def wait_idle(base: str) -> None:
-    """No request running or waiting, and no KV block held by a request."""
-    wait_for(lambda: metric(base, "num_requests_running") == 0 and metric(base, "num_requests_waiting") == 0
-             and metric(base, "kv_cache_usage_perc") == 0, what="the engine to be idle")
 
 
 class Response:
@@ -156,8 +144,8 @@ def _long_chat(n: int = 1) -> dict:
 def test_disconnect_aborts_and_frees_blocks(server, path, body, stream):
     wait_idle(server)
     generated = metric(server, "generation_tokens_total")
-    aborts = metric(server, "request_success_total", finished_reason="abort")
-    errors = metric(server, "request_success_total", finished_reason="error")
+    aborts = metric(server, "request_success_total:abort")
+    errors = metric(server, "request_success_total:error")
     request = Background(server, path, body, stream=stream)
     wait_for(lambda: metric(server, "num_requests_running") == body["n"], what="the request to run")
     request.close()
@@ -165,8 +153,8 @@ def test_disconnect_aborts_and_frees_blocks(server, path, body, stream):
     request.join()
     assert metric(server, "generation_tokens_total") - generated < LONG, "the request ran on instead of stopping"
     # Each prompt of the request is one abort, never an error.
-    assert metric(server, "request_success_total", finished_reason="abort") == aborts + 1
-    assert metric(server, "request_success_total", finished_reason="error") == errors
+    assert metric(server, "request_success_total:abort") == aborts + 1
+    assert metric(server, "request_success_total:error") == errors
 
 
 def test_server_serves_others_after_disconnects(server):

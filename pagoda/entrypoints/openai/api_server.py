@@ -47,8 +47,7 @@ def build_app(engine: AsyncLLM, served_model_names: list[str], *, api_key: str |
               request_timeout: float | None = None, max_body_bytes: int = MAX_BODY_BYTES) -> FastAPI:
     app = FastAPI(title="pagoda", version=__version__, default_response_class=FastJSONResponse)
     serving = Serving(engine, served_model_names, max_queue_len,
-                      aliases=_catalog_aliases(model_root, served_model_names))
-    serving.request_timeout = request_timeout
+                      aliases=_catalog_aliases(model_root, served_model_names), request_timeout=request_timeout)
     app.state.serving = serving
     app.state.lifecycle = lifecycle = Lifecycle()
 

@@ -10,7 +10,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, PlainValidator, field_validator
 
-from pagoda.sampling_params import SamplingParams, StructuredOutputsParams
+from pagoda.sampling_params import INT64_MAX, SamplingParams, StructuredOutputsParams
 from pagoda.structured_output.grammar import validate_structured_outputs
 
 # -- limits -------------------------------------------------------------------------------------
@@ -24,7 +24,6 @@ MAX_PROMPTS = 2048  # prompts in one completions request (as OpenAI bounds an em
 # Nesting of the free-form JSON values (schemas, tools, template arguments), which reach
 # recursive code: the grammar compiler, the chat template. Typed fields are bounded by their type.
 MAX_DEPTH = 64
-INT64_MAX = 2**63 - 1
 
 # Every integer field: the engine puts these in int64 tensors (a larger top_k overflowed there).
 Int64 = Annotated[int, Field(ge=-INT64_MAX - 1, le=INT64_MAX)]

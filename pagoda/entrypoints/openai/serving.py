@@ -55,7 +55,7 @@ def sse(data: dict | str) -> bytes:
 
 class Serving:
     def __init__(self, engine: AsyncLLM, served_model_names: list[str], max_queue_len: int | None = None,
-                 aliases: Sequence[str] = ()) -> None:
+                 aliases: Sequence[str] = (), request_timeout: float | None = None) -> None:
         from pagoda.metrics import ServerMetrics
 
         self.engine = engine
@@ -68,7 +68,7 @@ class Serving:
         self._max_token_chars: int | None = None
         self.max_model_len = engine.engine.max_model_len
         self.max_queue_len = max_queue_len
-        self.request_timeout: float | None = None  # seconds a request may live (--request-timeout)
+        self.request_timeout = request_timeout  # seconds a request may live (--request-timeout)
 
     # -- shared checks ----------------------------------------------------------------------
     def check_model(self, model: str | None) -> str:
