@@ -1,13 +1,16 @@
-"""Engine configuration: what the user asks for (EngineArgs) and what it resolves to (EngineConfig)."""
+"""Engine configuration: what the user asks for (EngineArgs, in pagoda/engine_args.py) resolved against
+the model and the device into what the engine runs with (EngineConfig)."""
 
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass, field
+import os
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
+from pagoda.engine_args import EngineArgs  # also re-exported: most callers import it from here
 from pagoda.loader.catalog import DEFAULT_MODEL  # noqa: F401 - the engine's default, re-exported
 from pagoda.loader.resolve import ModelFiles, resolve_model
 from pagoda.platform import default_device, resolve_dtype
@@ -47,6 +50,26 @@ class CacheConfig:
 class SchedulerConfig:
     max_num_seqs: int = 256
     max_num_batched_tokens: int = 2048
+    aging_seconds: float = 30.0  # waiting this long raises a request's effective priority by one level; 0: off
+    admission_pressure_threshold: float = 0.9  # KV pressure above which admission keeps a block per running request
+    short_chunk_tokens: int = 32  # a prefill chunk this short over a cached prefix runs through the paged decode kernel
+
+
+@dataclass(frozen=True)
+class ParallelConfig:
+    """How the model is sharded over ranks (EngineArgs' parallel knobs, resolved)."""
+
+    tensor_parallel_size: int = 1
+    backend: str = "uni"  # uni (one rank, in this process), mp (worker processes) or ray
+    nnodes: int = 1
+    node_rank: int = 0
+    master_addr: str = "127.0.0.1"
+    master_port: int | None = None  # None: a free port, chosen at start-up
+    timeout_seconds: float = 60.0  # a collective that takes longer fails the engine
+
+    @property
+    def world_size(self) -> int:
+        return self.tensor_parallel_size
 
 
 @dataclass(frozen=True)
@@ -54,104 +77,110 @@ class EngineConfig:
     model: ModelConfig
     cache: CacheConfig
     scheduler: SchedulerConfig
+    parallel: ParallelConfig = ParallelConfig()
     seed: int = 0
     enforce_eager: bool = False
     compile: bool = False  # torch.compile the model between attention layers (see worker/compiled.py)
     deterministic: bool = False  # batch-invariant kernels and layout (see EngineArgs.deterministic)
 
 
-@dataclass
-class EngineArgs:
-    """The knobs of `LLM(...)` and `pagoda serve`, named as in vLLM."""
+def create_engine_config(args: EngineArgs) -> EngineConfig:
+    """Resolve `args` against the model's config and the device (EngineArgs.create_engine_config)."""
+    from pagoda.models.registry import resolve_architecture
 
-    model: str = DEFAULT_MODEL
-    dtype: str = "auto"
-    max_model_len: int | None = None
-    max_num_seqs: int = 256
-    max_num_batched_tokens: int = 2048
-    block_size: int = 16
-    kv_cache_memory: float | None = None  # GiB (CPU)
-    gpu_memory_utilization: float = 0.9
-    seed: int = 0
-    chat_template: str | None = None
-    enforce_eager: bool = False
-    # torch.compile the model (off by default: on this project's 2-core AVX2 CPU it measured no
-    # faster and costs ~70 s of compilation; see benchmarks/README.md). enforce_eager wins.
-    compile: bool = False
-    enable_prefix_caching: bool = True
-    device: str | None = None
-    quantization: str | None = None  # none | int8 | int4 | gguf (weight-only, CPU kernels)
-    # Deterministic (batch-invariant) inference: a request's tokens and logprobs do not depend on
-    # whether its prefix was cached, how its prompt was chunked, or what else is in the batch
-    # (docs/architecture.md, "Sampling and determinism"). It holds for float32 on the CPU with
-    # pagoda's kernels, without --compile. None = DETERMINISTIC_DEFAULT (off: it cost 10-12 % of
-    # offline throughput, up to ~30 % of prefill time, benchmarks/README.md "Deterministic inference")
-    deterministic: bool | None = None
-    extra: dict = field(default_factory=dict)
+    args._validate()
+    device = torch.device(args.device) if args.device else default_device()
+    files = resolve_model(args.model)
+    hf_config = files.hf_config()
+    architecture, _ = resolve_architecture(hf_config)
+    dtype = resolve_dtype(args.dtype, device)
+    model_max = int(hf_config.get("max_position_embeddings") or 2048)
+    if args.max_model_len is not None and args.max_model_len > model_max:
+        raise ValueError(f"max_model_len={args.max_model_len} is larger than the model's context ({model_max})")
+    parallel = _parallel_config(args)
+    check_tensor_parallel(parallel.tensor_parallel_size, hf_config)
+    chat_template = _read_template(args.chat_template)
+    quantization = _check_quantization(args.quantization, files, device)
+    if quantization is not None:
+        from pagoda.loader.model_loader import QUANTIZATION_KEY
 
-    def create_engine_config(self) -> EngineConfig:
-        from pagoda.models.registry import resolve_architecture
+        hf_config = {**hf_config, QUANTIZATION_KEY: quantization}  # how load_model receives it
+    deterministic = _resolve_deterministic(args, device, dtype)
+    if deterministic:
+        from pagoda.forward_context import DETERMINISTIC_KEY
 
-        self._validate()
-        device = torch.device(self.device) if self.device else default_device()
-        files = resolve_model(self.model)
-        hf_config = files.hf_config()
-        architecture, _ = resolve_architecture(hf_config)
-        dtype = resolve_dtype(self.dtype, device)
-        model_max = int(hf_config.get("max_position_embeddings") or 2048)
-        if self.max_model_len is not None and self.max_model_len > model_max:
-            raise ValueError(f"max_model_len={self.max_model_len} is larger than the model's context ({model_max})")
-        chat_template = _read_template(self.chat_template)
-        quantization = _check_quantization(self.quantization, files, device)
-        if quantization is not None:
-            from pagoda.loader.model_loader import QUANTIZATION_KEY
+        hf_config = {**hf_config, DETERMINISTIC_KEY: True}  # how the model runner receives it
+    return EngineConfig(
+        model=ModelConfig(files, hf_config, architecture, dtype, device, args.max_model_len or model_max,
+                          chat_template, quantization),
+        cache=CacheConfig(args.block_size, args.kv_cache_memory, args.gpu_memory_utilization, args.enable_prefix_caching),
+        scheduler=SchedulerConfig(args.max_num_seqs, args.max_num_batched_tokens, args.aging_seconds,
+                                  args.admission_pressure_threshold, args.short_chunk_tokens),
+        parallel=parallel,
+        seed=args.seed,
+        enforce_eager=args.enforce_eager,
+        compile=args.compile and not args.enforce_eager,
+        deterministic=deterministic,
+    )
 
-            hf_config = {**hf_config, QUANTIZATION_KEY: quantization}  # how load_model receives it
-        deterministic = self._resolve_deterministic(device, dtype)
-        if deterministic:
-            from pagoda.forward_context import DETERMINISTIC_KEY
 
-            hf_config = {**hf_config, DETERMINISTIC_KEY: True}  # how the model runner receives it
-        return EngineConfig(
-            model=ModelConfig(files, hf_config, architecture, dtype, device, self.max_model_len or model_max,
-                              chat_template, quantization),
-            cache=CacheConfig(self.block_size, self.kv_cache_memory, self.gpu_memory_utilization, self.enable_prefix_caching),
-            scheduler=SchedulerConfig(self.max_num_seqs, self.max_num_batched_tokens),
-            seed=self.seed,
-            enforce_eager=self.enforce_eager,
-            compile=self.compile and not self.enforce_eager,
-            deterministic=deterministic,
+def _parallel_config(args: EngineArgs) -> ParallelConfig:
+    """The parallel knobs resolved: the backend from the size, the rendezvous from the environment
+    where the flags leave it open (the port stays None: chosen free at start-up)."""
+    tp = args.tensor_parallel_size
+    port = args.master_port
+    if port is None and os.environ.get("MASTER_PORT"):
+        port = _env_port(os.environ["MASTER_PORT"])
+    return ParallelConfig(
+        tensor_parallel_size=tp,
+        backend=args.distributed_executor_backend or ("uni" if tp == 1 else "mp"),
+        nnodes=args.nnodes,
+        node_rank=args.node_rank,
+        master_addr=args.master_addr or os.environ.get("MASTER_ADDR") or "127.0.0.1",
+        master_port=port,
+        timeout_seconds=args.distributed_timeout_seconds,
+    )
+
+
+def _env_port(value: str) -> int:
+    if not value.isdigit() or not 0 < int(value) < 65536:
+        raise ValueError(f"MASTER_PORT must be a port number in [1, 65535], got {value!r}")
+    return int(value)
+
+
+def check_tensor_parallel(tp: int, hf_config: dict) -> None:
+    """Each rank holds 1/tp of the attention heads and of the MLP; KV heads are split, or
+    replicated when there are fewer of them than ranks."""
+    if tp == 1:
+        return
+    heads = hf_config["num_attention_heads"]
+    kv_heads = hf_config.get("num_key_value_heads") or heads
+    intermediate = hf_config["intermediate_size"]
+    if heads % tp:
+        raise ValueError(f"tensor_parallel_size={tp} must divide the model's {heads} attention heads")
+    if intermediate % tp:
+        raise ValueError(f"tensor_parallel_size={tp} must divide the model's intermediate_size={intermediate}")
+    if kv_heads % tp and tp % kv_heads:
+        raise ValueError(f"tensor_parallel_size={tp} must divide the model's {kv_heads} key-value heads, "
+                         "or be a multiple of them")
+
+
+def _resolve_deterministic(args: EngineArgs, device: torch.device, dtype: torch.dtype) -> bool:
+    """Where batch invariance holds: float32 on the CPU, through pagoda's C++ kernels, without
+    torch.compile (inductor's own kernels are not batch-invariant). Asked for elsewhere, it is
+    honoured as far as it goes (on the CPU every row attends through the paged kernel; on CUDA
+    nothing changes), with a warning."""
+    compiled = args.compile and not args.enforce_eager
+    holds = device.type == "cpu" and dtype == torch.float32 and not compiled  # the kernels: see ModelRunner
+    if args.deterministic is None:
+        return holds and DETERMINISTIC_DEFAULT
+    if args.deterministic and not holds:
+        _warn_once(
+            "deterministic=True: batch invariance is guaranteed only for float32 on the CPU with pagoda's "
+            f"C++ kernels and without --compile (here: device={device.type}, dtype={dtype}, compile={compiled}); "
+            "results may still depend on the batch and on prefix caching"
         )
-
-    def _resolve_deterministic(self, device: torch.device, dtype: torch.dtype) -> bool:
-        """Where batch invariance holds: float32 on the CPU, through pagoda's C++ kernels, without
-        torch.compile (inductor's own kernels are not batch-invariant). Asked for elsewhere, it is
-        honoured as far as it goes (on the CPU every row attends through the paged kernel; on CUDA
-        nothing changes), with a warning."""
-        compiled = self.compile and not self.enforce_eager
-        holds = device.type == "cpu" and dtype == torch.float32 and not compiled  # the kernels: see ModelRunner
-        if self.deterministic is None:
-            return holds and DETERMINISTIC_DEFAULT
-        if self.deterministic and not holds:
-            _warn_once(
-                "deterministic=True: batch invariance is guaranteed only for float32 on the CPU with pagoda's "
-                f"C++ kernels and without --compile (here: device={device.type}, dtype={dtype}, compile={compiled}); "
-                "results may still depend on the batch and on prefix caching"
-            )
-        return bool(self.deterministic)
-
-    def _validate(self) -> None:
-        checks = [
-            (self.max_num_seqs >= 1, "max_num_seqs", "must be >= 1"),
-            (self.max_num_batched_tokens >= 1, "max_num_batched_tokens", "must be >= 1"),
-            (self.block_size in (8, 16, 32, 64, 128), "block_size", "must be one of 8, 16, 32, 64, 128"),
-            (self.kv_cache_memory is None or self.kv_cache_memory > 0, "kv_cache_memory", "must be > 0 GiB"),
-            (0 < self.gpu_memory_utilization <= 1, "gpu_memory_utilization", "must be in (0, 1]"),
-            (self.max_model_len is None or self.max_model_len >= 1, "max_model_len", "must be >= 1"),
-        ]
-        for ok, name, message in checks:
-            if not ok:
-                raise ValueError(f"{name} {message}, got {getattr(self, name)!r}")
+    return bool(args.deterministic)
 
 
 _warned: set[str] = set()

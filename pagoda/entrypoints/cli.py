@@ -14,7 +14,7 @@ import uuid
 from collections.abc import Callable
 
 from pagoda import __version__
-from pagoda.loader.catalog import DEFAULT_MODEL  # not from pagoda.config, which imports torch (~1.5 s)
+from pagoda.engine_args import EngineArgs  # not from pagoda.config, which imports torch (~1.5 s)
 
 LOG_LEVELS = ["debug", "info", "warning", "error"]
 DEFAULT_LOG_LEVEL = "warning"
@@ -75,34 +75,6 @@ class Parser(argparse.ArgumentParser):
         return super().format_usage()
 
 
-def _add_engine_args(p: argparse.ArgumentParser) -> None:
-    g = p.add_argument_group("engine")
-    g.add_argument("--model", default=DEFAULT_MODEL, help="HF model directory, .gguf file, catalog name, or hub repo id (default: %(default)s)")
-    g.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
-    g.add_argument("--max-model-len", type=int, default=None)
-    g.add_argument("--max-num-seqs", type=int, default=256)
-    g.add_argument("--max-num-batched-tokens", type=int, default=2048)
-    g.add_argument("--block-size", type=int, default=16)
-    g.add_argument("--kv-cache-memory", type=float, default=None, help="KV cache budget in GiB (CPU)")
-    g.add_argument("--gpu-memory-utilization", type=float, default=0.9)
-    g.add_argument("--seed", type=int, default=0)
-    g.add_argument("--chat-template", default=None, help="a chat template, or a file holding one")
-    g.add_argument("--enforce-eager", action="store_true", help="never compile the model (overrides --compile)")
-    g.add_argument("--compile", action="store_true",
-                   help="torch.compile the model between attention layers (cached in $PAGODA_HOME/inductor; "
-                        "off by default: measured no faster on a 2-core AVX2 CPU)")
-    g.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True,
-                   help="share prompt prefixes between requests through a radix tree (default: on)")
-    g.add_argument("--deterministic", action=argparse.BooleanOptionalAction, default=None,
-                   help="batch-invariant inference: a request's tokens and logprobs do not depend on prefix "
-                        "caching, chunking or the rest of the batch (float32 on the CPU; costs 10-12%% of "
-                        "offline throughput; default: off)")
-    g.add_argument("--quantization", default=None, choices=["none", "int8", "int4", "gguf"],
-                   help="weight-only quantization in ggml blocks on pagoda's CPU kernels: int8 = Q8_0, "
-                        "int4 = Q4_1 (head Q8_0); gguf keeps a GGUF's Q4_0/Q4_1/Q8_0 blocks as stored, the "
-                        "fast way to run a quantized GGUF (default: none, weights dequantized to the dtype)")
-
-
 def _add_sampling_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("sampling")
     g.add_argument("--max-tokens", type=int, default=256)
@@ -113,19 +85,6 @@ def _add_sampling_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--repetition-penalty", type=float, default=1.0)
     g.add_argument("--sampling-seed", type=int, default=None, dest="sampling_seed", help="per-request sampling seed")
     g.add_argument("--stop", action="append", default=None, help="stop string (repeatable)")
-
-
-def _engine_args(ns: argparse.Namespace):
-    from pagoda.config import EngineArgs
-
-    return EngineArgs(
-        model=ns.model, dtype=ns.dtype, max_model_len=ns.max_model_len, max_num_seqs=ns.max_num_seqs,
-        max_num_batched_tokens=ns.max_num_batched_tokens, block_size=ns.block_size,
-        kv_cache_memory=ns.kv_cache_memory, gpu_memory_utilization=ns.gpu_memory_utilization,
-        seed=ns.seed, chat_template=ns.chat_template, enforce_eager=ns.enforce_eager, compile=ns.compile,
-        enable_prefix_caching=ns.enable_prefix_caching, quantization=ns.quantization,
-        deterministic=ns.deterministic,
-    )
 
 
 def _sampling_params(ns: argparse.Namespace):
@@ -160,7 +119,7 @@ def _stream(engine, prompt, params) -> str:
 def cmd_generate(ns: argparse.Namespace) -> int:
     from pagoda.engine.llm_engine import LLMEngine
 
-    engine = LLMEngine.from_engine_args(_engine_args(ns))
+    engine = LLMEngine.from_engine_args(EngineArgs.from_cli_args(ns))
     params = _sampling_params(ns)
     if ns.chat:
         text = engine.tokenizer.apply_chat_template([{"role": "user", "content": ns.prompt}])
@@ -174,7 +133,7 @@ def cmd_generate(ns: argparse.Namespace) -> int:
 def cmd_chat(ns: argparse.Namespace) -> int:
     from pagoda.engine.llm_engine import LLMEngine
 
-    engine = LLMEngine.from_engine_args(_engine_args(ns))
+    engine = LLMEngine.from_engine_args(EngineArgs.from_cli_args(ns))
     params = _sampling_params(ns)
     messages: list[dict] = []
     if ns.system:
@@ -238,7 +197,7 @@ def cmd_serve(ns: argparse.Namespace) -> int:
 def cmd_bench_throughput(ns: argparse.Namespace) -> int:
     from pagoda.bench import throughput
 
-    return throughput.main(ns, _engine_args(ns))
+    return throughput.main(ns, EngineArgs.from_cli_args(ns))
 
 
 def cmd_bench_serve(ns: argparse.Namespace) -> int:
@@ -269,7 +228,7 @@ def _populate_bench(bench: argparse.ArgumentParser) -> None:
 
     p = bench_sub.add_parser("throughput", help="offline throughput through pagoda.LLM (and baselines)",
                              description=throughput.__doc__)
-    _add_engine_args(p)
+    EngineArgs.add_cli_args(p)
     throughput.add_cli_args(p)
     p.set_defaults(func=cmd_bench_throughput)
 
@@ -295,13 +254,13 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("generate", help="generate a completion for one prompt, streamed to the terminal")
     p.add_argument("prompt")
     p.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
-    _add_engine_args(p)
+    EngineArgs.add_cli_args(p)
     _add_sampling_args(p)
     p.set_defaults(func=cmd_generate)
 
     p = sub.add_parser("chat", help="interactive chat that keeps the conversation")
     p.add_argument("--system", default=None, help="system prompt")
-    _add_engine_args(p)
+    EngineArgs.add_cli_args(p)
     _add_sampling_args(p)
     p.set_defaults(func=cmd_chat)
 
@@ -311,7 +270,6 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--served-model-name", nargs="+", default=None)
     p.add_argument("--api-key", default=None, help="require this bearer token (also PAGODA_API_KEY)")
     p.add_argument("--max-queue-len", type=int, default=None, help="requests in flight before 429")
-    p.add_argument("--tensor-parallel-size", type=int, default=1)
     p.add_argument("--engine-process", action="store_true",
                    help="run the engine core in its own process instead of a thread (see benchmarks/README.md)")
     p.add_argument("--max-engine-restarts", type=int, default=3,
@@ -323,7 +281,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="on SIGTERM / SIGINT, seconds in-flight requests get to finish before they are aborted")
     p.add_argument("--log-level", default=None, choices=LOG_LEVELS,
                    help="default: the global --log-level (pagoda --log-level LEVEL serve), else info")
-    _add_engine_args(p)
+    EngineArgs.add_cli_args(p)
     p.set_defaults(func=cmd_serve, default_log_level="info")
 
     p = sub.add_parser("pull", help="download a catalog model into the local store")

@@ -71,7 +71,7 @@ def _build():
     try:
         from torch.utils.cpp_extension import load
 
-        from pagoda.loader.catalog import pagoda_home
+        from pagoda.home import pagoda_home
 
         build_dir = pagoda_home() / "kernels" / _cpu_key()  # -march=native: one build per kind of CPU
         build_dir.mkdir(parents=True, exist_ok=True)
@@ -125,7 +125,7 @@ def fused_kernels(x, contiguous: bool = True):
 def kernels_are_built() -> bool:
     """Whether this CPU's kernel library exists and is newer than every source (then loading it
     takes a second; otherwise the first load compiles, about a minute)."""
-    from pagoda.loader.catalog import pagoda_home
+    from pagoda.home import pagoda_home
 
     library = pagoda_home() / "kernels" / _cpu_key() / "pagoda_cpu_kernels.so"
     if not library.exists():

@@ -22,13 +22,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from pagoda.home import pagoda_home  # also re-exported: catalog.pagoda_home is public
+
 _MARKER_SUFFIX = ".verified.json"
 _CHUNK = 1 << 20
-
-
-def pagoda_home() -> Path:
-    """``$PAGODA_HOME``, default ``~/.cache/pagoda`` (read on every call so tests can override it)."""
-    return Path(os.environ.get("PAGODA_HOME") or Path.home() / ".cache" / "pagoda").expanduser()
 
 
 def models_root() -> Path:

@@ -21,7 +21,7 @@ logger = logging.getLogger(__name__)
 def compiled_forward(model: torch.nn.Module) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:
     from torch._inductor.runtime.cache_dir_utils import default_cache_dir
 
-    from pagoda.loader.catalog import pagoda_home
+    from pagoda.home import pagoda_home
 
     # torch writes its default into the environment on first use, so "unset or torch's default"
     # means the user chose nothing.

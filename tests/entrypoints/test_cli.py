@@ -68,8 +68,8 @@ def test_list_shows_the_catalog(tmp_path):
 def test_serve_fails_clearly_before_listening(tiny_llama):
     proc = _run(["serve", "--model", "definitely-not-a-model", "--port", "1"])
     assert proc.returncode == 1 and "model 'definitely-not-a-model' not found" in proc.stderr
-    proc = _run(["serve", "--model", str(tiny_llama), "--tensor-parallel-size", "2"])
-    assert proc.returncode == 1 and "tensor_parallel_size > 1 is not supported yet" in proc.stderr
+    proc = _run(["serve", "--model", str(tiny_llama), "--port", str(_free_port()), "--tensor-parallel-size", "3"])
+    assert proc.returncode == 1 and "tensor_parallel_size=3 must divide the model's 4 attention heads" in proc.stderr
 
 
 def test_version_names_the_package():

@@ -161,13 +161,10 @@ def build_app(engine: AsyncLLM, served_model_names: list[str], *, api_key: str |
 def run_server(args) -> int:
     """Load the model, start the engine, serve until a stop signal; returns the exit status."""
     from pagoda.engine.llm_engine import LLMEngine
-
-    if getattr(args, "tensor_parallel_size", 1) != 1:
-        raise ValueError("tensor_parallel_size > 1 is not supported yet (tensor parallelism is a later issue)")
-    from pagoda.entrypoints.cli import _engine_args
+    from pagoda.engine_args import EngineArgs
 
     sock = bind_listener(args.host, args.port)
-    engine = LLMEngine(_engine_args(args).create_engine_config(), build_core=not args.engine_process)
+    engine = LLMEngine(EngineArgs.from_cli_args(args).create_engine_config(), build_core=not args.engine_process)
     names = args.served_model_name or [args.model]
     api_key = args.api_key or os.environ.get("PAGODA_API_KEY")
     async_engine = AsyncLLM(engine, engine_process=args.engine_process, max_engine_restarts=args.max_engine_restarts)

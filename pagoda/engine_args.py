@@ -1,0 +1,175 @@
+"""EngineArgs: the knobs of `LLM(...)` and the `pagoda` command, each declared once, CLI option included.
+
+Every field carries its command-line option in its metadata (`_option`): `add_cli_args` builds the
+"engine" argument group from the fields and `from_cli_args` reads a parsed namespace back, so a new
+knob is one field. The module is light on purpose (standard library and the model catalog, no torch,
+no numpy): `pagoda --help` builds its parser from it at once. Resolving the knobs against a model
+and a device is `pagoda.config.create_engine_config`, imported when called.
+"""
+
+from __future__ import annotations
+
+import argparse
+import typing
+from dataclasses import Field, dataclass, field, fields
+from types import NoneType, UnionType
+from typing import TYPE_CHECKING, Any
+
+from pagoda.loader.catalog import DEFAULT_MODEL
+
+if TYPE_CHECKING:
+    from pagoda.config import EngineConfig
+
+DTYPES = ("auto", "float32", "bfloat16", "float16")
+QUANTIZATIONS = ("none", "int8", "int4", "gguf")
+DISTRIBUTED_BACKENDS = ("mp", "ray", "uni")
+BLOCK_SIZES = (8, 16, 32, 64, 128)
+
+
+def _option(help: str | None = None, **argparse_kwargs: Any) -> dict[str, Any]:
+    """A field's metadata: keywords for its `add_argument` (help, choices, ...). The flag, the dest
+    and the default come from the field, `type` or `action` from its type unless given here;
+    `aliases` adds option strings such as "-tp"."""
+    return {"cli": {"help": help, **argparse_kwargs}}
+
+
+NO_OPTION: dict[str, Any] = {"cli": None}
+
+
+@dataclass
+class EngineArgs:
+    """The engine's knobs, named as in vLLM."""
+
+    model: str = field(default=DEFAULT_MODEL, metadata=_option(
+        "HF model directory, .gguf file, catalog name, or hub repo id (default: %(default)s)"))
+    dtype: str = field(default="auto", metadata=_option(choices=DTYPES))
+    max_model_len: int | None = field(default=None, metadata=_option())
+    max_num_seqs: int = field(default=256, metadata=_option())
+    max_num_batched_tokens: int = field(default=2048, metadata=_option())
+    block_size: int = field(default=16, metadata=_option())
+    kv_cache_memory: float | None = field(default=None, metadata=_option("KV cache budget in GiB (CPU)"))
+    gpu_memory_utilization: float = field(default=0.9, metadata=_option())
+    seed: int = field(default=0, metadata=_option())
+    chat_template: str | None = field(default=None, metadata=_option("a chat template, or a file holding one"))
+    enforce_eager: bool = field(default=False, metadata=_option("never compile the model (overrides --compile)"))
+    # Off by default: on this project's 2-core AVX2 CPU it measured no faster and costs ~70 s of
+    # compilation (benchmarks/README.md).
+    compile: bool = field(default=False, metadata=_option(
+        "torch.compile the model between attention layers (cached in $PAGODA_HOME/inductor; "
+        "off by default: measured no faster on a 2-core AVX2 CPU)"))
+    enable_prefix_caching: bool = field(default=True, metadata=_option(
+        "share prompt prefixes between requests through a radix tree (default: on)"))
+    # Batch invariance holds for float32 on the CPU with pagoda's kernels, without --compile
+    # (docs/architecture.md, "Sampling and determinism"). None = pagoda.config.DETERMINISTIC_DEFAULT
+    # (off: benchmarks/README.md "Deterministic inference").
+    deterministic: bool | None = field(default=None, metadata=_option(
+        "batch-invariant inference: a request's tokens and logprobs do not depend on prefix "
+        "caching, chunking or the rest of the batch (float32 on the CPU; costs 10-12%% of "
+        "offline throughput; default: off)"))
+    quantization: str | None = field(default=None, metadata=_option(
+        "weight-only quantization in ggml blocks on pagoda's CPU kernels: int8 = Q8_0, "
+        "int4 = Q4_1 (head Q8_0); gguf keeps a GGUF's Q4_0/Q4_1/Q8_0 blocks as stored, the "
+        "fast way to run a quantized GGUF (default: none, weights dequantized to the dtype)",
+        choices=QUANTIZATIONS))
+    device: str | None = field(default=None, metadata=_option(
+        "torch device, e.g. cpu or cuda:0 (default: cuda when available and PAGODA_DEVICE is not cpu, else cpu)"))
+    aging_seconds: float = field(default=30.0, metadata=_option(
+        "seconds of waiting that raise a request's effective priority by one level; 0 disables aging"))
+    admission_pressure_threshold: float = field(default=0.9, metadata=_option(
+        "above this KV memory pressure a new request must leave a block of headroom per running request"))
+    short_chunk_tokens: int = field(default=32, metadata=_option(
+        "a prefill chunk of at most this many tokens over a cached prefix runs through the paged decode kernel"))
+    tensor_parallel_size: int = field(default=1, metadata=_option(
+        "number of ranks (GPUs) the model is sharded over", aliases=["-tp"]))
+    distributed_executor_backend: str | None = field(default=None, metadata=_option(
+        "how the ranks run: uni (in this process), mp (worker processes) or ray "
+        "(default: uni at --tensor-parallel-size 1, mp above)", choices=DISTRIBUTED_BACKENDS))
+    nnodes: int = field(default=1, metadata=_option("number of nodes the ranks span"))
+    node_rank: int = field(default=0, metadata=_option("this node's index among the --nnodes nodes"))
+    master_addr: str | None = field(default=None, metadata=_option(
+        "address of the node of rank 0, where the ranks meet (default: $MASTER_ADDR, else 127.0.0.1)"))
+    master_port: int | None = field(default=None, metadata=_option(
+        "port where the ranks meet (default: $MASTER_PORT, else a free port chosen at start-up)"))
+    distributed_timeout_seconds: float = field(default=60.0, metadata=_option(
+        "a collective that takes longer fails the engine instead of hanging it"))
+    extra: dict = field(default_factory=dict, metadata=NO_OPTION)
+
+    @classmethod
+    def add_cli_args(cls, parser: argparse.ArgumentParser) -> argparse._ArgumentGroup:
+        """Add the "engine" argument group: one option per field, `--field-name`."""
+        group = parser.add_argument_group("engine")
+        hints = typing.get_type_hints(cls)
+        for f in _option_fields(cls):
+            options = dict(f.metadata["cli"])
+            flags = [f"--{f.name.replace('_', '-')}", *options.pop("aliases", [])]
+            if not {"type", "action"} & options.keys():
+                options.update(_argparse_kind(f, hints[f.name]))
+            group.add_argument(*flags, dest=f.name, default=f.default, **options)
+        return group
+
+    @classmethod
+    def from_cli_args(cls, namespace: argparse.Namespace) -> EngineArgs:
+        """The EngineArgs of a namespace parsed by a parser that `add_cli_args` filled."""
+        return cls(**{f.name: getattr(namespace, f.name) for f in _option_fields(cls)})
+
+    def create_engine_config(self) -> EngineConfig:
+        """Resolve against the model and the device (pagoda.config, which imports torch)."""
+        from pagoda.config import create_engine_config
+
+        return create_engine_config(self)
+
+    def _validate(self) -> None:
+        """Check the values that need neither the model nor the device; a ValueError names the field."""
+        tp = self.tensor_parallel_size
+        checks = [
+            (self.max_num_seqs >= 1, "max_num_seqs", "must be >= 1"),
+            (self.max_num_batched_tokens >= 1, "max_num_batched_tokens", "must be >= 1"),
+            (self.block_size in BLOCK_SIZES, "block_size", f"must be one of {', '.join(map(str, BLOCK_SIZES))}"),
+            (self.kv_cache_memory is None or self.kv_cache_memory > 0, "kv_cache_memory", "must be > 0 GiB"),
+            (0 < self.gpu_memory_utilization <= 1, "gpu_memory_utilization", "must be in (0, 1]"),
+            (self.max_model_len is None or self.max_model_len >= 1, "max_model_len", "must be >= 1"),
+            (self.aging_seconds >= 0, "aging_seconds", "must be >= 0"),
+            (0 < self.admission_pressure_threshold <= 1, "admission_pressure_threshold", "must be in (0, 1]"),
+            (self.short_chunk_tokens >= 1, "short_chunk_tokens", "must be >= 1"),
+            (tp >= 1, "tensor_parallel_size", "must be >= 1"),
+            (self.distributed_executor_backend in (None, *DISTRIBUTED_BACKENDS), "distributed_executor_backend",
+             f"must be one of {', '.join(DISTRIBUTED_BACKENDS)}"),
+            (self.distributed_executor_backend != "uni" or tp == 1, "distributed_executor_backend",
+             f"must be mp or ray with tensor_parallel_size={tp} (uni runs a single rank)"),
+            (self.nnodes >= 1, "nnodes", "must be >= 1"),
+            (0 <= self.node_rank < self.nnodes, "node_rank", f"must be in [0, nnodes={self.nnodes})"),
+            (self.nnodes < 1 or tp % self.nnodes == 0, "tensor_parallel_size",
+             f"must be divisible by nnodes={self.nnodes}"),
+            (self.master_port is None or 0 < self.master_port < 65536, "master_port", "must be in [1, 65535]"),
+            (self.distributed_timeout_seconds > 0, "distributed_timeout_seconds", "must be > 0"),
+        ]
+        for ok, name, message in checks:
+            if not ok:
+                raise ValueError(f"{name} {message}, got {getattr(self, name)!r}")
+
+
+def _option_fields(cls: type) -> list[Field]:
+    return [f for f in fields(cls) if f.metadata.get("cli") is not None]
+
+
+def _argparse_kind(f: Field, hint: Any) -> dict[str, Any]:
+    """`type` or `action` from the field's type: a flag for a bool that defaults to False, --x/--no-x
+    for one that defaults to True or None (None: the engine decides), the scalar type otherwise."""
+    base = _without_none(hint)
+    if base is bool:
+        return {"action": "store_true"} if f.default is False else {"action": argparse.BooleanOptionalAction}
+    if base in (int, float):
+        return {"type": base}
+    if base is str:
+        return {}
+    raise TypeError(f"EngineArgs.{f.name}: no CLI option for type {hint!r}; give its option a type, or NO_OPTION")
+
+
+def _without_none(hint: Any) -> Any:
+    """`int` for `int | None`; the hint itself otherwise."""
+    if isinstance(hint, UnionType):
+        args = [a for a in typing.get_args(hint) if a is not NoneType]
+        if len(args) == 1:
+            return args[0]
+    return hint
+
