@@ -1,4 +1,5 @@
-"""What the engine returns, in vLLM's shapes (RequestOutput / CompletionOutput / Logprob)."""
+"""What the engine returns, in vLLM's shapes (RequestOutput / CompletionOutput / Logprob), and the
+worker's per-step output (ModelRunnerOutput) that the engine core turns into them."""
 
 from __future__ import annotations
 
@@ -10,6 +11,25 @@ class Logprob:
     logprob: float
     rank: int | None = None
     decoded_token: str | None = None
+
+
+@dataclass
+class TokenLogprobs:
+    """Logprobs at one position as the model runner reports them: the chosen (or prompt) token
+    first, then the top-k alternatives."""
+
+    token_ids: list[int]
+    logprobs: list[float]
+    rank: int  # rank of the chosen token (1 = most likely)
+
+
+@dataclass
+class ModelRunnerOutput:
+    """What a worker returns for one step: plain data, picklable across processes."""
+
+    sampled_token_ids: dict[str, int] = field(default_factory=dict)  # request id → its new token
+    logprobs: dict[str, TokenLogprobs] = field(default_factory=dict)
+    prompt_logprobs: dict[str, list[TokenLogprobs]] = field(default_factory=dict)
 
 
 # One position: token id → Logprob (the chosen token plus the top-k alternatives).

@@ -13,8 +13,6 @@ import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-import torch
-
 from pagoda.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
@@ -63,7 +61,6 @@ class Request:
     block_ids: list[int] = field(default_factory=list)
     num_preemptions: int = 0
     stop_reason: int | str | None = None
-    generator: torch.Generator | None = None
     # Prompt logprobs are produced chunk by chunk; this counts positions already reported.
     num_prompt_logprobs_done: int = 0
     first_scheduled_time: float | None = None
@@ -73,21 +70,11 @@ class Request:
 
     def __post_init__(self) -> None:
         self.all_token_ids: list[int] = list(self.prompt_token_ids)
-        if self.sampling_params.seed is not None:
-            self.generator = torch.Generator().manual_seed(self.sampling_params.seed)
 
     def __getstate__(self) -> dict:
-        # Sent to an engine process before it is scheduled: the generator is rebuilt there from
-        # the seed (torch.Generator does not pickle).
-        state = dict(self.__dict__)
-        state["generator"] = None
-        state["grammar"] = None  # compiled in the core, from sampling_params.structured_outputs
-        return state
-
-    def __setstate__(self, state: dict) -> None:
-        self.__dict__.update(state)
-        if self.sampling_params.seed is not None and not self.output_token_ids:
-            self.generator = torch.Generator().manual_seed(self.sampling_params.seed)
+        # Sent to an engine process before it is scheduled; the grammar is compiled there, from
+        # sampling_params.structured_outputs. (A seeded request's generator lives in the worker.)
+        return {**self.__dict__, "grammar": None}
 
     @property
     def num_prompt_tokens(self) -> int:

@@ -19,7 +19,9 @@ Each step the scheduler hands out a token budget (`max_num_batched_tokens`):
    for priority) while memory pressure is above `admission_pressure_threshold` unless a block of
    headroom per running request remains: a new prefill must not force running work out.
 
-The scheduler never touches tensors; it sees KV memory only through KVCacheManager.
+The scheduler never touches tensors; it sees KV memory only through KVCacheManager. It is the
+only writer of ``Request``: the workers get a plain ``SchedulerOutput`` each step (the deltas since
+the last one, see scheduler_output.py) and answer with a ``ModelRunnerOutput``.
 """
 
 from __future__ import annotations
@@ -29,25 +31,11 @@ import time
 from dataclasses import dataclass, field
 
 from pagoda.core.kv_cache_manager import KVCacheManager
+from pagoda.core.scheduler_output import CachedRequestData, NewRequestData, SchedulerOutput
+from pagoda.outputs import ModelRunnerOutput
 from pagoda.request import Request, RequestStatus
 
 logger = logging.getLogger(__name__)
-
-
-@dataclass
-class SchedulerOutput:
-    """What to run this step: each request with the number of tokens to compute for it."""
-
-    scheduled: list[tuple[Request, int]] = field(default_factory=list)
-    preempted: list[str] = field(default_factory=list)
-
-    @property
-    def num_batched_tokens(self) -> int:
-        return sum(n for _, n in self.scheduled)
-
-    @property
-    def is_empty(self) -> bool:
-        return not self.scheduled
 
 
 @dataclass
@@ -71,6 +59,14 @@ class SchedulerStats:
     def memory_pressure(self) -> float:
         """The seed's score: (used KV memory - reclaimable cached memory) / total KV memory."""
         return self.kv_cache_usage
+
+
+@dataclass
+class _Step:
+    """The scheduler's working list for one step, before it becomes a SchedulerOutput."""
+
+    scheduled: list[tuple[Request, int]] = field(default_factory=list)
+    preempted: list[str] = field(default_factory=list)
 
 
 class Scheduler:
@@ -98,6 +94,12 @@ class Scheduler:
         self.running: list[Request] = []
         self.requests: dict[str, Request] = {}
         self.num_preemptions_total = 0
+        # What the workers know of each request they have seen: tokens and blocks sent so far,
+        # and which requests had their blocks freed (preempted) since.
+        self._sent_tokens: dict[str, int] = {}
+        self._sent_blocks: dict[str, int] = {}
+        self._resumed: set[str] = set()
+        self._finished_ids: set[str] = set()  # for the next message: the workers drop them
 
     # -- ordering ---------------------------------------------------------------------------
     def effective_priority(self, request: Request, now: float) -> int:
@@ -131,7 +133,8 @@ class Scheduler:
 
     # -- scheduling -------------------------------------------------------------------------
     def schedule(self) -> SchedulerOutput:
-        out = SchedulerOutput()
+        """Choose this step's work; the message for the workers describes it."""
+        out = _Step()
         now = time.monotonic()
         key = self._key(now)
         self._waiting = sorted((r for r in self._waiting if not r.status.finished), key=key)
@@ -158,13 +161,37 @@ class Scheduler:
 
         if not growth_preempted:
             self._admit_waiting(out, budget, favored)
+        return self._message(out)
+
+    def _message(self, step: "_Step") -> SchedulerOutput:
+        """The step as deltas against what the workers already know of each request."""
+        out = SchedulerOutput(preempted_req_ids=step.preempted, finished_req_ids=self._finished_ids)
+        self._finished_ids = set()
+        for request, num_new in step.scheduled:
+            rid = request.request_id
+            out.num_scheduled_tokens[rid] = num_new
+            if rid not in self._sent_tokens:
+                out.new_requests.append(NewRequestData(
+                    rid, list(request.prompt_token_ids), request.sampling_params, list(request.block_ids),
+                    request.num_computed_tokens, list(request.output_token_ids),
+                ))
+            else:
+                resumed = rid in self._resumed
+                sent_blocks = 0 if resumed else self._sent_blocks[rid]
+                out.cached_requests.append(CachedRequestData(
+                    rid, request.all_token_ids[self._sent_tokens[rid]:], request.block_ids[sent_blocks:],
+                    request.num_computed_tokens, resumed,
+                ))
+            self._resumed.discard(rid)
+            self._sent_tokens[rid] = request.num_tokens
+            self._sent_blocks[rid] = len(request.block_ids)
         return out
 
     def _blocks_to_admit(self, request: Request) -> int:
         first_chunk = min(request.num_tokens, self.max_num_batched_tokens)
         return -(-first_chunk // self.kv.block_size)
 
-    def _preempt_for_priority(self, now: float, out: SchedulerOutput) -> Request | None:
+    def _preempt_for_priority(self, now: float, out: "_Step") -> Request | None:
         """Preempt low-priority running work that stands in the way of the first waiting request."""
         head = self._first_admissible()
         if head is None or not self.running:
@@ -183,7 +210,7 @@ class Scheduler:
             favored = head
         return favored
 
-    def _make_room(self, request: Request, num_new: int, out: SchedulerOutput) -> bool:
+    def _make_room(self, request: Request, num_new: int, out: "_Step") -> bool:
         """Allocate KV slots for request, preempting from the back of `running` until it fits."""
         while not self.kv.allocate_slots(request, num_new):
             victim = self.running[-1]  # lowest priority, latest arrival
@@ -200,6 +227,8 @@ class Scheduler:
         request.num_computed_tokens = 0
         request.num_preemptions += 1
         self.num_preemptions_total += 1
+        if request.request_id in self._sent_tokens:
+            self._resumed.add(request.request_id)  # the workers keep its state (generator) but not its blocks
         self._waiting.append(request)
         self._waiting.sort(key=self._key(time.monotonic()))
 
@@ -213,7 +242,7 @@ class Scheduler:
             return False
         return self.kv.num_free_blocks - extra_blocks < len(self.running)
 
-    def _admit_waiting(self, out: SchedulerOutput, budget: int, favored: Request | None) -> None:
+    def _admit_waiting(self, out: "_Step", budget: int, favored: Request | None) -> None:
         while budget > 0 and len(self.running) < self.max_num_seqs:
             request = self._first_admissible()
             if request is None:
@@ -237,15 +266,17 @@ class Scheduler:
             budget -= num_new
 
     # -- after the model ran ----------------------------------------------------------------
-    def update(self, out: SchedulerOutput, sampled: dict[str, int]) -> list[Request]:
+    def update(self, out: SchedulerOutput, result: ModelRunnerOutput) -> list[Request]:
         """Advance counters, append sampled tokens, finish requests. Returns finished requests."""
         finished = []
-        for request, num_new in out.scheduled:
-            if request.status.finished:
+        for rid, num_new in out.num_scheduled_tokens.items():
+            request = self.requests.get(rid)
+            if request is None or request.status.finished:
                 continue  # aborted while the step ran
             request.num_computed_tokens += num_new
+            request.num_prompt_logprobs_done += len(result.prompt_logprobs.get(rid, ()))
             self.kv.cache_computed_blocks(request)
-            token = sampled.get(request.request_id)
+            token = result.sampled_token_ids.get(rid)
             if token is None:
                 continue
             request.append_output_token(token)
@@ -290,7 +321,12 @@ class Scheduler:
         if request in self.running:
             self.running.remove(request)
         self.kv.free(request)
-        self.requests.pop(request.request_id, None)
+        rid = request.request_id
+        self.requests.pop(rid, None)
+        if self._sent_tokens.pop(rid, None) is not None:
+            self._finished_ids.add(rid)
+        self._sent_blocks.pop(rid, None)
+        self._resumed.discard(rid)
 
     def finish_request(self, request_id: str, status: RequestStatus = RequestStatus.FINISHED_ABORTED) -> Request | None:
         """Finish a request from outside the step (abort, or a stop string seen by the detokenizer)."""

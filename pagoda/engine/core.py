@@ -11,15 +11,13 @@ from dataclasses import dataclass
 
 import torch
 
-from pagoda.config import DEFAULT_KV_CACHE_GIB, EngineConfig
+from pagoda.config import EngineConfig
 from pagoda.core.kv_cache_manager import KVCacheManager
 from pagoda.core.scheduler import Scheduler, SchedulerStats
-from pagoda.loader.model_loader import load_model
-from pagoda.platform import available_memory_bytes
+from pagoda.core.scheduler_output import SchedulerOutput
+from pagoda.outputs import TokenLogprobs
 from pagoda.request import Request, RequestStatus
-from pagoda.structured_output.manager import StructuredOutputManager
-from pagoda.worker.kv_cache import GiB, allocate_kv_cache, bytes_per_block
-from pagoda.worker.model_runner import ModelRunner, TokenLogprobs
+from pagoda.structured_output.manager import StructuredOutputManager, build_token_bitmask
 
 logger = logging.getLogger(__name__)
 
@@ -62,69 +60,51 @@ class RequestLimits:
             raise ValueError(f"prompt token ids must be in [0, {self.vocab_size}), got {bad[:5]}")
 
 
-def _prepare_cpu_kernels() -> None:
-    """Build (first run on this CPU, about a minute) or load the C++ kernels now, so the engine
-    is ready when it says so: built lazily, the first request waited for the compiler."""
-    from pagoda.layers.cpu_kernels import kernels_are_built, load_cpu_kernels
-
-    if not kernels_are_built():
-        logger.warning("building pagoda's CPU kernels for this CPU (once; about a minute)...")
-    start = time.monotonic()
-    kernels = load_cpu_kernels()
-    if kernels is not None:
-        logger.info("CPU kernels ready in %.1fs", time.monotonic() - start)
-
-
 class EngineCore:
+    """The scheduler and an executor (its workers hold the model and the KV cache)."""
+
     def __init__(self, config: EngineConfig) -> None:
+        from pagoda.executor import make_executor
+
         self.config = config
         mc = config.model
         start = time.monotonic()
-        torch.manual_seed(config.seed)
-        if mc.device.type == "cpu":
-            _prepare_cpu_kernels()
-        self.model = load_model(mc.files, mc.hf_config, mc.dtype, mc.device, mc.max_model_len)
+        self.executor = make_executor(config)
         self.load_seconds = time.monotonic() - start
-        self.num_blocks = self._num_blocks()
-        cfg = self.model.config
+        self.num_blocks = self.executor.determine_num_blocks()
         block_size = config.cache.block_size
-        self.kv_cache = allocate_kv_cache(cfg.num_layers, self.num_blocks, block_size, cfg.num_kv_heads, cfg.head_dim, mc.dtype, mc.device)
         capacity = self.num_blocks * block_size
         self.max_model_len = mc.max_model_len
         if capacity < self.max_model_len:
             logger.warning("KV cache holds %d tokens, less than max_model_len=%d: capping max_model_len", capacity, self.max_model_len)
             self.max_model_len = capacity
+        self.executor.initialize_cache(self.num_blocks, self.max_model_len)
         self.kv_manager = KVCacheManager(self.num_blocks, block_size, config.cache.enable_prefix_caching)
         sc = config.scheduler
         self.scheduler = Scheduler(
-            self.kv_manager, max_num_seqs=sc.max_num_seqs,
-            max_num_batched_tokens=sc.max_num_batched_tokens, max_model_len=self.max_model_len,
+            self.kv_manager, max_num_seqs=sc.max_num_seqs, max_num_batched_tokens=sc.max_num_batched_tokens,
+            max_model_len=self.max_model_len, aging_seconds=sc.aging_seconds,
+            admission_pressure_threshold=sc.admission_pressure_threshold,
         )
-        generator = torch.Generator().manual_seed(config.seed)
-        self.runner = ModelRunner(self.model, self.kv_cache, block_size, mc.device, generator, compile=config.compile)
         self.num_steps = 0
-        self.limits = RequestLimits(self.max_model_len, cfg.vocab_size, self.num_blocks)
+        self.vocab_size = self.model.config.vocab_size
+        self.limits = RequestLimits(self.max_model_len, self.vocab_size, self.num_blocks)
         self._structured_outputs: StructuredOutputManager | None = None
         self._compiling: list[Request] = []  # constrained requests whose grammar is not compiled yet
 
-    def _num_blocks(self) -> int:
-        cfg, mc, cc = self.model.config, self.config.model, self.config.cache
-        per_block = bytes_per_block(cfg.num_layers, cc.block_size, cfg.num_kv_heads, cfg.head_dim, mc.dtype)
-        if mc.device.type == "cuda":
-            budget = int(available_memory_bytes(mc.device) * cc.gpu_memory_utilization)
-        else:
-            gib = cc.kv_cache_memory_gib
-            if gib is None:
-                # Default: 2 GiB, but never more than half of what the machine has free.
-                gib = min(DEFAULT_KV_CACHE_GIB, available_memory_bytes(mc.device) / 2 / GiB)
-            budget = int(gib * GiB)
-        num_blocks = budget // per_block
-        if num_blocks < 1:
-            raise ValueError(
-                f"the KV cache budget ({budget / GiB:.3f} GiB) does not hold one block of "
-                f"{cc.block_size} tokens ({per_block / 2**20:.2f} MiB); raise kv_cache_memory"
-            )
-        return int(num_blocks)
+    @property
+    def model(self) -> torch.nn.Module:
+        """Rank 0's model (rank 0 always lives in this process)."""
+        return self.executor.driver_worker.model
+
+    @property
+    def runner(self):
+        """Rank 0's model runner (tests and benchmarks reach into it)."""
+        return self.executor.driver_worker.runner
+
+    def shutdown(self) -> None:
+        """Stop the workers (other ranks' processes exit)."""
+        self.executor.shutdown()
 
     # -- requests ---------------------------------------------------------------------------
     def validate_request(self, request: Request) -> None:
@@ -146,7 +126,7 @@ class EngineCore:
 
             metadata_dir = self.config.model.files.metadata_dir
             stop_ids = Tokenizer(metadata_dir).eos_token_ids
-            self._structured_outputs = StructuredOutputManager(metadata_dir, self.model.config.vocab_size, stop_ids)
+            self._structured_outputs = StructuredOutputManager(metadata_dir, self.vocab_size, stop_ids)
         return self._structured_outputs
 
     def _grammar_failures(self) -> list[EngineCoreOutput]:
@@ -187,13 +167,16 @@ class EngineCore:
                 # Only requests waiting for their grammar: sleep until one compiles, not spin.
                 StructuredOutputManager.wait_any([r.grammar for r in self._compiling], timeout=0.05)
             return failed
-        result = self.runner.execute(sched)
-        finished = {r.request_id for r in self.scheduler.update(sched, result.sampled)}
+        self._attach_grammar_bitmask(sched)
+        result = self.executor.execute_model(sched)
+        finished = {r.request_id: r for r in self.scheduler.update(sched, result)}
         self.num_steps += 1
         outputs = failed
-        for request, _ in sched.scheduled:
-            rid = request.request_id
-            token = result.sampled.get(rid)
+        for rid in sched.num_scheduled_tokens:
+            request = finished.get(rid) or self.scheduler.requests.get(rid)
+            if request is None:
+                continue  # aborted while the step ran
+            token = result.sampled_token_ids.get(rid)
             prompt_lps = result.prompt_logprobs.get(rid)
             if token is None and prompt_lps is None and rid not in finished:
                 continue
@@ -209,3 +192,16 @@ class EngineCore:
                 num_cached_tokens=request.num_cached_tokens or 0,
             ))
         return outputs
+
+    def _attach_grammar_bitmask(self, sched: SchedulerOutput) -> None:
+        """The allowed tokens of each constrained request that samples this step: the matchers
+        live here, beside the scheduler that advances them, so the mask rides in the message."""
+        states, rows = [], {}
+        for rid, num_new in sched.num_scheduled_tokens.items():
+            request = self.scheduler.requests[rid]
+            if request.grammar is not None and request.num_computed_tokens + num_new == request.num_tokens:
+                rows[rid] = len(states)
+                states.append(request.grammar)
+        if states:
+            sched.grammar_bitmask = build_token_bitmask(states, self.vocab_size)
+            sched.grammar_rows = rows

@@ -11,10 +11,9 @@ from dataclasses import dataclass, field
 
 from pagoda.engine.core import EngineCoreOutput
 from pagoda.engine.detokenizer import IncrementalDetokenizer
-from pagoda.outputs import CompletionOutput, Logprob, PositionLogprobs, RequestMetrics, RequestOutput
+from pagoda.outputs import CompletionOutput, Logprob, PositionLogprobs, RequestMetrics, RequestOutput, TokenLogprobs
 from pagoda.sampling_params import RequestOutputKind, SamplingParams
 from pagoda.tokenizer import Tokenizer
-from pagoda.worker.model_runner import TokenLogprobs
 
 
 @dataclass

@@ -31,7 +31,7 @@ import os
 import shutil
 import struct
 import tempfile
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import Path
@@ -635,7 +635,7 @@ def load_gguf_model_dir(gguf_path: Path) -> Path:
     Converts on first use (into a temporary directory, then renamed into place, so an interrupted
     conversion never leaves a half-written cache entry). Later calls only stat the file.
     """
-    from pagoda.loader.catalog import pagoda_home
+    from pagoda.home import pagoda_home
 
     gguf_path = Path(gguf_path)
     if not gguf_path.is_file():
@@ -819,8 +819,8 @@ class GGUFPackedWeight(PackedWeight):
         return torch.from_numpy(codes), torch.from_numpy(d), torch.from_numpy(zero)
 
 
-def iter_gguf_weights(gguf_path: Path, config: Mapping[str, Any], *,
-                      keep_quantized: bool = False) -> Iterator[tuple[str, torch.Tensor | GGUFPackedWeight]]:
+def iter_gguf_weights(gguf_path: Path, config: Mapping[str, Any], *, keep_quantized: bool = False,
+                      narrow: WeightSlicer | None = None) -> Iterator[tuple[str, torch.Tensor | GGUFPackedWeight]]:
     """Yield ``(hf_parameter_name, float32 tensor in HF shape)`` for every weight in the GGUF.
 
     ``config`` is the HF config dict (as ``convert_gguf_metadata`` writes it); head counts come from
@@ -828,6 +828,9 @@ def iter_gguf_weights(gguf_path: Path, config: Mapping[str, Any], *,
     ``GGUFPackedWeight`` (the stored blocks, rows un-permuted like the float path) instead.
     Raises ValueError, before yielding anything, for an invalid/truncated file, an unsupported
     architecture, a tensor type pagoda cannot dequantize, or a shape that disagrees with the config.
+
+    ``narrow`` (tensor parallelism) gives, per HF name and shape, the slice this rank holds: only
+    that part is read and dequantized, and a kept-quantized weight is cut along whole blocks.
     """
     gf = read_gguf(gguf_path)
     arch = _check_architecture(gf)
@@ -836,19 +839,53 @@ def iter_gguf_weights(gguf_path: Path, config: Mapping[str, Any], *,
     kv_heads = config.get("num_key_value_heads") or heads
     for info, hf_name in _plan_weights(gf, config):
         packed = keep_quantized and info.ggml_type in KEPT_QUANTIZED_TYPES and len(info.shape) == 2
-        w = gf.stored_array(info) if packed else gf.dequantized(info)
-        # Row permutations act on whole rows, so they apply to stored blocks as to floats.
+        cut = narrow(hf_name, info.shape) if narrow is not None else None
+        w, shape = _read_slice(gf, info, cut, dequantize_it=not packed)
+        # Row permutations act on whole rows (within a head), so they apply to stored blocks as to
+        # floats, and to a slice of whole heads with the slice's head count.
         if arch == "llama" and ".self_attn.q_proj." in hf_name:
-            w = _unpermute_rows(w, heads)
+            w = _unpermute_rows(w, heads * shape[0] // info.shape[0])
         elif arch == "llama" and ".self_attn.k_proj." in hf_name:
-            w = _unpermute_rows(w, kv_heads)
+            w = _unpermute_rows(w, kv_heads * shape[0] // info.shape[0])
         elif arch == "gemma3" and hf_name.endswith("norm.weight"):
             # llama.cpp's converter stores Gemma's RMSNorm weight as (1 + w); HF keeps w.
             w = w - 1.0
         if packed:
-            yield hf_name, GGUFPackedWeight(info.ggml_type, w, info.shape)
+            yield hf_name, GGUFPackedWeight(info.ggml_type, w, shape)
             continue
         w = np.ascontiguousarray(w, dtype=np.float32)
         if not w.flags.writeable:  # a view of the read-only mapping (F32 tensors)
             w = w.copy()
         yield hf_name, torch.from_numpy(w)
+
+
+# (HF name, full shape) → (dim, start, length) of the part to read, or None for all of it
+WeightSlicer = Callable[[str, tuple[int, ...]], "tuple[int, int, int] | None"]
+
+
+def _read_slice(gf: GGUFFile, info: GGUFTensorInfo, cut: tuple[int, int, int] | None,
+                dequantize_it: bool) -> tuple[np.ndarray, tuple[int, ...]]:
+    """The tensor's ``cut`` (all of it for None): stored blocks, or float32 when ``dequantize_it``.
+    A cut along the last dimension of a block type must fall on block boundaries."""
+    shape = list(info.shape)
+    data = gf.stored_array(info)
+    if cut is not None:
+        dim, start, length = cut
+        dim %= len(shape)
+        index = [slice(None)] * data.ndim
+        if dim == len(shape) - 1 and info.ggml_type not in _PLAIN_DTYPES:
+            block, type_size = GGML_QUANT_SIZES[info.ggml_type]
+            if start % block or length % block:
+                raise ValueError(f"{gf.path}: tensor {info.name!r} ({info.ggml_type.name}) cannot be split at "
+                                 f"column {start}..{start + length}: not a multiple of its {block}-element blocks")
+            index[dim] = slice(start // block * type_size, (start + length) // block * type_size)
+        else:
+            index[dim] = slice(start, start + length)
+        data = data[tuple(index)]
+        shape[dim] = length
+    if not dequantize_it:
+        return data, tuple(shape)
+    _check_dequantizable(info)
+    if info.ggml_type == GGMLQuantizationType.F64:
+        return data.astype(np.float32), tuple(shape)
+    return np.asarray(dequantize(np.ascontiguousarray(data), info.ggml_type), dtype=np.float32).reshape(shape), tuple(shape)

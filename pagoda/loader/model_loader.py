@@ -8,6 +8,7 @@ import logging
 import torch
 from torch import nn
 
+from pagoda.distributed.parallel_state import SINGLE, TensorParallelGroup, building_with
 from pagoda.layers.quantization import check_quantization, quantize_linears
 from pagoda.layers.rotary import RotaryEmbedding
 from pagoda.loader.resolve import ModelFiles
@@ -21,17 +22,20 @@ QUANTIZATION_KEY = "pagoda_quantization"
 
 
 def load_model(files: ModelFiles, hf_config: dict, dtype: torch.dtype, device: torch.device, max_position: int,
-               quantization: str | None = None) -> nn.Module:
-    """``quantization`` (default: ``hf_config[QUANTIZATION_KEY]``): None, "int8", "int4" or "gguf"."""
+               quantization: str | None = None, tp: TensorParallelGroup = SINGLE) -> nn.Module:
+    """``quantization`` (default: ``hf_config[QUANTIZATION_KEY]``): None, "int8", "int4" or "gguf".
+    ``tp``: the model's tensor-parallel group; the model is built for this rank's shard and only
+    that shard is read from the files (``model.weight_slice``)."""
     quantization = check_quantization(quantization or hf_config.get(QUANTIZATION_KEY))
     if quantization == "gguf" and files.gguf_file is None:
         raise ValueError(f"quantization='gguf' keeps a GGUF's own quantized weights, but {files.name!r} is not a GGUF")
     _, model_cls = resolve_architecture(hf_config)
-    with torch.device("meta"):
+    with torch.device("meta"), building_with(tp):
         model = model_cls(hf_config, max_position)
     model = model.to_empty(device="cpu")
     _init_buffers(model)
-    model.load_weights(_weights(files, hf_config, keep_quantized=quantization == "gguf"))
+    narrow = model.weight_slice if tp.is_parallel else None
+    model.load_weights(_weights(files, hf_config, keep_quantized=quantization == "gguf", narrow=narrow))
     model = model.to(device=device, dtype=dtype).eval()
     if quantization is not None:
         packed = getattr(model, "packed_weights", None)
@@ -58,11 +62,11 @@ def _init_buffers(model: nn.Module) -> None:
             module.reset_cache()
 
 
-def _weights(files: ModelFiles, hf_config: dict, keep_quantized: bool = False):
+def _weights(files: ModelFiles, hf_config: dict, keep_quantized: bool = False, narrow=None):
     if files.gguf_file is not None:
         from pagoda.loader.gguf import iter_gguf_weights
 
-        return iter_gguf_weights(files.gguf_file, hf_config, keep_quantized=keep_quantized)
+        return iter_gguf_weights(files.gguf_file, hf_config, keep_quantized=keep_quantized, narrow=narrow)
     from pagoda.loader.safetensors import iter_safetensors_weights
 
-    return iter_safetensors_weights(files.metadata_dir)
+    return iter_safetensors_weights(files.metadata_dir, narrow=narrow)

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import torch
@@ -27,13 +27,33 @@ def safetensors_files(model_dir: Path) -> list[Path]:
     return files
 
 
-def iter_safetensors_weights(model_dir: Path) -> Iterator[tuple[str, torch.Tensor]]:
+# (name, full shape) → (dim, start, length) of the part to read, or None for all of it
+WeightSlicer = Callable[[str, tuple[int, ...]], "tuple[int, int, int] | None"]
+
+
+def iter_safetensors_weights(model_dir: Path, narrow: WeightSlicer | None = None) -> Iterator[tuple[str, torch.Tensor]]:
+    """Every tensor by name; with ``narrow`` (tensor parallelism) only the slice this rank holds
+    is read from the file (safetensors slices at read time)."""
     from safetensors import SafetensorError, safe_open
 
     for path in safetensors_files(model_dir):
         try:
             with safe_open(str(path), framework="pt") as f:
                 for name in f.keys():
-                    yield name, f.get_tensor(name)
+                    yield name, _read(f, name, narrow)
         except SafetensorError as e:
             raise ValueError(f"cannot read weights from {path} (truncated or corrupt safetensors file?): {e}") from None
+
+
+def _read(f, name: str, narrow: WeightSlicer | None) -> torch.Tensor:
+    if narrow is None:
+        return f.get_tensor(name)
+    part = f.get_slice(name)
+    shape = tuple(part.get_shape())
+    cut = narrow(name, shape)
+    if cut is None:
+        return f.get_tensor(name)
+    dim, start, length = cut
+    index = [slice(None)] * len(shape)
+    index[dim % len(shape)] = slice(start, start + length)
+    return part[tuple(index)]

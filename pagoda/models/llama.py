@@ -13,6 +13,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from pagoda.distributed.parallel_state import TensorParallelGroup, current_group
+from pagoda.distributed.shard_plan import ShardPlan
 from pagoda.forward_context import DETERMINISTIC_KEY, get_attention_metadata
 from pagoda.layers.attention import PagedAttention
 from pagoda.layers.cpu_kernels import fused_kernels
@@ -25,17 +27,20 @@ from pagoda.models.decode_stack import DecodeStack
 
 
 class Attention(nn.Module):
-    def __init__(self, cfg: TransformerConfig, rotary: RotaryEmbedding) -> None:
+    """Self-attention over this rank's heads (all of them at tensor-parallel size 1)."""
+
+    def __init__(self, cfg: TransformerConfig, rotary: RotaryEmbedding, plan: ShardPlan, tp: TensorParallelGroup) -> None:
         super().__init__()
-        self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
-        self.q_size = cfg.num_heads * cfg.head_dim
-        self.kv_size = cfg.num_kv_heads * cfg.head_dim
+        self.tp = tp
+        self.num_heads, self.num_kv_heads, self.head_dim = plan.num_heads, plan.num_kv_heads, cfg.head_dim
+        self.q_size = self.num_heads * cfg.head_dim
+        self.kv_size = self.num_kv_heads * cfg.head_dim
         self.qkv_proj = nn.Linear(cfg.hidden_size, self.q_size + 2 * self.kv_size, bias=cfg.attention_bias)
         self.o_proj = nn.Linear(self.q_size, cfg.hidden_size, bias=False)
         self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
         self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
         self.rotary = rotary  # one table shared by all layers
-        self.attn = PagedAttention(cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, scale=cfg.head_dim**-0.5)
+        self.attn = PagedAttention(self.num_heads, self.num_kv_heads, cfg.head_dim, scale=cfg.head_dim**-0.5)
 
     def forward(self, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
         qkv = project(self.qkv_proj, x)
@@ -46,34 +51,37 @@ class Attention(nn.Module):
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = self.rotary(positions, q, k)
-        return project(self.o_proj, self.attn(q, k, v))
+        return self.tp.all_reduce(project(self.o_proj, self.attn(q, k, v)))  # row-parallel: sum the ranks' parts
 
 
 class MLP(nn.Module):
-    def __init__(self, cfg: TransformerConfig) -> None:
+    def __init__(self, cfg: TransformerConfig, plan: ShardPlan, tp: TensorParallelGroup) -> None:
         super().__init__()
         if cfg.hidden_act not in ("silu", "swish"):
             raise ValueError(f"activation {cfg.hidden_act!r} is not supported (silu only)")
-        self.intermediate_size = cfg.intermediate_size
-        self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=False)
-        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+        self.tp = tp
+        self.intermediate_size = plan.intermediate_size
+        self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * self.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(self.intermediate_size, cfg.hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate_up = project(self.gate_up_proj, x)
         kernels = fused_kernels(gate_up)
         if kernels is not None:
-            return project(self.down_proj, kernels.silu_and_mul(gate_up))
-        gate, up = gate_up.split(self.intermediate_size, dim=-1)
-        return project(self.down_proj, F.silu(gate) * up)
+            act = kernels.silu_and_mul(gate_up)
+        else:
+            gate, up = gate_up.split(self.intermediate_size, dim=-1)
+            act = F.silu(gate) * up
+        return self.tp.all_reduce(project(self.down_proj, act))  # row-parallel: sum the ranks' parts
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg: TransformerConfig, rotary: RotaryEmbedding) -> None:
+    def __init__(self, cfg: TransformerConfig, rotary: RotaryEmbedding, plan: ShardPlan, tp: TensorParallelGroup) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.self_attn = Attention(cfg, rotary)
+        self.self_attn = Attention(cfg, rotary, plan, tp)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.mlp = MLP(cfg)
+        self.mlp = MLP(cfg, plan, tp)
 
     def forward(self, positions, hidden, residual):
         if residual is None:  # first layer: 0 + x == x exactly, and every layer takes one path
@@ -95,7 +103,11 @@ _STACKED = {
 
 
 class LlamaForCausalLM(nn.Module):
-    """forward(input_ids, positions) → hidden states; compute_logits(hidden) → logits."""
+    """forward(input_ids, positions) → hidden states; compute_logits(hidden) → logits.
+
+    Built inside ``parallel_state.building_with(group)``, it holds one tensor-parallel rank's
+    shard (distributed/shard_plan.py): parameters have the rank's shapes, and ``weight_slice``
+    tells the loader which part of each checkpoint tensor to read."""
 
     qk_norm = False
     attention_bias: bool | None = None  # None: read config.json
@@ -106,18 +118,35 @@ class LlamaForCausalLM(nn.Module):
             hf_config, type(self).__name__, attention_bias=self.attention_bias, qk_norm=self.qk_norm
         )
         self.config = cfg
+        self.tp = tp = current_group()
+        self.shards = plan = ShardPlan.for_rank(cfg, tp)
+        self.num_local_kv_heads = plan.num_kv_heads  # the KV cache holds these heads
         self.deterministic = bool(hf_config.get(DETERMINISTIC_KEY, False))  # read by the model runner
-        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.embed_tokens = nn.Embedding(plan.vocab_per_rank, cfg.hidden_size)
         rotary = RotaryEmbedding(cfg.head_dim, max_position, cfg.rope_theta, cfg.rope_scaling)
-        self.layers = nn.ModuleList(DecoderLayer(cfg, rotary) for _ in range(cfg.num_layers))
+        self.layers = nn.ModuleList(DecoderLayer(cfg, rotary, plan, tp) for _ in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.lm_head = None if cfg.tie_word_embeddings else nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        self.lm_head = None if cfg.tie_word_embeddings else nn.Linear(cfg.hidden_size, plan.vocab_per_rank, bias=False)
 
     def attention_layers(self) -> list[PagedAttention]:
         return [layer.self_attn.attn for layer in self.layers]
 
+    def weight_slice(self, name: str, shape: tuple[int, ...]) -> tuple[int, int, int] | None:
+        """The part of checkpoint tensor ``name`` this rank holds (see ShardPlan.weight_slice)."""
+        return self.shards.weight_slice(name, shape)
+
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """Token embeddings; with tensor parallelism each rank looks up the ids in its part of the
+        vocabulary (zeros for the others) and the parts are summed."""
+        if not self.tp.is_parallel:
+            return self.embed_tokens(input_ids)
+        local = input_ids - self.shards.vocab_start
+        outside = (local < 0) | (local >= self.shards.vocab_rows)
+        hidden = self.embed_tokens(local.masked_fill(outside, 0))
+        return self.tp.all_reduce(hidden.masked_fill(outside.unsqueeze(-1), 0.0))
+
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        hidden = self.embed_tokens(input_ids)
+        hidden = self.embed(input_ids)
         stack = None if torch.compiler.is_compiling() else self._decode_stack()
         meta = get_attention_metadata() if stack is not None else None
         if stack is not None and stack.applies(hidden, meta):
@@ -132,6 +161,8 @@ class LlamaForCausalLM(nn.Module):
 
     def _decode_stack(self) -> DecodeStack | None:
         """Built on first use, once the KV cache is bound; rebuilt if the cache or a layer changes."""
+        if self.tp.is_parallel:
+            return None  # the C++ stack has no all-reduce between its layers: the Python layers run
         first, last = self.layers[0], self.layers[-1]
         key = (id(first.self_attn.attn.k_cache), id(first.self_attn.qkv_proj), id(last.mlp.down_proj))
         if getattr(self, "_stack_key", None) != key:
@@ -140,8 +171,12 @@ class LlamaForCausalLM(nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         if self.lm_head is None:  # tied
-            return linear(hidden, self.embed_tokens.weight)
-        return project(self.lm_head, hidden)
+            logits = linear(hidden, self.embed_tokens.weight)
+        else:
+            logits = project(self.lm_head, hidden)
+        if self.tp.is_parallel:  # each rank has its part of the vocabulary (the last one padded)
+            logits = self.tp.all_gather(logits, dim=-1)[..., : self.config.vocab_size]
+        return logits
 
     # -- weights ----------------------------------------------------------------------------
     @torch.no_grad()
@@ -174,6 +209,9 @@ class LlamaForCausalLM(nn.Module):
                 if _may_stay_packed(target):
                     data = params[target].data
                     want = data.shape if shard is None else self._shard_view(target, data, shard).shape
+                    if target in _VOCAB_PARALLEL and tuple(tensor.shape) != tuple(want):
+                        self._copy_shard(params, target, shard, tensor.dequantize(), name)  # padded: float
+                        continue
                     if tuple(tensor.shape) != tuple(want):
                         raise ValueError(f"checkpoint tensor {name!r} has shape {tuple(tensor.shape)}, expected {tuple(want)}")
                     packed.setdefault(target, {})[shard] = tensor
@@ -192,15 +230,17 @@ class LlamaForCausalLM(nn.Module):
 
     def _copy_shard(self, params: dict, target: str, shard: int | None, tensor: torch.Tensor, name: str) -> None:
         data = params[target].data
+        if target in _VOCAB_PARALLEL and data.shape[0] > tensor.shape[0] == self.shards.vocab_rows:
+            data[tensor.shape[0]:].zero_()  # the last rank's padding rows of the vocabulary
+            data = data[: tensor.shape[0]]
         _copy_checked(data if shard is None else self._shard_view(target, data, shard), tensor, name)
 
     def _shard_view(self, target: str, data: torch.Tensor, shard: int) -> torch.Tensor:
-        cfg = self.config
+        plan, d = self.shards, self.config.head_dim
         if ".qkv_proj." in target:
-            q, kv = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
-            sizes = [q, kv, kv]
+            sizes = [plan.num_heads * d, plan.num_kv_heads * d, plan.num_kv_heads * d]
         else:
-            sizes = [cfg.intermediate_size, cfg.intermediate_size]
+            sizes = [plan.intermediate_size, plan.intermediate_size]
         return data.split(sizes, dim=0)[shard]
 
     def _check_all_loaded(self, params: dict, loaded: set[str]) -> None:
@@ -211,6 +251,9 @@ class LlamaForCausalLM(nn.Module):
             missing += [k for k in keys if k not in loaded]
         if missing:
             raise ValueError(f"checkpoint is missing {len(missing)} tensors, e.g. {missing[:3]}")
+
+
+_VOCAB_PARALLEL = ("embed_tokens.weight", "lm_head.weight")
 
 
 def _is_projection(target: str) -> bool:

@@ -21,7 +21,6 @@ import torch
 from pagoda.structured_output.grammar import build_grammar, constraint_key
 
 if TYPE_CHECKING:
-    from pagoda.request import Request
     from pagoda.sampling_params import StructuredOutputsParams
 
 logger = logging.getLogger(__name__)
@@ -106,17 +105,14 @@ class StructuredOutputManager:
         self._executor.shutdown(wait=False, cancel_futures=True)
 
 
-def build_token_bitmask(requests: list[Request], vocab_size: int) -> tuple[torch.Tensor, list[int]] | None:
-    """The allowed-token bitmask of every constrained request in a sampling batch (row = index)."""
-    rows = [i for i, r in enumerate(requests) if r.grammar is not None]
-    if not rows:
-        return None
+def build_token_bitmask(states: list[GrammarState], vocab_size: int) -> torch.Tensor:
+    """xgrammar's packed allowed-token bitmask, row i for ``states[i]``: int32 [n, ceil(V / 32)]."""
     import xgrammar as xgr
 
-    bitmask = xgr.allocate_token_bitmask(len(requests), vocab_size)
-    for i in rows:
-        requests[i].grammar.fill_bitmask(bitmask, i)
-    return bitmask, rows
+    bitmask = xgr.allocate_token_bitmask(len(states), vocab_size)
+    for i, state in enumerate(states):
+        state.fill_bitmask(bitmask, i)
+    return bitmask
 
 
 def apply_token_bitmask(logits: torch.Tensor, bitmask: torch.Tensor, rows: list[int]) -> None:

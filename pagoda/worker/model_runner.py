@@ -1,51 +1,56 @@
-"""Turns a SchedulerOutput into batch tensors, runs the model and samples.
+"""Runs one step for a worker: SchedulerOutput → batch tensors → model → sampler → ModelRunnerOutput.
 
-The batch is flat (no padding of prompts): decode tokens first, then prefill chunks. Logits are
-computed only where they are needed: the last token of each request that samples this step,
-and the prompt positions of requests that asked for prompt logprobs.
+The runner keeps its own record of the requests (``InputBatch``), updated from the scheduler's
+deltas; it never sees the scheduler's ``Request`` objects. The batch is flat (no padding of
+prompts): decode-like rows first, then prefill chunks. Logits are computed only where they are
+needed: the last token of each request that samples this step, and the prompt positions of
+requests that asked for prompt logprobs.
 """
 
 from __future__ import annotations
 
 import contextlib
 import logging
-from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 
-from pagoda.core.scheduler import SchedulerOutput
+from pagoda.core.scheduler_output import SchedulerOutput
 from pagoda.forward_context import AttentionMetadata, PrefillSeq, set_attention_metadata
 from pagoda.layers.cpu_kernels import batch_invariant, load_cpu_kernels
 from pagoda.layers.sampler import Sampler, SamplingMetadata
-from pagoda.request import Request
-from pagoda.structured_output.manager import build_token_bitmask
+from pagoda.outputs import ModelRunnerOutput, TokenLogprobs
 from pagoda.worker.compiled import compiled_forward
+from pagoda.worker.input_batch import InputBatch
 
 logger = logging.getLogger(__name__)
 
-
-@dataclass
-class TokenLogprobs:
-    """Logprobs at one position: the chosen token first, then the top-k alternatives."""
-
-    token_ids: list[int]
-    logprobs: list[float]
-    rank: int  # rank of the chosen token
+# A prefill chunk of at most this many tokens over a cached prefix runs as decode rows.
+DEFAULT_SHORT_CHUNK = 32
 
 
-@dataclass
-class RunnerOutput:
-    sampled: dict[str, int] = field(default_factory=dict)
-    logprobs: dict[str, TokenLogprobs] = field(default_factory=dict)
-    prompt_logprobs: dict[str, list[TokenLogprobs]] = field(default_factory=dict)
+class _Layout:
+    """This step's requests in batch order (decode-like first) and where their tokens sit."""
+
+    def __init__(self, req_ids: list[str], rows: np.ndarray, counts: np.ndarray, starts: np.ndarray,
+                 decode_like: np.ndarray) -> None:
+        order = np.argsort(~decode_like, kind="stable")
+        self.req_ids = [req_ids[i] for i in order]
+        self.rows, self.counts, self.starts = rows[order], counts[order], starts[order]
+        self.num_decode_like = int(decode_like.sum())
+        self.offsets = np.cumsum(self.counts) - self.counts  # first flat row of each request
+        self.token_rows = np.repeat(self.rows, self.counts)  # batch row of each flat token
+        self.positions = np.repeat(self.starts - self.offsets, self.counts) + np.arange(int(self.counts.sum()))
 
 
 class ModelRunner:
-    def __init__(self, model: torch.nn.Module, kv_cache: torch.Tensor, block_size: int,
-                 device: torch.device, generator: torch.Generator | None = None, compile: bool = False,
-                 deterministic: bool | None = None) -> None:
+    def __init__(self, model: torch.nn.Module, kv_cache: torch.Tensor, block_size: int, device: torch.device,
+                 max_model_len: int, generator: torch.Generator | None = None, compile: bool = False,
+                 deterministic: bool | None = None, short_chunk: int = DEFAULT_SHORT_CHUNK,
+                 is_driver: bool = True) -> None:
         """``deterministic`` (default: what the model was loaded with, EngineConfig.deterministic):
-        batch-invariant inference, see ``_is_decode_like`` and ``execute``."""
+        batch-invariant inference, see ``_decode_like`` and ``execute``. ``is_driver``: this rank
+        samples and reports (rank 0); the others only run the model."""
         self.model = model
         if deterministic is None:
             deterministic = bool(getattr(model, "deterministic", False))
@@ -62,8 +67,11 @@ class ModelRunner:
         self.forward = compiled_forward(model) if compile else model.forward
         self.block_size = block_size
         self.device = device
+        self.short_chunk = short_chunk
+        self.is_driver = is_driver
         self.vocab_size = model.config.vocab_size
         self.sampler = Sampler(generator)
+        self.batch = InputBatch(max_model_len, block_size)
         for i, attn in enumerate(model.attention_layers()):
             attn.bind_kv_cache(kv_cache[0, i], kv_cache[1, i])
 
@@ -75,114 +83,148 @@ class ModelRunner:
     # attention is then computed the same way whether it is a decode, in a fresh prompt, after a
     # cache hit or in any chunk (the paged kernel tiles a chunk's rows without changing a row's
     # sums), and a batch of decode-like rows only runs as one C++ call (models/decode_stack.py).
-    SHORT_CHUNK = 32
+    def _decode_like(self, counts: np.ndarray, starts: np.ndarray) -> np.ndarray:
+        if self.deterministic:
+            return np.ones(len(counts), dtype=bool)
+        return (counts == 1) | ((starts > 0) & (counts <= self.short_chunk))
 
-    def _is_decode_like(self, request: Request, n: int) -> bool:
-        return self.deterministic or n == 1 or (request.num_computed_tokens > 0 and n <= self.SHORT_CHUNK)
+    def _layout(self, sched: SchedulerOutput) -> _Layout:
+        req_ids = list(sched.num_scheduled_tokens)
+        rows = self.batch.rows(req_ids)
+        counts = np.fromiter(sched.num_scheduled_tokens.values(), dtype=np.int64, count=len(req_ids))
+        starts = self.batch.num_computed[rows]
+        return _Layout(req_ids, rows, counts, starts, self._decode_like(counts, starts))
 
-    def _layout(self, sched: SchedulerOutput) -> list[tuple[Request, int]]:
-        decodes = [(r, n) for r, n in sched.scheduled if self._is_decode_like(r, n)]
-        prefills = [(r, n) for r, n in sched.scheduled if not self._is_decode_like(r, n)]
-        return decodes + prefills
-
-    def _slots(self, request: Request, start: int, n: int) -> list[int]:
-        bs, blocks = self.block_size, request.block_ids
-        return [blocks[p // bs] * bs + p % bs for p in range(start, start + n)]
-
-    def _prepare(self, batch: list[tuple[Request, int]]):
-        input_ids: list[int] = []
-        positions: list[int] = []
-        slots: list[int] = []
-        prefills: list[PrefillSeq] = []
-        num_decodes = 0
-        decode_entries = []
-        for request, n in batch:
-            start = request.num_computed_tokens
-            if self._is_decode_like(request, n):
-                num_decodes += n
-                decode_entries.append((request, n))
-            else:
-                table = torch.tensor(request.block_ids, dtype=torch.long, device=self.device)
-                prefills.append(PrefillSeq(len(input_ids), n, start, table))
-            input_ids.extend(request.all_token_ids[start : start + n])
-            positions.extend(range(start, start + n))
-            slots.extend(self._slots(request, start, n))
-        meta = AttentionMetadata(
-            slot_mapping=torch.tensor(slots, dtype=torch.long, device=self.device), num_decodes=num_decodes,
-            prefills=prefills, block_size=self.block_size,
-        )
+    def _prepare(self, lay: _Layout) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
+        b, bs = self.batch, self.block_size
+        input_ids = b.token_ids[lay.token_rows, lay.positions]
+        slots = b.block_table[lay.token_rows, lay.positions // bs] * bs + lay.positions % bs
+        num_decodes = int(lay.counts[: lay.num_decode_like].sum())
+        prefills = [
+            PrefillSeq(int(lay.offsets[i]), int(lay.counts[i]), int(lay.starts[i]),
+                       torch.from_numpy(b.block_ids(int(lay.rows[i]))).to(self.device))
+            for i in range(lay.num_decode_like, len(lay.req_ids))
+        ]
+        meta = AttentionMetadata(slot_mapping=torch.from_numpy(slots).to(self.device), num_decodes=num_decodes,
+                                 prefills=prefills, block_size=bs)
         if num_decodes:
-            self._decode_metadata(decode_entries, meta)
-        return torch.tensor(input_ids, dtype=torch.long), torch.tensor(positions, dtype=torch.long), meta
-
-    def _decode_metadata(self, decodes: list[tuple[Request, int]], meta: AttentionMetadata) -> None:
-        """One row per decode token: its request's block table and how many positions it sees."""
-        rows = sum(n for _, n in decodes)
-        max_blocks = max(len(r.block_ids) for r, _ in decodes)
-        tables = torch.zeros(rows, max_blocks, dtype=torch.long)
-        lengths = torch.empty(rows, dtype=torch.long)
-        i = 0
-        for r, n in decodes:
-            tables[i : i + n, : len(r.block_ids)] = torch.tensor(r.block_ids, dtype=torch.long)
-            start = r.num_computed_tokens
-            lengths[i : i + n] = torch.arange(start + 1, start + n + 1)
-            i += n
-        meta.decode_block_tables = tables.to(self.device)
-        meta.decode_seq_lens = lengths.to(self.device)
+            # One row per decode-like token: its request's block table, and how many positions it sees.
+            rows = lay.token_rows[:num_decodes]
+            width = int(b.num_blocks[lay.rows[: lay.num_decode_like]].max())
+            meta.decode_block_tables = torch.from_numpy(b.block_table[rows, :width]).to(self.device)
+            meta.decode_seq_lens = torch.from_numpy(lay.positions[:num_decodes] + 1).to(self.device)
+        return torch.from_numpy(input_ids), torch.from_numpy(lay.positions.copy()), meta
 
     # -- run --------------------------------------------------------------------------------
     @torch.inference_mode()
-    def execute(self, sched: SchedulerOutput) -> RunnerOutput:
-        batch = self._layout(sched)
-        input_ids, positions, meta = self._prepare(batch)
-        sample_rows, sample_reqs, prompt_rows = self._logit_rows(batch)
-        out = RunnerOutput()
+    def execute(self, sched: SchedulerOutput) -> ModelRunnerOutput:
+        self.batch.apply(sched)
+        out = ModelRunnerOutput()
+        if sched.is_empty:
+            return out
+        lay = self._layout(sched)
+        input_ids, positions, meta = self._prepare(lay)
+        sample_idx, prompt_rows = self._logit_rows(lay)
         with self._invariance():  # the kernels' batch-invariant mode, for this engine's steps
             with set_attention_metadata(meta):
                 hidden = self.forward(input_ids.to(self.device), positions.to(self.device))
-            if sample_rows:
-                logits = self.model.compute_logits(hidden[sample_rows]).float().cpu()
-                self._sample(logits, sample_reqs, out)
-            for request, rows, targets in prompt_rows:
-                logits = self.model.compute_logits(hidden[rows]).float().cpu()
-                out.prompt_logprobs[request.request_id] = _prompt_logprobs(logits, targets, request.sampling_params.prompt_logprobs)
+            if sample_idx:
+                flat = [int(lay.offsets[i] + lay.counts[i] - 1) for i in sample_idx]
+                logits = self.model.compute_logits(hidden[flat])
+                if self.is_driver:
+                    self._sample(logits.float().cpu(), [lay.req_ids[i] for i in sample_idx], sched, out)
+            for rid, rows, targets, k in prompt_rows:
+                logits = self.model.compute_logits(hidden[rows])
+                if self.is_driver:
+                    out.prompt_logprobs[rid] = _prompt_logprobs(logits.float().cpu(), targets, k)
         return out
 
-    def _logit_rows(self, batch):
-        """Which flat rows need logits: the last token of every request that completes its
-        tokens this step (it samples), and prompt positions for prompt logprobs."""
-        sample_rows: list[int] = []
-        sample_reqs: list[Request] = []
+    def _logit_rows(self, lay: _Layout):
+        """Which requests sample (they complete their tokens this step), and which flat rows need
+        logits for prompt logprobs."""
+        b = self.batch
+        sample_idx: list[int] = []
         prompt_rows = []
-        offset = 0
-        for request, n in batch:
-            start = request.num_computed_tokens
-            if start + n == request.num_tokens:
-                sample_rows.append(offset + n - 1)
-                sample_reqs.append(request)
-            if request.sampling_params.prompt_logprobs is not None:
-                begin = max(start, request.num_prompt_logprobs_done)
-                end = min(start + n, request.num_prompt_tokens - 1)
+        for i, rid in enumerate(lay.req_ids):
+            row, start, n, offset = int(lay.rows[i]), int(lay.starts[i]), int(lay.counts[i]), int(lay.offsets[i])
+            if start + n == b.num_tokens[row]:
+                sample_idx.append(i)
+            state = b.states[rid]
+            k = state.sampling_params.prompt_logprobs
+            if k is not None:
+                begin = max(start, state.num_prompt_logprobs_done)
+                end = min(start + n, int(b.num_prompt[row]) - 1)
                 if end > begin:
                     rows = list(range(offset + begin - start, offset + end - start))
-                    targets = request.prompt_token_ids[begin + 1 : end + 1]
-                    prompt_rows.append((request, rows, targets))
-                    request.num_prompt_logprobs_done = end
-            offset += n
-        return sample_rows, sample_reqs, prompt_rows
+                    prompt_rows.append((rid, rows, b.token_ids[row, begin + 1 : end + 1].tolist(), k))
+                    state.num_prompt_logprobs_done = end
+        return sample_idx, prompt_rows
 
-    def _sample(self, logits: torch.Tensor, requests: list[Request], out: RunnerOutput) -> None:
-        md = build_sampling_metadata(requests, self.vocab_size)
+    def _sample(self, logits: torch.Tensor, req_ids: list[str], sched: SchedulerOutput,
+                out: ModelRunnerOutput) -> None:
+        md = self.sampling_metadata(req_ids, sched)
         result = self.sampler(logits, md)
         tokens = result.token_ids.tolist()
-        for i, request in enumerate(requests):
-            out.sampled[request.request_id] = tokens[i]
+        out.sampled_token_ids.update(zip(req_ids, tokens))
         if result.logprobs is not None:
             ids, lps, ranks = result.logprob_token_ids.tolist(), result.logprobs.tolist(), result.sampled_ranks.tolist()
-            for i, request in enumerate(requests):
-                k = request.sampling_params.logprobs
+            for i, rid in enumerate(req_ids):
+                k = self.batch.states[rid].sampling_params.logprobs
                 if k is not None:
-                    out.logprobs[request.request_id] = TokenLogprobs(ids[i][: 1 + k], lps[i][: 1 + k], ranks[i])
+                    out.logprobs[rid] = TokenLogprobs(ids[i][: 1 + k], lps[i][: 1 + k], ranks[i])
+
+    # -- sampling metadata, gathered from the persistent rows -----------------------------
+    def sampling_metadata(self, req_ids: list[str], sched: SchedulerOutput) -> SamplingMetadata:
+        b, vocab = self.batch, self.vocab_size
+        rows = b.rows(req_ids)
+        states = [b.states[r] for r in req_ids]
+        greedy = b.greedy[rows]
+        top_k, top_p, min_p = b.top_k[rows], b.top_p[rows], b.min_p[rows]
+        md = SamplingMetadata(
+            temperature=torch.from_numpy(b.temperature[rows]),
+            greedy=torch.from_numpy(greedy),
+            all_greedy=bool(greedy.all()),
+            top_k=torch.from_numpy(np.where(top_k > 0, top_k, vocab)) if (top_k > 0).any() else None,
+            top_p=torch.from_numpy(top_p) if (top_p < 1.0).any() else None,
+            min_p=torch.from_numpy(min_p) if (min_p > 0.0).any() else None,
+            generators={i: s.generator for i, s in enumerate(states) if s.generator is not None and not greedy[i]},
+        )
+        self._add_penalties(md, rows)
+        _add_sparse(md, states, b.num_tokens[rows] - b.num_prompt[rows], vocab)
+        self._add_grammar_mask(md, req_ids, sched)
+        wanted = [s.sampling_params.logprobs for s in states if s.sampling_params.logprobs is not None]
+        md.max_num_logprobs = max(wanted) if wanted else None
+        return md
+
+    def _add_penalties(self, md: SamplingMetadata, rows: np.ndarray) -> None:
+        b = self.batch
+        presence, frequency, repetition = b.presence[rows], b.frequency[rows], b.repetition[rows]
+        uses = (presence != 0.0).any(), (frequency != 0.0).any(), (repetition != 1.0).any()
+        if not any(uses):
+            return
+        md.output_tokens = b.padded_tokens(rows, b.num_prompt[rows], b.num_tokens[rows])
+        if uses[0]:
+            md.presence = torch.from_numpy(presence)
+        if uses[1]:
+            md.frequency = torch.from_numpy(frequency)
+        if uses[2]:
+            md.repetition = torch.from_numpy(repetition)
+            prompt_end = np.where(repetition != 1.0, b.num_prompt[rows], 0)
+            md.prompt_tokens = b.padded_tokens(rows, np.zeros_like(prompt_end), prompt_end)
+
+    @staticmethod
+    def _add_grammar_mask(md: SamplingMetadata, req_ids: list[str], sched: SchedulerOutput) -> None:
+        """The scheduler's bitmask rows (its matchers live there), placed at this batch's rows."""
+        if sched.grammar_bitmask is None:
+            return
+        index = {rid: i for i, rid in enumerate(req_ids)}
+        rows = [(index[rid], src) for rid, src in sched.grammar_rows.items() if rid in index]
+        if not rows:
+            return
+        mask = torch.full((len(req_ids), sched.grammar_bitmask.shape[1]), -1, dtype=torch.int32)
+        for dst, src in rows:
+            mask[dst] = sched.grammar_bitmask[src]
+        md.token_bitmask, md.bitmask_rows = mask, [dst for dst, _ in rows]
 
 
 def _prompt_logprobs(logits: torch.Tensor, targets: list[int], k: int) -> list[TokenLogprobs]:
@@ -196,66 +238,18 @@ def _prompt_logprobs(logits: torch.Tensor, targets: list[int], k: int) -> list[T
     return [TokenLogprobs(ids[i], vals[i], ranks[i]) for i in range(len(targets))]
 
 
-def build_sampling_metadata(requests: list[Request], vocab_size: int) -> SamplingMetadata:
-    params = [r.sampling_params for r in requests]
-    n = len(requests)
-    greedy = torch.tensor([p.greedy for p in params])
-    md = SamplingMetadata(
-        temperature=torch.tensor([p.temperature for p in params], dtype=torch.float32),
-        greedy=greedy,
-        all_greedy=bool(greedy.all()),
-        top_k=None, top_p=None, min_p=None,
-        generators={i: r.generator for i, r in enumerate(requests) if r.generator is not None and not r.sampling_params.greedy},
-    )
-    if any(p.top_k > 0 for p in params):
-        md.top_k = torch.tensor([p.top_k if p.top_k > 0 else vocab_size for p in params], dtype=torch.long)
-    if any(p.top_p < 1.0 for p in params):
-        md.top_p = torch.tensor([p.top_p for p in params], dtype=torch.float32)
-    if any(p.min_p > 0.0 for p in params):
-        md.min_p = torch.tensor([p.min_p for p in params], dtype=torch.float32)
-    _add_penalties(md, requests)
-    _add_sparse(md, requests, vocab_size)
-    bitmask = build_token_bitmask(requests, vocab_size)
-    if bitmask is not None:
-        md.token_bitmask, md.bitmask_rows = bitmask
-    wanted = [p.logprobs for p in params if p.logprobs is not None]
-    md.max_num_logprobs = max(wanted) if wanted else None
-    return md
-
-
-def _padded(rows: list[list[int]]) -> torch.Tensor:
-    width = max(1, max(len(r) for r in rows))
-    out = torch.full((len(rows), width), -1, dtype=torch.long)
-    for i, r in enumerate(rows):
-        if r:
-            out[i, : len(r)] = torch.tensor(r, dtype=torch.long)
-    return out
-
-
-def _add_penalties(md: SamplingMetadata, requests: list[Request]) -> None:
-    params = [r.sampling_params for r in requests]
-    if not any(p.needs_penalties for p in params):
-        return
-    md.output_tokens = _padded([r.output_token_ids for r in requests])
-    if any(p.presence_penalty for p in params):
-        md.presence = torch.tensor([p.presence_penalty for p in params], dtype=torch.float32)
-    if any(p.frequency_penalty for p in params):
-        md.frequency = torch.tensor([p.frequency_penalty for p in params], dtype=torch.float32)
-    if any(p.repetition_penalty != 1.0 for p in params):
-        md.repetition = torch.tensor([p.repetition_penalty for p in params], dtype=torch.float32)
-        md.prompt_tokens = _padded([r.prompt_token_ids if r.sampling_params.repetition_penalty != 1.0 else [] for r in requests])
-
-
-def _add_sparse(md: SamplingMetadata, requests: list[Request], vocab_size: int) -> None:
-    bias = [(i, t, b) for i, r in enumerate(requests) for t, b in (r.sampling_params.logit_bias or {}).items() if t < vocab_size]
+def _add_sparse(md: SamplingMetadata, states, num_output: np.ndarray, vocab_size: int) -> None:
+    """Logit bias and the min_tokens ban of stop tokens: (row, token) pairs, rare, so per request."""
+    bias = [(i, t, v) for i, s in enumerate(states) for t, v in (s.sampling_params.logit_bias or {}).items()
+            if t < vocab_size]
     if bias:
         rows, toks, vals = zip(*bias)
         md.bias_rows, md.bias_tokens = torch.tensor(rows), torch.tensor(toks)
         md.bias_values = torch.tensor(vals, dtype=torch.float32)
     banned = []
-    for i, r in enumerate(requests):
-        p = r.sampling_params
-        if r.num_output_tokens < p.min_tokens:
+    for i, s in enumerate(states):
+        p = s.sampling_params
+        if num_output[i] < p.min_tokens:
             stop_ids = set(p.stop_token_ids) | (set() if p.ignore_eos else p.all_stop_token_ids)
             banned += [(i, t) for t in stop_ids if t < vocab_size]
     if banned:

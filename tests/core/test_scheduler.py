@@ -7,6 +7,8 @@ import time
 
 from pagoda.core.kv_cache_manager import KVCacheManager, cdiv
 from pagoda.core.scheduler import Scheduler
+from pagoda.core.scheduler_output import SchedulerOutput
+from pagoda.outputs import ModelRunnerOutput
 from pagoda.request import Request, RequestStatus
 from pagoda.sampling_params import SamplingParams
 
@@ -23,13 +25,14 @@ def req(rid, n_prompt, max_tokens=4, priority=0, t=0.0) -> Request:
 def fake_step(sched: Scheduler, trace: list | None = None):
     out = sched.schedule()
     sampled = {}
-    for r, n in out.scheduled:
+    for rid, n in out.num_scheduled_tokens.items():
+        r = sched.requests[rid]
         assert r.num_computed_tokens + n <= r.num_tokens
         if r.num_computed_tokens + n == r.num_tokens:
             sampled[r.request_id] = 7
     if trace is not None:
         trace.append(out)
-    return out, sched.update(out, sampled)
+    return out, sched.update(out, ModelRunnerOutput(sampled_token_ids=sampled))
 
 
 def run_to_completion(sched: Scheduler, max_steps=10_000, trace=None) -> list[Request]:
@@ -48,14 +51,14 @@ def test_fcfs_and_budget_and_chunked_prefill():
     sched.add_request(a)
     sched.add_request(b)
     out, _ = fake_step(sched)
-    assert [(r.request_id, n) for r, n in out.scheduled] == [("a", 10)]  # a's prompt is chunked
+    assert list(out.num_scheduled_tokens.items()) == [("a", 10)]  # a's prompt is chunked
     out, _ = fake_step(sched)
-    assert [(r.request_id, n) for r, n in out.scheduled] == [("a", 10)]
+    assert list(out.num_scheduled_tokens.items()) == [("a", 10)]
     out, _ = fake_step(sched)
     # a's last 5 prompt tokens, then b joins in the same step with its whole prompt
-    assert [(r.request_id, n) for r, n in out.scheduled] == [("a", 5), ("b", 3)]
+    assert list(out.num_scheduled_tokens.items()) == [("a", 5), ("b", 3)]
     out, _ = fake_step(sched)
-    assert [(r.request_id, n) for r, n in out.scheduled] == [("a", 1), ("b", 1)]  # decodes
+    assert list(out.num_scheduled_tokens.items()) == [("a", 1), ("b", 1)]  # decodes
 
 
 def test_max_num_seqs_limits_running():
@@ -63,7 +66,7 @@ def test_max_num_seqs_limits_running():
     for i in range(5):
         sched.add_request(req(f"r{i}", 4, t=i))
     out, _ = fake_step(sched)
-    assert len(out.scheduled) == 2 and sched.num_running == 2 and sched.num_waiting == 3
+    assert len(out.num_scheduled_tokens) == 2 and sched.num_running == 2 and sched.num_waiting == 3
 
 
 def test_priority_orders_waiting_queue_then_arrival():
@@ -75,9 +78,9 @@ def test_priority_orders_waiting_queue_then_arrival():
     trace = []
     run_to_completion(sched, trace=trace)
     for out in trace:
-        for r, _ in out.scheduled:
-            if r.request_id not in order:
-                order.append(r.request_id)
+        for rid in out.num_scheduled_tokens:
+            if rid not in order:
+                order.append(rid)
     assert order == ["high", "high2", "low"]
 
 
@@ -90,7 +93,7 @@ def test_preemption_picks_lowest_priority_latest_arrival_and_everything_finishes
         sched.add_request(r)
     trace = []
     finished = run_to_completion(sched, trace=trace)
-    preempted = [rid for out in trace for rid in out.preempted]
+    preempted = [rid for out in trace for rid in out.preempted_req_ids]
     assert preempted, "the tiny cache must force preemption"
     assert preempted[0] == "c"  # lowest priority, latest arrival goes first
     assert "a" not in preempted  # highest priority is never the victim here
@@ -141,7 +144,7 @@ def test_no_leaked_block_after_1000_random_requests():
         if live and rng.random() < 0.05:  # random aborts
             aborted += sched.finish_request(rng.choice(live).request_id) is not None
         out, done = fake_step(sched)
-        assert out.num_batched_tokens <= 40
+        assert out.total_num_scheduled_tokens <= 40
         assert sched.num_running <= 16
         held = sum(len(r.block_ids) for r in sched.running)
         assert held == 48 - sched.kv.num_free_blocks  # every used block belongs to a running request
@@ -162,8 +165,8 @@ def test_high_priority_arrival_preempts_low_priority_running():
     assert {r.request_id for r in sched.running} == {"low-a", "low-b"}
     sched.add_request(req("vip", 4, max_tokens=3, priority=10, t=time.monotonic()))
     out, _ = fake_step(sched)
-    assert out.preempted == ["low-a"]  # the lowest-priority running request makes room
-    assert "vip" in [r.request_id for r, _ in out.scheduled]
+    assert out.preempted_req_ids == ["low-a"]  # the lowest-priority running request makes room
+    assert "vip" in list(out.num_scheduled_tokens)
     finished = run_to_completion(sched)
     assert [r.request_id for r in finished][0] == "vip"
     assert {r.request_id for r in finished} == {"vip", "low-a", "low-b"}
@@ -178,7 +181,7 @@ def test_equal_priority_arrival_does_not_preempt():
     sched.add_request(req("second", 4, max_tokens=5, t=now))
     trace = []
     run_to_completion(sched, trace=trace)
-    assert not any(out.preempted for out in trace)
+    assert not any(out.preempted_req_ids for out in trace)
 
 
 def test_starvation_guard_ages_old_low_priority_requests():
@@ -202,10 +205,10 @@ def test_pressure_blocks_admissions_that_would_force_preemption():
     fake_step(sched)  # 8 of 10 blocks used: pressure 0.8
     sched.add_request(req("c", 4, max_tokens=2, t=now + 1))
     out, _ = fake_step(sched)
-    assert "c" not in [r.request_id for r, _ in out.scheduled]  # 1 free block < 2 running: wait
+    assert "c" not in list(out.num_scheduled_tokens)  # 1 free block < 2 running: wait
     trace = []
     finished = run_to_completion(sched, trace=trace)
-    assert not any(o.preempted for o in trace)
+    assert not any(o.preempted_req_ids for o in trace)
     assert {r.request_id for r in finished} == {"a", "b", "c"}
 
 
@@ -223,7 +226,7 @@ def test_no_leaked_block_with_prefix_caching_under_churn():
             sched.finish_request(rng.choice(live).request_id)
         if rng.random() < 0.7:
             out, _ = fake_step(sched)
-            assert out.num_batched_tokens <= 40
+            assert out.total_num_scheduled_tokens <= 40
         live = [r for r in live if not r.status.finished]
     run_to_completion(sched)
     kv = sched.kv
@@ -249,19 +252,19 @@ def test_a_request_waits_for_its_grammar_without_holding_up_others():
     sched.add_request(constrained)
     sched.add_request(free)
     out, _ = fake_step(sched)
-    assert [r.request_id for r, _ in out.scheduled] == ["free"]
+    assert list(out.num_scheduled_tokens) == ["free"]
     vocab = ["a"] * 7 + ["x", "</s>"]
     compiler = xgr.GrammarCompiler(xgr.TokenizerInfo(vocab, stop_token_ids=[8]))
     compiling.set_result(compiler.compile_grammar(xgr.Grammar.from_regex("x")))
     out, _ = fake_step(sched)
-    assert "constrained" in [r.request_id for r, _ in out.scheduled]
+    assert "constrained" in list(out.num_scheduled_tokens)
     assert constrained.output_token_ids == [7] and constrained.status == RequestStatus.RUNNING
     # After "x" only the stop token is allowed; accepting it completes the grammar.
     bitmask = xgr.allocate_token_bitmask(1, len(vocab))
     constrained.grammar.fill_bitmask(bitmask, 0)
     allowed = [t for t in range(len(vocab)) if (int(bitmask[0, t // 32]) >> (t % 32)) & 1]
     assert allowed == [8]
-    sched.update(type(out)(scheduled=[(constrained, 1)]), {"constrained": 8})
+    sched.update(SchedulerOutput(num_scheduled_tokens={"constrained": 1}), ModelRunnerOutput({"constrained": 8}))
     assert constrained.status == RequestStatus.FINISHED_STOPPED
 
 

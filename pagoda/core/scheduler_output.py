@@ -1,0 +1,63 @@
+"""The scheduler's message to the workers for one step: plain, picklable data (no ``Request``).
+
+The worker keeps its own state for every request it has seen (token ids, block table, sampling
+parameters, generator) and updates it from these deltas, as vLLM v1's ``SchedulerOutput`` does;
+the scheduler's ``Request`` objects never leave the scheduler. The same message goes to every
+tensor-parallel rank.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from pagoda.sampling_params import SamplingParams
+
+
+@dataclass
+class NewRequestData:
+    """A request the workers have not seen: everything they need to run it."""
+
+    req_id: str
+    prompt_token_ids: list[int]
+    sampling_params: SamplingParams
+    block_ids: list[int]
+    num_computed_tokens: int  # prefix-cache hit, or 0
+    # Tokens generated before the workers saw it (never today: a request is sent when first
+    # scheduled; kept so a worker can be (re)built from the message alone).
+    output_token_ids: list[int] = field(default_factory=list)
+
+
+@dataclass
+class CachedRequestData:
+    """A request the workers know: what changed since they last saw it."""
+
+    req_id: str
+    new_token_ids: list[int]  # tokens the scheduler appended (sampled) since the last message
+    new_block_ids: list[int]  # appended to its block table, or the whole table when resumed
+    num_computed_tokens: int  # tokens with KV in the cache before this step
+    resumed_from_preemption: bool = False  # its blocks were freed: new_block_ids replace the table
+
+
+@dataclass
+class SchedulerOutput:
+    new_requests: list[NewRequestData] = field(default_factory=list)
+    cached_requests: list[CachedRequestData] = field(default_factory=list)
+    # request id → tokens to compute this step, in scheduling order (priority, then arrival)
+    num_scheduled_tokens: dict[str, int] = field(default_factory=dict)
+    # finished or aborted since the last message: the workers drop their state
+    finished_req_ids: set[str] = field(default_factory=set)
+    preempted_req_ids: list[str] = field(default_factory=list)
+    # Structured outputs: xgrammar's packed allowed-token bitmask, one row per constrained
+    # request that samples this step (request id → row).
+    grammar_bitmask: torch.Tensor | None = None
+    grammar_rows: dict[str, int] = field(default_factory=dict)
+
+    @property
+    def total_num_scheduled_tokens(self) -> int:
+        return sum(self.num_scheduled_tokens.values())
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.num_scheduled_tokens

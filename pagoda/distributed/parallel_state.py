@@ -1,0 +1,127 @@
+"""The tensor-parallel group of a model: its rank, its size and its collectives.
+
+A model captures its group when it is built (``building_with``), instead of reading a process-
+wide default: a process may hold a TP=1 engine beside a TP=2 one (tests do), and
+``torch.distributed``'s default group can exist once per process. So the group is a plain c10d
+backend object (gloo on CPU, NCCL on CUDA) over a ``TCPStore`` rendezvous, used directly.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import datetime
+import logging
+import pickle
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class TensorParallelGroup:
+    rank: int = 0
+    world_size: int = 1
+    backend: Any = None  # c10d ProcessGroupGloo / ProcessGroupNCCL; None at world_size 1
+    store: Any = None
+    # gloo, without a timeout that matters: carries rank 0's orders (broadcast_object), which the
+    # other ranks wait for as long as the engine idles. The collectives of a step run on
+    # ``backend``, whose timeout (--distributed-timeout-seconds) turns a hung rank into an error.
+    control: Any = None
+
+    @property
+    def is_parallel(self) -> bool:
+        return self.world_size > 1
+
+    @property
+    def is_driver(self) -> bool:
+        return self.rank == 0
+
+    # -- collectives (identity at world size 1) ---------------------------------------------
+    def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
+        """Sum over the ranks, in place."""
+        if self.world_size > 1:
+            self.backend.allreduce([x]).wait()
+        return x
+
+    def all_gather(self, x: torch.Tensor, dim: int = -1) -> torch.Tensor:
+        """Every rank's ``x`` concatenated along ``dim`` (equal shapes on every rank)."""
+        if self.world_size == 1:
+            return x
+        x = x.contiguous()
+        parts = [torch.empty_like(x) for _ in range(self.world_size)]
+        self.backend.allgather([parts], [x]).wait()
+        return torch.cat(parts, dim=dim)
+
+    def broadcast_object(self, obj: Any = None) -> Any:
+        """Rank 0's ``obj`` on every rank (pickled: a length, then the bytes)."""
+        if self.world_size == 1:
+            return obj
+        if self.rank == 0:
+            payload = torch.frombuffer(bytearray(pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)), dtype=torch.uint8)
+            size = torch.tensor([payload.numel()], dtype=torch.int64)
+        else:
+            size = torch.zeros(1, dtype=torch.int64)
+        self.control.broadcast(size, 0).wait()
+        if self.rank != 0:
+            payload = torch.empty(int(size), dtype=torch.uint8)
+        self.control.broadcast(payload, 0).wait()
+        return obj if self.rank == 0 else pickle.loads(payload.numpy().tobytes())
+
+    def wait_for_all(self) -> None:
+        """Return once every rank got here (on the control channel: no timeout)."""
+        if self.world_size > 1:
+            self.control.allreduce([torch.zeros(1)]).wait()
+
+    def shard_range(self, size: int) -> tuple[int, int]:
+        """This rank's [start, end) of ``size`` split evenly (``size`` divisible by world size)."""
+        if size % self.world_size:
+            raise ValueError(f"{size} does not split over {self.world_size} tensor-parallel ranks")
+        part = size // self.world_size
+        return self.rank * part, (self.rank + 1) * part
+
+
+SINGLE = TensorParallelGroup()
+
+
+def init_tensor_parallel(rank: int, world_size: int, master_addr: str, master_port: int, device: torch.device,
+                         timeout_seconds: float) -> TensorParallelGroup:
+    """Join the group: rank 0 serves the rendezvous store at master_addr:master_port."""
+    import torch.distributed as dist
+
+    if world_size == 1:
+        return SINGLE
+    timeout = datetime.timedelta(seconds=timeout_seconds)
+    store = dist.TCPStore(master_addr, master_port, world_size, rank == 0, timeout=timeout, wait_for_workers=True)
+    prefixed = dist.PrefixStore("pagoda-tp", store)
+    if device.type == "cuda":
+        backend = dist.ProcessGroupNCCL(prefixed, rank, world_size)
+    else:
+        backend = dist.ProcessGroupGloo(prefixed, rank, world_size, timeout)
+    control = dist.ProcessGroupGloo(dist.PrefixStore("pagoda-control", store), rank, world_size, _FOREVER)
+    logger.info("tensor-parallel rank %d of %d joined (%s)", rank, world_size, type(backend).__name__)
+    return TensorParallelGroup(rank, world_size, backend, store, control)
+
+
+_FOREVER = datetime.timedelta(days=365)
+
+
+_building: TensorParallelGroup = SINGLE
+
+
+@contextlib.contextmanager
+def building_with(group: TensorParallelGroup):
+    """Layers built inside the block take ``group`` as their tensor-parallel group."""
+    global _building
+    previous, _building = _building, group
+    try:
+        yield
+    finally:
+        _building = previous
+
+
+def current_group() -> TensorParallelGroup:
+    """The group of the model being built (``SINGLE`` outside ``building_with``)."""
+    return _building

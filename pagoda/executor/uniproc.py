@@ -1,0 +1,18 @@
+"""One worker, in the engine's process: the default at tensor-parallel size 1."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from pagoda.config import EngineConfig
+from pagoda.executor.base import Executor
+from pagoda.worker.worker import Worker
+
+
+class UniProcExecutor(Executor):
+    def __init__(self, config: EngineConfig) -> None:
+        super().__init__(config)
+        self.driver_worker = Worker(config)
+
+    def collective_rpc(self, method: str, *args: Any) -> Any:
+        return getattr(self.driver_worker, method)(*args)

@@ -1,0 +1,153 @@
+"""The worker's own record of every request it runs, kept from step to step (vLLM's InputBatch).
+
+The scheduler sends deltas (``SchedulerOutput``); this applies them to persistent arrays, one row
+per request: its token ids, its block table, its sampling parameters. A step then gathers the
+rows it needs with numpy indexing instead of rebuilding the batch from Python lists. Rows are
+kept for preempted requests (their generator must continue where it stopped) and dropped when
+the scheduler reports a request finished.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from pagoda.core.scheduler_output import CachedRequestData, NewRequestData, SchedulerOutput
+from pagoda.sampling_params import SamplingParams
+
+
+@dataclass
+class RequestState:
+    """What only a few requests have (kept per request, not in the arrays)."""
+
+    req_id: str
+    sampling_params: SamplingParams
+    generator: torch.Generator | None
+    num_prompt_logprobs_done: int = 0  # prompt positions already reported
+
+
+class InputBatch:
+    def __init__(self, max_model_len: int, block_size: int, capacity: int = 16) -> None:
+        self.max_model_len = max_model_len
+        self.block_size = block_size
+        self.max_blocks = -(-max_model_len // block_size)
+        self.index: dict[str, int] = {}  # request id → row
+        self.states: dict[str, RequestState] = {}
+        self._free_rows: list[int] = []
+        self._capacity = 0
+        self._grow(capacity)
+
+    # -- storage ----------------------------------------------------------------------------
+    def _grow(self, capacity: int) -> None:
+        def resized(old: np.ndarray | None, shape: tuple, dtype, fill=0) -> np.ndarray:
+            new = np.full(shape, fill, dtype=dtype)
+            if old is not None:
+                new[: old.shape[0]] = old
+            return new
+
+        get = lambda name: getattr(self, name, None)  # noqa: E731
+        self.token_ids = resized(get("token_ids"), (capacity, self.max_model_len), np.int64)
+        self.block_table = resized(get("block_table"), (capacity, self.max_blocks), np.int64)
+        for name, dtype, fill in _ROW_FIELDS:
+            setattr(self, name, resized(get(name), (capacity,), dtype, fill))
+        self._free_rows.extend(range(capacity - 1, self._capacity - 1, -1))
+        self._capacity = capacity
+
+    def _take_row(self) -> int:
+        if not self._free_rows:
+            self._grow(self._capacity * 2)
+        return self._free_rows.pop()
+
+    # -- deltas -----------------------------------------------------------------------------
+    def apply(self, sched: SchedulerOutput) -> None:
+        for rid in sched.finished_req_ids:
+            self.remove(rid)
+        for new in sched.new_requests:
+            self.add(new)
+        for cached in sched.cached_requests:
+            self.update(cached)
+
+    def add(self, new: NewRequestData) -> None:
+        if new.req_id in self.index:
+            self.remove(new.req_id)
+        row = self._take_row()
+        self.index[new.req_id] = row
+        p = new.sampling_params
+        generator = torch.Generator().manual_seed(p.seed) if p.seed is not None else None
+        self.states[new.req_id] = RequestState(new.req_id, p, generator)
+        tokens = new.prompt_token_ids + new.output_token_ids
+        self.token_ids[row, : len(tokens)] = tokens
+        self.num_tokens[row] = len(tokens)
+        self.num_prompt[row] = len(new.prompt_token_ids)
+        self.num_computed[row] = new.num_computed_tokens
+        self.num_blocks[row] = 0
+        self._append_blocks(row, new.block_ids)
+        self._set_sampling(row, p)
+
+    def update(self, cached: CachedRequestData) -> None:
+        row = self.index[cached.req_id]
+        n, k = int(self.num_tokens[row]), len(cached.new_token_ids)
+        self.token_ids[row, n : n + k] = cached.new_token_ids
+        self.num_tokens[row] = n + k
+        self.num_computed[row] = cached.num_computed_tokens
+        if cached.resumed_from_preemption:
+            self.num_blocks[row] = 0
+        self._append_blocks(row, cached.new_block_ids)
+
+    def remove(self, req_id: str) -> None:
+        row = self.index.pop(req_id, None)
+        if row is not None:
+            self.states.pop(req_id, None)
+            self._free_rows.append(row)
+
+    def _append_blocks(self, row: int, block_ids: list[int]) -> None:
+        start = int(self.num_blocks[row])
+        self.block_table[row, start : start + len(block_ids)] = block_ids
+        self.num_blocks[row] = start + len(block_ids)
+
+    def _set_sampling(self, row: int, p: SamplingParams) -> None:
+        self.temperature[row] = p.temperature
+        self.greedy[row] = p.greedy
+        self.top_k[row] = p.top_k
+        self.top_p[row] = p.top_p
+        self.min_p[row] = p.min_p
+        self.presence[row] = p.presence_penalty
+        self.frequency[row] = p.frequency_penalty
+        self.repetition[row] = p.repetition_penalty
+
+    # -- views ------------------------------------------------------------------------------
+    def rows(self, req_ids: list[str]) -> np.ndarray:
+        return np.fromiter((self.index[r] for r in req_ids), dtype=np.int64, count=len(req_ids))
+
+    def block_ids(self, row: int) -> np.ndarray:
+        return self.block_table[row, : self.num_blocks[row]]
+
+    def output_token_ids(self, row: int) -> np.ndarray:
+        return self.token_ids[row, self.num_prompt[row] : self.num_tokens[row]]
+
+    def padded_tokens(self, rows: np.ndarray, start: np.ndarray, end: np.ndarray) -> torch.Tensor:
+        """token_ids[row, start:end] of each row, padded with -1 to the longest: [len(rows), width]."""
+        width = max(1, int((end - start).max(initial=0)))
+        cols = start[:, None] + np.arange(width)[None, :]
+        valid = cols < end[:, None]
+        values = self.token_ids[rows[:, None], np.minimum(cols, self.max_model_len - 1)]
+        return torch.from_numpy(np.where(valid, values, -1))
+
+
+# (array name, dtype, fill) of the per-row scalars
+_ROW_FIELDS = (
+    ("num_tokens", np.int64, 0),
+    ("num_prompt", np.int64, 0),
+    ("num_computed", np.int64, 0),
+    ("num_blocks", np.int64, 0),
+    ("temperature", np.float32, 1.0),
+    ("greedy", np.bool_, True),
+    ("top_k", np.int64, 0),
+    ("top_p", np.float32, 1.0),
+    ("min_p", np.float32, 0.0),
+    ("presence", np.float32, 0.0),
+    ("frequency", np.float32, 0.0),
+    ("repetition", np.float32, 1.0),
+)

@@ -1,0 +1,130 @@
+"""One rank of the model: its shard of the weights, its KV cache and its model runner.
+
+The engine core talks to workers only through an executor (pagoda/executor), by method name:
+``determine_num_blocks``, ``initialize_cache``, ``execute_model``. Rank 0 (the driver) lives in
+the engine's process and returns the step's ``ModelRunnerOutput``; other ranks run the same
+forward passes and return nothing.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+
+import torch
+
+from pagoda.config import DEFAULT_KV_CACHE_GIB, EngineConfig
+from pagoda.core.scheduler_output import SchedulerOutput
+from pagoda.distributed.parallel_state import SINGLE, TensorParallelGroup, init_tensor_parallel
+from pagoda.loader.model_loader import load_model
+from pagoda.outputs import ModelRunnerOutput
+from pagoda.platform import available_memory_bytes
+from pagoda.worker.kv_cache import GiB, allocate_kv_cache, bytes_per_block
+from pagoda.worker.model_runner import ModelRunner
+
+logger = logging.getLogger(__name__)
+
+
+def prepare_cpu_kernels() -> None:
+    """Build (first run on this CPU, about a minute) or load the C++ kernels now, so the engine
+    is ready when it says so: built lazily, the first request waited for the compiler."""
+    from pagoda.layers.cpu_kernels import kernels_are_built, load_cpu_kernels
+
+    if not kernels_are_built():
+        logger.warning("building pagoda's CPU kernels for this CPU (once; about a minute)...")
+    start = time.monotonic()
+    kernels = load_cpu_kernels()
+    if kernels is not None:
+        logger.info("CPU kernels ready in %.1fs", time.monotonic() - start)
+
+
+class Worker:
+    def __init__(self, config: EngineConfig, rank: int = 0, master_addr: str = "127.0.0.1",
+                 master_port: int | None = None) -> None:
+        self.config = config
+        mc, pc = config.model, config.parallel
+        self.rank = rank
+        self.device = mc.device
+        start = time.monotonic()
+        torch.manual_seed(config.seed)
+        if self.device.type == "cpu":
+            prepare_cpu_kernels()
+        self.tp: TensorParallelGroup = SINGLE
+        if pc.world_size > 1:
+            self.tp = init_tensor_parallel(rank, pc.world_size, master_addr, master_port, self.device,
+                                           pc.timeout_seconds)
+        self.model = load_model(mc.files, mc.hf_config, mc.dtype, self.device, mc.max_model_len, tp=self.tp)
+        self.tp.wait_for_all()  # before any timed collective: ranks load at their own pace
+        self.load_seconds = time.monotonic() - start
+        self.runner: ModelRunner | None = None
+        self.kv_cache: torch.Tensor | None = None
+
+    # -- KV cache ---------------------------------------------------------------------------
+    def determine_num_blocks(self) -> int:
+        """How many KV blocks the budget holds, the same on every rank.
+
+        A block is counted with all of the model's KV heads, so the number of blocks (and so the
+        tokens the engine can hold) does not change with the tensor-parallel size: each rank
+        stores its share of the heads. On CUDA each rank measures its own free memory and the
+        smallest answer wins."""
+        cfg, mc, cc = self.model.config, self.config.model, self.config.cache
+        per_block = bytes_per_block(cfg.num_layers, cc.block_size, cfg.num_kv_heads, cfg.head_dim, mc.dtype)
+        if self.device.type == "cuda":
+            local = bytes_per_block(cfg.num_layers, cc.block_size, self.model.num_local_kv_heads, cfg.head_dim, mc.dtype)
+            num_blocks = int(available_memory_bytes(self.device) * cc.gpu_memory_utilization) // local
+            budget = num_blocks * per_block
+        else:
+            gib = cc.kv_cache_memory_gib
+            if gib is None:
+                # Default: 2 GiB, but never more than half of what the machine has free.
+                gib = min(DEFAULT_KV_CACHE_GIB, available_memory_bytes(self.device) / 2 / GiB)
+            budget = int(gib * GiB)
+            num_blocks = budget // per_block
+        if self.tp.is_parallel:
+            smallest = torch.tensor([num_blocks], dtype=torch.int64, device=self.device)
+            self.tp.backend.allreduce([smallest], _min_op()).wait()
+            num_blocks = int(smallest)
+        if num_blocks < 1:
+            raise ValueError(
+                f"the KV cache budget ({budget / GiB:.3f} GiB) does not hold one block of "
+                f"{cc.block_size} tokens ({per_block / 2**20:.2f} MiB); raise kv_cache_memory"
+            )
+        return int(num_blocks)
+
+    def initialize_cache(self, num_blocks: int, max_model_len: int) -> None:
+        cfg, mc, cc = self.model.config, self.config.model, self.config.cache
+        self.kv_cache = allocate_kv_cache(cfg.num_layers, num_blocks, cc.block_size, self.model.num_local_kv_heads,
+                                          cfg.head_dim, mc.dtype, self.device)
+        generator = torch.Generator().manual_seed(self.config.seed)
+        self.runner = ModelRunner(
+            self.model, self.kv_cache, cc.block_size, self.device, max_model_len, generator,
+            compile=self.config.compile, short_chunk=self.config.scheduler.short_chunk_tokens,
+            is_driver=self.tp.is_driver,
+        )
+
+    # -- steps ------------------------------------------------------------------------------
+    def execute_model(self, sched: SchedulerOutput) -> ModelRunnerOutput | None:
+        out = self.runner.execute(sched)
+        return out if self.tp.is_driver else None
+
+    def shutdown(self) -> None:
+        self.runner = None
+        self.kv_cache = None
+
+
+def _min_op():
+    import torch.distributed as dist
+
+    opts = dist.AllreduceOptions()
+    opts.reduceOp = dist.ReduceOp.MIN
+    return opts
+
+
+def cpu_share(rank: int, local_world_size: int) -> list[int]:
+    """The cores of this process's affinity set that a local rank gets: a contiguous, equal share
+    (at least one core), so ranks on one machine do not fight over cores."""
+    cores = sorted(os.sched_getaffinity(0))
+    per_rank = max(1, len(cores) // local_world_size)
+    start = (rank % local_world_size) * per_rank % len(cores)
+    return cores[start : start + per_rank]
