@@ -79,3 +79,12 @@ def available_memory_bytes(device: torch.device) -> int:
     except OSError:
         pass
     return 8 << 30
+
+
+def resident_memory_bytes() -> int:
+    """This process's resident set size (Linux /proc; 0 where it cannot be read)."""
+    try:
+        with open("/proc/self/statm", encoding="ascii") as f:
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except (OSError, ValueError, IndexError):
+        return 0

@@ -70,6 +70,20 @@ class TensorParallelGroup:
         self.control.broadcast(payload, 0).wait()
         return obj if self.rank == 0 else pickle.loads(payload.numpy().tobytes())
 
+    def all_gather_object(self, obj: Any) -> list[Any]:
+        """Every rank's ``obj``, in rank order, on every rank (on the control channel)."""
+        if self.world_size == 1:
+            return [obj]
+        payload = torch.frombuffer(bytearray(pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)), dtype=torch.uint8)
+        sizes = [torch.zeros(1, dtype=torch.int64) for _ in range(self.world_size)]
+        self.control.allgather([sizes], [torch.tensor([payload.numel()], dtype=torch.int64)]).wait()
+        width = int(max(sizes))
+        padded = torch.zeros(width, dtype=torch.uint8)
+        padded[: payload.numel()] = payload
+        parts = [torch.empty(width, dtype=torch.uint8) for _ in range(self.world_size)]
+        self.control.allgather([parts], [padded]).wait()
+        return [pickle.loads(part[: int(size)].numpy().tobytes()) for part, size in zip(parts, sizes)]
+
     def wait_for_all(self) -> None:
         """Return once every rank got here (on the control channel: no timeout)."""
         if self.world_size > 1:

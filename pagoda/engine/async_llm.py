@@ -16,11 +16,12 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 
 from pagoda.engine.core import EngineCoreOutput
 from pagoda.engine.core_client import ProcessCoreClient, ThreadCoreClient
 from pagoda.engine.llm_engine import LLMEngine, PromptType
+from pagoda.executor.base import WorkerFailedError
 from pagoda.outputs import RequestOutput
 from pagoda.request import RequestStatus
 from pagoda.sampling_params import RequestOutputKind, SamplingParams
@@ -49,6 +50,9 @@ class AsyncLLM:
         self.output_processor = engine.output_processor  # used on the event loop only
         self._streams: dict[str, asyncio.Queue] = {}
         self._loop: asyncio.AbstractEventLoop | None = None
+        # Called on the event loop when the engine cannot go on and will not be restarted (a
+        # tensor-parallel worker died): the server then stops (run_server).
+        self.on_fatal: Callable[[BaseException], None] | None = None
         if engine_process:
             self.client = ProcessCoreClient(engine.config, self._from_core, self._core_failed,
                                             max_restarts=max_engine_restarts)
@@ -150,6 +154,8 @@ class AsyncLLM:
         if self._loop is not None:
             wrapped = EngineDeadError(f"engine failure: {type(error).__name__}: {error}")
             self._loop.call_soon_threadsafe(self._on_failure, wrapped)
+            if isinstance(error, WorkerFailedError) and self.on_fatal is not None:
+                self._loop.call_soon_threadsafe(self.on_fatal, error)
 
     def shutdown(self) -> None:
         self.client.shutdown()

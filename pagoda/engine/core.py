@@ -106,6 +106,10 @@ class EngineCore:
         """Stop the workers (other ranks' processes exit)."""
         self.executor.shutdown()
 
+    def check_health(self) -> None:
+        """Raise ``WorkerFailedError`` if a worker of another rank has died."""
+        self.executor.check_health()
+
     # -- requests ---------------------------------------------------------------------------
     def validate_request(self, request: Request) -> None:
         self.limits.validate(request)

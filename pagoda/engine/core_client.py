@@ -34,6 +34,7 @@ def _serve_core(core: EngineCore, inbox, emit_outputs: Callable[[list[EngineCore
     emit_outputs gets each step's outputs, and an empty list when orders left the core idle
     (so a remote client's stats see aborts that no step reports)."""
     while not stopped():
+        core.check_health()  # a dead tensor-parallel worker fails the engine even while it idles
         handled = False
         block = not core.has_unfinished_requests()
         try:
@@ -94,6 +95,7 @@ class ThreadCoreClient(_InboxClient):
         self._stopped = True
         self._inbox.put(None)
         self._thread.join(timeout=10)
+        self.core.shutdown()  # the workers of other ranks, if any
 
     def _run(self) -> None:
         try:
@@ -125,6 +127,8 @@ def _process_main(config: EngineConfig, inbox, outbox, parent_pid: int) -> None:
         outbox.put(("stopped", None, None))
     except BaseException as e:  # noqa: BLE001
         outbox.put(("failed", f"{type(e).__name__}: {e}", None))
+    finally:
+        core.shutdown()
 
 
 class ProcessCoreClient(_InboxClient):

@@ -30,6 +30,17 @@ class LLM:
     def get_tokenizer(self):
         return self.engine.tokenizer
 
+    def shutdown(self) -> None:
+        """Stop the engine's worker processes now (with tensor parallelism); they also stop when
+        the LLM is garbage-collected or the interpreter exits."""
+        self.engine.shutdown()
+
+    def __enter__(self) -> "LLM":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.shutdown()
+
     def generate(
         self,
         prompts: PromptType | Sequence[PromptType],

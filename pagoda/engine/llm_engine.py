@@ -114,6 +114,10 @@ class LLMEngine:
             children.append((f"{i}_{request_id}", params.clone(n=1, seed=seed)))
         return children
 
+    def shutdown(self) -> None:
+        if self.core is not None:
+            self.core.shutdown()
+
     def stats(self) -> dict:
         """Scheduler and KV-cache figures, prefix-cache hit rate and memory pressure included."""
         import dataclasses

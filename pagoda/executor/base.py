@@ -15,7 +15,7 @@ from pagoda.outputs import ModelRunnerOutput
 from pagoda.worker.worker import Worker
 
 
-class EngineDeadError(RuntimeError):
+class WorkerFailedError(RuntimeError):
     """A worker died or a collective timed out: the engine cannot go on."""
 
 
@@ -26,20 +26,29 @@ class Executor(ABC):
         self.config = config
 
     @abstractmethod
-    def collective_rpc(self, method: str, *args: Any) -> Any:
-        """Run ``Worker.<method>(*args)`` on every rank; the driver's result."""
+    def run_on_all(self, method: str, args: tuple, gather: bool) -> Any:
+        """Run ``Worker.<method>(*args)`` on every rank. ``gather``: every rank's result, in rank
+        order; otherwise only the driver's (a step's output comes from rank 0 alone)."""
+
+    def collective_rpc(self, method: str, *args: Any) -> list[Any]:
+        """``Worker.<method>(*args)`` on every rank; their results in rank order."""
+        return self.run_on_all(method, args, gather=True)
+
+    def driver_rpc(self, method: str, *args: Any) -> Any:
+        """``Worker.<method>(*args)`` on every rank; the driver's result."""
+        return self.run_on_all(method, args, gather=False)
 
     def determine_num_blocks(self) -> int:
-        return self.collective_rpc("determine_num_blocks")
+        return self.driver_rpc("determine_num_blocks")
 
     def initialize_cache(self, num_blocks: int, max_model_len: int) -> None:
-        self.collective_rpc("initialize_cache", num_blocks, max_model_len)
+        self.driver_rpc("initialize_cache", num_blocks, max_model_len)
 
     def execute_model(self, sched: SchedulerOutput) -> ModelRunnerOutput:
-        return self.collective_rpc("execute_model", sched)
+        return self.driver_rpc("execute_model", sched)
 
     def check_health(self) -> None:
-        """Raise ``EngineDeadError`` if a worker is gone."""
+        """Raise ``WorkerFailedError`` if a worker is gone."""
 
     def shutdown(self) -> None:
         self.driver_worker.shutdown()

@@ -2,7 +2,7 @@
 
 Each step rank 0 broadcasts the call (method name and arguments: the ``SchedulerOutput``) to the
 other ranks over the group's control channel, then every rank runs it; the forward passes meet
-in the all-reduces. A rank that dies or hangs fails the engine (``EngineDeadError``): a dead
+in the all-reduces. A rank that dies or hangs fails the engine (``WorkerFailedError``): a dead
 peer closes its sockets, so rank 0's next collective raises, and a hung one exceeds the
 collective timeout. A monitor thread watches the worker processes, so the engine knows at once
 even while it idles. Workers die with the engine: they ignore SIGINT / SIGTERM (rank 0 decides),
@@ -23,12 +23,13 @@ import os
 import signal
 import socket
 import threading
+import weakref
 from typing import Any
 
 import torch
 
 from pagoda.config import EngineConfig
-from pagoda.executor.base import EngineDeadError, Executor
+from pagoda.executor.base import WorkerFailedError, Executor
 from pagoda.worker.worker import Worker, cpu_share
 
 logger = logging.getLogger(__name__)
@@ -54,7 +55,7 @@ class MultiprocExecutor(Executor):
             raise ValueError("the engine runs on node 0; other nodes run their ranks with run_headless")
         self.master_addr = pc.master_addr
         self.master_port = pc.master_port or free_port(self.master_addr)
-        self.dead: EngineDeadError | None = None
+        self.dead: WorkerFailedError | None = None
         self._closing = False
         ranks = local_ranks(config)
         self.procs, self._errors = start_worker_processes(config, ranks[1:], self.master_addr, self.master_port)
@@ -66,17 +67,21 @@ class MultiprocExecutor(Executor):
         except BaseException as e:
             self._kill_workers()
             raise self.dead or e from None
+        # Garbage-collected or at exit without shutdown(): the workers still go.
+        weakref.finalize(self, _kill_processes, self.procs)
 
     # -- calls ------------------------------------------------------------------------------
-    def collective_rpc(self, method: str, *args: Any) -> Any:
+    def run_on_all(self, method: str, args: tuple, gather: bool) -> Any:
         self.check_health()
         try:
-            self.driver_worker.tp.broadcast_object((method, args))
-            return getattr(self.driver_worker, method)(*args)
-        except EngineDeadError:
+            tp = self.driver_worker.tp
+            tp.broadcast_object((method, args, gather))
+            result = getattr(self.driver_worker, method)(*args)
+            return tp.all_gather_object(result) if gather else result
+        except WorkerFailedError:
             raise
         except RuntimeError as e:  # gloo: a peer closed its connection, or a collective timed out
-            self.dead = self.dead or EngineDeadError(f"tensor-parallel worker failed during {method}: {e}")
+            self.dead = self.dead or WorkerFailedError(f"tensor-parallel worker failed during {method}: {e}")
             self._kill_workers()
             raise self.dead from e
 
@@ -94,7 +99,7 @@ class MultiprocExecutor(Executor):
                 proc = pending.pop(sentinel)
                 if not self._closing:
                     reason = "" if self._errors.empty() else f": {self._errors.get()}"
-                    self.dead = self.dead or EngineDeadError(
+                    self.dead = self.dead or WorkerFailedError(
                         f"tensor-parallel worker {proc.name} exited (code {proc.exitcode}){reason}")
                     logger.error("%s", self.dead)
 
@@ -105,18 +110,22 @@ class MultiprocExecutor(Executor):
         self._closing = True
         if self.dead is None:
             with contextlib.suppress(Exception):
-                self.driver_worker.tp.broadcast_object(("shutdown", ()))
+                self.driver_worker.tp.broadcast_object(("shutdown", (), False))
         for proc in self.procs:
             proc.join(timeout=5)
         self._kill_workers()
         self.driver_worker.shutdown()
 
     def _kill_workers(self) -> None:
-        for proc in self.procs:
-            if proc.is_alive():
-                proc.kill()
-        for proc in self.procs:
-            proc.join(timeout=5)
+        _kill_processes(self.procs)
+
+
+def _kill_processes(procs: list) -> None:
+    for proc in procs:
+        if proc.is_alive():
+            proc.kill()
+    for proc in procs:
+        proc.join(timeout=5)
 
 
 def start_worker_processes(config: EngineConfig, ranks: list[int], master_addr: str, master_port: int):
@@ -163,11 +172,12 @@ def _worker_main(config: EngineConfig, rank: int, master_addr: str, master_port:
 
 def _serve_rank(worker: Worker) -> None:
     while True:
-        method, args = worker.tp.broadcast_object()
+        method, args, gather = worker.tp.broadcast_object()
+        result = getattr(worker, method)(*args)
+        if gather:
+            worker.tp.all_gather_object(result)
         if method == "shutdown":
-            worker.shutdown()
             return
-        getattr(worker, method)(*args)
 
 
 def run_headless(config: EngineConfig) -> int:

@@ -14,5 +14,6 @@ class UniProcExecutor(Executor):
         super().__init__(config)
         self.driver_worker = Worker(config)
 
-    def collective_rpc(self, method: str, *args: Any) -> Any:
-        return getattr(self.driver_worker, method)(*args)
+    def run_on_all(self, method: str, args: tuple, gather: bool) -> Any:
+        result = getattr(self.driver_worker, method)(*args)
+        return [result] if gather else result

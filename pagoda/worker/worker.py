@@ -19,7 +19,7 @@ from pagoda.core.scheduler_output import SchedulerOutput
 from pagoda.distributed.parallel_state import SINGLE, TensorParallelGroup, init_tensor_parallel
 from pagoda.loader.model_loader import load_model
 from pagoda.outputs import ModelRunnerOutput
-from pagoda.platform import available_memory_bytes
+from pagoda.platform import available_memory_bytes, resident_memory_bytes
 from pagoda.worker.kv_cache import GiB, allocate_kv_cache, bytes_per_block
 from pagoda.worker.model_runner import ModelRunner
 
@@ -107,6 +107,12 @@ class Worker:
     def execute_model(self, sched: SchedulerOutput) -> ModelRunnerOutput | None:
         out = self.runner.execute(sched)
         return out if self.tp.is_driver else None
+
+    def memory_report(self) -> dict[str, int]:
+        """This rank's weight bytes (parameters; rotary tables and other buffers are replicated)
+        and its process's resident memory."""
+        weights = sum(p.nbytes for p in self.model.parameters())
+        return {"rank": self.rank, "pid": os.getpid(), "weight_bytes": weights, "rss_bytes": resident_memory_bytes()}
 
     def shutdown(self) -> None:
         self.runner = None

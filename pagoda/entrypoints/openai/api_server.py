@@ -163,8 +163,13 @@ def run_server(args) -> int:
     from pagoda.engine.llm_engine import LLMEngine
     from pagoda.engine_args import EngineArgs
 
+    engine_args = EngineArgs.from_cli_args(args)
+    if engine_args.node_rank > 0:  # another node of a multi-node engine: its ranks only, no HTTP
+        from pagoda.executor.multiproc import run_headless
+
+        return run_headless(engine_args.create_engine_config())
     sock = bind_listener(args.host, args.port)
-    engine = LLMEngine(EngineArgs.from_cli_args(args).create_engine_config(), build_core=not args.engine_process)
+    engine = LLMEngine(engine_args.create_engine_config(), build_core=not args.engine_process)
     names = args.served_model_name or [args.model]
     api_key = args.api_key or os.environ.get("PAGODA_API_KEY")
     async_engine = AsyncLLM(engine, engine_process=args.engine_process, max_engine_restarts=args.max_engine_restarts)
@@ -173,6 +178,7 @@ def run_server(args) -> int:
     cfg = engine.config.model
     print(f"pagoda {__version__}: loaded {args.model} ({cfg.architecture}, {str(cfg.dtype).removeprefix('torch.')}, "
           f"{cfg.device.type}, max_model_len={engine.max_model_len}, KV blocks={async_engine.limits.num_blocks}, "
+          f"tensor_parallel_size={engine.config.parallel.tensor_parallel_size}, "
           f"engine in a {'process' if args.engine_process else 'thread'}) "
           f"as {', '.join(names)}", flush=True)
     print(f"pagoda: serving on http://{args.host}:{args.port}/v1", flush=True)
@@ -195,4 +201,4 @@ def run_server(args) -> int:
         # "nanobind: leaked ..." on every exit. Unfrozen, they are collected like any others.
         gc.unfreeze()
     print("pagoda: stopped", flush=True)
-    return 0
+    return server.exit_code

@@ -87,6 +87,8 @@ class DrainingServer(uvicorn.Server):
         super().__init__(config)
         self.app_state, self.engine, self.shutdown_timeout = app.state, engine, shutdown_timeout
         self._loop: asyncio.AbstractEventLoop | None = None
+        self.exit_code = 0
+        engine.on_fatal = self.stop_after_engine_failure
 
     async def serve(self, sockets=None) -> None:
         self._loop = asyncio.get_running_loop()
@@ -105,6 +107,14 @@ class DrainingServer(uvicorn.Server):
                        "at once)", name, pending, self.shutdown_timeout)
         self.app_state.lifecycle.draining = True
         self._call(lambda: self._loop.call_later(self.shutdown_timeout, self._abort_all))
+
+    def stop_after_engine_failure(self, error: BaseException) -> None:
+        """The engine cannot go on (a tensor-parallel worker died): its requests have failed with
+        503; stop serving and exit non-zero, so that a supervisor restarts the whole server."""
+        logger.error("engine failed (%s): the server stops", error)
+        self.app_state.lifecycle.draining = True
+        self.exit_code = 1
+        self.should_exit = True
 
     def _call(self, fn) -> None:
         if self._loop is not None:
