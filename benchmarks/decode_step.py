@@ -47,7 +47,7 @@ def measure(quantization: str | None, stack: bool, batches: list[int], steps: in
 
     torch.set_num_threads(threads)
     if not stack:
-        DecodeStack.build = classmethod(lambda cls, model: None)
+        DecodeStack.build = classmethod(lambda cls, model, ops: None)
     llm = LLM(model="smollm2-135m-instruct", kv_cache_memory=1.0, quantization=quantization)
     engine, runner = llm.engine, llm.engine.core.runner
     forward, forward_times = runner.forward, []

@@ -84,7 +84,8 @@ def kernel_rows(ms: list[int], seconds: float) -> list[dict]:
     import torch
     import torch.nn.functional as F
 
-    from pagoda.layers.cpu_kernels import batch_invariant, load_cpu_kernels
+    from pagoda.layers.backend import select_backend
+    from pagoda.layers.cpu_kernels import load_cpu_kernels
 
     ops = load_cpu_kernels()
     rows = []
@@ -94,7 +95,7 @@ def kernel_rows(ms: list[int], seconds: float) -> list[dict]:
             if name == "head" and M > 128:
                 continue  # logits are computed for the sampling rows only
             x = torch.randn(M, K)
-            with batch_invariant(True):
+            with select_backend("cpu").batch_invariant(True):
                 ours, mkl = best_pair(lambda: ops.linear(x, w), lambda: F.linear(x, w), seconds)
             gflop = 2 * M * N * K / 1e9
             rows.append({"shape": name, "K": K, "N": N, "M": M, "invariant_gflops": round(gflop / ours, 1),

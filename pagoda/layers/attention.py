@@ -7,7 +7,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from pagoda.forward_context import AttentionMetadata, get_attention_metadata
-from pagoda.layers.cpu_kernels import load_cpu_kernels
+from pagoda.layers.backend import current_backend, gather_blocks
 
 
 class PagedAttention(nn.Module):
@@ -27,6 +27,7 @@ class PagedAttention(nn.Module):
         self.scale = scale
         self.k_cache: torch.Tensor | None = None
         self.v_cache: torch.Tensor | None = None
+        self.backend = current_backend()
 
     def bind_kv_cache(self, k_cache: torch.Tensor, v_cache: torch.Tensor) -> None:
         self.k_cache, self.v_cache = k_cache, v_cache
@@ -45,32 +46,10 @@ class PagedAttention(nn.Module):
         return out.view(q.shape[0], self.num_heads * self.head_dim)
 
     def _write_cache(self, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata) -> None:
-        kernels = load_cpu_kernels() if k.device.type == "cpu" else None
-        if kernels is not None:
-            kernels.write_kv_cache(k, v, self.k_cache, self.v_cache, meta.slot_mapping)
-            return
-        blocks, offsets = meta.slot_blocks_and_offsets()
-        self.k_cache[blocks, :, offsets] = k
-        self.v_cache[blocks, :, offsets] = v
-
-    def _gather(self, cache: torch.Tensor, block_table: torch.Tensor) -> torch.Tensor:
-        """Blocks of one or more sequences → [..., Hkv, L, D] with L = blocks * block_size."""
-        x = cache[block_table]  # [..., nb, Hkv, bs, D]
-        return x.transpose(-4, -3).flatten(-3, -2)
+        self.backend.write_kv(k, v, self.k_cache, self.v_cache, meta)
 
     def _decode(self, q: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
-        kernels = load_cpu_kernels() if q.device.type == "cpu" else None
-        if kernels is not None:
-            return kernels.paged_decode_attention(
-                q.contiguous(), self.k_cache, self.v_cache, meta.decode_block_tables, meta.decode_seq_lens, self.scale
-            )
-        keys = self._gather(self.k_cache, meta.decode_block_tables)  # [B, Hkv, L, D]
-        values = self._gather(self.v_cache, meta.decode_block_tables)
-        out = F.scaled_dot_product_attention(
-            q.unsqueeze(2), keys, values, attn_mask=meta.decode_mask(), scale=self.scale,
-            enable_gqa=self.num_heads != self.num_kv_heads,
-        )  # [B, Hq, 1, D]
-        return out.squeeze(2)
+        return self.backend.decode_attention(q, self.k_cache, self.v_cache, meta, self.scale)
 
     def _prefill(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, seq) -> torch.Tensor:
         gqa = self.num_heads != self.num_kv_heads
@@ -83,8 +62,8 @@ class PagedAttention(nn.Module):
             )
         else:
             total = seq.start + seq.query_len
-            keys = self._gather(self.k_cache, seq.block_table)[:, :total].unsqueeze(0)
-            values = self._gather(self.v_cache, seq.block_table)[:, :total].unsqueeze(0)
+            keys = gather_blocks(self.k_cache, seq.block_table)[:, :total].unsqueeze(0)
+            values = gather_blocks(self.v_cache, seq.block_table)[:, :total].unsqueeze(0)
             q_pos = torch.arange(seq.start, total, device=q.device).unsqueeze(1)
             mask = torch.arange(total, device=q.device).unsqueeze(0) <= q_pos  # [Lq, total]
             out = F.scaled_dot_product_attention(qh, keys, values, attn_mask=mask, scale=self.scale, enable_gqa=gqa)

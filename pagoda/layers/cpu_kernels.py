@@ -1,10 +1,10 @@
-"""Hand-written CPU kernels (pagoda/csrc), compiled on first use with torch's C++ extension
-builder and cached (under $PAGODA_HOME/kernels/<cpu>). Where no compiler is available, callers fall
-back to the pure-torch path; PAGODA_DISABLE_KERNELS=1 forces that fallback."""
+"""Hand-written CPU kernels (pagoda/csrc), compiled with torch's C++ extension builder and cached
+(under $PAGODA_HOME/kernels/<cpu>), built or loaded when an engine starts (worker.py). Where no
+compiler is available the engine runs the pure-torch backend (layers/backend.py);
+PAGODA_DISABLE_KERNELS=1 forces that fallback."""
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import logging
 import os
@@ -34,24 +34,6 @@ def reread_environment() -> None:
     """Make the next ``load_cpu_kernels`` read PAGODA_DISABLE_KERNELS again (tests flip it)."""
     global _disabled
     _disabled = None
-
-
-@contextlib.contextmanager
-def batch_invariant(enabled: bool = True):
-    """Within the block, the kernels compute every row the same way whatever the batch's size
-    (deterministic inference): ``pagoda::linear`` uses its own GEMM at any M instead of MKL's
-    from 33 rows, and ``block_matmul`` keeps its integer kernel instead of dequantizing for MKL
-    from 128 rows. A process-wide switch (the model runner sets it for each step); yields whether
-    the kernels are there to honour it."""
-    kernels = load_cpu_kernels()
-    if kernels is None:
-        yield False
-        return
-    previous = kernels.set_batch_invariant(enabled)
-    try:
-        yield True
-    finally:
-        kernels.set_batch_invariant(previous)
 
 
 def _cpu_key() -> str:
@@ -110,16 +92,21 @@ def _register_fakes() -> None:
         return torch.empty_like(q)
 
 
-def fused_kernels(x, contiguous: bool = True):
-    """The compiled ops when ``x`` can take the fused float32 CPU path (fused_ops.cpp), else None.
-    Under torch.compile the pure-torch code is traced instead: inductor fuses it itself."""
-    import torch
+# The instruction-set extensions the kernels' source picks paths for (#ifdef __AVX512F__ ...),
+# in the order they are reported.
+_ISA_FLAGS = ("avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512vl", "avx512_vnni", "avx512_bf16", "avx_vnni",
+              "amx_tile", "amx_int8", "amx_bf16")
 
-    if torch.compiler.is_compiling() or x.dtype != torch.float32 or x.device.type != "cpu":
-        return None
-    if contiguous and not x.is_contiguous():
-        return None
-    return load_cpu_kernels()
+
+def kernel_isa() -> str:
+    """Which of this CPU's extensions the kernels are built with (-march=native)."""
+    import platform
+
+    from pagoda.platform import cpu_flags
+
+    flags = cpu_flags()
+    found = [f for f in _ISA_FLAGS if f in flags]
+    return f"{platform.machine()}, -march=native: {' '.join(found) or 'baseline'}"
 
 
 def kernels_are_built() -> bool:

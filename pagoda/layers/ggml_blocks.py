@@ -19,7 +19,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from pagoda.layers.cpu_kernels import load_cpu_kernels
+from pagoda.layers.backend import current_backend
 
 BLOCK = 32
 # GGMLQuantizationType values → bytes per block
@@ -96,14 +96,6 @@ def q4_0_to_q4_1(blocks: torch.Tensor) -> torch.Tensor:
     return torch.cat([b[..., 0:2], _fp16_bytes(-8.0 * d), b[..., 2:]], dim=-1).reshape(n, -1)
 
 
-def block_matmul(x: torch.Tensor, blocks: torch.Tensor, block_type: int) -> torch.Tensor:
-    """``x [M, K] @ W.T`` for W held as blocks, in fp32 (int8 dot products with the kernel)."""
-    kernels = load_cpu_kernels()
-    if kernels is not None and x.device.type == "cpu":
-        return kernels.block_matmul(x.float(), blocks, block_type)
-    return x.float() @ dequantize_blocks(blocks, block_type).T
-
-
 class BlockLinear(nn.Module):
     """``y = x @ W.T + bias`` with W in ggml blocks (``blocks``: uint8 [out_features, bytes per row])."""
 
@@ -116,6 +108,7 @@ class BlockLinear(nn.Module):
             raise ValueError(f"{TYPE_NAMES[block_type]} rows of {in_features} inputs take "
                              f"{in_features // BLOCK * BLOCK_BYTES[block_type]} bytes, got {blocks.shape[1]}")
         self.block_type = block_type
+        self.backend = current_backend()  # block_matmul: int8 dot products with the C++ kernel
         self.in_features, self.out_features = in_features, blocks.shape[0]
         self.register_buffer("blocks", blocks.contiguous())
         self.register_buffer("bias", bias)
@@ -129,8 +122,8 @@ class BlockLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.dim() == 2 and self.bias is None and x.dtype == torch.float32:  # the decode step's case, kept short
-            return block_matmul(x, self.blocks, self.block_type)
-        y = block_matmul(x.reshape(-1, self.in_features), self.blocks, self.block_type).to(x.dtype)
+            return self.backend.block_matmul(x, self.blocks, self.block_type)
+        y = self.backend.block_matmul(x.reshape(-1, self.in_features), self.blocks, self.block_type).to(x.dtype)
         if self.bias is not None:
             y = y + self.bias
         return y.reshape(*x.shape[:-1], self.out_features)

@@ -35,7 +35,7 @@ import torch
 from torch import nn
 
 from pagoda.layers import ggml_blocks
-from pagoda.layers.cpu_kernels import load_cpu_kernels
+from pagoda.layers.backend import current_backend
 from pagoda.layers.ggml_blocks import BlockEmbedding, BlockLinear
 
 logger = logging.getLogger(__name__)
@@ -205,8 +205,9 @@ class Int4Linear(nn.Module):
 
 
 def block_kernels_available() -> bool:
-    """Whether quantized layers use the block kernels (else torch's int8/int4 kernels)."""
-    return load_cpu_kernels() is not None
+    """Whether quantized layers use the block kernels (else torch's int8/int4 kernels): the
+    backend of the model being built has pagoda's C++ kernels."""
+    return current_backend().has_cpu_kernels
 
 
 def _block_type(shards: Sequence[PackedWeight]) -> int | None:

@@ -7,7 +7,7 @@ import math
 import torch
 from torch import nn
 
-from pagoda.layers.cpu_kernels import fused_kernels
+from pagoda.layers.backend import current_backend
 
 
 def _llama3_inv_freq(inv_freq: torch.Tensor, scaling: dict) -> torch.Tensor:
@@ -29,6 +29,7 @@ class RotaryEmbedding(nn.Module):
     def __init__(self, head_dim: int, max_position: int, base: float, scaling: dict | None = None) -> None:
         super().__init__()
         self.head_dim, self.max_position, self.base, self.scaling = head_dim, max_position, base, scaling
+        self.backend = current_backend()
         self.reset_cache()
 
     def reset_cache(self) -> None:
@@ -56,21 +57,6 @@ class RotaryEmbedding(nn.Module):
         return emb.cos() * attention_factor, emb.sin() * attention_factor
 
     def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor):
-        """q: [T, Hq, D], k: [T, Hkv, D] → rotated (same shapes, same dtype); on the fused float32
-        CPU path in place."""
-        kernels = fused_kernels(q, contiguous=False) if k.dtype == torch.float32 else None
-        if kernels is not None and q.stride(-1) == k.stride(-1) == 1 and positions.is_contiguous():
-            kernels.rotary_embedding(q, k, positions, self.cos_cache, self.sin_cache)
-            return q, k
-        cos = self.cos_cache[positions].unsqueeze(1).to(q.dtype)
-        sin = self.sin_cache[positions].unsqueeze(1).to(q.dtype)
-        return _apply(q, cos, sin), _apply(k, cos, sin)
-
-
-def _rotate_half(x: torch.Tensor) -> torch.Tensor:
-    half = x.shape[-1] // 2
-    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-
-
-def _apply(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    return x * cos + _rotate_half(x) * sin
+        """q: [T, Hq, D], k: [T, Hkv, D] → rotated (same shapes, same dtype); the C++ backend
+        rotates in place."""
+        return self.backend.rotary(q, k, positions, self.cos_cache, self.sin_cache)

@@ -8,7 +8,10 @@ import logging
 import torch
 from torch import nn
 
-from pagoda.distributed.parallel_state import SINGLE, TensorParallelGroup, building_with
+from pagoda.distributed.parallel_state import SINGLE, TensorParallelGroup
+from pagoda.distributed.parallel_state import building_with as building_tp
+from pagoda.layers.backend import TorchBackend, select_backend
+from pagoda.layers.backend import building_with as building_backend
 from pagoda.layers.quantization import check_quantization, quantize_linears
 from pagoda.layers.rotary import RotaryEmbedding
 from pagoda.loader.resolve import ModelFiles
@@ -22,15 +25,24 @@ QUANTIZATION_KEY = "pagoda_quantization"
 
 
 def load_model(files: ModelFiles, hf_config: dict, dtype: torch.dtype, device: torch.device, max_position: int,
-               quantization: str | None = None, tp: TensorParallelGroup = SINGLE) -> nn.Module:
+               quantization: str | None = None, tp: TensorParallelGroup = SINGLE,
+               backend: TorchBackend | None = None) -> nn.Module:
     """``quantization`` (default: ``hf_config[QUANTIZATION_KEY]``): None, "int8", "int4" or "gguf".
     ``tp``: the model's tensor-parallel group; the model is built for this rank's shard and only
-    that shard is read from the files (``model.weight_slice``)."""
+    that shard is read from the files (``model.weight_slice``). ``backend``: the kernels its layers
+    run (default: ``select_backend(device)``)."""
+    backend = backend or select_backend(device)
+    with building_backend(backend):
+        return _load(files, hf_config, dtype, device, max_position, quantization, tp)
+
+
+def _load(files: ModelFiles, hf_config: dict, dtype: torch.dtype, device: torch.device, max_position: int,
+          quantization: str | None, tp: TensorParallelGroup) -> nn.Module:
     quantization = check_quantization(quantization or hf_config.get(QUANTIZATION_KEY))
     if quantization == "gguf" and files.gguf_file is None:
         raise ValueError(f"quantization='gguf' keeps a GGUF's own quantized weights, but {files.name!r} is not a GGUF")
     _, model_cls = resolve_architecture(hf_config)
-    with torch.device("meta"), building_with(tp):
+    with torch.device("meta"), building_tp(tp):
         model = model_cls(hf_config, max_position)
     model = model.to_empty(device="cpu")
     _init_buffers(model)

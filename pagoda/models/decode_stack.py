@@ -14,7 +14,6 @@ import torch
 from torch import nn
 
 from pagoda.forward_context import AttentionMetadata
-from pagoda.layers.cpu_kernels import load_cpu_kernels
 from pagoda.layers.ggml_blocks import BlockLinear
 
 _FLOAT = -1  # block type of a float projection
@@ -29,17 +28,19 @@ def _projection(module: nn.Module) -> tuple[torch.Tensor, int] | None:
 
 
 class DecodeStack:
-    def __init__(self, weights: list[torch.Tensor], block_types: list[int], k_caches: list[torch.Tensor],
+    def __init__(self, ops, weights: list[torch.Tensor], block_types: list[int], k_caches: list[torch.Tensor],
                  v_caches: list[torch.Tensor], rotary, cfg) -> None:
+        self.ops = ops  # torch.ops.pagoda
         self.weights, self.block_types = weights, block_types
         self.k_caches, self.v_caches = k_caches, v_caches
         self.rotary, self.cfg = rotary, cfg
 
     @classmethod
-    def build(cls, model: nn.Module) -> DecodeStack | None:
-        """The stack for ``model``'s layers as they are now, or None where the op does not apply."""
+    def build(cls, model: nn.Module, ops) -> DecodeStack | None:
+        """The stack for ``model``'s layers as they are now, or None where the op does not apply.
+        Called by the C++ backend (layers/backend.py), which passes its ops."""
         cfg = model.config
-        if load_cpu_kernels() is None or cfg.qk_norm or not model.layers:
+        if cfg.qk_norm or not model.layers:
             return None
         weights, types, k_caches, v_caches = [], [], [], []
         for layer in model.layers:
@@ -58,7 +59,7 @@ class DecodeStack:
         rotary = model.layers[0].self_attn.rotary
         if rotary.cos_cache.dtype != torch.float32:
             return None
-        return cls(weights, types, k_caches, v_caches, rotary, cfg)
+        return cls(ops, weights, types, k_caches, v_caches, rotary, cfg)
 
     def applies(self, hidden: torch.Tensor, meta: AttentionMetadata) -> bool:
         """A batch of decode rows only (the caller keeps torch.compile away from the stack)."""
@@ -67,7 +68,7 @@ class DecodeStack:
     def __call__(self, hidden: torch.Tensor, residual: torch.Tensor, positions: torch.Tensor,
                  meta: AttentionMetadata) -> torch.Tensor:
         cfg = self.cfg
-        return load_cpu_kernels().decode_layers(
+        return self.ops.decode_layers(
             hidden, residual, positions, self.weights, self.block_types, self.k_caches, self.v_caches,
             self.rotary.cos_cache, self.rotary.sin_cache, meta.slot_mapping, meta.decode_block_tables,
             meta.decode_seq_lens, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.rms_norm_eps,

@@ -10,15 +10,14 @@ from __future__ import annotations
 from collections.abc import Iterable
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from pagoda.distributed.parallel_state import TensorParallelGroup, current_group
 from pagoda.distributed.shard_plan import ShardPlan
 from pagoda.forward_context import DETERMINISTIC_KEY, get_attention_metadata
 from pagoda.layers.attention import PagedAttention
-from pagoda.layers.cpu_kernels import fused_kernels
-from pagoda.layers.linear import linear, project
+from pagoda.layers.backend import current_backend
+from pagoda.layers.linear import project
 from pagoda.layers.norm import RMSNorm
 from pagoda.layers.quantization import QUANTIZED_LINEARS, PackedWeight, keeps_packed
 from pagoda.layers.rotary import RotaryEmbedding
@@ -31,7 +30,7 @@ class Attention(nn.Module):
 
     def __init__(self, cfg: TransformerConfig, rotary: RotaryEmbedding, plan: ShardPlan, tp: TensorParallelGroup) -> None:
         super().__init__()
-        self.tp = tp
+        self.tp, self.backend = tp, current_backend()
         self.num_heads, self.num_kv_heads, self.head_dim = plan.num_heads, plan.num_kv_heads, cfg.head_dim
         self.q_size = self.num_heads * cfg.head_dim
         self.kv_size = self.num_kv_heads * cfg.head_dim
@@ -43,7 +42,7 @@ class Attention(nn.Module):
         self.attn = PagedAttention(self.num_heads, self.num_kv_heads, cfg.head_dim, scale=cfg.head_dim**-0.5)
 
     def forward(self, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
-        qkv = project(self.qkv_proj, x)
+        qkv = project(self.qkv_proj, x, self.backend)
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.view(-1, self.num_heads, self.head_dim)
         k = k.view(-1, self.num_kv_heads, self.head_dim)
@@ -51,7 +50,7 @@ class Attention(nn.Module):
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = self.rotary(positions, q, k)
-        return self.tp.all_reduce(project(self.o_proj, self.attn(q, k, v)))  # row-parallel: sum the ranks' parts
+        return self.tp.all_reduce(project(self.o_proj, self.attn(q, k, v), self.backend))  # row-parallel: sum the ranks' parts
 
 
 class MLP(nn.Module):
@@ -59,20 +58,14 @@ class MLP(nn.Module):
         super().__init__()
         if cfg.hidden_act not in ("silu", "swish"):
             raise ValueError(f"activation {cfg.hidden_act!r} is not supported (silu only)")
-        self.tp = tp
+        self.tp, self.backend = tp, current_backend()
         self.intermediate_size = plan.intermediate_size
         self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * self.intermediate_size, bias=False)
         self.down_proj = nn.Linear(self.intermediate_size, cfg.hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate_up = project(self.gate_up_proj, x)
-        kernels = fused_kernels(gate_up)
-        if kernels is not None:
-            act = kernels.silu_and_mul(gate_up)
-        else:
-            gate, up = gate_up.split(self.intermediate_size, dim=-1)
-            act = F.silu(gate) * up
-        return self.tp.all_reduce(project(self.down_proj, act))  # row-parallel: sum the ranks' parts
+        act = self.backend.silu_and_mul(project(self.gate_up_proj, x, self.backend))
+        return self.tp.all_reduce(project(self.down_proj, act, self.backend))  # row-parallel: sum the ranks' parts
 
 
 class DecoderLayer(nn.Module):
@@ -119,6 +112,7 @@ class LlamaForCausalLM(nn.Module):
         )
         self.config = cfg
         self.tp = tp = current_group()
+        self.backend = current_backend()  # the kernels every layer runs (layers/backend.py)
         self.shards = plan = ShardPlan.for_rank(cfg, tp)
         self.num_local_kv_heads = plan.num_kv_heads  # the KV cache holds these heads
         self.deterministic = bool(hf_config.get(DETERMINISTIC_KEY, False))  # read by the model runner
@@ -166,14 +160,14 @@ class LlamaForCausalLM(nn.Module):
         first, last = self.layers[0], self.layers[-1]
         key = (id(first.self_attn.attn.k_cache), id(first.self_attn.qkv_proj), id(last.mlp.down_proj))
         if getattr(self, "_stack_key", None) != key:
-            self._stack_key, self._stack = key, DecodeStack.build(self)
+            self._stack_key, self._stack = key, self.backend.decode_stack(self)
         return self._stack
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         if self.lm_head is None:  # tied
-            logits = linear(hidden, self.embed_tokens.weight)
+            logits = self.backend.linear(hidden, self.embed_tokens.weight)
         else:
-            logits = project(self.lm_head, hidden)
+            logits = project(self.lm_head, hidden, self.backend)
         if self.tp.is_parallel:  # each rank has its part of the vocabulary (the last one padded)
             logits = self.tp.all_gather(logits, dim=-1)[..., : self.config.vocab_size]
         return logits

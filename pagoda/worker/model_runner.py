@@ -9,7 +9,6 @@ requests that asked for prompt logprobs.
 
 from __future__ import annotations
 
-import contextlib
 import logging
 
 import numpy as np
@@ -17,7 +16,6 @@ import torch
 
 from pagoda.core.scheduler_output import SchedulerOutput
 from pagoda.forward_context import AttentionMetadata, PrefillSeq, set_attention_metadata
-from pagoda.layers.cpu_kernels import batch_invariant, load_cpu_kernels
 from pagoda.layers.sampler import Sampler, SamplingMetadata
 from pagoda.outputs import ModelRunnerOutput, TokenLogprobs
 from pagoda.worker.compiled import compiled_forward
@@ -56,14 +54,11 @@ class ModelRunner:
             deterministic = bool(getattr(model, "deterministic", False))
         # Batch invariance takes pagoda's CPU kernels (the paged kernel for every row, the
         # invariant GEMM); without them (CUDA, no compiler) the layout stays as it is.
-        self.deterministic = deterministic and device.type == "cpu" and load_cpu_kernels() is not None
+        self.backend = model.backend
+        self.deterministic = deterministic and self.backend.has_cpu_kernels
         if deterministic and not self.deterministic:
             logger.warning("deterministic inference needs pagoda's CPU kernels: not available here, so results "
                            "may depend on the batch and on prefix caching")
-        # the kernels' batch-invariant switch, set for each step (another engine may share the process)
-        self._invariance = (
-            (lambda: batch_invariant(self.deterministic)) if device.type == "cpu" else contextlib.nullcontext
-        )
         self.forward = compiled_forward(model) if compile else model.forward
         self.block_size = block_size
         self.device = device
@@ -125,7 +120,8 @@ class ModelRunner:
         lay = self._layout(sched)
         input_ids, positions, meta = self._prepare(lay)
         sample_idx, prompt_rows = self._logit_rows(lay)
-        with self._invariance():  # the kernels' batch-invariant mode, for this engine's steps
+        # the kernels' batch-invariant switch, set for each step (another engine may share the process)
+        with self.backend.batch_invariant(self.deterministic):
             with set_attention_metadata(meta):
                 hidden = self.forward(input_ids.to(self.device), positions.to(self.device))
             if sample_idx:

@@ -17,6 +17,7 @@ import torch
 from pagoda.config import DEFAULT_KV_CACHE_GIB, EngineConfig
 from pagoda.core.scheduler_output import SchedulerOutput
 from pagoda.distributed.parallel_state import SINGLE, TensorParallelGroup, init_tensor_parallel
+from pagoda.layers.backend import TorchBackend, select_backend
 from pagoda.loader.model_loader import load_model
 from pagoda.outputs import ModelRunnerOutput
 from pagoda.platform import available_memory_bytes, resident_memory_bytes
@@ -26,17 +27,19 @@ from pagoda.worker.model_runner import ModelRunner
 logger = logging.getLogger(__name__)
 
 
-def prepare_cpu_kernels() -> None:
-    """Build (first run on this CPU, about a minute) or load the C++ kernels now, so the engine
-    is ready when it says so: built lazily, the first request waited for the compiler."""
-    from pagoda.layers.cpu_kernels import kernels_are_built, load_cpu_kernels
+def prepare_backend(device: torch.device, rank: int = 0) -> TorchBackend:
+    """Choose the kernels once, at start-up: on a CPU build (first run on this CPU, about a
+    minute) or load the C++ kernels now, so the engine is ready when it says so (built lazily,
+    the first request waited for the compiler)."""
+    from pagoda.layers.cpu_kernels import kernels_are_built
 
-    if not kernels_are_built():
-        logger.warning("building pagoda's CPU kernels for this CPU (once; about a minute)...")
     start = time.monotonic()
-    kernels = load_cpu_kernels()
-    if kernels is not None:
-        logger.info("CPU kernels ready in %.1fs", time.monotonic() - start)
+    if device.type == "cpu" and not kernels_are_built():
+        logger.warning("building pagoda's CPU kernels for this CPU (once; about a minute)...")
+    backend = select_backend(device)
+    if rank == 0:
+        logger.info("kernels: %s, ready in %.1fs", backend.describe(), time.monotonic() - start)
+    return backend
 
 
 class Worker:
@@ -48,13 +51,13 @@ class Worker:
         self.device = mc.device
         start = time.monotonic()
         torch.manual_seed(config.seed)
-        if self.device.type == "cpu":
-            prepare_cpu_kernels()
+        self.backend = prepare_backend(self.device, rank)
         self.tp: TensorParallelGroup = SINGLE
         if pc.world_size > 1:
             self.tp = init_tensor_parallel(rank, pc.world_size, master_addr, master_port, self.device,
                                            pc.timeout_seconds)
-        self.model = load_model(mc.files, mc.hf_config, mc.dtype, self.device, mc.max_model_len, tp=self.tp)
+        self.model = load_model(mc.files, mc.hf_config, mc.dtype, self.device, mc.max_model_len, tp=self.tp,
+                                backend=self.backend)
         self.tp.wait_for_all()  # before any timed collective: ranks load at their own pace
         self.load_seconds = time.monotonic() - start
         self.runner: ModelRunner | None = None

@@ -8,7 +8,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from pagoda.layers.cpu_kernels import batch_invariant, load_cpu_kernels
+from pagoda.layers.backend import select_backend
+from pagoda.layers.cpu_kernels import load_cpu_kernels
 
 pytestmark = pytest.mark.skipif(load_cpu_kernels() is None, reason="pagoda's C++ kernels cannot be built here")
 
@@ -19,7 +20,7 @@ def test_linear_rows_do_not_depend_on_the_batch(K, N):
     g = torch.Generator().manual_seed(K + N)
     w = torch.randn(N, K, generator=g)
     probe = torch.randn(3, K, generator=g)  # three rows whose results must never change
-    with batch_invariant(True):
+    with select_backend("cpu").batch_invariant(True):
         alone = ops.linear(probe, w)
         for i in range(3):
             assert torch.equal(ops.linear(probe[i : i + 1], w), alone[i : i + 1])
@@ -31,7 +32,7 @@ def test_linear_rows_do_not_depend_on_the_batch(K, N):
             assert torch.equal(y[where], alone[: len(where)]), f"M={M}"
             if M in (1, 33, 300):
                 torch.testing.assert_close(y, F.linear(x, w), rtol=1e-5, atol=1e-4)
-    with batch_invariant(False):  # the default: up to 32 rows still this kernel, so the same bits
+    with select_backend("cpu").batch_invariant(False):  # the default: up to 32 rows still this kernel, so the same bits
         assert torch.equal(ops.linear(probe, w), alone)
 
 
@@ -40,7 +41,7 @@ def test_linear_threads_do_not_change_rows():
     x, w = torch.randn(97, 576), torch.randn(300, 576)
     before = torch.get_num_threads()
     try:
-        with batch_invariant(True):
+        with select_backend("cpu").batch_invariant(True):
             torch.set_num_threads(1)
             one = ops.linear(x, w)
             torch.set_num_threads(max(2, before))
@@ -106,7 +107,7 @@ def test_block_matmul_rows_do_not_depend_on_the_batch(block_type):
     w.view(N, K // 32, bb)[:, :, 1] = 0x3C  # fp16 scale: a sane exponent (0x3Cxx ~ 1.x)
     w.view(N, K // 32, bb)[:, :, 0] = 0
     probe = torch.randn(1, K, generator=g)
-    with batch_invariant(True):
+    with select_backend("cpu").batch_invariant(True):
         alone = ops.block_matmul(probe, w, block_type)
         for M in (1, 5, 127, 128, 300):
             x = torch.randn(M, K, generator=g)

@@ -9,8 +9,9 @@ import torch
 from gguf import GGMLQuantizationType, quants
 
 from pagoda.layers import ggml_blocks
+from pagoda.layers.backend import select_backend
 from pagoda.layers.cpu_kernels import load_cpu_kernels
-from pagoda.layers.ggml_blocks import BlockLinear, block_matmul, dequantize_blocks
+from pagoda.layers.ggml_blocks import BlockLinear, dequantize_blocks
 
 GGML = {ggml_blocks.Q4_0: GGMLQuantizationType.Q4_0, ggml_blocks.Q4_1: GGMLQuantizationType.Q4_1,
         ggml_blocks.Q8_0: GGMLQuantizationType.Q8_0}
@@ -80,7 +81,9 @@ def test_kernel_computes_int8_block_dot_products(block_type, m):
 def test_fallback_without_kernels_is_the_float_product(torch_kernels_only):
     blocks = _blocks(_weight(24, 64), ggml_blocks.Q4_1)
     x = torch.randn(3, 64)
-    torch.testing.assert_close(block_matmul(x, blocks, ggml_blocks.Q4_1),
+    backend = select_backend("cpu")
+    assert not backend.has_cpu_kernels
+    torch.testing.assert_close(backend.block_matmul(x, blocks, ggml_blocks.Q4_1),
                                x @ dequantize_blocks(blocks, ggml_blocks.Q4_1).T)
 
 

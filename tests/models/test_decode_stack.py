@@ -40,7 +40,7 @@ def test_stack_equals_the_python_layers_bit_for_bit(tiny_llama, quantization, mo
     calls = _count_stack_calls(monkeypatch)
     fast = _run(LLM(model=str(tiny_llama), **args))
     assert calls[0] >= 9  # every decode step of the batch went through the stack
-    monkeypatch.setattr(DecodeStack, "build", classmethod(lambda cls, model: None))
+    monkeypatch.setattr(DecodeStack, "build", classmethod(lambda cls, model, ops: None))
     calls[0] = 0
     python = _run(LLM(model=str(tiny_llama), **args))
     assert calls[0] == 0
@@ -53,11 +53,11 @@ def test_stack_steps_aside_where_it_does_not_apply(tiny_model_dirs, monkeypatch)
     qwen2 = LLM(model=str(tiny_model_dirs["qwen2"]), dtype="float32", kv_cache_memory=0.02)  # qkv biases
     bf16 = LLM(model=str(tiny_model_dirs["llama"]), dtype="bfloat16", kv_cache_memory=0.02)
     for llm in (qwen3, qwen2, bf16):
-        assert DecodeStack.build(llm.engine.core.model) is None
+        assert llm.engine.core.model.backend.decode_stack(llm.engine.core.model) is None
         assert len(_run(llm)) == len(PROMPTS)
     assert calls[0] == 0
     llama = LLM(model=str(tiny_model_dirs["llama"]), dtype="float32", kv_cache_memory=0.02)
-    stack = DecodeStack.build(llama.engine.core.model)
+    stack = llama.engine.core.model.backend.decode_stack(llama.engine.core.model)
     assert stack is not None and len(stack.k_caches) == len(llama.engine.core.model.layers)
     hidden = torch.zeros(4, 8)
     from pagoda.forward_context import AttentionMetadata, PrefillSeq

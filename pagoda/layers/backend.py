@@ -1,0 +1,210 @@
+"""The platform backend: which kernels the model's layers run, chosen once per model.
+
+``select_backend(device)`` picks one at start-up: ``CpuKernelBackend`` (pagoda's C++ kernels,
+built or loaded for this CPU), ``TorchBackend`` on a CPU without a compiler
+(PAGODA_DISABLE_KERNELS=1 forces it), or ``TorchBackend`` on CUDA (torch's own kernels: SDPA,
+cuBLAS). Layers capture the backend in effect when they are built (``building_with``) and call
+it; no layer asks which kernels exist. The backend also owns the one-call decoder stack and the
+batch-invariant switch (deterministic inference).
+
+The C++ backend still falls back to torch per call where a kernel does not apply (bf16 / fp16
+tensors, non-contiguous inputs, inside torch.compile, where inductor traces the torch code).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+from collections.abc import Iterator
+
+import torch
+import torch.nn.functional as F
+
+logger = logging.getLogger(__name__)
+
+
+class TorchBackend:
+    """Pure torch: any device, any dtype."""
+
+    has_cpu_kernels = False
+
+    def __init__(self, device_type: str = "cpu") -> None:
+        self.name = "cuda" if device_type == "cuda" else "torch"
+
+    def describe(self) -> str:
+        if self.name == "cuda":
+            return "CUDA (torch: SDPA attention, cuBLAS matmuls)"
+        return "pure torch on the CPU (no C++ kernels: no compiler, or PAGODA_DISABLE_KERNELS=1)"
+
+    # -- elementwise ------------------------------------------------------------------------
+    def add_rms_norm(self, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float):
+        residual = x + residual
+        return rms_norm(residual, weight, eps), residual
+
+    def rotary(self, q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, cos_cache: torch.Tensor,
+               sin_cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        cos = cos_cache[positions].unsqueeze(1).to(q.dtype)
+        sin = sin_cache[positions].unsqueeze(1).to(q.dtype)
+        return _rotate(q, cos, sin), _rotate(k, cos, sin)
+
+    def silu_and_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
+        gate, up = gate_up.chunk(2, dim=-1)
+        return F.silu(gate) * up
+
+    # -- matmuls ----------------------------------------------------------------------------
+    def linear(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, weight)
+
+    def block_matmul(self, x: torch.Tensor, blocks: torch.Tensor, block_type: int) -> torch.Tensor:
+        from pagoda.layers.ggml_blocks import dequantize_blocks
+
+        return x.float() @ dequantize_blocks(blocks, block_type).T
+
+    # -- paged attention --------------------------------------------------------------------
+    def write_kv(self, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta) -> None:
+        blocks, offsets = meta.slot_blocks_and_offsets()
+        k_cache[blocks, :, offsets] = k
+        v_cache[blocks, :, offsets] = v
+
+    def decode_attention(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta,
+                         scale: float) -> torch.Tensor:
+        """One query row per decode-like token over its block table: gather, then one masked SDPA."""
+        keys, values = gather_blocks(k_cache, meta.decode_block_tables), gather_blocks(v_cache, meta.decode_block_tables)
+        out = F.scaled_dot_product_attention(q.unsqueeze(2), keys, values, attn_mask=meta.decode_mask(), scale=scale,
+                                             enable_gqa=q.shape[1] != keys.shape[1])
+        return out.squeeze(2)
+
+    # -- the model as a whole ---------------------------------------------------------------
+    def decode_stack(self, model):
+        """The one-call decoder stack for ``model``, or None (the Python layers run)."""
+        return None
+
+    @contextlib.contextmanager
+    def batch_invariant(self, enabled: bool) -> Iterator[bool]:
+        """Compute every row the same way whatever the batch (deterministic inference); yields
+        whether this backend can."""
+        yield False
+
+
+class CpuKernelBackend(TorchBackend):
+    """pagoda's C++ kernels (layers/cpu_kernels.py, csrc/): float32 on the CPU."""
+
+    has_cpu_kernels = True
+
+    def __init__(self, ops) -> None:
+        super().__init__("cpu")
+        self.name = "cpu-kernels"
+        self.ops = ops
+
+    def describe(self) -> str:
+        from pagoda.layers.cpu_kernels import kernel_isa
+
+        return f"pagoda C++ kernels for this CPU ({kernel_isa()})"
+
+    def _fast(self, x: torch.Tensor, contiguous: bool = True) -> bool:
+        """The float32 kernels apply (outside torch.compile, which traces the torch code)."""
+        return (x.dtype == torch.float32 and x.device.type == "cpu" and not torch.compiler.is_compiling()
+                and (not contiguous or x.is_contiguous()))
+
+    def add_rms_norm(self, x, residual, weight, eps):
+        if self._fast(x) and weight.dtype == torch.float32 and residual.is_contiguous():
+            self.ops.fused_add_rms_norm(x, residual, weight, eps)  # in place on both
+            return x, residual
+        return super().add_rms_norm(x, residual, weight, eps)
+
+    def rotary(self, q, k, positions, cos_cache, sin_cache):
+        if self._fast(q, contiguous=False) and k.dtype == torch.float32 and q.stride(-1) == k.stride(-1) == 1 \
+                and positions.is_contiguous():
+            self.ops.rotary_embedding(q, k, positions, cos_cache, sin_cache)  # in place
+            return q, k
+        return super().rotary(q, k, positions, cos_cache, sin_cache)
+
+    def silu_and_mul(self, gate_up):
+        if self._fast(gate_up):
+            return self.ops.silu_and_mul(gate_up)
+        return super().silu_and_mul(gate_up)
+
+    def linear(self, x, weight):
+        if self._fast(x) and x.dim() == 2 and weight.dtype == torch.float32 and weight.is_contiguous():
+            return self.ops.linear(x, weight)
+        return super().linear(x, weight)
+
+    def block_matmul(self, x, blocks, block_type):
+        if x.device.type == "cpu":
+            return self.ops.block_matmul(x.float(), blocks, block_type)
+        return super().block_matmul(x, blocks, block_type)
+
+    def write_kv(self, k, v, k_cache, v_cache, meta):
+        if k.device.type == "cpu":
+            self.ops.write_kv_cache(k, v, k_cache, v_cache, meta.slot_mapping)
+        else:
+            super().write_kv(k, v, k_cache, v_cache, meta)
+
+    def decode_attention(self, q, k_cache, v_cache, meta, scale):
+        if q.device.type == "cpu":
+            return self.ops.paged_decode_attention(q.contiguous(), k_cache, v_cache, meta.decode_block_tables,
+                                                   meta.decode_seq_lens, scale)
+        return super().decode_attention(q, k_cache, v_cache, meta, scale)
+
+    def decode_stack(self, model):
+        from pagoda.models.decode_stack import DecodeStack
+
+        return DecodeStack.build(model, self.ops)
+
+    @contextlib.contextmanager
+    def batch_invariant(self, enabled: bool) -> Iterator[bool]:
+        previous = self.ops.set_batch_invariant(enabled)
+        try:
+            yield True
+        finally:
+            self.ops.set_batch_invariant(previous)
+
+
+def select_backend(device: torch.device | str) -> TorchBackend:
+    """The backend for ``device``: the C++ kernels where they build (CPU), else torch's."""
+    device = torch.device(device)
+    if device.type == "cpu":
+        from pagoda.layers.cpu_kernels import load_cpu_kernels
+
+        ops = load_cpu_kernels()
+        if ops is not None:
+            return CpuKernelBackend(ops)
+    return TorchBackend(device.type)
+
+
+_building: TorchBackend | None = None
+
+
+@contextlib.contextmanager
+def building_with(backend: TorchBackend) -> Iterator[None]:
+    """Layers built inside the block use ``backend``."""
+    global _building
+    previous, _building = _building, backend
+    try:
+        yield
+    finally:
+        _building = previous
+
+
+def current_backend() -> TorchBackend:
+    """The backend of the model being built; outside ``building_with`` (a layer built on its own,
+    in a test) the CPU's, chosen now."""
+    return _building if _building is not None else select_backend("cpu")
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    dtype = x.dtype
+    x32 = x.float()
+    x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * x32.to(dtype)
+
+
+def gather_blocks(cache: torch.Tensor, block_table: torch.Tensor) -> torch.Tensor:
+    """Blocks of one or more sequences → [..., Hkv, L, D] with L = blocks * block_size."""
+    x = cache[block_table]  # [..., nb, Hkv, bs, D]
+    return x.transpose(-4, -3).flatten(-3, -2)
+
+
+def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return x * cos + torch.cat((-x[..., half:], x[..., :half]), dim=-1) * sin
