@@ -101,13 +101,12 @@ class LLM:
         results: dict[str, RequestOutput] = {}
         bar = tqdm(total=len(ids), desc="Generating", unit="req", disable=not use_tqdm or len(ids) < 2, dynamic_ncols=True)
         try:
-            while len(results) < len(ids):
-                for out in self.engine.step():
-                    if out.finished:
-                        results[out.request_id] = out
-                        bar.update(1)
-                if not self.engine.has_unfinished_requests() and len(results) < len(ids):
-                    raise RuntimeError("the engine stopped before every request finished")
+            for out in self.engine.outputs():
+                if out.finished:
+                    results[out.request_id] = out
+                    bar.update(1)
+            if len(results) < len(ids):
+                raise RuntimeError("the engine stopped before every request finished")
         except BaseException:
             for rid in ids:
                 if rid not in results:

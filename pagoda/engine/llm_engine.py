@@ -7,7 +7,9 @@ server drives it from an engine thread.
 
 from __future__ import annotations
 
+import threading
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -47,6 +49,7 @@ class LLMEngine:
         self.core: EngineCore | None = EngineCore(config) if build_core else None
         self.limits: RequestLimits | None = self.core.limits if self.core else None
         self.output_processor = OutputProcessor(self.tokenizer)
+        self._lock = threading.RLock()  # add / abort from other threads against step (pagoda.lang)
         self.eos_token_ids = set(self.tokenizer.eos_token_ids)
 
     @classmethod
@@ -96,12 +99,13 @@ class LLMEngine:
 
     def add_request(self, request_id: str, prompt: PromptType, params: SamplingParams,
                     priority: int = 0, arrival_time: float | None = None, cache_salt: str | None = None) -> None:
-        if request_id in self.output_processor.requests:
-            raise ValueError(f"request id {request_id!r} is already in use")
         prepared = self.prepare_request(request_id, prompt, params, priority, arrival_time, cache_salt)
-        for request in prepared.core_requests:
-            self.core.add_request(request)
-        self.output_processor.add_request(*prepared.output_args())
+        with self._lock:
+            if request_id in self.output_processor.requests:
+                raise ValueError(f"request id {request_id!r} is already in use")
+            for request in prepared.core_requests:
+                self.core.add_request(request)
+            self.output_processor.add_request(*prepared.output_args())
 
     @staticmethod
     def _fan_out(request_id: str, params: SamplingParams) -> list[tuple[str, SamplingParams]]:
@@ -127,15 +131,33 @@ class LLMEngine:
                 "memory_pressure": s.memory_pressure}
 
     def abort_request(self, request_id: str) -> None:
-        self.core.abort_requests(self.output_processor.core_ids(request_id))
-        self.output_processor.abort_request(request_id)
+        with self._lock:
+            self.core.abort_requests(self.output_processor.core_ids(request_id))
+            self.output_processor.abort_request(request_id)
 
     # -- the loop ---------------------------------------------------------------------------
     def has_unfinished_requests(self) -> bool:
         return self.core.has_unfinished_requests() or self.output_processor.has_unfinished_requests()
 
     def step(self) -> list[RequestOutput]:
-        outputs, to_stop = self.output_processor.process_outputs(self.core.step())
-        if to_stop:
-            self.core.finish_requests(to_stop, RequestStatus.FINISHED_STOPPED)
-        return outputs
+        """One engine step. A step that raises aborts every request in flight (their KV blocks are
+        freed), so no caller's loop steps a broken batch again, then re-raises."""
+        with self._lock:
+            try:
+                outputs, to_stop = self.output_processor.process_outputs(self.core.step())
+            except Exception:
+                for request_id in list(self.output_processor.requests):
+                    self.core.abort_requests(self.output_processor.core_ids(request_id))
+                    self.output_processor.abort_request(request_id)
+                raise
+            if to_stop:
+                self.core.finish_requests(to_stop, RequestStatus.FINISHED_STOPPED)
+            return outputs
+
+    def outputs(self) -> Iterator[RequestOutput]:
+        """The in-process engine loop (``LLM``, ``pagoda generate | chat``, ``pagoda.lang``): step
+        while any request is unfinished, yielding every output. Other threads may add or abort
+        requests meanwhile (the engine is locked around each of those and each step). The server
+        drives the core through ``core_client``'s loop instead: its front end runs on the event loop."""
+        while self.has_unfinished_requests():
+            yield from self.step()

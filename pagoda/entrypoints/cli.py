@@ -103,12 +103,11 @@ def _stream(engine, prompt, params) -> str:
     engine.add_request(request_id, prompt, params)
     parts = []
     try:
-        while engine.has_unfinished_requests():
-            for out in engine.step():
-                for c in out.outputs:
-                    sys.stdout.write(c.text)
-                    sys.stdout.flush()
-                    parts.append(c.text)
+        for out in engine.outputs():
+            for c in out.outputs:
+                sys.stdout.write(c.text)
+                sys.stdout.flush()
+                parts.append(c.text)
     except KeyboardInterrupt:
         engine.abort_request(request_id)
         raise

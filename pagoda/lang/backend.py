@@ -64,8 +64,8 @@ class Engine:
             llm = LLM(model=model, **engine_kwargs)
         self.llm = llm
         self._engine = llm.engine
-        self._lock = threading.Lock()
-        self._wake = threading.Condition(self._lock)
+        self._lock = threading.Lock()  # guards _pending (the engine locks itself)
+        self._wake = threading.Event()
         self._pending: dict[str, Future] = {}
         self._markers: dict[str, tuple[str, str]] = {}
         threading.Thread(target=self._loop, name="pagoda-lang-engine", daemon=True).start()
@@ -88,26 +88,33 @@ class Engine:
         future: Future = Future()
         rid = f"lang-{uuid.uuid4().hex}"
         with self._lock:
-            self._engine.add_request(rid, prompt, params)  # a ValueError reaches the caller here
             self._pending[rid] = future
-            self._wake.notify()
+        try:
+            self._engine.add_request(rid, prompt, params)  # a ValueError reaches the caller here
+        except BaseException:
+            with self._lock:
+                self._pending.pop(rid, None)
+            raise
+        self._wake.set()
         return future
 
     def _loop(self) -> None:
+        """The engine's own loop (LLMEngine.outputs) whenever work arrives. A failed step has
+        aborted every request in the engine; each waiting program gets the error."""
         while True:
-            with self._lock:
-                while not self._engine.has_unfinished_requests():
-                    self._wake.wait()
-                try:
-                    outputs = self._engine.step()
-                except Exception as e:  # noqa: BLE001 - every waiting program gets the error
-                    for future in self._pending.values():
-                        future.set_exception(e)
-                    self._pending.clear()
-                    continue
-            for out in outputs:
-                if out.finished:
-                    self._pending.pop(out.request_id).set_result(_generated(out))
+            self._wake.wait()
+            self._wake.clear()
+            try:
+                for out in self._engine.outputs():
+                    if out.finished:
+                        with self._lock:
+                            future = self._pending.pop(out.request_id)
+                        future.set_result(_generated(out))
+            except Exception as e:  # noqa: BLE001 - every waiting program gets the error
+                with self._lock:
+                    failed, self._pending = list(self._pending.values()), {}
+                for future in failed:
+                    future.set_exception(e)
 
 
 def _generated(out) -> Generated:

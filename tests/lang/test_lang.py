@@ -124,3 +124,26 @@ def test_endpoint_backend_matches_the_in_process_engine(tiny_llama, engine):
     finally:
         proc.terminate()
         proc.wait(timeout=30)
+
+
+def test_a_failed_step_fails_the_waiting_programs_once_and_the_engine_goes_on(tiny_llama, monkeypatch):
+    """A step that raises reaches every program waiting on it, once: the engine aborts its
+    requests (freeing their blocks) instead of stepping the broken batch again and again."""
+    from pagoda import LLM
+
+    llm = LLM(model=str(tiny_llama), dtype="float32", kv_cache_memory=0.02)
+    engine = lang.Engine(llm=llm)
+    core = llm.engine.core
+    real_step, calls = core.step, []
+
+    def failing_step():
+        calls.append(1)
+        raise RuntimeError("boom")
+
+    monkeypatch.setattr(core, "step", failing_step)
+    with pytest.raises(RuntimeError, match="boom"):
+        numbered.run(1, backend=engine)
+    assert len(calls) == 1  # no spinning on the failed batch
+    assert not llm.engine.has_unfinished_requests() and core.kv_manager.usage() == 0.0
+    monkeypatch.setattr(core, "step", real_step)
+    assert numbered.run(1, backend=engine).text()  # the engine serves the next program
