@@ -7,8 +7,9 @@ attention heads, so it takes TP=1 or 3 only): hidden 576 -> 512 with 8 heads of 
 MLP 1536, 30 layers, vocabulary 49,152; fp32, built from a transformers config. For each TP size:
 
 - decode step at batch 1 / 16 / 64: median wall time of a decode-only step (32-token prompts);
-- on rank 0, per step: the model time (executor.execute_model), the scheduler (schedule + update)
-  and the broadcast of the SchedulerOutput to the other ranks, and the all-reduces (count, time);
+- on rank 0, per step (means): the model time (executor.execute_model), the scheduler (schedule +
+  update) and the broadcast of the SchedulerOutput to the other ranks, and the all-reduces (count,
+  time; shared memory between ranks on one machine, else gloo: ``--gloo`` forces gloo);
 - offline throughput: 64 prompts of 128 tokens, 128 output tokens each, through LLM.generate.
 
 Record the CPU flags with the results: a TP rank gets its share of the cores (here 1 of 2).
@@ -18,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import sys
 import time
@@ -97,11 +99,12 @@ def decode_steps(llm, batch: int, steps: int, clock: StepClock) -> dict:
         start = time.perf_counter()
         engine.step()
         times.append(time.perf_counter() - start)
+    per_step = {k: sum(v) / steps * 1e3 for k, v in clock.parts.items()}
+    calls = len(clock.parts["all_reduce"]) / steps
     while engine.has_unfinished_requests():
         engine.step()
-    per_step = {k: sum(v) / steps * 1e3 for k, v in clock.parts.items()}
     return {"batch": batch, "step_ms": statistics.median(times) * 1e3,
-            "per_step_ms": per_step, "all_reduces_per_step": len(clock.parts["all_reduce"]) / steps,
+            "per_step_ms": per_step, "all_reduces_per_step": calls,
             "overhead_pct_of_model": 100 * (per_step["schedule"] + per_step["update"] + per_step["broadcast"])
             / per_step["model"]}
 
@@ -130,14 +133,18 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--model-dir", type=Path, default=Path("/tmp/pagoda-tp-bench-model"))
+    parser.add_argument("--gloo", action="store_true", help="collectives and orders through gloo, not shared memory")
     args = parser.parse_args()
+    if args.gloo:
+        os.environ["PAGODA_TP_SHARED_MEMORY"] = "0"  # read by every rank (worker._shared_memory_bytes)
     from pagoda.platform import cpu_flags
 
     model = make_model(args.model_dir)
     results = {"date": str(date.today()), "shape": SHAPE,
                "cpu_flags": sorted(f for f in cpu_flags() if f.startswith(("avx", "amx", "fma"))),
                "runs": [run(tp, model, args.steps) for tp in (1, 2)]}
-    out = HERE / "results" / f"tensor-parallel-{date.today()}.json"
+    results["collectives"] = "gloo" if args.gloo else "shared memory"
+    out = HERE / "results" / f"tensor-parallel-{date.today()}{'-gloo' if args.gloo else ''}.json"
     out.write_text(json.dumps(results, indent=2))
     for r in results["runs"]:
         print(f"TP={r['tensor_parallel_size']}: throughput {r['throughput']['output_tokens_per_s']:.1f} tok/s")

@@ -102,6 +102,9 @@ class MultiprocExecutor(Executor):
                     self.dead = self.dead or WorkerFailedError(
                         f"tensor-parallel worker {proc.name} exited (code {proc.exitcode}){reason}")
                     logger.error("%s", self.dead)
+                    shm = getattr(getattr(self, "driver_worker", None), "tp", None)
+                    if shm is not None and shm.shm is not None:
+                        shm.shm.failed = str(self.dead)  # a rank spinning in a collective gives up
 
     # -- shutdown ---------------------------------------------------------------------------
     def shutdown(self) -> None:

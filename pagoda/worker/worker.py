@@ -55,7 +55,7 @@ class Worker:
         self.tp: TensorParallelGroup = SINGLE
         if pc.world_size > 1:
             self.tp = init_tensor_parallel(rank, pc.world_size, master_addr, master_port, self.device,
-                                           pc.timeout_seconds)
+                                           pc.timeout_seconds, _shared_memory_bytes(config))
         self.model = load_model(mc.files, mc.hf_config, mc.dtype, self.device, mc.max_model_len, tp=self.tp,
                                 backend=self.backend)
         self.tp.wait_for_all()  # before any timed collective: ranks load at their own pace
@@ -120,6 +120,20 @@ class Worker:
     def shutdown(self) -> None:
         self.runner = None
         self.kv_cache = None
+        if self.tp.shm is not None:
+            self.tp.shm.close()
+
+
+def _shared_memory_bytes(config: EngineConfig) -> int:
+    """The largest tensor a step exchanges between ranks on one machine: a layer's output for
+    every token of a step, or the step's logits (each rank's part of the vocabulary). 0 across
+    machines: they talk through gloo."""
+    pc, hf = config.parallel, config.model.hf_config
+    if pc.nnodes > 1 or os.environ.get("PAGODA_TP_SHARED_MEMORY", "1") == "0":  # the latter: gloo, to compare
+        return 0
+    hidden = hf["hidden_size"] * config.scheduler.max_num_batched_tokens
+    logits = config.scheduler.max_num_seqs * -(-hf["vocab_size"] // pc.world_size)
+    return 4 * max(hidden, logits)
 
 
 def _min_op():
