@@ -1,8 +1,9 @@
 """LLMEngine: the synchronous front end over EngineCore.
 
 Turns prompts (text or token ids) into core requests, fans `n > 1` out into n core requests,
-and turns core outputs back into RequestOutputs. `LLM` (offline) drives it in a loop; the
-server drives it from an engine thread.
+and turns core outputs back into RequestOutputs. `LLM`, the CLI and `pagoda.lang` run its loop
+(`outputs`); the server uses its front half (`prepare_request`, the output processor) on the
+event loop, while the core steps on its own thread or process (core_client.py).
 """
 
 from __future__ import annotations
