@@ -4,6 +4,7 @@ rank, and a second "node" on 127.0.0.1 (`--nnodes 2 --node-rank 1`) that serves 
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import subprocess
@@ -70,6 +71,27 @@ def test_a_killed_rank_fails_requests_with_503_and_the_server_exits(long_tiny_ll
         for pid in workers:
             wait_for(lambda: _gone(pid), timeout=15, what=f"rank process {pid} to exit")
     finally:
+        _stop(proc)
+
+
+def test_a_hung_rank_times_out_the_collective_and_the_server_exits(long_tiny_llama):
+    """SIGSTOP: the rank is alive but silent, so only the collective timeout can tell."""
+    proc, base = start_server(long_tiny_llama, "--tensor-parallel-size", "2", "--kv-cache-memory", "0.05",
+                              "--max-model-len", "16384", "--distributed-timeout-seconds", "3")
+    workers = _worker_pids(proc.pid)
+    try:
+        request = Background(base, "/v1/completions", _long("p"))
+        wait_for(lambda: metric(base, "num_requests_running") == 1, what="the request to run")
+        os.kill(workers[0], signal.SIGSTOP)
+        response = request.join(timeout=60).result
+        assert response.status_code == 503 and "timed out" in response.json()["error"]["message"]
+        assert proc.wait(timeout=30) == 1
+        for pid in workers:  # killed with their parent (PR_SET_PDEATHSIG), stopped or not
+            wait_for(lambda: _gone(pid), timeout=15, what=f"rank process {pid} to exit")
+    finally:
+        for pid in workers:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
         _stop(proc)
 
 

@@ -82,6 +82,18 @@ def test_gguf_mode_under_tp2_stays_within_the_single_rank_tolerance(qtype, tiny_
     assert _mean_logprob_gap(got, reference) < bound
 
 
+@pytest.mark.parametrize("mode", ["int8", "int4"])
+def test_quantized_modes_under_tp2(mode, tiny_llama):
+    """int8 / int4 quantize each rank's shard: row-parallel shards split the input at multiples of
+    the 32-element blocks, so the blocks are TP=1's, and TP=2 stays within the fast path's bound
+    of single-rank output in the same mode (only the order of fp32 sums, and so an activation's
+    int8 rounding now and then, differ)."""
+    single = _run(LLM(str(tiny_llama), quantization=mode, **ENGINE))
+    with LLM(str(tiny_llama), tensor_parallel_size=2, quantization=mode, **ENGINE) as tp2:
+        got = _run(tp2)
+    assert _mean_logprob_gap(got, single) < FAST_LOGPROB_BOUND
+
+
 def _mean_logprob_gap(got: list, want: list) -> float:
     """Mean |logprob difference| over the positions where both runs chose the same token."""
     gaps = []
