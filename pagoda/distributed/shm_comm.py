@@ -25,6 +25,7 @@ import os
 import pickle
 import platform
 import time
+import weakref
 from multiprocessing import shared_memory
 
 import numpy as np
@@ -51,6 +52,7 @@ class ShmComm:
         if rank == 0:
             self.shm = shared_memory.SharedMemory(name=name, create=True, size=size)
             np.ndarray((size,), np.uint8, self.shm.buf)[:header] = 0
+            weakref.finalize(self, _unlink, self.shm)  # also without close(): at exit, or when collected
         else:
             # Rank 0 unlinks it. (Spawned ranks share rank 0's resource tracker, where opening
             # registers the name again: it is one entry, removed by rank 0's unlink.)
@@ -124,8 +126,7 @@ class ShmComm:
         self._published = self._order_seq = self._slots = None
         self._order_heads = self._order_data = []
         if self.rank == 0:
-            with contextlib.suppress(FileNotFoundError):
-                self.shm.unlink()  # the name goes now; the memory when the last mapping does
+            _unlink(self.shm)  # the name goes now; the memory when the last mapping does
         with contextlib.suppress(BufferError):  # a tensor still viewing the segment keeps it mapped
             self.shm.close()
 
@@ -148,3 +149,8 @@ class ShmComm:
                 time.sleep(min(1e-3, 1e-5 * (spins - 1999)))
             else:
                 os.sched_yield()
+
+
+def _unlink(shm: shared_memory.SharedMemory) -> None:
+    with contextlib.suppress(FileNotFoundError):
+        shm.unlink()

@@ -119,20 +119,30 @@ def cmd_generate(ns: argparse.Namespace) -> int:
     from pagoda.engine.llm_engine import LLMEngine
 
     engine = LLMEngine.from_engine_args(EngineArgs.from_cli_args(ns))
-    params = _sampling_params(ns)
-    if ns.chat:
-        text = engine.tokenizer.apply_chat_template([{"role": "user", "content": ns.prompt}])
-        prompt = {"prompt": text, "prompt_token_ids": engine.tokenizer.encode(text, add_special_tokens=False)}
-    else:
-        prompt = ns.prompt
-    _stream(engine, prompt, params)
-    return 0
+    try:
+        params = _sampling_params(ns)
+        if ns.chat:
+            text = engine.tokenizer.apply_chat_template([{"role": "user", "content": ns.prompt}])
+            prompt = {"prompt": text, "prompt_token_ids": engine.tokenizer.encode(text, add_special_tokens=False)}
+        else:
+            prompt = ns.prompt
+        _stream(engine, prompt, params)
+        return 0
+    finally:
+        engine.shutdown()  # tensor-parallel ranks, if any
 
 
 def cmd_chat(ns: argparse.Namespace) -> int:
     from pagoda.engine.llm_engine import LLMEngine
 
     engine = LLMEngine.from_engine_args(EngineArgs.from_cli_args(ns))
+    try:
+        return _chat(engine, ns)
+    finally:
+        engine.shutdown()  # tensor-parallel ranks, if any
+
+
+def _chat(engine, ns: argparse.Namespace) -> int:
     params = _sampling_params(ns)
     messages: list[dict] = []
     if ns.system:

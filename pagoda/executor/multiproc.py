@@ -15,6 +15,7 @@ only, no scheduler). Ranks ``K * per_node ... (K + 1) * per_node - 1`` live on n
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import ctypes
 import logging
@@ -69,6 +70,7 @@ class MultiprocExecutor(Executor):
             raise self.dead or e from None
         # Garbage-collected or at exit without shutdown(): the workers still go.
         weakref.finalize(self, _kill_processes, self.procs)
+        _live.add(self)
 
     # -- calls ------------------------------------------------------------------------------
     def run_on_all(self, method: str, args: tuple, gather: bool) -> Any:
@@ -121,6 +123,18 @@ class MultiprocExecutor(Executor):
 
     def _kill_workers(self) -> None:
         _kill_processes(self.procs)
+
+
+_live: weakref.WeakSet[MultiprocExecutor] = weakref.WeakSet()
+
+
+@atexit.register
+def _shutdown_live_executors() -> None:
+    """At exit, before multiprocessing terminates its daemonic children: an orderly stop, so the
+    monitor does not report the workers' deaths as failures."""
+    for executor in list(_live):
+        with contextlib.suppress(Exception):
+            executor.shutdown()
 
 
 def _kill_processes(procs: list) -> None:

@@ -3,24 +3,26 @@
 The engine joins a running cluster (``ray start --head``; ``RAY_ADDRESS`` names it, else Ray
 looks for one on this machine) and never starts one of its own. A placement group reserves one
 bundle per actor (a GPU each on CUDA, else an equal share of the engine node's CPUs), packed onto
-as few nodes as will hold them. Ray places and starts the ranks; once they have joined the group
-(a ``TCPStore`` served by rank 0 on this node), calls take the mp backend's path: rank 0
-broadcasts each one on the group's control channel to the actors' serve loops, then runs it. A
-Ray task per call would cost about as much as a small model's step: measured on 2 cores, ~1.2-1.9
-ms per round trip, against ~0.06 ms for the broadcast.
+as few nodes as will hold them. Ray places and starts the ranks; they join the group at a
+``TCPStore`` served by rank 0 on this node, and from then on calls take the mp backend's path:
+rank 0 broadcasts each one to the actors' serve loops, then runs it. (A Ray task per call would
+cost about as much as a small model's step: measured on 2 cores, ~1.2-1.9 ms a round trip,
+against ~0.06 ms for the broadcast.)
 
-A rank that dies or hangs fails the engine (``WorkerFailedError``): gloo's error when a peer
-closes its sockets, a collective that times out, or an actor's serve task that ends (the actor
-died, or a call raised there), which ``check_health`` sees even while the engine idles. The
-cluster gets its resources back on shutdown, on a failed start, and when the executor is
-garbage-collected without one.
+Each actor runs one long task: build its Worker, then serve until rank 0 says "shutdown". A
+watcher thread waits on those tasks: one that ends before then (the actor died, or raised while
+starting or serving) fails the engine (``WorkerFailedError``) at once, even mid-collective or
+while the engine idles; a hung rank fails it at the collective timeout. The cluster gets its
+resources back on shutdown, on a failed start, and when the executor is garbage-collected.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import socket
+import threading
 import weakref
 from dataclasses import dataclass, field
 from typing import Any
@@ -35,7 +37,7 @@ from pagoda.worker.worker import Worker
 try:
     import ray
     from ray.exceptions import GetTimeoutError, RayError
-    from ray.util.placement_group import PlacementGroup, placement_group, remove_placement_group
+    from ray.util.placement_group import PlacementGroup, placement_group, placement_group_table, remove_placement_group
     from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 except ImportError as e:  # an optional extra
     raise ImportError("--distributed-executor-backend ray needs Ray: pip install 'pagoda[ray]'") from e
@@ -45,51 +47,75 @@ logger = logging.getLogger(__name__)
 NO_CLUSTER = "--distributed-executor-backend ray needs a running Ray cluster (ray start --head), or use mp"
 PLACEMENT_TIMEOUT_SECONDS = 60.0
 SHUTDOWN_TIMEOUT_SECONDS = 5.0
+WATCH_INTERVAL_SECONDS = 1.0
 DEFAULT_MASTER_ADDR = "127.0.0.1"  # ParallelConfig's default: not reachable from another node
 
 
 @ray.remote
 class RankActor:
-    """A non-driver rank. Creating it only stores the arguments: ``start`` builds the Worker,
-    which blocks until every rank has joined, so the engine starts all actors first and then
-    builds rank 0 (which serves the rendezvous). ``serve`` then runs rank 0's calls until the
-    last one, "shutdown"."""
+    """A non-driver rank. Creating it only stores the arguments, so the engine can create every
+    actor, start their ``run`` and only then build rank 0 (which serves the rendezvous)."""
 
     def __init__(self, config: EngineConfig, rank: int, master_addr: str, master_port: int,
                  num_threads: int | None) -> None:
         self.config, self.rank = config, rank
         self.master_addr, self.master_port = master_addr, master_port
         self.num_threads = num_threads
-        self.worker: Worker | None = None
 
-    def start(self) -> None:
+    def run(self) -> None:
+        """Build the Worker (it joins the group and loads its shard), then run rank 0's calls
+        until "shutdown"."""
         if self.num_threads is not None:
             torch.set_num_threads(self.num_threads)  # the bundle's cores, not the whole node's
-        self.worker = Worker(self.config, self.rank, self.master_addr, self.master_port)
-
-    def serve(self) -> None:
-        _serve_rank(self.worker)
+        _serve_rank(Worker(self.config, self.rank, self.master_addr, self.master_port))
 
 
 @dataclass
 class ClusterLease:
-    """What an executor holds in the cluster, given back once: on shutdown, on a failed start,
-    or when the executor is garbage-collected (it holds no reference to the executor)."""
+    """What an executor holds in the cluster, and the watch on its actors. It keeps no reference
+    to the executor, so a garbage-collected executor's finalizer can release it."""
 
     owns_connection: bool  # this engine connected the process: it disconnects it too
     placement_group: PlacementGroup | None = None
     actors: list[Any] = field(default_factory=list)
-    released: bool = False
+    failure: str | None = None  # why a rank is gone, set by the watcher
+    shm: Any = None  # rank 0's shared-memory channel, once built: told to stop waiting on a failure
+    _stopping: threading.Event = field(default_factory=threading.Event)
+    _watcher: threading.Thread | None = None
+    _released: bool = False
+
+    def watch(self, runs: list[Any]) -> None:
+        """Until ``stop_watching``, the first of the actors' ``run`` tasks to end fails the lease."""
+        self._watcher = threading.Thread(target=self._watch, args=(runs,), name="pagoda-ray-watch", daemon=True)
+        self._watcher.start()
+
+    def _watch(self, runs: list[Any]) -> None:
+        while not self._stopping.is_set():
+            ended, _ = ray.wait(runs, num_returns=1, timeout=WATCH_INTERVAL_SECONDS)
+            if ended and not self._stopping.is_set():
+                rank = runs.index(ended[0]) + 1
+                self.failure = f"tensor-parallel rank {rank} stopped: {first_failure(ended) or 'it returned'}"
+                logger.error("%s", self.failure)
+                if self.shm is not None:
+                    self.shm.failed = self.failure  # rank 0 waiting in a collective gives up
+                self.kill_actors()  # closes their sockets: rank 0 waiting on gloo gives up
+                return
+
+    def stop_watching(self) -> None:
+        self._stopping.set()
 
     def kill_actors(self) -> None:
         for actor in self.actors:
             ray.kill(actor)
 
     def release(self) -> None:
-        if self.released or not ray.is_initialized():  # at exit Ray may have shut down first
+        if self._released or not ray.is_initialized():  # at exit Ray may have shut down first
             return
-        self.released = True
-        self.kill_actors()
+        self._released = True
+        self.stop_watching()
+        self.kill_actors()  # ends the tasks the watcher waits on
+        if self._watcher is not None and self._watcher is not threading.current_thread():
+            self._watcher.join()
         if self.placement_group is not None:
             remove_placement_group(self.placement_group)
         if self.owns_connection:
@@ -103,7 +129,6 @@ class RayExecutor(Executor):
             raise ValueError("--nnodes / --node-rank are for the mp backend: Ray places the ranks over its cluster")
         self.dead: WorkerFailedError | None = None
         self._closed = False
-        self._serving: list[Any] = []  # each actor's serve task, from the end of the start on
         self.lease = ClusterLease(owns_connection=connect(ray_address()))
         weakref.finalize(self, self.lease.release)
         try:
@@ -117,29 +142,32 @@ class RayExecutor(Executor):
         return self.lease.actors
 
     def _start(self) -> None:
-        """Reserve the bundles, start the actors, then build rank 0."""
-        config, pc = self.config, self.config.parallel
+        """Place and start the other ranks, then build rank 0 (it waits until they have joined)."""
+        pc = self.config.parallel
         cores = cores_per_rank(pc.world_size)
-        on_gpu = config.model.device.type == "cuda"
-        if pc.world_size > 1:  # at 1, rank 0 alone: nothing to place
-            self.lease.placement_group = reserve(pc.world_size - 1, {"GPU": 1} if on_gpu else {"CPU": cores})
+        on_gpu = self.config.model.device.type == "cuda"
+        config, master_addr, master_port = self.config, pc.master_addr, pc.master_port
+        if pc.world_size > 1:  # at 1, rank 0 alone: nothing to place or watch
+            config, master_addr, master_port = self._start_actors(cores, on_gpu)
+        if not on_gpu:
+            torch.set_num_threads(cores)  # rank 0's share, as the mp backend gives it
+        try:
+            self.driver_worker = Worker(config, 0, master_addr, master_port)
+        except Exception as e:  # an actor's own error says why better than a closed socket does
+            raise WorkerFailedError(self.lease.failure) if self.lease.failure else e from None
+        self.lease.shm = self.driver_worker.tp.shm
+
+    def _start_actors(self, cores: int, on_gpu: bool) -> tuple[EngineConfig, str, int]:
+        """Reserve a bundle for each other rank and start its actor; the config, address and port
+        the ranks meet with."""
+        pc = self.config.parallel
+        self.lease.placement_group = reserve(pc.world_size - 1, {"GPU": 1} if on_gpu else {"CPU": cores})
+        config = as_placed(self.config, self.lease.placement_group)
         master_addr = pc.master_addr if pc.master_addr != DEFAULT_MASTER_ADDR else ray.util.get_node_ip_address()
         master_port = pc.master_port or free_port(master_addr)
         self.actors.extend(create_actors(config, self.lease.placement_group, master_addr, master_port, cores, on_gpu))
-        starts = [actor.start.remote() for actor in self.actors]
-        if not on_gpu:
-            torch.set_num_threads(cores)  # rank 0's share, as the mp backend gives it
-        self.driver_worker = self._start_driver(starts, master_addr, master_port)
-        ray.get(starts, timeout=pc.timeout_seconds)  # every rank has joined: they are about done
-        self._serving = [actor.serve.remote() for actor in self.actors]
-
-    def _start_driver(self, starts: list[Any], master_addr: str, master_port: int) -> Worker:
-        """Rank 0's Worker. If it fails (it waits for ranks that never join), an actor's own
-        error says why better than the rendezvous timeout does."""
-        try:
-            return Worker(self.config, 0, master_addr, master_port)
-        except Exception as e:
-            raise first_failure(starts) or e from None
+        self.lease.watch([actor.run.remote() for actor in self.actors])
+        return config, master_addr, master_port
 
     # -- calls ------------------------------------------------------------------------------
     def run_on_all(self, method: str, args: tuple, gather: bool) -> Any:
@@ -149,35 +177,28 @@ class RayExecutor(Executor):
             tp.broadcast_object((method, args, gather))
             result = getattr(self.driver_worker, method)(*args)
             return tp.all_gather_object(result) if gather else result
-        except RuntimeError as e:  # gloo: a peer closed its connection, or a collective timed out
-            raise self._fail(f"tensor-parallel rank failed during {method}: {e}") from e
+        except RuntimeError as e:  # a peer closed its sockets, a rank is gone, or a collective timed out
+            reason = self.lease.failure or f"tensor-parallel rank failed during {method}: {e}"
+            self.dead = self.dead or WorkerFailedError(reason)
+            self.lease.kill_actors()
+            raise self.dead from e
 
     def check_health(self) -> None:
-        """A serve task that ended means its rank is gone (while the engine runs, they never end)."""
-        if self.dead is None and not self._closed:
-            ended, _ = ray.wait(self._serving, num_returns=1, timeout=0)
-            if ended:
-                rank = self._serving.index(ended[0]) + 1
-                self._fail(f"tensor-parallel rank {rank} stopped: {first_failure(ended) or 'its serve loop returned'}")
+        if self.dead is None and self.lease.failure is not None:
+            self.dead = WorkerFailedError(self.lease.failure)
         if self.dead is not None:
             raise self.dead
-
-    def _fail(self, reason: str) -> WorkerFailedError:
-        self.dead = self.dead or WorkerFailedError(reason)
-        logger.error("%s", self.dead)
-        self.lease.kill_actors()
-        return self.dead
 
     # -- shutdown ---------------------------------------------------------------------------
     def shutdown(self) -> None:
         if self._closed:
             return
         self._closed = True
-        if self.dead is None:
+        self.lease.stop_watching()  # the run tasks end now, as they should
+        if self.dead is None and self.lease.failure is None:
             try:
                 self.driver_worker.tp.broadcast_object(("shutdown", (), False))
-                ray.get(self._serving, timeout=SHUTDOWN_TIMEOUT_SECONDS)
-            except (RayError, RuntimeError) as e:
+            except RuntimeError as e:
                 logger.warning("tensor-parallel ranks did not shut down cleanly: %s", e)
         self.lease.release()
         self.driver_worker.shutdown()
@@ -235,7 +256,15 @@ def reserve(num_bundles: int, bundle: dict[str, float]) -> PlacementGroup:
     return group
 
 
-def create_actors(config: EngineConfig, group: PlacementGroup | None, master_addr: str, master_port: int,
+def as_placed(config: EngineConfig, group: PlacementGroup) -> EngineConfig:
+    """The config the ranks run with: ``nnodes`` counts the machines the ranks landed on (this
+    one and the bundles'), since workers on one machine talk through shared memory."""
+    nodes = set(placement_group_table(group)["bundles_to_node_id"].values())
+    nodes.add(ray.get_runtime_context().get_node_id())
+    return dataclasses.replace(config, parallel=dataclasses.replace(config.parallel, nnodes=len(nodes)))
+
+
+def create_actors(config: EngineConfig, group: PlacementGroup, master_addr: str, master_port: int,
                   cores: int, on_gpu: bool) -> list[Any]:
     """One actor per non-driver rank, rank r in bundle r - 1 of ``group``."""
     resources = {"num_cpus": 0, "num_gpus": 1} if on_gpu else {"num_cpus": cores}
