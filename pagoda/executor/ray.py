@@ -18,6 +18,7 @@ resources back on shutdown, on a failed start, and when the executor is garbage-
 
 from __future__ import annotations
 
+import atexit
 import dataclasses
 import logging
 import os
@@ -73,7 +74,9 @@ class RankActor:
 @dataclass
 class ClusterLease:
     """What an executor holds in the cluster, and the watch on its actors. It keeps no reference
-    to the executor, so a garbage-collected executor's finalizer can release it."""
+    to the executor, so a garbage-collected executor's finalizer can release it. At exit it is
+    released before Ray disconnects (atexit runs the later registration first): a Ray call after
+    that would connect again."""
 
     owns_connection: bool  # this engine connected the process: it disconnects it too
     placement_group: PlacementGroup | None = None
@@ -84,13 +87,16 @@ class ClusterLease:
     _watcher: threading.Thread | None = None
     _released: bool = False
 
+    def __post_init__(self) -> None:
+        atexit.register(self.release)
+
     def watch(self, runs: list[Any]) -> None:
         """Until ``stop_watching``, the first of the actors' ``run`` tasks to end fails the lease."""
         self._watcher = threading.Thread(target=self._watch, args=(runs,), name="pagoda-ray-watch", daemon=True)
         self._watcher.start()
 
     def _watch(self, runs: list[Any]) -> None:
-        while not self._stopping.is_set():
+        while not self._stopping.is_set() and ray.is_initialized():
             ended, _ = ray.wait(runs, num_returns=1, timeout=WATCH_INTERVAL_SECONDS)
             if ended and not self._stopping.is_set():
                 rank = runs.index(ended[0]) + 1
@@ -112,6 +118,7 @@ class ClusterLease:
         if self._released or not ray.is_initialized():  # at exit Ray may have shut down first
             return
         self._released = True
+        atexit.unregister(self.release)
         self.stop_watching()
         self.kill_actors()  # ends the tasks the watcher waits on
         if self._watcher is not None and self._watcher is not threading.current_thread():
