@@ -101,15 +101,7 @@ def create_engine_config(args: EngineArgs) -> EngineConfig:
     check_tensor_parallel(parallel.tensor_parallel_size, hf_config)
     chat_template = _read_template(args.chat_template)
     quantization = _check_quantization(args.quantization, files, device)
-    if quantization is not None:
-        from pagoda.loader.model_loader import QUANTIZATION_KEY
-
-        hf_config = {**hf_config, QUANTIZATION_KEY: quantization}  # how load_model receives it
     deterministic = _resolve_deterministic(args, device, dtype)
-    if deterministic:
-        from pagoda.forward_context import DETERMINISTIC_KEY
-
-        hf_config = {**hf_config, DETERMINISTIC_KEY: True}  # how the model runner receives it
     return EngineConfig(
         model=ModelConfig(files, hf_config, architecture, dtype, device, args.max_model_len or model_max,
                           chat_template, quantization),

@@ -8,11 +8,6 @@ from dataclasses import dataclass, field
 
 import torch
 
-# Where EngineArgs records deterministic inference in the hf_config handed to the engine (as it
-# does --quantization): the model keeps it, and the model runner reads it from the model.
-DETERMINISTIC_KEY = "pagoda_deterministic"
-
-
 @dataclass
 class PrefillSeq:
     """One sequence computing `query_len` tokens starting at absolute position `start`."""

@@ -19,15 +19,10 @@ from pagoda.models.registry import resolve_architecture
 
 logger = logging.getLogger(__name__)
 
-# Where EngineArgs records --quantization in the hf_config it hands to the engine, so that
-# load_model sees it through its existing arguments (see docs/architecture.md, "Quantization").
-QUANTIZATION_KEY = "pagoda_quantization"
-
-
 def load_model(files: ModelFiles, hf_config: dict, dtype: torch.dtype, device: torch.device, max_position: int,
                quantization: str | None = None, tp: TensorParallelGroup = SINGLE,
                backend: TorchBackend | None = None) -> nn.Module:
-    """``quantization`` (default: ``hf_config[QUANTIZATION_KEY]``): None, "int8", "int4" or "gguf".
+    """``quantization``: None, "int8", "int4" or "gguf" (``ModelConfig.quantization``).
     ``tp``: the model's tensor-parallel group; the model is built for this rank's shard and only
     that shard is read from the files (``model.weight_slice``). ``backend``: the kernels its layers
     run (default: ``select_backend(device)``)."""
@@ -38,7 +33,7 @@ def load_model(files: ModelFiles, hf_config: dict, dtype: torch.dtype, device: t
 
 def _load(files: ModelFiles, hf_config: dict, dtype: torch.dtype, device: torch.device, max_position: int,
           quantization: str | None, tp: TensorParallelGroup) -> nn.Module:
-    quantization = check_quantization(quantization or hf_config.get(QUANTIZATION_KEY))
+    quantization = check_quantization(quantization)
     if quantization == "gguf" and files.gguf_file is None:
         raise ValueError(f"quantization='gguf' keeps a GGUF's own quantized weights, but {files.name!r} is not a GGUF")
     _, model_cls = resolve_architecture(hf_config)

@@ -14,7 +14,7 @@ from torch import nn
 
 from pagoda.distributed.parallel_state import TensorParallelGroup, current_group
 from pagoda.distributed.shard_plan import ShardPlan
-from pagoda.forward_context import DETERMINISTIC_KEY, get_attention_metadata
+from pagoda.forward_context import get_attention_metadata
 from pagoda.layers.attention import PagedAttention
 from pagoda.layers.backend import current_backend
 from pagoda.layers.linear import project
@@ -115,7 +115,6 @@ class LlamaForCausalLM(nn.Module):
         self.backend = current_backend()  # the kernels every layer runs (layers/backend.py)
         self.shards = plan = ShardPlan.for_rank(cfg, tp)
         self.num_local_kv_heads = plan.num_kv_heads  # the KV cache holds these heads
-        self.deterministic = bool(hf_config.get(DETERMINISTIC_KEY, False))  # read by the model runner
         self.embed_tokens = nn.Embedding(plan.vocab_per_rank, cfg.hidden_size)
         rotary = RotaryEmbedding(cfg.head_dim, max_position, cfg.rope_theta, cfg.rope_scaling)
         self.layers = nn.ModuleList(DecoderLayer(cfg, rotary, plan, tp) for _ in range(cfg.num_layers))

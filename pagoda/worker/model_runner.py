@@ -44,14 +44,12 @@ class _Layout:
 class ModelRunner:
     def __init__(self, model: torch.nn.Module, kv_cache: torch.Tensor, block_size: int, device: torch.device,
                  max_model_len: int, generator: torch.Generator | None = None, compile: bool = False,
-                 deterministic: bool | None = None, short_chunk: int = DEFAULT_SHORT_CHUNK,
+                 deterministic: bool = False, short_chunk: int = DEFAULT_SHORT_CHUNK,
                  is_driver: bool = True) -> None:
-        """``deterministic`` (default: what the model was loaded with, EngineConfig.deterministic):
-        batch-invariant inference, see ``_decode_like`` and ``execute``. ``is_driver``: this rank
-        samples and reports (rank 0); the others only run the model."""
+        """``deterministic`` (EngineConfig.deterministic): batch-invariant inference, see
+        ``_decode_like`` and ``execute``. ``is_driver``: this rank samples and reports (rank 0);
+        the others only run the model."""
         self.model = model
-        if deterministic is None:
-            deterministic = bool(getattr(model, "deterministic", False))
         # Batch invariance takes pagoda's CPU kernels (the paged kernel for every row, the
         # invariant GEMM); without them (CUDA, no compiler) the layout stays as it is.
         self.backend = model.backend

@@ -56,8 +56,8 @@ class Worker:
         if pc.world_size > 1:
             self.tp = init_tensor_parallel(rank, pc.world_size, master_addr, master_port, self.device,
                                            pc.timeout_seconds, _shared_memory_bytes(config))
-        self.model = load_model(mc.files, mc.hf_config, mc.dtype, self.device, mc.max_model_len, tp=self.tp,
-                                backend=self.backend)
+        self.model = load_model(mc.files, mc.hf_config, mc.dtype, self.device, mc.max_model_len,
+                                quantization=mc.quantization, tp=self.tp, backend=self.backend)
         self.tp.wait_for_all()  # before any timed collective: ranks load at their own pace
         self.load_seconds = time.monotonic() - start
         self.runner: ModelRunner | None = None
@@ -102,7 +102,8 @@ class Worker:
         generator = torch.Generator().manual_seed(self.config.seed)
         self.runner = ModelRunner(
             self.model, self.kv_cache, cc.block_size, self.device, max_model_len, generator,
-            compile=self.config.compile, short_chunk=self.config.scheduler.short_chunk_tokens,
+            compile=self.config.compile, deterministic=self.config.deterministic,
+            short_chunk=self.config.scheduler.short_chunk_tokens,
             is_driver=self.tp.is_driver,
         )
 
