@@ -56,8 +56,10 @@ class Worker:
         if pc.world_size > 1:
             self.tp = init_tensor_parallel(rank, pc.world_size, master_addr, master_port, self.device,
                                            pc.timeout_seconds, _shared_memory_bytes(config))
+        rss_before = resident_memory_bytes()
         self.model = load_model(mc.files, mc.hf_config, mc.dtype, self.device, mc.max_model_len,
                                 quantization=mc.quantization, tp=self.tp, backend=self.backend)
+        self.weights_rss_bytes = resident_memory_bytes() - rss_before  # what loading the shard cost
         self.tp.wait_for_all()  # before any timed collective: ranks load at their own pace
         self.load_seconds = time.monotonic() - start
         self.runner: ModelRunner | None = None
@@ -113,10 +115,11 @@ class Worker:
         return out if self.tp.is_driver else None
 
     def memory_report(self) -> dict[str, int]:
-        """This rank's weight bytes (parameters; rotary tables and other buffers are replicated)
-        and its process's resident memory."""
+        """This rank's weight bytes (parameters; rotary tables and other buffers are replicated), the
+        resident memory that loading them added to its process, and the process's resident memory."""
         weights = sum(p.nbytes for p in self.model.parameters())
-        return {"rank": self.rank, "pid": os.getpid(), "weight_bytes": weights, "rss_bytes": resident_memory_bytes()}
+        return {"rank": self.rank, "pid": os.getpid(), "weight_bytes": weights,
+                "weights_rss_bytes": self.weights_rss_bytes, "rss_bytes": resident_memory_bytes()}
 
     def shutdown(self) -> None:
         self.runner = None

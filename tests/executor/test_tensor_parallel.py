@@ -4,6 +4,11 @@ of the weights."""
 
 from __future__ import annotations
 
+import json
+import subprocess
+import sys
+from pathlib import Path
+
 import pytest
 from gguf_export import export_gguf
 
@@ -63,6 +68,44 @@ def test_each_rank_holds_half_of_the_weights(tiny_llama):
     assert [r["rank"] for r in ranks] == [0, 1] and ranks[0]["pid"] != ranks[1]["pid"]
     for r in ranks:  # norms are replicated: a little over half
         assert 0.5 <= r["weight_bytes"] / whole["weight_bytes"] < 0.52
+
+
+def test_each_rank_loads_half_the_model_measured_in_resident_memory(tmp_path_factory):
+    """Resident memory, not only parameter bytes: each rank reads its slice of the checkpoint, so
+    loading adds about half of what TP=1's load adds (a 34M-parameter model, 134 MB in fp32).
+    Every engine runs in a fresh process (the model is written by another), so no memory freed
+    earlier is reused and hides what loading costs."""
+    path = tmp_path_factory.mktemp("mid_llama")
+    _python(f"""
+import sys, pathlib, torch, transformers
+sys.path.insert(0, {str(Path(__file__).parents[1])!r})
+from tiny_models import make_tokenizer
+make_tokenizer(pathlib.Path({str(path)!r}))
+config = transformers.LlamaConfig(hidden_size=512, intermediate_size=1536, num_hidden_layers=8, num_attention_heads=8,
+                                  num_key_value_heads=4, vocab_size=8192, max_position_embeddings=256)
+torch.manual_seed(0)
+transformers.LlamaForCausalLM(config).save_pretrained({str(path)!r}, safe_serialization=True)
+""")
+    report = """
+import json, sys
+from pagoda import LLM
+with LLM(sys.argv[1], dtype="float32", kv_cache_memory=0.01, tensor_parallel_size=int(sys.argv[2])) as llm:
+    print(json.dumps(llm.engine.core.executor.collective_rpc("memory_report")))
+"""
+    (whole,) = json.loads(_python(report, str(path), "1").splitlines()[-1])
+    ranks = json.loads(_python(report, str(path), "2").splitlines()[-1])
+    assert whole["weights_rss_bytes"] > 0.9 * whole["weight_bytes"]  # the measure sees the weights
+    for r in ranks:
+        ratio = r["weights_rss_bytes"] / whole["weights_rss_bytes"]
+        print(f"rank {r['rank']}: loading added {r['weights_rss_bytes'] / 2**20:.0f} MiB of resident memory, "
+              f"{ratio:.2f} of TP=1's {whole['weights_rss_bytes'] / 2**20:.0f} MiB")
+        assert 0.4 < ratio < 0.65
+
+
+def _python(code: str, *args: str) -> str:
+    out = subprocess.run([sys.executable, "-c", code, *args], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    return out.stdout
 
 
 @pytest.mark.parametrize("qtype", ["Q8_0", "Q4_0"])
