@@ -4,8 +4,9 @@
 built or loaded for this CPU), ``TorchBackend`` on a CPU without a compiler
 (PAGODA_DISABLE_KERNELS=1 forces it), or ``TorchBackend`` on CUDA (torch's own kernels: SDPA,
 cuBLAS). Layers capture the backend in effect when they are built (``building_with``) and call
-it; no layer asks which kernels exist. The backend also owns the one-call decoder stack and the
-batch-invariant switch (deterministic inference).
+it; no layer asks which kernels exist. The backend also builds each step's attention metadata
+(from the model runner's arrays), owns the one-call decoder stack and the batch-invariant switch
+(deterministic inference).
 
 The C++ backend still falls back to torch per call where a kernel does not apply (bf16 / fp16
 tensors, non-contiguous inputs, inside torch.compile, where inductor traces the torch code).
@@ -17,8 +18,11 @@ import contextlib
 import logging
 from collections.abc import Iterator
 
+import numpy as np
 import torch
 import torch.nn.functional as F
+
+from pagoda.forward_context import AttentionMetadata, PrefillSeq
 
 logger = logging.getLogger(__name__)
 
@@ -61,6 +65,32 @@ class TorchBackend:
         return x.float() @ dequantize_blocks(blocks, block_type).T
 
     # -- paged attention --------------------------------------------------------------------
+    def attention_metadata(self, slots: np.ndarray, decode_tables: np.ndarray | None,
+                           decode_seq_lens: np.ndarray | None, prefills: list[tuple[int, int, int, np.ndarray]],
+                           block_size: int, device: torch.device) -> AttentionMetadata:
+        """The step's attention metadata on ``device``, from the runner's arrays: every token's
+        KV slot; for decode-like rows their block tables and lengths; for each prefill chunk
+        (first flat row, length, cached tokens before it, block table). This backend attends
+        decode rows by gathering their blocks under a length mask, built here once per step."""
+        meta = self._metadata(slots, decode_tables, decode_seq_lens, prefills, block_size, device)
+        if meta.num_decodes:
+            meta.decode_mask()
+        return meta
+
+    @staticmethod
+    def _metadata(slots, decode_tables, decode_seq_lens, prefills, block_size, device) -> AttentionMetadata:
+        def tensor(a: np.ndarray) -> torch.Tensor:
+            return torch.from_numpy(a).to(device)
+
+        meta = AttentionMetadata(
+            slot_mapping=tensor(slots), block_size=block_size,
+            prefills=[PrefillSeq(start, n, cached, tensor(table)) for start, n, cached, table in prefills],
+        )
+        if decode_seq_lens is not None and len(decode_seq_lens):
+            meta.num_decodes = len(decode_seq_lens)
+            meta.decode_block_tables, meta.decode_seq_lens = tensor(decode_tables), tensor(decode_seq_lens)
+        return meta
+
     def write_kv(self, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta) -> None:
         blocks, offsets = meta.slot_blocks_and_offsets()
         k_cache[blocks, :, offsets] = k
@@ -133,6 +163,11 @@ class CpuKernelBackend(TorchBackend):
         if x.device.type == "cpu":
             return self.ops.block_matmul(x.float(), blocks, block_type)
         return super().block_matmul(x, blocks, block_type)
+
+    def attention_metadata(self, slots, decode_tables, decode_seq_lens, prefills, block_size, device):
+        """As the torch backend's, without the mask: the paged kernel reads each row's blocks in
+        place up to its length."""
+        return self._metadata(slots, decode_tables, decode_seq_lens, prefills, block_size, device)
 
     def write_kv(self, k, v, k_cache, v_cache, meta):
         if k.device.type == "cpu":

@@ -15,7 +15,7 @@ import numpy as np
 import torch
 
 from pagoda.core.scheduler_output import SchedulerOutput
-from pagoda.forward_context import AttentionMetadata, PrefillSeq, set_attention_metadata
+from pagoda.forward_context import AttentionMetadata, set_attention_metadata
 from pagoda.layers.sampler import Sampler, SamplingMetadata
 from pagoda.outputs import ModelRunnerOutput, TokenLogprobs
 from pagoda.worker.compiled import compiled_forward
@@ -93,19 +93,15 @@ class ModelRunner:
         input_ids = b.token_ids[lay.token_rows, lay.positions]
         slots = b.block_table[lay.token_rows, lay.positions // bs] * bs + lay.positions % bs
         num_decodes = int(lay.counts[: lay.num_decode_like].sum())
-        prefills = [
-            PrefillSeq(int(lay.offsets[i]), int(lay.counts[i]), int(lay.starts[i]),
-                       torch.from_numpy(b.block_ids(int(lay.rows[i]))).to(self.device))
-            for i in range(lay.num_decode_like, len(lay.req_ids))
-        ]
-        meta = AttentionMetadata(slot_mapping=torch.from_numpy(slots).to(self.device), num_decodes=num_decodes,
-                                 prefills=prefills, block_size=bs)
+        prefills = [(int(lay.offsets[i]), int(lay.counts[i]), int(lay.starts[i]), b.block_ids(int(lay.rows[i])))
+                    for i in range(lay.num_decode_like, len(lay.req_ids))]
+        decode_tables = decode_seq_lens = None
         if num_decodes:
             # One row per decode-like token: its request's block table, and how many positions it sees.
-            rows = lay.token_rows[:num_decodes]
             width = int(b.num_blocks[lay.rows[: lay.num_decode_like]].max())
-            meta.decode_block_tables = torch.from_numpy(b.block_table[rows, :width]).to(self.device)
-            meta.decode_seq_lens = torch.from_numpy(lay.positions[:num_decodes] + 1).to(self.device)
+            decode_tables = b.block_table[lay.token_rows[:num_decodes], :width]
+            decode_seq_lens = lay.positions[:num_decodes] + 1
+        meta = self.backend.attention_metadata(slots, decode_tables, decode_seq_lens, prefills, bs, self.device)
         return torch.from_numpy(input_ids), torch.from_numpy(lay.positions.copy()), meta
 
     # -- run --------------------------------------------------------------------------------
