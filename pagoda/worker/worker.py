@@ -8,8 +8,10 @@ forward passes and return nothing.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
+import threading
 import time
 
 import torch
@@ -34,9 +36,11 @@ def prepare_backend(device: torch.device, rank: int = 0) -> TorchBackend:
     from pagoda.layers.cpu_kernels import kernels_are_built
 
     start = time.monotonic()
-    if device.type == "cpu" and not kernels_are_built():
+    building = device.type == "cpu" and not kernels_are_built()
+    if building:
         logger.warning("building pagoda's CPU kernels for this CPU (once; about a minute)...")
-    backend = select_backend(device)
+    with _progress("still building the CPU kernels", every=15.0) if building else contextlib.nullcontext():
+        backend = select_backend(device)
     if rank == 0:
         logger.info("kernels: %s, ready in %.1fs", backend.describe(), time.monotonic() - start)
     return backend
@@ -138,6 +142,24 @@ def _shared_memory_bytes(config: EngineConfig) -> int:
     hidden = hf["hidden_size"] * config.scheduler.max_num_batched_tokens
     logits = config.scheduler.max_num_seqs * -(-hf["vocab_size"] // pc.world_size)
     return 4 * max(hidden, logits)
+
+
+@contextlib.contextmanager
+def _progress(message: str, every: float):
+    """Log ``message`` with the elapsed time every ``every`` seconds until the block ends."""
+    done, start = threading.Event(), time.monotonic()
+
+    def tick() -> None:
+        while not done.wait(every):
+            logger.warning("%s (%.0fs)...", message, time.monotonic() - start)
+
+    thread = threading.Thread(target=tick, name="pagoda-progress", daemon=True)
+    thread.start()
+    try:
+        yield
+    finally:
+        done.set()
+        thread.join()
 
 
 def _min_op():
