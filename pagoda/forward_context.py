@@ -8,6 +8,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from pagoda.scoped import Scoped
+
 @dataclass
 class PrefillSeq:
     """One sequence computing `query_len` tokens starting at absolute position `start`."""
@@ -50,20 +52,16 @@ class AttentionMetadata:
         return self._decode_mask
 
 
-_current: AttentionMetadata | None = None
+_current: Scoped[AttentionMetadata | None] = Scoped("pagoda_attention_metadata", None)
 
 
 def get_attention_metadata() -> AttentionMetadata:
-    if _current is None:
+    metadata = _current.get()
+    if metadata is None:
         raise RuntimeError("no forward context: the model must run inside set_attention_metadata()")
-    return _current
+    return metadata
 
 
-@contextlib.contextmanager
-def set_attention_metadata(metadata: AttentionMetadata):
-    global _current
-    previous, _current = _current, metadata
-    try:
-        yield
-    finally:
-        _current = previous
+def set_attention_metadata(metadata: AttentionMetadata) -> contextlib.AbstractContextManager:
+    """The metadata every attention layer of a forward pass reads, for the block's extent."""
+    return _current.using(metadata)

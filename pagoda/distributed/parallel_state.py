@@ -20,6 +20,7 @@ from typing import Any
 import torch
 
 from pagoda.distributed.shm_comm import ShmComm, shm_supported
+from pagoda.scoped import Scoped
 
 logger = logging.getLogger(__name__)
 
@@ -105,13 +106,6 @@ class TensorParallelGroup:
         if self.world_size > 1:
             self.control.allreduce([torch.zeros(1)]).wait()
 
-    def shard_range(self, size: int) -> tuple[int, int]:
-        """This rank's [start, end) of ``size`` split evenly (``size`` divisible by world size)."""
-        if size % self.world_size:
-            raise ValueError(f"{size} does not split over {self.world_size} tensor-parallel ranks")
-        part = size // self.world_size
-        return self.rank * part, (self.rank + 1) * part
-
 
 SINGLE = TensorParallelGroup()
 
@@ -153,20 +147,14 @@ def _join_shared_memory(store, rank: int, world_size: int, max_bytes: int, timeo
 _FOREVER = datetime.timedelta(days=365)
 
 
-_building: TensorParallelGroup = SINGLE
+_building: Scoped[TensorParallelGroup] = Scoped("pagoda_tp_group", SINGLE)
 
 
-@contextlib.contextmanager
-def building_with(group: TensorParallelGroup):
+def building_with(group: TensorParallelGroup) -> contextlib.AbstractContextManager:
     """Layers built inside the block take ``group`` as their tensor-parallel group."""
-    global _building
-    previous, _building = _building, group
-    try:
-        yield
-    finally:
-        _building = previous
+    return _building.using(group)
 
 
 def current_group() -> TensorParallelGroup:
     """The group of the model being built (``SINGLE`` outside ``building_with``)."""
-    return _building
+    return _building.get()

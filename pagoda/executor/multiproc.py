@@ -76,10 +76,7 @@ class MultiprocExecutor(Executor):
     def run_on_all(self, method: str, args: tuple, gather: bool) -> Any:
         self.check_health()
         try:
-            tp = self.driver_worker.tp
-            tp.broadcast_object((method, args, gather))
-            result = getattr(self.driver_worker, method)(*args)
-            return tp.all_gather_object(result) if gather else result
+            return call_every_rank(self.driver_worker, method, args, gather)
         except WorkerFailedError:
             raise
         except RuntimeError as e:  # gloo: a peer closed its connection, or a collective timed out
@@ -143,6 +140,14 @@ def _kill_processes(procs: list) -> None:
             proc.kill()
     for proc in procs:
         proc.join(timeout=5)
+
+
+def call_every_rank(driver: Worker, method: str, args: tuple, gather: bool) -> Any:
+    """Rank 0's half of the protocol the other ranks serve (``_serve_rank``): broadcast the call,
+    run it here, and gather every rank's result if asked."""
+    driver.tp.broadcast_object((method, args, gather))
+    result = getattr(driver, method)(*args)
+    return driver.tp.all_gather_object(result) if gather else result
 
 
 def start_worker_processes(config: EngineConfig, ranks: list[int], master_addr: str, master_port: int):

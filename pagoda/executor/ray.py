@@ -32,7 +32,7 @@ import torch
 
 from pagoda.config import EngineConfig
 from pagoda.executor.base import Executor, WorkerFailedError
-from pagoda.executor.multiproc import _serve_rank, free_port  # the mp backend's loop: one protocol
+from pagoda.executor.multiproc import _serve_rank, call_every_rank, free_port  # the mp backend's protocol
 from pagoda.worker.worker import Worker
 
 try:
@@ -180,10 +180,7 @@ class RayExecutor(Executor):
     def run_on_all(self, method: str, args: tuple, gather: bool) -> Any:
         self.check_health()
         try:
-            tp = self.driver_worker.tp
-            tp.broadcast_object((method, args, gather))
-            result = getattr(self.driver_worker, method)(*args)
-            return tp.all_gather_object(result) if gather else result
+            return call_every_rank(self.driver_worker, method, args, gather)
         except RuntimeError as e:  # a peer closed its sockets, a rank is gone, or a collective timed out
             reason = self.lease.failure or f"tensor-parallel rank failed during {method}: {e}"
             self.dead = self.dead or WorkerFailedError(reason)

@@ -23,6 +23,7 @@ import torch
 import torch.nn.functional as F
 
 from pagoda.forward_context import AttentionMetadata, PrefillSeq
+from pagoda.scoped import Scoped
 
 logger = logging.getLogger(__name__)
 
@@ -207,24 +208,19 @@ def select_backend(device: torch.device | str) -> TorchBackend:
     return TorchBackend(device.type)
 
 
-_building: TorchBackend | None = None
+_building: Scoped[TorchBackend | None] = Scoped("pagoda_backend", None)
 
 
-@contextlib.contextmanager
-def building_with(backend: TorchBackend) -> Iterator[None]:
+def building_with(backend: TorchBackend) -> contextlib.AbstractContextManager:
     """Layers built inside the block use ``backend``."""
-    global _building
-    previous, _building = _building, backend
-    try:
-        yield
-    finally:
-        _building = previous
+    return _building.using(backend)
 
 
 def current_backend() -> TorchBackend:
     """The backend of the model being built; outside ``building_with`` (a layer built on its own,
     in a test) the CPU's, chosen now."""
-    return _building if _building is not None else select_backend("cpu")
+    backend = _building.get()
+    return backend if backend is not None else select_backend("cpu")
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:

@@ -124,9 +124,6 @@ class InputBatch:
     def block_ids(self, row: int) -> np.ndarray:
         return self.block_table[row, : self.num_blocks[row]]
 
-    def output_token_ids(self, row: int) -> np.ndarray:
-        return self.token_ids[row, self.num_prompt[row] : self.num_tokens[row]]
-
     def padded_tokens(self, rows: np.ndarray, start: np.ndarray, end: np.ndarray) -> torch.Tensor:
         """token_ids[row, start:end] of each row, padded with -1 to the longest: [len(rows), width]."""
         width = max(1, int((end - start).max(initial=0)))

@@ -55,38 +55,26 @@ def test_tp2_server_answers_as_tp1_and_sigterm_stops_every_rank(tiny_llama, expe
         _stop(proc)
 
 
-def test_a_killed_rank_fails_requests_with_503_and_the_server_exits(long_tiny_llama):
+@pytest.mark.parametrize("sig,extra,says", [
+    (signal.SIGKILL, (), "exited"),  # a dead rank: its sockets close, the monitor sees its exit
+    # alive but silent: only the collective timeout can tell
+    (signal.SIGSTOP, ("--distributed-timeout-seconds", "3"), "timed out"),
+], ids=["killed", "hung"])
+def test_a_failed_rank_fails_requests_with_503_and_the_server_exits(long_tiny_llama, sig, extra, says):
     proc, base = start_server(long_tiny_llama, "--tensor-parallel-size", "2", "--kv-cache-memory", "0.05",
-                              "--max-model-len", "16384")
-    try:
-        workers = _worker_pids(proc.pid)
-        request = Background(base, "/v1/completions", _long("p"))
-        wait_for(lambda: metric(base, "num_requests_running") == 1, what="the request to run")
-        os.kill(workers[0], signal.SIGKILL)
-        response = request.join(timeout=30).result
-        assert response.status_code == 503
-        assert response.json()["error"]["code"] == "engine_unavailable"
-        wait_for(lambda: _refused(base), timeout=15, what="the server to refuse")
-        assert proc.wait(timeout=30) == 1  # non-zero: a supervisor should restart it
-        for pid in workers:
-            wait_for(lambda: _gone(pid), timeout=15, what=f"rank process {pid} to exit")
-    finally:
-        _stop(proc)
-
-
-def test_a_hung_rank_times_out_the_collective_and_the_server_exits(long_tiny_llama):
-    """SIGSTOP: the rank is alive but silent, so only the collective timeout can tell."""
-    proc, base = start_server(long_tiny_llama, "--tensor-parallel-size", "2", "--kv-cache-memory", "0.05",
-                              "--max-model-len", "16384", "--distributed-timeout-seconds", "3")
+                              "--max-model-len", "16384", *extra)
     workers = _worker_pids(proc.pid)
     try:
         request = Background(base, "/v1/completions", _long("p"))
         wait_for(lambda: metric(base, "num_requests_running") == 1, what="the request to run")
-        os.kill(workers[0], signal.SIGSTOP)
+        os.kill(workers[0], sig)
         response = request.join(timeout=60).result
-        assert response.status_code == 503 and "timed out" in response.json()["error"]["message"]
-        assert proc.wait(timeout=30) == 1
-        for pid in workers:  # killed with their parent (PR_SET_PDEATHSIG), stopped or not
+        assert response.status_code == 503
+        error = response.json()["error"]
+        assert error["code"] == "engine_unavailable" and says in error["message"]
+        wait_for(lambda: _refused(base), timeout=15, what="the server to refuse")
+        assert proc.wait(timeout=30) == 1  # non-zero: a supervisor should restart it
+        for pid in workers:  # stopped or not, killed with their parent (PR_SET_PDEATHSIG)
             wait_for(lambda: _gone(pid), timeout=15, what=f"rank process {pid} to exit")
     finally:
         for pid in workers:

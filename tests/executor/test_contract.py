@@ -9,7 +9,6 @@ import copy
 import pickle
 from pathlib import Path
 
-import pytest
 
 from pagoda import LLM, SamplingParams
 from pagoda.sampling_params import StructuredOutputsParams
