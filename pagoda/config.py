@@ -3,6 +3,8 @@ the model and the device into what the engine runs with (EngineConfig)."""
 
 from __future__ import annotations
 
+import dataclasses
+import json
 import logging
 import os
 from dataclasses import dataclass
@@ -72,12 +74,61 @@ class ParallelConfig:
         return self.tensor_parallel_size
 
 
+SPECULATIVE_METHODS = ("ngram",)
+MAX_SPECULATIVE_TOKENS = 5  # the seeds cap a draft at 5 steps: errors accumulate past that
+
+
+@dataclass(frozen=True)
+class SpeculativeConfig:
+    """Speculative decoding (vLLM's `speculative_config` fields). ``ngram``: prompt lookup, the
+    tokens that followed the latest earlier occurrence of the sequence's last n tokens
+    (n from ``prompt_lookup_max`` down to ``prompt_lookup_min``) are the draft."""
+
+    method: str = "ngram"
+    num_speculative_tokens: int = 4
+    prompt_lookup_min: int = 2
+    prompt_lookup_max: int = 5
+
+    @classmethod
+    def parse(cls, value: dict | str | None) -> "SpeculativeConfig | None":
+        """From a dict or its JSON text; a ValueError names the field that is wrong."""
+        if value is None or value == "":
+            return None
+        if isinstance(value, str):
+            try:
+                value = json.loads(value)
+            except ValueError as e:
+                raise ValueError(f"speculative_config is not valid JSON: {e}") from None
+        if not isinstance(value, dict):
+            raise ValueError("speculative_config must be a JSON object")
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(value) - known - {"model", "quantization", "dtype"})
+        if unknown:
+            raise ValueError(f"speculative_config: unknown field(s) {unknown}; known: {sorted(known)}")
+        method = value.get("method", "ngram")
+        if method == "draft_model" or "model" in value:
+            raise ValueError("speculative_config.method: 'draft_model' is not available yet; use 'ngram'")
+        if method not in SPECULATIVE_METHODS:
+            raise ValueError(f"speculative_config.method must be one of {list(SPECULATIVE_METHODS)}, got {method!r}")
+        config = cls(**{k: v for k, v in value.items() if k in known})
+        config._validate()
+        return config
+
+    def _validate(self) -> None:
+        k, lo, hi = self.num_speculative_tokens, self.prompt_lookup_min, self.prompt_lookup_max
+        if not (isinstance(k, int) and 1 <= k <= MAX_SPECULATIVE_TOKENS):
+            raise ValueError(f"speculative_config.num_speculative_tokens must be in [1, {MAX_SPECULATIVE_TOKENS}], got {k!r}")
+        if not (isinstance(lo, int) and isinstance(hi, int) and 1 <= lo <= hi):
+            raise ValueError(f"speculative_config.prompt_lookup_min/max must be integers with 1 <= min <= max, got {lo!r}, {hi!r}")
+
+
 @dataclass(frozen=True)
 class EngineConfig:
     model: ModelConfig
     cache: CacheConfig
     scheduler: SchedulerConfig
     parallel: ParallelConfig = ParallelConfig()
+    speculative: SpeculativeConfig | None = None
     seed: int = 0
     enforce_eager: bool = False
     compile: bool = False  # torch.compile the model between attention layers (see worker/compiled.py)
@@ -113,6 +164,7 @@ def create_engine_config(args: EngineArgs) -> EngineConfig:
         enforce_eager=args.enforce_eager,
         compile=args.compile and not args.enforce_eager,
         deterministic=deterministic,
+        speculative=SpeculativeConfig.parse(args.speculative_config),
     )
 
 

@@ -92,6 +92,9 @@ class EngineArgs:
         "port where the ranks meet (default: $MASTER_PORT, else a free port chosen at start-up)"))
     distributed_timeout_seconds: float = field(default=60.0, metadata=_option(
         "a collective that takes longer fails the engine instead of hanging it"))
+    speculative_config: dict | str | None = field(default=None, metadata=_option(
+        "speculative decoding, as JSON with vLLM's fields: {\"method\": \"ngram\", \"num_speculative_tokens\": 4, "
+        "\"prompt_lookup_min\": 2, \"prompt_lookup_max\": 5} (num_speculative_tokens 1-5)", type=str))
     extra: dict = field(default_factory=dict, metadata=NO_OPTION)
 
     @classmethod

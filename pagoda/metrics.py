@@ -43,6 +43,10 @@ class _EngineCollector:
              "after preemption.", stats.prefix_cache_preempted_query_tokens),
             ("pagoda:prefix_cache_preempted_hits", "Tokens found in the prefix cache by requests resumed after "
              "preemption.", stats.prefix_cache_preempted_hit_tokens),
+            ("pagoda:spec_decode_num_draft_tokens", "Speculative decoding: draft tokens verified.",
+             stats.spec_draft_tokens),
+            ("pagoda:spec_decode_num_accepted_tokens", "Speculative decoding: draft tokens accepted.",
+             stats.spec_accepted_tokens),
         ]:
             c = CounterMetricFamily(name, doc, labels=["model_name"])
             c.add_metric([self.model_name], value)

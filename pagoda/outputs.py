@@ -27,9 +27,12 @@ class TokenLogprobs:
 class ModelRunnerOutput:
     """What a worker returns for one step: plain data, picklable across processes."""
 
-    sampled_token_ids: dict[str, int] = field(default_factory=dict)  # request id → its new token
+    # request id → its new tokens: one, or with speculative decoding the accepted drafts and the
+    # target's own next token
+    sampled_token_ids: dict[str, list[int]] = field(default_factory=dict)
     logprobs: dict[str, TokenLogprobs] = field(default_factory=dict)
     prompt_logprobs: dict[str, list[TokenLogprobs]] = field(default_factory=dict)
+    spec_token_ids: dict[str, list[int]] = field(default_factory=dict)  # drafts to verify next step
 
 
 # One position: token id → Logprob (the chosen token plus the top-k alternatives).

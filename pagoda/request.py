@@ -65,6 +65,8 @@ class Request:
     num_prompt_logprobs_done: int = 0
     first_scheduled_time: float | None = None
     num_cached_tokens: int | None = None  # prompt tokens served from the prefix cache (first admission)
+    # Speculative decoding: the drafts the worker proposed after its last token, to verify next.
+    spec_token_ids: list[int] = field(default_factory=list)
     # The compiled constraint and its matcher (structured outputs); set by the engine core.
     grammar: "GrammarState | None" = field(default=None, repr=False, compare=False)
 

@@ -50,6 +50,12 @@ class SchedulerStats:
     prefix_cache_hit_tokens: int = 0
     prefix_cache_preempted_query_tokens: int = 0  # resumed after preemption: prompt + output tokens
     prefix_cache_preempted_hit_tokens: int = 0
+    spec_draft_tokens: int = 0  # speculative decoding: drafts verified
+    spec_accepted_tokens: int = 0  # ... and accepted
+
+    @property
+    def spec_acceptance_rate(self) -> float:
+        return self.spec_accepted_tokens / self.spec_draft_tokens if self.spec_draft_tokens else 0.0
 
     @property
     def prefix_cache_hit_rate(self) -> float:
@@ -67,6 +73,7 @@ class _Step:
 
     scheduled: list[tuple[Request, int]] = field(default_factory=list)
     preempted: list[str] = field(default_factory=list)
+    spec_tokens: dict[str, list[int]] = field(default_factory=dict)
 
 
 class Scheduler:
@@ -100,6 +107,8 @@ class Scheduler:
         self._sent_blocks: dict[str, int] = {}
         self._resumed: set[str] = set()
         self._finished_ids: set[str] = set()  # for the next message: the workers drop them
+        self.num_draft_tokens = 0  # speculative decoding: drafts verified, and accepted
+        self.num_accepted_tokens = 0
 
     # -- ordering ---------------------------------------------------------------------------
     def effective_priority(self, request: Request, now: float) -> int:
@@ -150,12 +159,16 @@ class Scheduler:
             if num_new <= 0:
                 i += 1
                 continue
+            drafts = self._drafts_to_verify(request, budget)
+            num_new += len(drafts)
             preempted_before = len(out.preempted)
             fits = self._make_room(request, num_new, out)
             growth_preempted |= len(out.preempted) > preempted_before
             if not fits:
                 break  # the request itself was preempted; everything after it is gone too
             out.scheduled.append((request, num_new))
+            if drafts:
+                out.spec_tokens[request.request_id] = drafts
             budget -= num_new
             i += 1
 
@@ -163,9 +176,23 @@ class Scheduler:
             self._admit_waiting(out, budget, favored)
         return self._message(out)
 
+    def _drafts_to_verify(self, request: Request, budget: int) -> list[int]:
+        """The request's drafts that fit this step: it must be decoding (one token to compute),
+        and the drafts must fit the budget, the context and what is left of max_tokens (a run of
+        accepted drafts ends with one token of the target's own)."""
+        drafts = request.spec_token_ids
+        if not drafts or request.num_tokens - request.num_computed_tokens != 1:
+            return []
+        room = min(budget - 1, self.max_model_len - request.num_tokens)
+        max_tokens = request.sampling_params.max_tokens
+        if max_tokens is not None:
+            room = min(room, max_tokens - request.num_output_tokens - 1)
+        return drafts[: max(0, room)]
+
     def _message(self, step: "_Step") -> SchedulerOutput:
         """The step as deltas against what the workers already know of each request."""
-        out = SchedulerOutput(preempted_req_ids=step.preempted, finished_req_ids=self._finished_ids)
+        out = SchedulerOutput(preempted_req_ids=step.preempted, finished_req_ids=self._finished_ids,
+                              scheduled_spec_tokens=step.spec_tokens)
         self._finished_ids = set()
         for request, num_new in step.scheduled:
             rid = request.request_id
@@ -226,6 +253,7 @@ class Scheduler:
         request.status = RequestStatus.PREEMPTED
         request.num_computed_tokens = 0
         request.num_preemptions += 1
+        request.spec_token_ids = []
         self.num_preemptions_total += 1
         if request.request_id in self._sent_tokens:
             self._resumed.add(request.request_id)  # the workers keep its state (generator) but not its blocks
@@ -273,17 +301,33 @@ class Scheduler:
             request = self.requests.get(rid)
             if request is None or request.status.finished:
                 continue  # aborted while the step ran
-            request.num_computed_tokens += num_new
+            tokens = result.sampled_token_ids.get(rid, [])
+            drafts = out.scheduled_spec_tokens.get(rid, ())
+            # KV is valid for the last token and the accepted drafts; the rejected ones' slots
+            # are written again later (the one num_computed_tokens rule rolls them back)
+            rejected = len(drafts) - (len(tokens) - 1) if drafts else 0
+            request.num_computed_tokens += num_new - rejected
             request.num_prompt_logprobs_done += len(result.prompt_logprobs.get(rid, ()))
+            if drafts:
+                self.num_draft_tokens += len(drafts)
+                self.num_accepted_tokens += len(tokens) - 1
+            request.spec_token_ids = result.spec_token_ids.get(rid, [])
+            stopped = self._append(request, tokens)
+            if drafts:  # a stop inside an accepted run leaves computed drafts that were never appended
+                request.num_computed_tokens = min(request.num_computed_tokens, request.num_tokens - 1)
             self.kv.cache_computed_blocks(request)
-            token = result.sampled_token_ids.get(rid)
-            if token is None:
-                continue
-            request.append_output_token(token)
-            if self._check_stop(request, token) or self._grammar_done(request, token):
+            if stopped:
                 self._finish(request)
                 finished.append(request)
         return finished
+
+    def _append(self, request: Request, tokens: list[int]) -> bool:
+        """Append the step's tokens until one stops the request; whether one did."""
+        for token in tokens:
+            request.append_output_token(token)
+            if self._check_stop(request, token) or self._grammar_done(request, token):
+                return True
+        return False
 
     def _check_stop(self, request: Request, token: int) -> bool:
         params = request.sampling_params
@@ -349,4 +393,6 @@ class Scheduler:
             prefix_cache_hit_tokens=self.kv.prefix_hit_tokens,
             prefix_cache_preempted_query_tokens=self.kv.prefix_preempted_query_tokens,
             prefix_cache_preempted_hit_tokens=self.kv.prefix_preempted_hit_tokens,
+            spec_draft_tokens=self.num_draft_tokens,
+            spec_accepted_tokens=self.num_accepted_tokens,
         )

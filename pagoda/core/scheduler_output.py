@@ -44,8 +44,11 @@ class CachedRequestData:
 class SchedulerOutput:
     new_requests: list[NewRequestData] = field(default_factory=list)
     cached_requests: list[CachedRequestData] = field(default_factory=list)
-    # request id → tokens to compute this step, in scheduling order (priority, then arrival)
+    # request id → tokens to compute this step, in scheduling order (priority, then arrival);
+    # with speculative decoding its last token plus its drafts
     num_scheduled_tokens: dict[str, int] = field(default_factory=dict)
+    # speculative decoding: request id → the draft tokens to verify after its last token
+    scheduled_spec_tokens: dict[str, list[int]] = field(default_factory=dict)
     # finished or aborted since the last message: the workers drop their state
     finished_req_ids: set[str] = field(default_factory=set)
     preempted_req_ids: list[str] = field(default_factory=list)

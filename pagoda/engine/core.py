@@ -173,6 +173,8 @@ class EngineCore:
             return failed
         self._attach_grammar_bitmask(sched)
         result = self.executor.execute_model(sched)
+        before = {rid: r.num_output_tokens for rid in sched.num_scheduled_tokens
+                  if (r := self.scheduler.requests.get(rid)) is not None}
         finished = {r.request_id: r for r in self.scheduler.update(sched, result)}
         self.num_steps += 1
         outputs = failed
@@ -180,14 +182,15 @@ class EngineCore:
             request = finished.get(rid) or self.scheduler.requests.get(rid)
             if request is None:
                 continue  # aborted while the step ran
-            token = result.sampled_token_ids.get(rid)
+            # what the scheduler appended: the sampled tokens, cut where a stop condition ended the run
+            new_tokens = request.output_token_ids[before.get(rid, request.num_output_tokens):]
             prompt_lps = result.prompt_logprobs.get(rid)
-            if token is None and prompt_lps is None and rid not in finished:
+            if not new_tokens and prompt_lps is None and rid not in finished:
                 continue
             lp = result.logprobs.get(rid)
             outputs.append(EngineCoreOutput(
                 request_id=rid,
-                new_token_ids=[token] if token is not None else [],
+                new_token_ids=new_tokens,
                 finish_reason=request.status.finish_reason if rid in finished else None,
                 stop_reason=request.stop_reason,
                 new_logprobs=[lp] if lp is not None else None,

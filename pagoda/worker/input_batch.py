@@ -68,6 +68,12 @@ class InputBatch:
             self.add(new)
         for cached in sched.cached_requests:
             self.update(cached)
+        for req_id, drafts in sched.scheduled_spec_tokens.items():
+            # inputs after the last token, for this step only: the next message's new tokens
+            # (what was accepted) overwrite them
+            row = self.index[req_id]
+            n = int(self.num_tokens[row])
+            self.token_ids[row, n : n + len(drafts)] = drafts
 
     def add(self, new: NewRequestData) -> None:
         if new.req_id in self.index:

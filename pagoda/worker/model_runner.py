@@ -10,6 +10,7 @@ requests that asked for prompt logprobs.
 from __future__ import annotations
 
 import logging
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
@@ -19,7 +20,11 @@ from pagoda.forward_context import AttentionMetadata, set_attention_metadata
 from pagoda.layers.sampler import Sampler, SamplingMetadata
 from pagoda.outputs import ModelRunnerOutput, TokenLogprobs
 from pagoda.worker.compiled import compiled_forward
+from pagoda.spec_decode.ngram import propose_ngram
 from pagoda.worker.input_batch import InputBatch
+
+if TYPE_CHECKING:
+    from pagoda.config import SpeculativeConfig
 
 logger = logging.getLogger(__name__)
 
@@ -45,7 +50,7 @@ class ModelRunner:
     def __init__(self, model: torch.nn.Module, kv_cache: torch.Tensor, block_size: int, device: torch.device,
                  max_model_len: int, generator: torch.Generator | None = None, compile: bool = False,
                  deterministic: bool = False, short_chunk: int = DEFAULT_SHORT_CHUNK,
-                 is_driver: bool = True) -> None:
+                 is_driver: bool = True, speculative: SpeculativeConfig | None = None) -> None:
         """``deterministic`` (EngineConfig.deterministic): batch-invariant inference, see
         ``_decode_like`` and ``execute``. ``is_driver``: this rank samples and reports (rank 0);
         the others only run the model."""
@@ -62,6 +67,7 @@ class ModelRunner:
         self.device = device
         self.short_chunk = short_chunk
         self.is_driver = is_driver
+        self.speculative = speculative
         self.vocab_size = model.config.vocab_size
         self.sampler = Sampler(generator)
         self.batch = InputBatch(max_model_len, block_size)
@@ -113,7 +119,7 @@ class ModelRunner:
             return out
         lay = self._layout(sched)
         input_ids, positions, meta = self._prepare(lay)
-        sample_idx, prompt_rows = self._logit_rows(lay)
+        sample_idx, verify_idx, prompt_rows = self._logit_rows(lay, sched)
         # the kernels' batch-invariant switch, set for each step (another engine may share the process)
         with self.backend.batch_invariant(self.deterministic):
             with set_attention_metadata(meta):
@@ -123,21 +129,63 @@ class ModelRunner:
                 logits = self.model.compute_logits(hidden[flat])
                 if self.is_driver:
                     self._sample(logits.float().cpu(), [lay.req_ids[i] for i in sample_idx], sched, out)
+            if verify_idx:
+                self._verify(hidden, lay, verify_idx, sched, out)
             for rid, rows, targets, k in prompt_rows:
                 logits = self.model.compute_logits(hidden[rows])
                 if self.is_driver:
                     out.prompt_logprobs[rid] = _prompt_logprobs(logits.float().cpu(), targets, k)
+        if self.speculative is not None and self.is_driver:
+            self._propose(out)
         return out
 
-    def _logit_rows(self, lay: _Layout):
-        """Which requests sample (they complete their tokens this step), and which flat rows need
-        logits for prompt logprobs."""
+    # -- speculative decoding ---------------------------------------------------------------
+    def _verify(self, hidden: torch.Tensor, lay: _Layout, verify_idx: list[int], sched: SchedulerOutput,
+                out: ModelRunnerOutput) -> None:
+        """Greedy verification: the target's choice at the last token and after each draft, in
+        one pass; drafts are accepted while they equal the target's choice, and the target's
+        choice after the last accepted one ends the run (so at least one token per step, and
+        exactly the tokens decoding one at a time would give)."""
+        rows = [r for i in verify_idx for r in range(int(lay.offsets[i]), int(lay.offsets[i] + lay.counts[i]))]
+        choices = self.model.compute_logits(hidden[rows]).argmax(dim=-1).tolist()
+        if not self.is_driver:
+            return
+        at = 0
+        for i in verify_idx:
+            rid, n = lay.req_ids[i], int(lay.counts[i])
+            drafts, targets = sched.scheduled_spec_tokens[rid], choices[at : at + n]
+            at += n
+            accepted = 0
+            while accepted < len(drafts) and drafts[accepted] == targets[accepted]:
+                accepted += 1
+            out.sampled_token_ids[rid] = targets[: accepted + 1]
+
+    def _propose(self, out: ModelRunnerOutput) -> None:
+        """Drafts for the next step (n-gram prompt lookup), for the requests whose tokens greedy
+        verification reproduces exactly; the others decode one token a step."""
+        spec, b = self.speculative, self.batch
+        for rid, tokens in out.sampled_token_ids.items():
+            state = b.states[rid]
+            row = b.index[rid]
+            if not _speculates(state.sampling_params, int(b.num_tokens[row] - b.num_prompt[row]) + len(tokens)):
+                continue
+            history = np.concatenate([b.token_ids[row, : b.num_tokens[row]], np.asarray(tokens, dtype=np.int64)])
+            drafts = propose_ngram(history, spec.num_speculative_tokens, spec.prompt_lookup_min, spec.prompt_lookup_max)
+            if drafts:
+                out.spec_token_ids[rid] = drafts
+
+    def _logit_rows(self, lay: _Layout, sched: SchedulerOutput):
+        """Which requests sample (they complete their tokens this step), which verify drafts
+        (every row of theirs), and which flat rows need logits for prompt logprobs."""
         b = self.batch
         sample_idx: list[int] = []
+        verify_idx: list[int] = []
         prompt_rows = []
         for i, rid in enumerate(lay.req_ids):
             row, start, n, offset = int(lay.rows[i]), int(lay.starts[i]), int(lay.counts[i]), int(lay.offsets[i])
-            if start + n == b.num_tokens[row]:
+            if rid in sched.scheduled_spec_tokens:
+                verify_idx.append(i)
+            elif start + n == b.num_tokens[row]:
                 sample_idx.append(i)
             state = b.states[rid]
             k = state.sampling_params.prompt_logprobs
@@ -148,14 +196,14 @@ class ModelRunner:
                     rows = list(range(offset + begin - start, offset + end - start))
                     prompt_rows.append((rid, rows, b.token_ids[row, begin + 1 : end + 1].tolist(), k))
                     state.num_prompt_logprobs_done = end
-        return sample_idx, prompt_rows
+        return sample_idx, verify_idx, prompt_rows
 
     def _sample(self, logits: torch.Tensor, req_ids: list[str], sched: SchedulerOutput,
                 out: ModelRunnerOutput) -> None:
         md = self.sampling_metadata(req_ids, sched)
         result = self.sampler(logits, md)
         tokens = result.token_ids.tolist()
-        out.sampled_token_ids.update(zip(req_ids, tokens))
+        out.sampled_token_ids.update((rid, [token]) for rid, token in zip(req_ids, tokens))
         if result.logprobs is not None:
             ids, lps, ranks = result.logprob_token_ids.tolist(), result.logprobs.tolist(), result.sampled_ranks.tolist()
             for i, rid in enumerate(req_ids):
@@ -215,6 +263,15 @@ class ModelRunner:
         for dst, src in rows:
             mask[dst] = sched.grammar_bitmask[src]
         md.token_bitmask, md.bitmask_rows = mask, [dst for dst, _ in rows]
+
+
+def _speculates(params, num_output: int) -> bool:
+    """Whether greedy verification reproduces this request's sampling exactly: greedy, nothing that
+    changes the logits (penalties, bias, grammar, min_tokens still banning stop tokens), and no
+    logprobs asked for (the verify pass does not compute them)."""
+    return (params.greedy and not params.needs_penalties and not params.logit_bias
+            and params.structured_outputs is None and params.logprobs is None and params.prompt_logprobs is None
+            and num_output >= params.min_tokens)
 
 
 def _prompt_logprobs(logits: torch.Tensor, targets: list[int], k: int) -> list[TokenLogprobs]:

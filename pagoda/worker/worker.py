@@ -109,7 +109,7 @@ class Worker:
         self.runner = ModelRunner(
             self.model, self.kv_cache, cc.block_size, self.device, max_model_len, generator,
             compile=self.config.compile, deterministic=self.config.deterministic,
-            short_chunk=self.config.scheduler.short_chunk_tokens,
+            short_chunk=self.config.scheduler.short_chunk_tokens, speculative=self.config.speculative,
             is_driver=self.tp.is_driver,
         )
 

@@ -29,7 +29,7 @@ def fake_step(sched: Scheduler, trace: list | None = None):
         r = sched.requests[rid]
         assert r.num_computed_tokens + n <= r.num_tokens
         if r.num_computed_tokens + n == r.num_tokens:
-            sampled[r.request_id] = 7
+            sampled[r.request_id] = [7]
     if trace is not None:
         trace.append(out)
     return out, sched.update(out, ModelRunnerOutput(sampled_token_ids=sampled))
@@ -264,7 +264,7 @@ def test_a_request_waits_for_its_grammar_without_holding_up_others():
     constrained.grammar.fill_bitmask(bitmask, 0)
     allowed = [t for t in range(len(vocab)) if (int(bitmask[0, t // 32]) >> (t % 32)) & 1]
     assert allowed == [8]
-    sched.update(SchedulerOutput(num_scheduled_tokens={"constrained": 1}), ModelRunnerOutput({"constrained": 8}))
+    sched.update(SchedulerOutput(num_scheduled_tokens={"constrained": 1}), ModelRunnerOutput({"constrained": [8]}))
     assert constrained.status == RequestStatus.FINISHED_STOPPED
 
 

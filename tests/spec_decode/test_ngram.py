@@ -1,0 +1,145 @@
+"""Speculative decoding with n-gram drafts: greedy output equals decoding without it, token for
+token, alone or batched with requests that do not speculate, through chunked prefill, preemption,
+prefix-cache hits, stop conditions inside an accepted run and n > 1; blocks are never leaked."""
+
+from __future__ import annotations
+
+import random
+
+import numpy as np
+import pytest
+
+from pagoda import LLM, SamplingParams
+from pagoda.spec_decode.ngram import propose_ngram
+
+SPEC = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 2, "prompt_lookup_max": 4}
+REPETITIVE = ["def main():\n    print('hello world')\n    return 0\n" * 3, "the quick brown fox " * 8,
+              "a b c d e f g a b c d", "once upon a time there was a time upon once"]
+
+
+def test_propose_ngram_takes_the_latest_longest_match():
+    tokens = np.array([1, 2, 3, 4, 5, 9, 1, 2, 3])
+    assert propose_ngram(tokens, 3, 2, 4) == [4, 5, 9]  # "1 2 3" recurs: what followed it
+    assert propose_ngram(np.array([5, 6, 1, 2, 7, 1, 2, 8, 1, 2]), 2, 2, 2) == [8, 1]  # the latest one
+    assert propose_ngram(np.array([1, 2, 3]), 3, 2, 4) == []  # nothing recurs
+    assert propose_ngram(np.array([7, 8, 7, 8]), 5, 1, 3) == [7, 8]  # only what exists after the match
+
+
+@pytest.fixture(scope="module")
+def engines(tiny_llama):
+    """The same small engine with and without speculation; deterministic (batch-invariant), so
+    that a different batch composition cannot move a near-tie."""
+    args = dict(dtype="float32", kv_cache_memory=0.001, max_num_batched_tokens=48, deterministic=True)
+    return LLM(str(tiny_llama), **args), LLM(str(tiny_llama), speculative_config=SPEC, **args)
+
+
+def _tokens(llm: LLM, prompts, params) -> list[list[int]]:
+    return [[c.token_ids for c in o.outputs] for o in llm.generate(prompts, params, use_tqdm=False)]
+
+
+def test_greedy_output_is_unchanged_and_drafts_are_accepted(engines):
+    plain, spec = engines
+    params = SamplingParams(max_tokens=48, temperature=0.0, ignore_eos=True)
+    want = _tokens(plain, REPETITIVE, params)
+    before = spec.engine.stats()
+    steps = spec.engine.core.num_steps
+    assert _tokens(spec, REPETITIVE[:1], params) == want[:1]  # alone
+    alone_steps = spec.engine.core.num_steps - steps
+    assert alone_steps < 48  # accepted drafts: fewer steps than tokens
+    assert _tokens(spec, REPETITIVE, params) == want  # batched
+    stats = spec.engine.stats()
+    assert stats["spec_accepted_tokens"] > before["spec_accepted_tokens"]
+    assert 0 < stats["spec_accepted_tokens"] <= stats["spec_draft_tokens"]
+
+
+def test_mixed_batch_with_requests_that_do_not_speculate(engines):
+    """Seeded sampling, logprobs, penalties and min_tokens do not speculate; they share the batch
+    with greedy requests that do, and every request gets what it gets without speculation."""
+    plain, spec = engines
+    prompts = REPETITIVE * 2
+    params = [SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True),
+              SamplingParams(max_tokens=24, temperature=0.8, seed=3, ignore_eos=True),
+              SamplingParams(max_tokens=24, temperature=0.0, logprobs=2, ignore_eos=True),
+              SamplingParams(max_tokens=24, temperature=0.0, repetition_penalty=1.3, min_tokens=5)] * 2
+    assert _tokens(spec, prompts, params) == _tokens(plain, prompts, params)
+
+
+def test_stops_inside_an_accepted_run(engines):
+    plain, spec = engines
+    base = SamplingParams(max_tokens=48, temperature=0.0, ignore_eos=True)
+    free = _tokens(plain, REPETITIVE[:2], base)
+    for i, prompt in enumerate(REPETITIVE[:2]):
+        tokens = free[i][0]
+        stop_id = tokens[17]
+        for params in (SamplingParams(max_tokens=13, temperature=0.0, ignore_eos=True),  # lands inside a run
+                       SamplingParams(max_tokens=48, temperature=0.0, ignore_eos=True, stop_token_ids=[stop_id])):
+            want = _tokens(plain, [prompt], params)
+            got = _tokens(spec, [prompt], params)
+            assert got == want
+        assert len(_tokens(spec, [prompt], SamplingParams(max_tokens=13, temperature=0.0, ignore_eos=True))[0][0]) == 13
+
+
+def test_a_stop_string_inside_an_accepted_run(engines):
+    plain, spec = engines
+    text = plain.generate(REPETITIVE[:1], SamplingParams(max_tokens=48, temperature=0.0, ignore_eos=True),
+                          use_tqdm=False)[0].outputs[0].text
+    stop = text[len(text) // 2 : len(text) // 2 + 3]
+    params = SamplingParams(max_tokens=48, temperature=0.0, ignore_eos=True, stop=[stop])
+    want = plain.generate(REPETITIVE[:1], params, use_tqdm=False)[0].outputs[0]
+    got = spec.generate(REPETITIVE[:1], params, use_tqdm=False)[0].outputs[0]
+    assert (got.text, got.finish_reason, got.stop_reason) == (want.text, "stop", stop)
+
+
+def test_n_greater_than_one_and_prefix_cache_hits(engines):
+    plain, spec = engines
+    params = SamplingParams(n=3, max_tokens=20, temperature=0.0, ignore_eos=True)
+    want = _tokens(plain, REPETITIVE[:2], params)
+    assert _tokens(spec, REPETITIVE[:2], params) == want
+    assert _tokens(spec, REPETITIVE[:2], params) == want  # again: the prompts come from the prefix cache
+
+
+def test_no_block_is_leaked_after_many_random_requests(tiny_llama):
+    """Preemption (a tiny cache), chunked prefill, aborts of nothing, drafts accepted and rejected:
+    every block comes back."""
+    llm = LLM(str(tiny_llama), dtype="float32", kv_cache_memory=0.00012, max_num_batched_tokens=32,
+              speculative_config=SPEC)
+    rng = random.Random(0)
+    words = ["the", "quick", "brown", "fox", "a", "b", "c", "hello", "world"]
+    prompts = [" ".join(rng.choice(words[: rng.randint(2, 9)]) for _ in range(rng.randint(2, 40))) for _ in range(200)]
+    params = [SamplingParams(max_tokens=rng.randint(1, 30), temperature=0.0, ignore_eos=True) for _ in prompts]
+    outs = llm.generate(prompts, params, use_tqdm=False)
+    assert [len(o.outputs[0].token_ids) for o in outs] == [p.max_tokens for p in params]
+    core = llm.engine.core
+    assert core.scheduler.num_preemptions_total > 0 and core.scheduler.num_accepted_tokens > 0
+    assert core.kv_manager.usage() == 0.0
+
+
+@pytest.mark.parametrize("config,field", [
+    ({"method": "ngram", "num_speculative_tokens": 6}, "num_speculative_tokens"),
+    ({"method": "ngram", "num_speculative_tokens": 0}, "num_speculative_tokens"),
+    ({"method": "eagle"}, "method"),
+    ({"method": "ngram", "prompt_lookup_min": 3, "prompt_lookup_max": 2}, "prompt_lookup_min"),
+    ('{"method": ', "JSON"),
+])
+def test_bad_speculative_config_names_the_field(tiny_llama, config, field):
+    with pytest.raises(ValueError, match=field):
+        LLM(str(tiny_llama), dtype="float32", kv_cache_memory=0.01, speculative_config=config)
+
+
+def test_server_with_speculation_reports_acceptance_in_metrics(tiny_llama):
+    import httpx
+    from pagoda.bench.servers import scrape_metrics
+    from server_process import start_server
+
+    proc, base = start_server(tiny_llama, "--speculative-config", '{"method": "ngram", "num_speculative_tokens": 3}')
+    try:
+        body = {"model": "tiny", "prompt": REPETITIVE[1], "max_tokens": 32, "temperature": 0, "ignore_eos": True}
+        response = httpx.post(f"{base}/v1/completions", json=body, timeout=60)
+        assert response.status_code == 200 and response.json()["usage"]["completion_tokens"] == 32
+        metrics = scrape_metrics(base)
+        drafts, accepted = (metrics["pagoda:spec_decode_num_draft_tokens_total"],
+                            metrics["pagoda:spec_decode_num_accepted_tokens_total"])
+        assert 0 < accepted <= drafts
+    finally:
+        proc.kill()
+        proc.wait(timeout=30)
