@@ -101,6 +101,20 @@ class TensorParallelGroup:
         self.control.allgather([parts], [padded]).wait()
         return [pickle.loads(part[: int(size)].numpy().tobytes()) for part, size in zip(parts, sizes)]
 
+    def close(self, wait_for_ranks: bool) -> None:
+        """Leave the group. ``wait_for_ranks``: first meet every rank on the control channel (for
+        up to 10 s), so that no rank tears its connections down while another still uses them.
+        The c10d objects are released here rather than at interpreter exit, where destroying
+        them with a peer's threads still live could abort the process."""
+        if self.world_size == 1:
+            return
+        if wait_for_ranks:
+            with contextlib.suppress(RuntimeError):
+                self.control.allreduce([torch.zeros(1)]).wait(datetime.timedelta(seconds=10))
+        if self.shm is not None:
+            self.shm.close()
+        self.backend = self.control = self.store = self.shm = None
+
     def wait_for_all(self) -> None:
         """Return once every rank got here (on the control channel: no timeout)."""
         if self.world_size > 1:

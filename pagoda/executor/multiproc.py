@@ -110,13 +110,14 @@ class MultiprocExecutor(Executor):
         if self._closing:
             return
         self._closing = True
-        if self.dead is None:
+        orderly = self.dead is None
+        if orderly:
             with contextlib.suppress(Exception):
-                self.driver_worker.tp.broadcast_object(("shutdown", (), False))
+                self.driver_worker.tp.broadcast_object(("shutdown", (True,), False))
+        self.driver_worker.shutdown(wait_for_ranks=orderly)
         for proc in self.procs:
             proc.join(timeout=5)
         self._kill_workers()
-        self.driver_worker.shutdown()
 
     def _kill_workers(self) -> None:
         _kill_processes(self.procs)

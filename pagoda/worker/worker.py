@@ -125,11 +125,12 @@ class Worker:
         return {"rank": self.rank, "pid": os.getpid(), "weight_bytes": weights,
                 "weights_rss_bytes": self.weights_rss_bytes, "rss_bytes": resident_memory_bytes()}
 
-    def shutdown(self) -> None:
+    def shutdown(self, wait_for_ranks: bool = False) -> None:
+        """Release the cache and leave the tensor-parallel group (``wait_for_ranks``: every rank
+        is shutting down too, so meet them first; see TensorParallelGroup.close)."""
         self.runner = None
         self.kv_cache = None
-        if self.tp.shm is not None:
-            self.tp.shm.close()
+        self.tp.close(wait_for_ranks)
 
 
 def _shared_memory_bytes(config: EngineConfig) -> int:
