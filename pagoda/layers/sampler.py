@@ -85,18 +85,16 @@ class Sampler:
         return logits
 
     def _sample_random(self, logits: torch.Tensor, md: SamplingMetadata) -> torch.Tensor:
-        temperature = torch.where(md.greedy, torch.ones_like(md.temperature), md.temperature)
-        logits = logits / temperature.unsqueeze(1)
-        logits = apply_top_k_top_p(logits, md.top_k, md.top_p)
-        probs = torch.softmax(logits, dim=-1)
-        if md.min_p is not None:
-            threshold = probs.amax(dim=-1, keepdim=True) * md.min_p.unsqueeze(1)
-            probs = probs.masked_fill(probs < threshold, 0.0)
+        probs = sampling_probabilities(logits, md)
         q = torch.empty_like(probs)
         q.exponential_(generator=self.generator)
         for row, gen in md.generators.items():
             q[row].exponential_(generator=gen)
         return (probs / q).argmax(dim=-1)
+
+    def processed_logits(self, logits: torch.Tensor, md: SamplingMetadata) -> torch.Tensor:
+        """The logits the tokens are drawn from: bias, masks and penalties applied."""
+        return apply_penalties(self._apply_masks_and_bias(logits.float(), md), md)
 
     @staticmethod
     def _gather_logprobs(raw: torch.Tensor, tokens: torch.Tensor, k: int, out: SamplerOutput) -> None:
@@ -108,6 +106,19 @@ class Sampler:
             out.logprob_token_ids = torch.cat([tokens.unsqueeze(1), top_ids], dim=1)
         else:
             out.logprobs, out.logprob_token_ids = chosen, tokens.unsqueeze(1)
+
+
+def sampling_probabilities(logits: torch.Tensor, md: SamplingMetadata) -> torch.Tensor:
+    """Each random row's distribution after temperature, top-k, top-p and min-p (rows sum to 1
+    but for min-p's cut; greedy rows at temperature 1)."""
+    temperature = torch.where(md.greedy, torch.ones_like(md.temperature), md.temperature)
+    logits = logits / temperature.unsqueeze(1)
+    logits = apply_top_k_top_p(logits, md.top_k, md.top_p)
+    probs = torch.softmax(logits, dim=-1)
+    if md.min_p is not None:
+        threshold = probs.amax(dim=-1, keepdim=True) * md.min_p.unsqueeze(1)
+        probs = probs.masked_fill(probs < threshold, 0.0)
+    return probs
 
 
 def _token_mask(tokens: torch.Tensor, vocab: int) -> torch.Tensor:

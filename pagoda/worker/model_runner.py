@@ -17,7 +17,7 @@ import torch
 
 from pagoda.core.scheduler_output import SchedulerOutput
 from pagoda.forward_context import AttentionMetadata, set_attention_metadata
-from pagoda.layers.sampler import Sampler, SamplingMetadata
+from pagoda.layers.sampler import Sampler, SamplingMetadata, sampling_probabilities
 from pagoda.outputs import ModelRunnerOutput, TokenLogprobs
 from pagoda.worker.compiled import compiled_forward
 from pagoda.spec_decode.ngram import propose_ngram
@@ -142,23 +142,34 @@ class ModelRunner:
     # -- speculative decoding ---------------------------------------------------------------
     def _verify(self, hidden: torch.Tensor, lay: _Layout, verify_idx: list[int], sched: SchedulerOutput,
                 out: ModelRunnerOutput) -> None:
-        """Greedy verification: the target's choice at the last token and after each draft, in
-        one pass; drafts are accepted while they equal the target's choice, and the target's
-        choice after the last accepted one ends the run (so at least one token per step, and
-        exactly the tokens decoding one at a time would give)."""
+        """Verify every request's drafts in one pass: the target's distribution at the last token
+        and after each draft, with the request's own sampling parameters applied. A greedy
+        request accepts drafts while they equal the target's choice; a sampling one by rejection
+        sampling (``_accept_by_rejection``). Either way the run ends with a token of the target's
+        own, so a step gives at least one token."""
         rows = [r for i in verify_idx for r in range(int(lay.offsets[i]), int(lay.offsets[i] + lay.counts[i]))]
-        choices = self.model.compute_logits(hidden[rows]).argmax(dim=-1).tolist()
+        logits = self.model.compute_logits(hidden[rows])
         if not self.is_driver:
             return
+        owners = [lay.req_ids[i] for i in verify_idx for _ in range(int(lay.counts[i]))]
+        md = self.sampling_metadata(owners, sched)  # each row: its request's parameters
+        processed = self.sampler.processed_logits(logits.float().cpu(), md)
+        choices = processed.argmax(dim=-1).tolist()
+        probs = None if md.all_greedy else sampling_probabilities(processed, md)
         at = 0
         for i in verify_idx:
             rid, n = lay.req_ids[i], int(lay.counts[i])
-            drafts, targets = sched.scheduled_spec_tokens[rid], choices[at : at + n]
+            drafts = sched.scheduled_spec_tokens[rid]
+            if md.greedy[at]:
+                targets = choices[at : at + n]
+                accepted = 0
+                while accepted < len(drafts) and drafts[accepted] == targets[accepted]:
+                    accepted += 1
+                out.sampled_token_ids[rid] = targets[: accepted + 1]
+            else:
+                generator = self.batch.states[rid].generator or self.sampler.generator
+                out.sampled_token_ids[rid] = _accept_by_rejection(probs[at : at + n], drafts, generator)
             at += n
-            accepted = 0
-            while accepted < len(drafts) and drafts[accepted] == targets[accepted]:
-                accepted += 1
-            out.sampled_token_ids[rid] = targets[: accepted + 1]
 
     def _propose(self, out: ModelRunnerOutput) -> None:
         """Drafts for the next step (n-gram prompt lookup), for the requests whose tokens greedy
@@ -266,12 +277,36 @@ class ModelRunner:
 
 
 def _speculates(params, num_output: int) -> bool:
-    """Whether greedy verification reproduces this request's sampling exactly: greedy, nothing that
-    changes the logits (penalties, bias, grammar, min_tokens still banning stop tokens), and no
-    logprobs asked for (the verify pass does not compute them)."""
-    return (params.greedy and not params.needs_penalties and not params.logit_bias
-            and params.structured_outputs is None and params.logprobs is None and params.prompt_logprobs is None
-            and num_output >= params.min_tokens)
+    """Whether verification reproduces this request's sampling exactly (greedy) or in
+    distribution (sampling): nothing that depends on the tokens before a row (penalties, grammar,
+    min_tokens still banning stop tokens) or that the verify pass does not compute (logprobs)."""
+    return (not params.needs_penalties and not params.logit_bias and params.structured_outputs is None
+            and params.logprobs is None and params.prompt_logprobs is None and num_output >= params.min_tokens)
+
+
+def _accept_by_rejection(probs: torch.Tensor, drafts: list[int], generator: torch.Generator | None) -> list[int]:
+    """Speculative sampling (Leviathan et al., Chen et al.) for a draft that is one token, not a
+    distribution (prompt lookup): draft d is accepted with probability p(d), the target's; on
+    rejection the token comes from p without d, renormalized, which is max(0, p - q) for q the
+    point mass on d. The tokens so produced follow the target's distribution exactly. After the
+    last accepted draft, one token is drawn from the target's next distribution. ``probs``:
+    [len(drafts) + 1, vocab]."""
+    tokens: list[int] = []
+    for j, draft in enumerate(drafts):
+        p = probs[j]
+        if torch.rand((), generator=generator) * p.sum() < p[draft]:
+            tokens.append(draft)
+            continue
+        residual = p.clone()
+        residual[draft] = 0.0
+        return tokens + [_draw(residual, generator)]
+    return tokens + [_draw(probs[len(drafts)], generator)]
+
+
+def _draw(weights: torch.Tensor, generator: torch.Generator | None) -> int:
+    """A token with probability proportional to ``weights`` (the sampler's exponential trick)."""
+    q = torch.empty_like(weights).exponential_(generator=generator)
+    return int((weights / q).argmax())
 
 
 def _prompt_logprobs(logits: torch.Tensor, targets: list[int], k: int) -> list[TokenLogprobs]:

@@ -53,15 +53,43 @@ def test_greedy_output_is_unchanged_and_drafts_are_accepted(engines):
 
 
 def test_mixed_batch_with_requests_that_do_not_speculate(engines):
-    """Seeded sampling, logprobs, penalties and min_tokens do not speculate; they share the batch
-    with greedy requests that do, and every request gets what it gets without speculation."""
+    """Logprobs, penalties and min_tokens do not speculate; they share the batch with greedy
+    requests that do, and every request gets what it gets without speculation."""
     plain, spec = engines
     prompts = REPETITIVE * 2
     params = [SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True),
-              SamplingParams(max_tokens=24, temperature=0.8, seed=3, ignore_eos=True),
+              SamplingParams(max_tokens=24, temperature=0.8, seed=3, ignore_eos=True, presence_penalty=0.5),
               SamplingParams(max_tokens=24, temperature=0.0, logprobs=2, ignore_eos=True),
               SamplingParams(max_tokens=24, temperature=0.0, repetition_penalty=1.3, min_tokens=5)] * 2
     assert _tokens(spec, prompts, params) == _tokens(plain, prompts, params)
+
+
+@pytest.mark.parametrize("sampling", [dict(temperature=0.3, top_k=3), dict(temperature=0.3, top_p=0.9, min_p=0.05)],
+                         ids=["top_k", "top_p_min_p"])
+def test_sampling_with_drafts_keeps_the_target_distribution(tiny_llama, sampling):
+    """Rejection sampling: with drafts accepted and rejected, the tokens at each position follow
+    the distribution they follow without speculation (two samples of 1,200 seeded requests,
+    total variation under 0.1 per position, where sampling noise is ~0.03). The prompt repeats
+    the model's own greedy continuation, so prompt lookup finds drafts the model may choose."""
+    args = dict(dtype="float32", kv_cache_memory=0.05, enable_prefix_caching=False)
+    plain = LLM(str(tiny_llama), **args)
+    base = plain.get_tokenizer().encode(REPETITIVE[1], add_special_tokens=False)
+    greedy = SamplingParams(max_tokens=32, temperature=0.0, ignore_eos=True)
+    continuation = plain.generate([{"prompt_token_ids": base}], greedy, use_tqdm=False)[0].outputs[0].token_ids
+    prompts = [{"prompt_token_ids": base + continuation * 3}] * 1200
+    params = [SamplingParams(max_tokens=4, seed=i, ignore_eos=True, **sampling) for i in range(len(prompts))]
+    spec = LLM(str(tiny_llama), speculative_config={"method": "ngram", "num_speculative_tokens": 3,
+                                                    "prompt_lookup_min": 1, "prompt_lookup_max": 3}, **args)
+    want = np.array([o.outputs[0].token_ids for o in plain.generate(prompts, params, use_tqdm=False)])
+    got = np.array([o.outputs[0].token_ids for o in spec.generate(prompts, params, use_tqdm=False)])
+    stats = spec.engine.stats()
+    accepted, drafted = stats["spec_accepted_tokens"], stats["spec_draft_tokens"]
+    assert accepted >= 30 and drafted - accepted >= 30, (accepted, drafted)  # both ways taken, often
+    for position in range(1, 4):  # the first token comes from the prompt's pass, never a draft
+        tokens = np.union1d(want[:, position], got[:, position])
+        p = np.array([(want[:, position] == t).mean() for t in tokens])
+        q = np.array([(got[:, position] == t).mean() for t in tokens])
+        assert 0.5 * np.abs(p - q).sum() < 0.1, (position, dict(zip(tokens.tolist(), zip(p, q))))
 
 
 def test_stops_inside_an_accepted_run(engines):
