@@ -75,6 +75,7 @@ class ParallelConfig:
 
 
 SPECULATIVE_METHODS = ("ngram",)
+DEFAULT_DISABLE_BY_BATCH_SIZE = 4
 MAX_SPECULATIVE_TOKENS = 5  # the seeds cap a draft at 5 steps: errors accumulate past that
 
 
@@ -88,6 +89,10 @@ class SpeculativeConfig:
     num_speculative_tokens: int = 4
     prompt_lookup_min: int = 2
     prompt_lookup_max: int = 5
+    # No drafts in a step with more running requests than this (vLLM's field): a batch already
+    # shares each weight read, so verify rows cost nearly their full price (measured 1.00x at 4
+    # streams on SmolLM2 fp32, benchmarks/README.md). None: always.
+    disable_by_batch_size: int | None = DEFAULT_DISABLE_BY_BATCH_SIZE
 
     @classmethod
     def parse(cls, value: dict | str | None) -> "SpeculativeConfig | None":
@@ -120,6 +125,9 @@ class SpeculativeConfig:
             raise ValueError(f"speculative_config.num_speculative_tokens must be in [1, {MAX_SPECULATIVE_TOKENS}], got {k!r}")
         if not (isinstance(lo, int) and isinstance(hi, int) and 1 <= lo <= hi):
             raise ValueError(f"speculative_config.prompt_lookup_min/max must be integers with 1 <= min <= max, got {lo!r}, {hi!r}")
+        limit = self.disable_by_batch_size
+        if limit is not None and not (isinstance(limit, int) and limit >= 1):
+            raise ValueError(f"speculative_config.disable_by_batch_size must be an integer >= 1 or null, got {limit!r}")
 
 
 @dataclass(frozen=True)

@@ -86,6 +86,7 @@ class Scheduler:
         max_model_len: int,
         aging_seconds: float = 30.0,
         admission_pressure_threshold: float = 0.9,
+        spec_disable_by_batch_size: int | None = None,
     ) -> None:
         if max_num_seqs < 1:
             raise ValueError(f"max_num_seqs must be >= 1, got {max_num_seqs}")
@@ -97,6 +98,7 @@ class Scheduler:
         self.max_model_len = max_model_len
         self.aging_seconds = aging_seconds
         self.admission_pressure_threshold = admission_pressure_threshold
+        self.spec_disable_by_batch_size = spec_disable_by_batch_size
         self._waiting: list[Request] = []
         self.running: list[Request] = []
         self.requests: dict[str, Request] = {}
@@ -183,6 +185,9 @@ class Scheduler:
         drafts = request.spec_token_ids
         if not drafts or request.num_tokens - request.num_computed_tokens != 1:
             return []
+        limit = self.spec_disable_by_batch_size
+        if limit is not None and len(self.running) > limit:
+            return []  # a big batch: verify rows would cost more than the drafts save
         room = min(budget - 1, self.max_model_len - request.num_tokens)
         max_tokens = request.sampling_params.max_tokens
         if max_tokens is not None:

@@ -85,6 +85,7 @@ class EngineCore:
             self.kv_manager, max_num_seqs=sc.max_num_seqs, max_num_batched_tokens=sc.max_num_batched_tokens,
             max_model_len=self.max_model_len, aging_seconds=sc.aging_seconds,
             admission_pressure_threshold=sc.admission_pressure_threshold,
+            spec_disable_by_batch_size=config.speculative.disable_by_batch_size if config.speculative else None,
         )
         self.num_steps = 0
         self.vocab_size = self.model.config.vocab_size

@@ -135,8 +135,9 @@ class ModelRunner:
                 logits = self.model.compute_logits(hidden[rows])
                 if self.is_driver:
                     out.prompt_logprobs[rid] = _prompt_logprobs(logits.float().cpu(), targets, k)
-        if self.speculative is not None and self.is_driver:
-            self._propose(out)
+        limit = self.speculative.disable_by_batch_size if self.speculative is not None else None
+        if self.speculative is not None and self.is_driver and (limit is None or len(lay.req_ids) <= limit):
+            self._propose(out)  # (the scheduler would not verify drafts in a bigger batch)
         return out
 
     # -- speculative decoding ---------------------------------------------------------------

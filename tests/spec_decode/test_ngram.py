@@ -12,7 +12,9 @@ import pytest
 from pagoda import LLM, SamplingParams
 from pagoda.spec_decode.ngram import propose_ngram
 
-SPEC = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 2, "prompt_lookup_max": 4}
+# always speculate, whatever the batch size (the default turns speculation off above 4 running requests)
+SPEC = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 2, "prompt_lookup_max": 4,
+        "disable_by_batch_size": None}
 REPETITIVE = ["def main():\n    print('hello world')\n    return 0\n" * 3, "the quick brown fox " * 8,
               "a b c d e f g a b c d", "once upon a time there was a time upon once"]
 
@@ -79,7 +81,8 @@ def test_sampling_with_drafts_keeps_the_target_distribution(tiny_llama, sampling
     prompts = [{"prompt_token_ids": base + continuation * 3}] * 1200
     params = [SamplingParams(max_tokens=4, seed=i, ignore_eos=True, **sampling) for i in range(len(prompts))]
     spec = LLM(str(tiny_llama), speculative_config={"method": "ngram", "num_speculative_tokens": 3,
-                                                    "prompt_lookup_min": 1, "prompt_lookup_max": 3}, **args)
+                                                    "prompt_lookup_min": 1, "prompt_lookup_max": 3,
+                                                    "disable_by_batch_size": None}, **args)
     want = np.array([o.outputs[0].token_ids for o in plain.generate(prompts, params, use_tqdm=False)])
     got = np.array([o.outputs[0].token_ids for o in spec.generate(prompts, params, use_tqdm=False)])
     stats = spec.engine.stats()
@@ -142,11 +145,22 @@ def test_no_block_is_leaked_after_many_random_requests(tiny_llama):
     assert core.kv_manager.usage() == 0.0
 
 
+def test_no_drafts_in_batches_above_disable_by_batch_size(tiny_llama):
+    llm = LLM(str(tiny_llama), dtype="float32", kv_cache_memory=0.01,
+              speculative_config={**SPEC, "disable_by_batch_size": 1})
+    params = SamplingParams(max_tokens=32, temperature=0.0, ignore_eos=True)
+    llm.generate(REPETITIVE[:2], params, use_tqdm=False)  # two running: no drafts verified
+    assert llm.engine.stats()["spec_draft_tokens"] == 0
+    llm.generate(REPETITIVE[:1], params, use_tqdm=False)  # one: drafts
+    assert llm.engine.stats()["spec_draft_tokens"] > 0
+
+
 @pytest.mark.parametrize("config,field", [
     ({"method": "ngram", "num_speculative_tokens": 6}, "num_speculative_tokens"),
     ({"method": "ngram", "num_speculative_tokens": 0}, "num_speculative_tokens"),
     ({"method": "eagle"}, "method"),
     ({"method": "ngram", "prompt_lookup_min": 3, "prompt_lookup_max": 2}, "prompt_lookup_min"),
+    ({"method": "ngram", "disable_by_batch_size": 0}, "disable_by_batch_size"),
     ('{"method": ', "JSON"),
 ])
 def test_bad_speculative_config_names_the_field(tiny_llama, config, field):
