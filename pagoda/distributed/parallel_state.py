@@ -124,17 +124,28 @@ class TensorParallelGroup:
 SINGLE = TensorParallelGroup()
 
 
+def serve_rendezvous(master_addr: str, master_port: int | None, world_size: int, timeout_seconds: float):
+    """Rank 0's rendezvous store, listening before any other rank starts: on ``master_port``, or
+    on a port the kernel picks (``store.port``), so no other process can take it in between."""
+    import torch.distributed as dist
+
+    return dist.TCPStore(master_addr, master_port or 0, world_size, True,
+                         timeout=datetime.timedelta(seconds=timeout_seconds), wait_for_workers=False)
+
+
 def init_tensor_parallel(rank: int, world_size: int, master_addr: str, master_port: int, device: torch.device,
-                         timeout_seconds: float, shared_memory_bytes: int = 0) -> TensorParallelGroup:
-    """Join the group: rank 0 serves the rendezvous store at master_addr:master_port.
-    ``shared_memory_bytes`` > 0 (every rank on this machine, CPU): the largest tensor the
-    shared-memory collectives carry; larger ones go through gloo."""
+                         timeout_seconds: float, shared_memory_bytes: int = 0, store=None) -> TensorParallelGroup:
+    """Join the group: rank 0 serves the rendezvous store at master_addr:master_port (``store``:
+    one it already serves, see ``serve_rendezvous``). ``shared_memory_bytes`` > 0 (every rank on
+    this machine, CPU): the largest tensor the shared-memory collectives carry; larger ones go
+    through gloo."""
     import torch.distributed as dist
 
     if world_size == 1:
         return SINGLE
     timeout = datetime.timedelta(seconds=timeout_seconds)
-    store = dist.TCPStore(master_addr, master_port, world_size, rank == 0, timeout=timeout, wait_for_workers=True)
+    if store is None:
+        store = dist.TCPStore(master_addr, master_port, world_size, rank == 0, timeout=timeout, wait_for_workers=True)
     prefixed = dist.PrefixStore("pagoda-tp", store)
     if device.type == "cuda":
         backend = dist.ProcessGroupNCCL(prefixed, rank, world_size)

@@ -30,6 +30,7 @@ from typing import Any
 import torch
 
 from pagoda.config import EngineConfig
+from pagoda.distributed.parallel_state import serve_rendezvous
 from pagoda.executor.base import WorkerFailedError, Executor
 from pagoda.worker.worker import Worker, cpu_share
 
@@ -55,7 +56,8 @@ class MultiprocExecutor(Executor):
         if pc.node_rank != 0:
             raise ValueError("the engine runs on node 0; other nodes run their ranks with run_headless")
         self.master_addr = pc.master_addr
-        self.master_port = pc.master_port or free_port(self.master_addr)
+        store = serve_rendezvous(self.master_addr, pc.master_port, pc.world_size, pc.timeout_seconds)
+        self.master_port = store.port
         self.dead: WorkerFailedError | None = None
         self._closing = False
         ranks = local_ranks(config)
@@ -64,10 +66,11 @@ class MultiprocExecutor(Executor):
         self._monitor.start()
         _use_cores(config, 0, len(ranks), pin=False)
         try:
-            self.driver_worker = Worker(config, 0, self.master_addr, self.master_port)
+            self.driver_worker = Worker(config, 0, self.master_addr, self.master_port, store)
         except BaseException as e:
+            died_first = self.dead  # a worker's death caused this; else ours caused theirs
             self._kill_workers()
-            raise self.dead or e from None
+            raise died_first or e from None
         # Garbage-collected or at exit without shutdown(): the workers still go.
         weakref.finalize(self, _kill_processes, self.procs)
         _live.add(self)
