@@ -13,7 +13,9 @@ import datetime
 import logging
 import os
 import pickle
+import time
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -130,28 +132,33 @@ def serve_rendezvous(master_addr: str, master_port: int | None, world_size: int,
     import torch.distributed as dist
 
     return dist.TCPStore(master_addr, master_port or 0, world_size, True,
-                         timeout=datetime.timedelta(seconds=timeout_seconds), wait_for_workers=False)
+                         timeout=_start_up_timeout(timeout_seconds), wait_for_workers=False)
 
 
 def init_tensor_parallel(rank: int, world_size: int, master_addr: str, master_port: int, device: torch.device,
-                         timeout_seconds: float, shared_memory_bytes: int = 0, store=None) -> TensorParallelGroup:
+                         timeout_seconds: float, shared_memory_bytes: int = 0, store=None,
+                         gone: Callable[[], str | None] = lambda: None) -> TensorParallelGroup:
     """Join the group: rank 0 serves the rendezvous store at master_addr:master_port (``store``:
     one it already serves, see ``serve_rendezvous``). ``shared_memory_bytes`` > 0 (every rank on
     this machine, CPU): the largest tensor the shared-memory collectives carry; larger ones go
-    through gloo."""
+    through gloo. ``gone``: why the start must stop (a rank died), or None."""
     import torch.distributed as dist
 
     if world_size == 1:
         return SINGLE
     timeout = datetime.timedelta(seconds=timeout_seconds)
     if store is None:
-        store = dist.TCPStore(master_addr, master_port, world_size, rank == 0, timeout=timeout, wait_for_workers=True)
+        store = dist.TCPStore(master_addr, master_port, world_size, rank == 0, timeout=_start_up_timeout(timeout_seconds),
+                              wait_for_workers=True)
+    # Creating a group waits for every rank under the group's own timeout: meet them first, with
+    # the start-up timeout and an eye on ranks that die meanwhile.
+    _await_ranks(store, world_size, _start_up_timeout(timeout_seconds).total_seconds(), gone)
+    control = dist.ProcessGroupGloo(dist.PrefixStore("pagoda-control", store), rank, world_size, _FOREVER)
     prefixed = dist.PrefixStore("pagoda-tp", store)
     if device.type == "cuda":
         backend = dist.ProcessGroupNCCL(prefixed, rank, world_size)
     else:
         backend = dist.ProcessGroupGloo(prefixed, rank, world_size, timeout)
-    control = dist.ProcessGroupGloo(dist.PrefixStore("pagoda-control", store), rank, world_size, _FOREVER)
     shm = _join_shared_memory(store, rank, world_size, shared_memory_bytes, timeout_seconds) \
         if shared_memory_bytes > 0 and device.type == "cpu" and shm_supported() else None
     logger.info("tensor-parallel rank %d of %d joined (%s%s)", rank, world_size, type(backend).__name__,
@@ -170,6 +177,27 @@ def _join_shared_memory(store, rank: int, world_size: int, max_bytes: int, timeo
 
 
 _FOREVER = datetime.timedelta(days=365)
+# Ranks start at their own pace (spawn, import torch, build or load the kernels): the rendezvous
+# waits this long whatever --distributed-timeout-seconds says of the collectives (a 3 s collective
+# timeout once failed a start on a loaded machine).
+START_UP_SECONDS = 600.0
+
+
+def _await_ranks(store, world_size: int, timeout_seconds: float, gone: Callable[[], str | None]) -> None:
+    """Until every rank has checked in at the store (a Python loop, so a dead rank can stop it)."""
+    arrived, deadline = store.add("pagoda-arrived", 1), time.monotonic() + timeout_seconds
+    while arrived < world_size:
+        reason = gone()
+        if reason is not None:
+            raise RuntimeError(f"tensor-parallel start-up stopped: {reason}")
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"tensor-parallel start-up: {arrived} of {world_size} ranks arrived in {timeout_seconds:g}s")
+        time.sleep(0.05)
+        arrived = store.add("pagoda-arrived", 0)
+
+
+def _start_up_timeout(timeout_seconds: float) -> datetime.timedelta:
+    return datetime.timedelta(seconds=max(timeout_seconds, START_UP_SECONDS))
 
 
 _building: Scoped[TensorParallelGroup] = Scoped("pagoda_tp_group", SINGLE)

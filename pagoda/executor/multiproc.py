@@ -66,7 +66,8 @@ class MultiprocExecutor(Executor):
         self._monitor.start()
         _use_cores(config, 0, len(ranks), pin=False)
         try:
-            self.driver_worker = Worker(config, 0, self.master_addr, self.master_port, store)
+            self.driver_worker = Worker(config, 0, self.master_addr, self.master_port, store,
+                                        gone=lambda: None if self.dead is None else str(self.dead))
         except BaseException as e:
             died_first = self.dead  # a worker's death caused this; else ours caused theirs
             self._kill_workers()

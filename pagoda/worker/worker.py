@@ -48,8 +48,9 @@ def prepare_backend(device: torch.device, rank: int = 0) -> TorchBackend:
 
 class Worker:
     def __init__(self, config: EngineConfig, rank: int = 0, master_addr: str = "127.0.0.1",
-                 master_port: int | None = None, store=None) -> None:
-        """``store``: rank 0's rendezvous store when its executor already serves one."""
+                 master_port: int | None = None, store=None, gone=lambda: None) -> None:
+        """``store``: rank 0's rendezvous store when its executor already serves one; ``gone``: why
+        the start must stop (another rank died), or None."""
         self.config = config
         mc, pc = config.model, config.parallel
         self.rank = rank
@@ -60,7 +61,7 @@ class Worker:
         self.tp: TensorParallelGroup = SINGLE
         if pc.world_size > 1:
             self.tp = init_tensor_parallel(rank, pc.world_size, master_addr, master_port, self.device,
-                                           pc.timeout_seconds, _shared_memory_bytes(config), store)
+                                           pc.timeout_seconds, _shared_memory_bytes(config), store, gone)
         rss_before = resident_memory_bytes()
         self.model = load_model(mc.files, mc.hf_config, mc.dtype, self.device, mc.max_model_len,
                                 quantization=mc.quantization, tp=self.tp, backend=self.backend)
