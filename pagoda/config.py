@@ -74,7 +74,7 @@ class ParallelConfig:
         return self.tensor_parallel_size
 
 
-SPECULATIVE_METHODS = ("ngram",)
+SPECULATIVE_METHODS = ("ngram", "draft_model")
 DEFAULT_DISABLE_BY_BATCH_SIZE = 4
 MAX_SPECULATIVE_TOKENS = 5  # the seeds cap a draft at 5 steps: errors accumulate past that
 
@@ -83,9 +83,13 @@ MAX_SPECULATIVE_TOKENS = 5  # the seeds cap a draft at 5 steps: errors accumulat
 class SpeculativeConfig:
     """Speculative decoding (vLLM's `speculative_config` fields). ``ngram``: prompt lookup, the
     tokens that followed the latest earlier occurrence of the sequence's last n tokens
-    (n from ``prompt_lookup_max`` down to ``prompt_lookup_min``) are the draft."""
+    (n from ``prompt_lookup_max`` down to ``prompt_lookup_min``) are the draft. ``draft_model``:
+    a smaller (or quantized) model sharing the target's tokenizer proposes them, greedily."""
 
     method: str = "ngram"
+    model: str | None = None  # draft_model: any model pagoda loads (name, path, GGUF file)
+    quantization: str | None = None  # ... with its own quantization
+    dtype: str | None = None  # ... and dtype (default: the target's)
     num_speculative_tokens: int = 4
     prompt_lookup_min: int = 2
     prompt_lookup_max: int = 5
@@ -93,6 +97,8 @@ class SpeculativeConfig:
     # shares each weight read, so verify rows cost nearly their full price (measured 1.00x at 4
     # streams on SmolLM2 fp32, benchmarks/README.md). None: always.
     disable_by_batch_size: int | None = DEFAULT_DISABLE_BY_BATCH_SIZE
+    # draft_model: the draft resolved against the device (create_engine_config fills it in)
+    draft: ModelConfig | None = dataclasses.field(default=None, compare=False, repr=False)
 
     @classmethod
     def parse(cls, value: dict | str | None) -> "SpeculativeConfig | None":
@@ -106,13 +112,12 @@ class SpeculativeConfig:
                 raise ValueError(f"speculative_config is not valid JSON: {e}") from None
         if not isinstance(value, dict):
             raise ValueError("speculative_config must be a JSON object")
-        known = {f.name for f in dataclasses.fields(cls)}
-        unknown = sorted(set(value) - known - {"model", "quantization", "dtype"})
+        known = {f.name for f in dataclasses.fields(cls)} - {"draft"}
+        unknown = sorted(set(value) - known)
         if unknown:
             raise ValueError(f"speculative_config: unknown field(s) {unknown}; known: {sorted(known)}")
-        method = value.get("method", "ngram")
-        if method == "draft_model" or "model" in value:
-            raise ValueError("speculative_config.method: 'draft_model' is not available yet; use 'ngram'")
+        method = value.get("method", "draft_model" if "model" in value else "ngram")
+        value = {**value, "method": method}
         if method not in SPECULATIVE_METHODS:
             raise ValueError(f"speculative_config.method must be one of {list(SPECULATIVE_METHODS)}, got {method!r}")
         config = cls(**{k: v for k, v in value.items() if k in known})
@@ -128,6 +133,10 @@ class SpeculativeConfig:
         limit = self.disable_by_batch_size
         if limit is not None and not (isinstance(limit, int) and limit >= 1):
             raise ValueError(f"speculative_config.disable_by_batch_size must be an integer >= 1 or null, got {limit!r}")
+        if self.method == "draft_model" and not (isinstance(self.model, str) and self.model):
+            raise ValueError("speculative_config.model: method 'draft_model' needs the draft's model (a name or path)")
+        if self.method == "ngram" and self.model is not None:
+            raise ValueError("speculative_config.model is for method 'draft_model', not 'ngram'")
 
 
 @dataclass(frozen=True)
@@ -161,9 +170,10 @@ def create_engine_config(args: EngineArgs) -> EngineConfig:
     chat_template = _read_template(args.chat_template)
     quantization = _check_quantization(args.quantization, files, device)
     deterministic = _resolve_deterministic(args, device, dtype)
+    model_config = ModelConfig(files, hf_config, architecture, dtype, device, args.max_model_len or model_max,
+                               chat_template, quantization)
     return EngineConfig(
-        model=ModelConfig(files, hf_config, architecture, dtype, device, args.max_model_len or model_max,
-                          chat_template, quantization),
+        model=model_config,
         cache=CacheConfig(args.block_size, args.kv_cache_memory, args.gpu_memory_utilization, args.enable_prefix_caching),
         scheduler=SchedulerConfig(args.max_num_seqs, args.max_num_batched_tokens, args.aging_seconds,
                                   args.admission_pressure_threshold, args.short_chunk_tokens),
@@ -172,8 +182,49 @@ def create_engine_config(args: EngineArgs) -> EngineConfig:
         enforce_eager=args.enforce_eager,
         compile=args.compile and not args.enforce_eager,
         deterministic=deterministic,
-        speculative=SpeculativeConfig.parse(args.speculative_config),
+        speculative=_speculative_config(args, model_config),
     )
+
+
+def _speculative_config(args: EngineArgs, target: ModelConfig) -> SpeculativeConfig | None:
+    """The parsed speculative_config; for ``draft_model``, with the draft resolved (files,
+    architecture, dtype, quantization) and checked against the target: the same tokenizer (the
+    drafts are token ids) and a context at least the target's."""
+    from pagoda.models.registry import resolve_architecture
+
+    spec = SpeculativeConfig.parse(args.speculative_config)
+    if spec is None or spec.method != "draft_model":
+        return spec
+    try:
+        files = resolve_model(spec.model)
+        hf_config = files.hf_config()
+        architecture, _ = resolve_architecture(hf_config)
+        quantization = _check_quantization(spec.quantization, files, target.device)
+    except ValueError as e:
+        raise ValueError(f"speculative_config.model: {e}") from None
+    dtype = resolve_dtype(spec.dtype, target.device) if spec.dtype else target.dtype
+    _check_same_tokenizer(files, target.files)
+    if args.tensor_parallel_size > 1:
+        raise ValueError("speculative_config: a draft model with tensor_parallel_size > 1 is not supported; "
+                         "use method 'ngram' or one rank")
+    draft = ModelConfig(files, hf_config, architecture, dtype, target.device, target.max_model_len,
+                        quantization=quantization)
+    if int(hf_config.get("max_position_embeddings") or 2048) < target.max_model_len:
+        raise ValueError(f"speculative_config.model: the draft's context ({hf_config.get('max_position_embeddings')}) "
+                         f"is shorter than max_model_len={target.max_model_len}")
+    return dataclasses.replace(spec, draft=draft)
+
+
+def _check_same_tokenizer(draft: ModelFiles, target: ModelFiles) -> None:
+    from tokenizers import Tokenizer as HFTokenizer
+
+    def vocab(files: ModelFiles) -> dict[str, int]:
+        path = files.metadata_dir / "tokenizer.json"
+        return HFTokenizer.from_file(str(path)).get_vocab(with_added_tokens=True) if path.exists() else {}
+
+    if vocab(draft) != vocab(target):
+        raise ValueError(f"speculative_config.model: {draft.name!r} does not share the target's tokenizer "
+                         f"({target.name!r}); a draft model must propose the same token ids")
 
 
 def _parallel_config(args: EngineArgs) -> ParallelConfig:

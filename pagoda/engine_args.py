@@ -94,7 +94,9 @@ class EngineArgs:
         "a collective that takes longer fails the engine instead of hanging it"))
     speculative_config: dict | str | None = field(default=None, metadata=_option(
         "speculative decoding, as JSON with vLLM's fields: {\"method\": \"ngram\", \"num_speculative_tokens\": 4, "
-        "\"prompt_lookup_min\": 2, \"prompt_lookup_max\": 5} (num_speculative_tokens 1-5)", type=str))
+        "\"prompt_lookup_min\": 2, \"prompt_lookup_max\": 5} or {\"method\": \"draft_model\", \"model\": NAME, "
+        "\"quantization\": ..., \"num_speculative_tokens\": 4} (num_speculative_tokens 1-5; disable_by_batch_size, "
+        "default 4: no drafts above that many running requests)", type=str))
     extra: dict = field(default_factory=dict, metadata=NO_OPTION)
 
     @classmethod

@@ -43,14 +43,34 @@ class _EngineCollector:
              "after preemption.", stats.prefix_cache_preempted_query_tokens),
             ("pagoda:prefix_cache_preempted_hits", "Tokens found in the prefix cache by requests resumed after "
              "preemption.", stats.prefix_cache_preempted_hit_tokens),
+            ("pagoda:spec_decode_num_drafts", "Speculative decoding: verifications (one request's drafts in one step).",
+             stats.spec_num_drafts),
             ("pagoda:spec_decode_num_draft_tokens", "Speculative decoding: draft tokens verified.",
              stats.spec_draft_tokens),
             ("pagoda:spec_decode_num_accepted_tokens", "Speculative decoding: draft tokens accepted.",
              stats.spec_accepted_tokens),
+            ("pagoda:spec_decode_draft_seconds", "Speculative decoding: time spent proposing drafts.",
+             stats.spec_draft_seconds),
+            ("pagoda:spec_decode_verify_seconds", "Speculative decoding: time of the steps that verified drafts.",
+             stats.spec_verify_seconds),
         ]:
             c = CounterMetricFamily(name, doc, labels=["model_name"])
             c.add_metric([self.model_name], value)
             yield c
+        for name, doc, values in [
+            ("pagoda:spec_decode_num_draft_tokens_per_pos", "Speculative decoding: drafts verified at each "
+             "position of a run (0: the first draft).", stats.spec_draft_tokens_per_pos),
+            ("pagoda:spec_decode_num_accepted_tokens_per_pos", "Speculative decoding: drafts accepted at each "
+             "position of a run.", stats.spec_accepted_tokens_per_pos),
+        ]:
+            c = CounterMetricFamily(name, doc, labels=["model_name", "position"])
+            for position, value in enumerate(values):
+                c.add_metric([self.model_name, str(position)], value)
+            yield c
+        g = GaugeMetricFamily("pagoda:spec_decode_mean_accepted_length", "Speculative decoding: tokens per "
+                              "verification, the target's own included (0 before the first).", labels=["model_name"])
+        g.add_metric([self.model_name], stats.spec_mean_accepted_length)
+        yield g
 
 
 class ServerMetrics:

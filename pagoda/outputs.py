@@ -33,6 +33,8 @@ class ModelRunnerOutput:
     logprobs: dict[str, TokenLogprobs] = field(default_factory=dict)
     prompt_logprobs: dict[str, list[TokenLogprobs]] = field(default_factory=dict)
     spec_token_ids: dict[str, list[int]] = field(default_factory=dict)  # drafts to verify next step
+    spec_draft_seconds: float = 0.0  # time spent proposing drafts this step
+    spec_verify_seconds: float = 0.0  # the step's time, when it verified drafts
 
 
 # One position: token id → Logprob (the chosen token plus the top-k alternatives).

@@ -50,12 +50,22 @@ class SchedulerStats:
     prefix_cache_hit_tokens: int = 0
     prefix_cache_preempted_query_tokens: int = 0  # resumed after preemption: prompt + output tokens
     prefix_cache_preempted_hit_tokens: int = 0
-    spec_draft_tokens: int = 0  # speculative decoding: drafts verified
+    spec_num_drafts: int = 0  # speculative decoding: verifications (a request's drafts in one step)
+    spec_draft_tokens: int = 0  # draft tokens verified
     spec_accepted_tokens: int = 0  # ... and accepted
+    spec_draft_tokens_per_pos: list[int] = field(default_factory=list)  # drafts verified at position i of a run
+    spec_accepted_tokens_per_pos: list[int] = field(default_factory=list)  # ... and accepted there
+    spec_draft_seconds: float = 0.0  # time spent proposing
+    spec_verify_seconds: float = 0.0  # time of the steps that verified drafts
 
     @property
     def spec_acceptance_rate(self) -> float:
         return self.spec_accepted_tokens / self.spec_draft_tokens if self.spec_draft_tokens else 0.0
+
+    @property
+    def spec_mean_accepted_length(self) -> float:
+        """Tokens a verification gives, the target's own included (vLLM's mean acceptance length)."""
+        return 1.0 + self.spec_accepted_tokens / self.spec_num_drafts if self.spec_num_drafts else 0.0
 
     @property
     def prefix_cache_hit_rate(self) -> float:
@@ -65,6 +75,29 @@ class SchedulerStats:
     def memory_pressure(self) -> float:
         """The seed's score: (used KV memory - reclaimable cached memory) / total KV memory."""
         return self.kv_cache_usage
+
+
+@dataclass
+class SpecDecodeCounters:
+    """Speculative decoding's running totals, per draft position too (position i: the i-th
+    draft of a run, counted when a run that long is verified; accepted when the target agreed
+    up to and including it)."""
+
+    num_drafts: int = 0
+    drafts_per_pos: list[int] = field(default_factory=list)
+    accepted_per_pos: list[int] = field(default_factory=list)
+    draft_seconds: float = 0.0
+    verify_seconds: float = 0.0
+
+    def count(self, num_drafts: int, num_accepted: int) -> None:
+        self.num_drafts += 1
+        grow = num_drafts - len(self.drafts_per_pos)
+        if grow > 0:
+            self.drafts_per_pos += [0] * grow
+            self.accepted_per_pos += [0] * grow
+        for i in range(num_drafts):
+            self.drafts_per_pos[i] += 1
+            self.accepted_per_pos[i] += i < num_accepted
 
 
 @dataclass
@@ -87,7 +120,10 @@ class Scheduler:
         aging_seconds: float = 30.0,
         admission_pressure_threshold: float = 0.9,
         spec_disable_by_batch_size: int | None = None,
+        spec_lookahead: int = 0,
     ) -> None:
+        """``spec_lookahead``: KV slots to allocate, where free, after the tokens of a request
+        that samples this step, for the drafts a draft model writes when it proposes."""
         if max_num_seqs < 1:
             raise ValueError(f"max_num_seqs must be >= 1, got {max_num_seqs}")
         if max_num_batched_tokens < 1:
@@ -99,6 +135,7 @@ class Scheduler:
         self.aging_seconds = aging_seconds
         self.admission_pressure_threshold = admission_pressure_threshold
         self.spec_disable_by_batch_size = spec_disable_by_batch_size
+        self.spec_lookahead = spec_lookahead
         self._waiting: list[Request] = []
         self.running: list[Request] = []
         self.requests: dict[str, Request] = {}
@@ -109,8 +146,7 @@ class Scheduler:
         self._sent_blocks: dict[str, int] = {}
         self._resumed: set[str] = set()
         self._finished_ids: set[str] = set()  # for the next message: the workers drop them
-        self.num_draft_tokens = 0  # speculative decoding: drafts verified, and accepted
-        self.num_accepted_tokens = 0
+        self.spec = SpecDecodeCounters()
 
     # -- ordering ---------------------------------------------------------------------------
     def effective_priority(self, request: Request, now: float) -> int:
@@ -171,6 +207,7 @@ class Scheduler:
             out.scheduled.append((request, num_new))
             if drafts:
                 out.spec_tokens[request.request_id] = drafts
+            self._allocate_lookahead(request, num_new)
             budget -= num_new
             i += 1
 
@@ -193,6 +230,15 @@ class Scheduler:
         if max_tokens is not None:
             room = min(room, max_tokens - request.num_output_tokens - 1)
         return drafts[: max(0, room)]
+
+    def _allocate_lookahead(self, request: Request, num_new: int) -> None:
+        """Slots for the drafts a draft model will write after this step's tokens, from free (or
+        evictable) blocks only: no one is preempted for them, and a request without them gets
+        fewer drafts."""
+        limit = self.spec_disable_by_batch_size
+        samples = request.num_computed_tokens + num_new >= request.num_tokens
+        if self.spec_lookahead and samples and (limit is None or len(self.running) <= limit):
+            self.kv.allocate_slots(request, num_new + self.spec_lookahead)
 
     def _message(self, step: "_Step") -> SchedulerOutput:
         """The step as deltas against what the workers already know of each request."""
@@ -302,6 +348,8 @@ class Scheduler:
     def update(self, out: SchedulerOutput, result: ModelRunnerOutput) -> list[Request]:
         """Advance counters, append sampled tokens, finish requests. Returns finished requests."""
         finished = []
+        self.spec.draft_seconds += result.spec_draft_seconds
+        self.spec.verify_seconds += result.spec_verify_seconds
         for rid, num_new in out.num_scheduled_tokens.items():
             request = self.requests.get(rid)
             if request is None or request.status.finished:
@@ -314,8 +362,7 @@ class Scheduler:
             request.num_computed_tokens += num_new - rejected
             request.num_prompt_logprobs_done += len(result.prompt_logprobs.get(rid, ()))
             if drafts:
-                self.num_draft_tokens += len(drafts)
-                self.num_accepted_tokens += len(tokens) - 1
+                self.spec.count(len(drafts), len(tokens) - 1)
             request.spec_token_ids = result.spec_token_ids.get(rid, [])
             stopped = self._append(request, tokens)
             if drafts:  # a stop inside an accepted run leaves computed drafts that were never appended
@@ -398,6 +445,11 @@ class Scheduler:
             prefix_cache_hit_tokens=self.kv.prefix_hit_tokens,
             prefix_cache_preempted_query_tokens=self.kv.prefix_preempted_query_tokens,
             prefix_cache_preempted_hit_tokens=self.kv.prefix_preempted_hit_tokens,
-            spec_draft_tokens=self.num_draft_tokens,
-            spec_accepted_tokens=self.num_accepted_tokens,
+            spec_num_drafts=self.spec.num_drafts,
+            spec_draft_tokens=sum(self.spec.drafts_per_pos),
+            spec_accepted_tokens=sum(self.spec.accepted_per_pos),
+            spec_draft_tokens_per_pos=list(self.spec.drafts_per_pos),
+            spec_accepted_tokens_per_pos=list(self.spec.accepted_per_pos),
+            spec_draft_seconds=self.spec.draft_seconds,
+            spec_verify_seconds=self.spec.verify_seconds,
         )

@@ -86,6 +86,7 @@ class EngineCore:
             max_model_len=self.max_model_len, aging_seconds=sc.aging_seconds,
             admission_pressure_threshold=sc.admission_pressure_threshold,
             spec_disable_by_batch_size=config.speculative.disable_by_batch_size if config.speculative else None,
+            spec_lookahead=_spec_lookahead(config.speculative),
         )
         self.num_steps = 0
         self.vocab_size = self.model.config.vocab_size
@@ -213,3 +214,9 @@ class EngineCore:
         if states:
             sched.grammar_bitmask = build_token_bitmask(states, self.vocab_size)
             sched.grammar_rows = rows
+
+
+def _spec_lookahead(spec) -> int:
+    """A draft model writes its drafts' K/V after a request's tokens when it proposes (prompt
+    lookup writes nothing)."""
+    return spec.num_speculative_tokens if spec is not None and spec.method == "draft_model" else 0

@@ -129,7 +129,8 @@ class LLMEngine:
 
         s = self.core.stats()
         return {**dataclasses.asdict(s), "prefix_cache_hit_rate": s.prefix_cache_hit_rate,
-                "memory_pressure": s.memory_pressure}
+                "memory_pressure": s.memory_pressure, "spec_acceptance_rate": s.spec_acceptance_rate,
+                "spec_mean_accepted_length": s.spec_mean_accepted_length}
 
     def abort_request(self, request_id: str) -> None:
         with self._lock:

@@ -10,17 +10,20 @@ requests that asked for prompt logprobs.
 from __future__ import annotations
 
 import logging
+import time
 from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
 
 from pagoda.core.scheduler_output import SchedulerOutput
-from pagoda.forward_context import AttentionMetadata, set_attention_metadata
+from pagoda.forward_context import set_attention_metadata
 from pagoda.layers.sampler import Sampler, SamplingMetadata, sampling_probabilities
 from pagoda.outputs import ModelRunnerOutput, TokenLogprobs
 from pagoda.worker.compiled import compiled_forward
+from pagoda.spec_decode.draft_model import DraftModelProposer
 from pagoda.spec_decode.ngram import propose_ngram
+from pagoda.worker.batch_layout import BatchLayout, decode_like_rows, prepare_inputs
 from pagoda.worker.input_batch import InputBatch
 
 if TYPE_CHECKING:
@@ -32,28 +35,16 @@ logger = logging.getLogger(__name__)
 DEFAULT_SHORT_CHUNK = 32
 
 
-class _Layout:
-    """This step's requests in batch order (decode-like first) and where their tokens sit."""
-
-    def __init__(self, req_ids: list[str], rows: np.ndarray, counts: np.ndarray, starts: np.ndarray,
-                 decode_like: np.ndarray) -> None:
-        order = np.argsort(~decode_like, kind="stable")
-        self.req_ids = [req_ids[i] for i in order]
-        self.rows, self.counts, self.starts = rows[order], counts[order], starts[order]
-        self.num_decode_like = int(decode_like.sum())
-        self.offsets = np.cumsum(self.counts) - self.counts  # first flat row of each request
-        self.token_rows = np.repeat(self.rows, self.counts)  # batch row of each flat token
-        self.positions = np.repeat(self.starts - self.offsets, self.counts) + np.arange(int(self.counts.sum()))
-
-
 class ModelRunner:
     def __init__(self, model: torch.nn.Module, kv_cache: torch.Tensor, block_size: int, device: torch.device,
                  max_model_len: int, generator: torch.Generator | None = None, compile: bool = False,
                  deterministic: bool = False, short_chunk: int = DEFAULT_SHORT_CHUNK,
-                 is_driver: bool = True, speculative: SpeculativeConfig | None = None) -> None:
+                 is_driver: bool = True, speculative: SpeculativeConfig | None = None,
+                 draft: tuple[torch.nn.Module, torch.Tensor] | None = None) -> None:
         """``deterministic`` (EngineConfig.deterministic): batch-invariant inference, see
         ``_decode_like`` and ``execute``. ``is_driver``: this rank samples and reports (rank 0);
-        the others only run the model."""
+        the others only run the model. ``draft``: the draft model and its KV cache, for
+        speculative decoding with ``method: draft_model``."""
         self.model = model
         # Batch invariance takes pagoda's CPU kernels (the paged kernel for every row, the
         # invariant GEMM); without them (CUDA, no compiler) the layout stays as it is.
@@ -73,6 +64,10 @@ class ModelRunner:
         self.batch = InputBatch(max_model_len, block_size)
         for i, attn in enumerate(model.attention_layers()):
             attn.bind_kv_cache(kv_cache[0, i], kv_cache[1, i])
+        self.drafter = None
+        if draft is not None:
+            self.drafter = DraftModelProposer(draft[0], draft[1], self.batch, block_size, device,
+                                              speculative.num_speculative_tokens)
 
     # -- batch layout -----------------------------------------------------------------------
     # A short chunk over a cached prefix (a prefix-cache hit's remaining prompt tokens, the tail
@@ -85,40 +80,27 @@ class ModelRunner:
     def _decode_like(self, counts: np.ndarray, starts: np.ndarray) -> np.ndarray:
         if self.deterministic:
             return np.ones(len(counts), dtype=bool)
-        return (counts == 1) | ((starts > 0) & (counts <= self.short_chunk))
+        return decode_like_rows(counts, starts, self.short_chunk)
 
-    def _layout(self, sched: SchedulerOutput) -> _Layout:
+    def _layout(self, sched: SchedulerOutput) -> BatchLayout:
         req_ids = list(sched.num_scheduled_tokens)
         rows = self.batch.rows(req_ids)
         counts = np.fromiter(sched.num_scheduled_tokens.values(), dtype=np.int64, count=len(req_ids))
         starts = self.batch.num_computed[rows]
-        return _Layout(req_ids, rows, counts, starts, self._decode_like(counts, starts))
-
-    def _prepare(self, lay: _Layout) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
-        b, bs = self.batch, self.block_size
-        input_ids = b.token_ids[lay.token_rows, lay.positions]
-        slots = b.block_table[lay.token_rows, lay.positions // bs] * bs + lay.positions % bs
-        num_decodes = int(lay.counts[: lay.num_decode_like].sum())
-        prefills = [(int(lay.offsets[i]), int(lay.counts[i]), int(lay.starts[i]), b.block_ids(int(lay.rows[i])))
-                    for i in range(lay.num_decode_like, len(lay.req_ids))]
-        decode_tables = decode_seq_lens = None
-        if num_decodes:
-            # One row per decode-like token: its request's block table, and how many positions it sees.
-            width = int(b.num_blocks[lay.rows[: lay.num_decode_like]].max())
-            decode_tables = b.block_table[lay.token_rows[:num_decodes], :width]
-            decode_seq_lens = lay.positions[:num_decodes] + 1
-        meta = self.backend.attention_metadata(slots, decode_tables, decode_seq_lens, prefills, bs, self.device)
-        return torch.from_numpy(input_ids), torch.from_numpy(lay.positions.copy()), meta
+        return BatchLayout(req_ids, rows, counts, starts, self._decode_like(counts, starts))
 
     # -- run --------------------------------------------------------------------------------
     @torch.inference_mode()
     def execute(self, sched: SchedulerOutput) -> ModelRunnerOutput:
+        started = time.perf_counter()
         self.batch.apply(sched)
+        if self.drafter is not None:
+            self.drafter.observe(sched)
         out = ModelRunnerOutput()
         if sched.is_empty:
             return out
         lay = self._layout(sched)
-        input_ids, positions, meta = self._prepare(lay)
+        input_ids, positions, meta = prepare_inputs(self.batch, lay, self.backend, self.block_size, self.device)
         sample_idx, verify_idx, prompt_rows = self._logit_rows(lay, sched)
         # the kernels' batch-invariant switch, set for each step (another engine may share the process)
         with self.backend.batch_invariant(self.deterministic):
@@ -135,13 +117,17 @@ class ModelRunner:
                 logits = self.model.compute_logits(hidden[rows])
                 if self.is_driver:
                     out.prompt_logprobs[rid] = _prompt_logprobs(logits.float().cpu(), targets, k)
+        if verify_idx:
+            out.spec_verify_seconds = time.perf_counter() - started
         limit = self.speculative.disable_by_batch_size if self.speculative is not None else None
         if self.speculative is not None and self.is_driver and (limit is None or len(lay.req_ids) <= limit):
+            proposing = time.perf_counter()
             self._propose(out)  # (the scheduler would not verify drafts in a bigger batch)
+            out.spec_draft_seconds = time.perf_counter() - proposing
         return out
 
     # -- speculative decoding ---------------------------------------------------------------
-    def _verify(self, hidden: torch.Tensor, lay: _Layout, verify_idx: list[int], sched: SchedulerOutput,
+    def _verify(self, hidden: torch.Tensor, lay: BatchLayout, verify_idx: list[int], sched: SchedulerOutput,
                 out: ModelRunnerOutput) -> None:
         """Verify every request's drafts in one pass: the target's distribution at the last token
         and after each draft, with the request's own sampling parameters applied. A greedy
@@ -173,20 +159,23 @@ class ModelRunner:
             at += n
 
     def _propose(self, out: ModelRunnerOutput) -> None:
-        """Drafts for the next step (n-gram prompt lookup), for the requests whose tokens greedy
-        verification reproduces exactly; the others decode one token a step."""
+        """Drafts for the next step (n-gram prompt lookup or the draft model), for the requests
+        whose tokens verification reproduces; the others decode one token a step."""
         spec, b = self.speculative, self.batch
-        for rid, tokens in out.sampled_token_ids.items():
-            state = b.states[rid]
+        eligible = {rid: tokens for rid, tokens in out.sampled_token_ids.items()
+                    if _speculates(b.states[rid].sampling_params,
+                                   int(b.num_tokens[b.index[rid]] - b.num_prompt[b.index[rid]]) + len(tokens))}
+        if self.drafter is not None:
+            out.spec_token_ids.update(self.drafter.propose(eligible))
+            return
+        for rid, tokens in eligible.items():
             row = b.index[rid]
-            if not _speculates(state.sampling_params, int(b.num_tokens[row] - b.num_prompt[row]) + len(tokens)):
-                continue
             history = np.concatenate([b.token_ids[row, : b.num_tokens[row]], np.asarray(tokens, dtype=np.int64)])
             drafts = propose_ngram(history, spec.num_speculative_tokens, spec.prompt_lookup_min, spec.prompt_lookup_max)
             if drafts:
                 out.spec_token_ids[rid] = drafts
 
-    def _logit_rows(self, lay: _Layout, sched: SchedulerOutput):
+    def _logit_rows(self, lay: BatchLayout, sched: SchedulerOutput):
         """Which requests sample (they complete their tokens this step), which verify drafts
         (every row of theirs), and which flat rows need logits for prompt logprobs."""
         b = self.batch

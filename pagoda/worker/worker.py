@@ -65,13 +65,38 @@ class Worker:
         rss_before = resident_memory_bytes()
         self.model = load_model(mc.files, mc.hf_config, mc.dtype, self.device, mc.max_model_len,
                                 quantization=mc.quantization, tp=self.tp, backend=self.backend)
+        self.draft_model = self._load_draft()
         self.weights_rss_bytes = resident_memory_bytes() - rss_before  # what loading the shard cost
         self.tp.wait_for_all()  # before any timed collective: ranks load at their own pace
         self.load_seconds = time.monotonic() - start
         self.runner: ModelRunner | None = None
         self.kv_cache: torch.Tensor | None = None
 
+    def _load_draft(self) -> torch.nn.Module | None:
+        """The draft model of speculative decoding (``method: draft_model``), whole, on the driver
+        rank: only the driver proposes."""
+        spec = self.config.speculative
+        if spec is None or spec.draft is None or not self.tp.is_driver:
+            return None
+        d = spec.draft
+        model = load_model(d.files, d.hf_config, d.dtype, self.device, d.max_model_len,
+                           quantization=d.quantization, backend=self.backend)
+        logger.info("draft model %s (%s, %s) for speculative decoding, %d tokens a step",
+                    d.name, d.quantization or "no quantization", str(d.dtype).removeprefix("torch."),
+                    spec.num_speculative_tokens)
+        return model
+
     # -- KV cache ---------------------------------------------------------------------------
+    def _bytes_per_block(self, num_kv_heads: int) -> int:
+        """One block of every layer's K/V for ``num_kv_heads`` of the target's heads, plus the
+        draft model's block (all its heads: the draft is not sharded)."""
+        cfg, mc, bs = self.model.config, self.config.model, self.config.cache.block_size
+        size = bytes_per_block(cfg.num_layers, bs, num_kv_heads, cfg.head_dim, mc.dtype)
+        if self.draft_model is not None:
+            d = self.draft_model.config
+            size += bytes_per_block(d.num_layers, bs, d.num_kv_heads, d.head_dim, self.config.speculative.draft.dtype)
+        return size
+
     def determine_num_blocks(self) -> int:
         """How many KV blocks the budget holds, the same on every rank.
 
@@ -79,10 +104,10 @@ class Worker:
         tokens the engine can hold) does not change with the tensor-parallel size: each rank
         stores its share of the heads. On CUDA each rank measures its own free memory and the
         smallest answer wins."""
-        cfg, mc, cc = self.model.config, self.config.model, self.config.cache
-        per_block = bytes_per_block(cfg.num_layers, cc.block_size, cfg.num_kv_heads, cfg.head_dim, mc.dtype)
+        cfg, cc = self.model.config, self.config.cache
+        per_block = self._bytes_per_block(cfg.num_kv_heads)
         if self.device.type == "cuda":
-            local = bytes_per_block(cfg.num_layers, cc.block_size, self.model.num_local_kv_heads, cfg.head_dim, mc.dtype)
+            local = self._bytes_per_block(self.model.num_local_kv_heads)
             num_blocks = int(available_memory_bytes(self.device) * cc.gpu_memory_utilization) // local
             budget = num_blocks * per_block
         else:
@@ -107,12 +132,17 @@ class Worker:
         cfg, mc, cc = self.model.config, self.config.model, self.config.cache
         self.kv_cache = allocate_kv_cache(cfg.num_layers, num_blocks, cc.block_size, self.model.num_local_kv_heads,
                                           cfg.head_dim, mc.dtype, self.device)
+        draft = None
+        if self.draft_model is not None:
+            d = self.draft_model.config
+            draft = (self.draft_model, allocate_kv_cache(d.num_layers, num_blocks, cc.block_size, d.num_kv_heads,
+                                                         d.head_dim, self.config.speculative.draft.dtype, self.device))
         generator = torch.Generator().manual_seed(self.config.seed)
         self.runner = ModelRunner(
             self.model, self.kv_cache, cc.block_size, self.device, max_model_len, generator,
             compile=self.config.compile, deterministic=self.config.deterministic,
             short_chunk=self.config.scheduler.short_chunk_tokens, speculative=self.config.speculative,
-            is_driver=self.tp.is_driver,
+            is_driver=self.tp.is_driver, draft=draft,
         )
 
     # -- steps ------------------------------------------------------------------------------

@@ -1,0 +1,56 @@
+"""A step's batch in the order the model sees it, and the tensors built from it.
+
+Decode-like rows come first (single tokens, and short chunks over a cached prefix, which the
+paged decode kernel reads in place), then prefill chunks; the batch is flat, never padded. The
+target model runner and the draft model (spec_decode/draft_model.py) lay out their batches the
+same way from the same ``InputBatch``.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from pagoda.forward_context import AttentionMetadata
+from pagoda.worker.input_batch import InputBatch
+
+
+class BatchLayout:
+    """This step's requests in batch order (decode-like first) and where their tokens sit."""
+
+    def __init__(self, req_ids: list[str], rows: np.ndarray, counts: np.ndarray, starts: np.ndarray,
+                 decode_like: np.ndarray) -> None:
+        order = np.argsort(~decode_like, kind="stable")
+        self.req_ids = [req_ids[i] for i in order]
+        self.rows, self.counts, self.starts = rows[order], counts[order], starts[order]
+        self.num_decode_like = int(decode_like.sum())
+        self.offsets = np.cumsum(self.counts) - self.counts  # first flat row of each request
+        self.token_rows = np.repeat(self.rows, self.counts)  # batch row of each flat token
+        self.positions = np.repeat(self.starts - self.offsets, self.counts) + np.arange(int(self.counts.sum()))
+
+
+def prepare_inputs(b: InputBatch, lay: BatchLayout, backend, block_size: int,
+                   device: torch.device) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
+    """The step's token ids and positions, and the attention metadata for ``backend``: where
+    each token's K/V goes (slots through the block table), the decode rows' block tables and
+    lengths, and each prefill chunk's offset, length, cached prefix and blocks."""
+    bs = block_size
+    input_ids = b.token_ids[lay.token_rows, lay.positions]
+    slots = b.block_table[lay.token_rows, lay.positions // bs] * bs + lay.positions % bs
+    num_decodes = int(lay.counts[: lay.num_decode_like].sum())
+    prefills = [(int(lay.offsets[i]), int(lay.counts[i]), int(lay.starts[i]), b.block_ids(int(lay.rows[i])))
+                for i in range(lay.num_decode_like, len(lay.req_ids))]
+    decode_tables = decode_seq_lens = None
+    if num_decodes:
+        # One row per decode-like token: its request's block table, and how many positions it sees.
+        width = int(b.num_blocks[lay.rows[: lay.num_decode_like]].max())
+        decode_tables = b.block_table[lay.token_rows[:num_decodes], :width]
+        decode_seq_lens = lay.positions[:num_decodes] + 1
+    meta = backend.attention_metadata(slots, decode_tables, decode_seq_lens, prefills, bs, device)
+    return torch.from_numpy(input_ids), torch.from_numpy(lay.positions.copy()), meta
+
+
+def decode_like_rows(counts: np.ndarray, starts: np.ndarray, short_chunk: int) -> np.ndarray:
+    """Which requests' tokens run as decode rows: single tokens, and short chunks over a cached
+    prefix (see ModelRunner._decode_like)."""
+    return (counts == 1) | ((starts > 0) & (counts <= short_chunk))

@@ -1,0 +1,156 @@
+"""Speculative decoding with a draft model: greedy output equals decoding without it, whatever the
+draft proposes (an int8 copy of the target that mostly agrees, an unrelated model that mostly
+does not), alone or batched, through preemption, chunked prefill and prefix-cache hits (which the
+draft reuses too); blocks are never leaked; bad drafts are refused with the field named."""
+
+from __future__ import annotations
+
+import random
+
+import numpy as np
+import pytest
+
+from pagoda import LLM, SamplingParams
+from tiny_models import make_tiny_hf_model
+
+PROMPTS = ["the quick brown fox jumps", "hello world", "a b c d e f g", "once upon a time there was",
+           "def main():\n    return 0\n"]
+ARGS = dict(dtype="float32", kv_cache_memory=0.002, max_num_batched_tokens=48, deterministic=True)
+
+
+def _draft(target, **extra) -> dict:
+    return {"method": "draft_model", "model": str(target), "num_speculative_tokens": 4,
+            "disable_by_batch_size": None, **extra}
+
+
+@pytest.fixture(scope="module")
+def other_llama(tmp_path_factory):
+    """A tiny Llama with the same tokenizer and other weights: its drafts are mostly rejected."""
+    return make_tiny_hf_model("llama", tmp_path_factory.mktemp("draft") / "llama", seed=7)
+
+
+@pytest.fixture(scope="module")
+def plain(tiny_llama):
+    return LLM(str(tiny_llama), **ARGS)
+
+
+@pytest.fixture(scope="module")
+def int8_drafted(tiny_llama):
+    return LLM(str(tiny_llama), speculative_config=_draft(tiny_llama, quantization="int8"), **ARGS)
+
+
+def _tokens(llm: LLM, prompts, params) -> list[list[int]]:
+    return [[c.token_ids for c in o.outputs] for o in llm.generate(prompts, params, use_tqdm=False)]
+
+
+def test_greedy_output_is_unchanged_alone_and_batched(plain, int8_drafted):
+    params = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)
+    want = _tokens(plain, PROMPTS, params)
+    steps = int8_drafted.engine.core.num_steps
+    assert _tokens(int8_drafted, PROMPTS[:1], params) == want[:1]
+    assert int8_drafted.engine.core.num_steps - steps < 20  # most drafts accepted: far fewer steps than tokens
+    assert _tokens(int8_drafted, PROMPTS, params) == want
+    stats = int8_drafted.engine.stats()
+    assert 0.5 < stats["spec_acceptance_rate"] < 1.0  # a quantized draft agrees often, not always
+    per_pos = stats["spec_accepted_tokens_per_pos"]
+    assert len(per_pos) == 4 and per_pos == sorted(per_pos, reverse=True)  # a later draft needs the earlier ones
+    assert stats["spec_mean_accepted_length"] == pytest.approx(1 + stats["spec_accepted_tokens"] / stats["spec_num_drafts"])
+    assert stats["spec_draft_seconds"] > 0 and stats["spec_verify_seconds"] > 0
+
+
+def test_a_draft_that_disagrees_changes_nothing(tiny_llama, other_llama, plain):
+    llm = LLM(str(tiny_llama), speculative_config=_draft(other_llama), **ARGS)
+    params = SamplingParams(max_tokens=30, temperature=0.0, ignore_eos=True)
+    assert _tokens(llm, PROMPTS, params) == _tokens(plain, PROMPTS, params)
+    stats = llm.engine.stats()
+    assert stats["spec_draft_tokens"] > 100 and stats["spec_acceptance_rate"] < 0.5
+
+
+def test_prefix_cache_hits_are_hits_for_the_draft_too(tiny_llama, plain):
+    """A second request with the same long prompt: the target reuses the cached blocks, and the
+    draft its own K/V in them, so it computes only the uncached tail (counted in the proposer)."""
+    llm = LLM(str(tiny_llama), speculative_config=_draft(tiny_llama), **ARGS)
+    drafter = llm.engine.core.executor.driver_worker.runner.drafter
+    prompt = "the quick brown fox jumps over the lazy dog " * 6
+    params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+    first = drafter.num_tokens_run
+    assert _tokens(llm, [prompt], params) == _tokens(plain, [prompt], params)
+    cold = drafter.num_tokens_run - first
+    assert _tokens(llm, [prompt], params) == _tokens(plain, [prompt], params)
+    warm = drafter.num_tokens_run - first - cold
+    prompt_len = len(llm.get_tokenizer().encode(prompt))
+    assert cold >= prompt_len and warm < cold - prompt_len // 2, (cold, warm, prompt_len)
+    assert llm.engine.stats()["spec_acceptance_rate"] == 1.0  # the target as its own draft: every draft holds
+
+
+def test_sampling_with_a_draft_keeps_the_target_distribution(tiny_llama):
+    """Rejection sampling against an int8 draft: per position, the tokens follow the distribution
+    they follow without speculation. Two samples of 1,200 seeded requests; their total variation
+    must stay within what sampling noise gives between two plain samples with other seeds (x2 +
+    0.03: a broken rule, e.g. accepting every draft, moves it by ~0.5)."""
+    args = dict(dtype="float32", kv_cache_memory=0.05, enable_prefix_caching=False)
+    plain = LLM(str(tiny_llama), **args)
+    spec = LLM(str(tiny_llama), speculative_config=_draft(tiny_llama, quantization="int8", num_speculative_tokens=3),
+               **args)
+    prompts = PROMPTS[:1] * 1200
+
+    def sample(llm: LLM, first_seed: int) -> np.ndarray:
+        params = [SamplingParams(max_tokens=4, seed=first_seed + i, temperature=0.8, top_k=3, ignore_eos=True)
+                  for i in range(len(prompts))]
+        return np.array([o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)])
+
+    def tv(a: np.ndarray, b: np.ndarray) -> float:
+        return 0.5 * sum(abs((a == t).mean() - (b == t).mean()) for t in np.union1d(a, b))
+
+    want, other, got = sample(plain, 0), sample(plain, 10**6), sample(spec, 0)
+    stats = spec.engine.stats()
+    assert stats["spec_accepted_tokens"] >= 100 and stats["spec_draft_tokens"] - stats["spec_accepted_tokens"] >= 100
+    for position in range(1, 4):  # the first token comes from the prompt's pass, never a draft
+        noise = tv(want[:, position], other[:, position])
+        assert tv(want[:, position], got[:, position]) < 2 * noise + 0.03, (position, noise)
+
+
+def test_no_block_is_leaked_after_1000_random_requests(tiny_llama, other_llama):
+    """Preemption (a tiny cache), chunked prefill, prefix hits, drafts accepted and rejected, stops
+    inside runs: every block comes back, and every answer has its length."""
+    llm = LLM(str(tiny_llama), dtype="float32", kv_cache_memory=0.00012, max_num_batched_tokens=32,
+              speculative_config=_draft(other_llama, num_speculative_tokens=3))
+    rng = random.Random(0)
+    words = ["the", "quick", "brown", "fox", "a", "b", "c", "hello", "world"]
+    prompts = [" ".join(rng.choice(words[: rng.randint(2, 9)]) for _ in range(rng.randint(2, 40))) for _ in range(1000)]
+    params = [SamplingParams(max_tokens=rng.randint(1, 12), temperature=rng.choice([0.0, 0.7]), seed=i,
+                             ignore_eos=True) for i in range(len(prompts))]
+    outs = llm.generate(prompts, params, use_tqdm=False)
+    assert [len(o.outputs[0].token_ids) for o in outs] == [p.max_tokens for p in params]
+    core = llm.engine.core
+    stats = core.scheduler.stats()
+    assert core.scheduler.num_preemptions_total > 0 and stats.spec_draft_tokens > 0
+    assert core.kv_manager.usage() == 0.0
+
+
+@pytest.mark.parametrize("config,field", [
+    ({"method": "draft_model"}, "model"),
+    ({"method": "draft_model", "model": "/nonexistent/model"}, "speculative_config.model"),
+    ({"method": "ngram", "model": "x"}, "model"),
+    ({"method": "draft_model", "model": "DRAFT", "num_speculative_tokens": 6}, "num_speculative_tokens"),
+    ({"method": "draft_model", "model": "DRAFT", "quantization": "int3"}, "quantization"),
+])
+def test_bad_draft_configs_name_the_field(tiny_llama, config, field):
+    config = {k: (str(tiny_llama) if v == "DRAFT" else v) for k, v in config.items()}
+    with pytest.raises(ValueError, match=field):
+        LLM(str(tiny_llama), dtype="float32", kv_cache_memory=0.01, speculative_config=config)
+
+
+def test_a_draft_with_another_tokenizer_is_refused(tiny_llama, tmp_path):
+    import json
+    import shutil
+
+    other = tmp_path / "other"
+    shutil.copytree(tiny_llama, other)
+    tokenizer = json.loads((other / "tokenizer.json").read_text())
+    vocab = tokenizer["model"]["vocab"]
+    first, second = list(vocab)[:2]
+    vocab[first], vocab[second] = vocab[second], vocab[first]
+    (other / "tokenizer.json").write_text(json.dumps(tokenizer))
+    with pytest.raises(ValueError, match="tokenizer"):
+        LLM(str(tiny_llama), dtype="float32", kv_cache_memory=0.01, speculative_config=_draft(other))
