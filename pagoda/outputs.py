@@ -30,7 +30,7 @@ class ModelRunnerOutput:
     # request id → its new tokens: one, or with speculative decoding the accepted drafts and the
     # target's own next token
     sampled_token_ids: dict[str, list[int]] = field(default_factory=dict)
-    logprobs: dict[str, TokenLogprobs] = field(default_factory=dict)
+    logprobs: dict[str, list[TokenLogprobs]] = field(default_factory=dict)  # one per token of sampled_token_ids
     prompt_logprobs: dict[str, list[TokenLogprobs]] = field(default_factory=dict)
     spec_token_ids: dict[str, list[int]] = field(default_factory=dict)  # drafts to verify next step
     spec_draft_seconds: float = 0.0  # time spent proposing drafts this step

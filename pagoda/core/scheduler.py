@@ -229,7 +229,10 @@ class Scheduler:
         max_tokens = request.sampling_params.max_tokens
         if max_tokens is not None:
             room = min(room, max_tokens - request.num_output_tokens - 1)
-        return drafts[: max(0, room)]
+        drafts = drafts[: max(0, room)]
+        if request.grammar is not None and drafts:
+            drafts = drafts[: request.grammar.valid_prefix(drafts)]  # the mask after a refused draft is undefined
+        return drafts
 
     def _allocate_lookahead(self, request: Request, num_new: int) -> None:
         """Slots for the drafts a draft model will write after this step's tokens, from free (or

@@ -189,13 +189,13 @@ class EngineCore:
             prompt_lps = result.prompt_logprobs.get(rid)
             if not new_tokens and prompt_lps is None and rid not in finished:
                 continue
-            lp = result.logprobs.get(rid)
+            lps = result.logprobs.get(rid)
             outputs.append(EngineCoreOutput(
                 request_id=rid,
                 new_token_ids=new_tokens,
                 finish_reason=request.status.finish_reason if rid in finished else None,
                 stop_reason=request.stop_reason,
-                new_logprobs=[lp] if lp is not None else None,
+                new_logprobs=lps[: len(new_tokens)] if lps is not None else None,
                 new_prompt_logprobs=prompt_lps,
                 first_scheduled_time=request.first_scheduled_time,
                 num_cached_tokens=request.num_cached_tokens or 0,
@@ -203,17 +203,20 @@ class EngineCore:
         return outputs
 
     def _attach_grammar_bitmask(self, sched: SchedulerOutput) -> None:
-        """The allowed tokens of each constrained request that samples this step: the matchers
-        live here, beside the scheduler that advances them, so the mask rides in the message."""
-        states, rows = [], {}
+        """The allowed tokens of each constrained request that samples this step (at each
+        position of its run, with drafts): the matchers live here, beside the scheduler that
+        advances them, so the mask rides in the message."""
+        rids, states, drafts = [], [], []
         for rid, num_new in sched.num_scheduled_tokens.items():
             request = self.scheduler.requests[rid]
-            if request.grammar is not None and request.num_computed_tokens + num_new == request.num_tokens:
-                rows[rid] = len(states)
+            run = sched.scheduled_spec_tokens.get(rid, [])
+            if request.grammar is not None and request.num_computed_tokens + num_new - len(run) == request.num_tokens:
+                rids.append(rid)
                 states.append(request.grammar)
+                drafts.append(run)
         if states:
-            sched.grammar_bitmask = build_token_bitmask(states, self.vocab_size)
-            sched.grammar_rows = rows
+            sched.grammar_bitmask, firsts = build_token_bitmask(states, self.vocab_size, drafts)
+            sched.grammar_rows = dict(zip(rids, firsts))
 
 
 def _spec_lookahead(spec) -> int:

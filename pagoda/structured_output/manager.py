@@ -61,6 +61,30 @@ class GrammarState:
     def is_terminated(self) -> bool:
         return self.matcher.is_terminated()
 
+    # -- speculative decoding: look ahead over drafts, then roll back ------------------------
+    def valid_prefix(self, drafts: list[int]) -> int:
+        """How many leading drafts the grammar allows in a row (stopping after one that
+        completes it); the matcher is left as it was."""
+        accepted = 0
+        for token in drafts:
+            if self.matcher.is_terminated() or not self.matcher.accept_token(token):
+                break
+            accepted += 1
+        if accepted:
+            self.matcher.rollback(accepted)
+        return accepted
+
+    def fill_bitmasks(self, bitmask: torch.Tensor, first_row: int, drafts: list[int]) -> None:
+        """The mask at the next position and after each draft (rows first_row..first_row +
+        len(drafts)); the drafts must be a ``valid_prefix``. The matcher is left as it was."""
+        self.fill_bitmask(bitmask, first_row)
+        for j, token in enumerate(drafts):
+            self.matcher.accept_token(token)
+            if not self.matcher.is_terminated():  # (after the last token, a row nothing samples from)
+                self.fill_bitmask(bitmask, first_row + j + 1)
+        if drafts:
+            self.matcher.rollback(len(drafts))
+
 
 class StructuredOutputManager:
     """Compiles constraints for one tokenizer and model vocabulary."""
@@ -105,14 +129,21 @@ class StructuredOutputManager:
         self._executor.shutdown(wait=False, cancel_futures=True)
 
 
-def build_token_bitmask(states: list[GrammarState], vocab_size: int) -> torch.Tensor:
-    """xgrammar's packed allowed-token bitmask, row i for ``states[i]``: int32 [n, ceil(V / 32)]."""
+def build_token_bitmask(states: list[GrammarState], vocab_size: int,
+                        drafts: list[list[int]] | None = None) -> tuple[torch.Tensor, list[int]]:
+    """xgrammar's packed allowed-token bitmask, int32 [rows, ceil(V / 32)]: for ``states[i]`` one
+    row, or with ``drafts[i]`` (speculative decoding) one per position of the run, consecutive.
+    Returns the bitmask and each state's first row."""
     import xgrammar as xgr
 
-    bitmask = xgr.allocate_token_bitmask(len(states), vocab_size)
-    for i, state in enumerate(states):
-        state.fill_bitmask(bitmask, i)
-    return bitmask
+    drafts = drafts or [[] for _ in states]
+    firsts = [0]
+    for d in drafts[:-1]:
+        firsts.append(firsts[-1] + len(d) + 1)
+    bitmask = xgr.allocate_token_bitmask(firsts[-1] + len(drafts[-1]) + 1 if states else 0, vocab_size)
+    for state, first, d in zip(states, firsts, drafts):
+        state.fill_bitmasks(bitmask, first, d)
+    return bitmask, firsts
 
 
 def apply_token_bitmask(logits: torch.Tensor, bitmask: torch.Tensor, rows: list[int]) -> None:

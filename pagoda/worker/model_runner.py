@@ -130,19 +130,24 @@ class ModelRunner:
     def _verify(self, hidden: torch.Tensor, lay: BatchLayout, verify_idx: list[int], sched: SchedulerOutput,
                 out: ModelRunnerOutput) -> None:
         """Verify every request's drafts in one pass: the target's distribution at the last token
-        and after each draft, with the request's own sampling parameters applied. A greedy
-        request accepts drafts while they equal the target's choice; a sampling one by rejection
-        sampling (``_accept_by_rejection``). Either way the run ends with a token of the target's
-        own, so a step gives at least one token."""
+        and after each draft, each row processed as if the drafts before it had been sampled
+        (its request's penalties over the outputs so far, min_tokens, logit bias, the grammar's
+        mask at that position, temperature and top-k / top-p / min-p). A greedy request accepts
+        drafts while they equal the target's choice; a sampling one by rejection sampling
+        (``_accept_by_rejection``). Either way the run ends with a token of the target's own, so
+        a step gives at least one token; logprobs are those of each token of the run."""
         rows = [r for i in verify_idx for r in range(int(lay.offsets[i]), int(lay.offsets[i] + lay.counts[i]))]
         logits = self.model.compute_logits(hidden[rows])
         if not self.is_driver:
             return
         owners = [lay.req_ids[i] for i in verify_idx for _ in range(int(lay.counts[i]))]
-        md = self.sampling_metadata(owners, sched)  # each row: its request's parameters
-        processed = self.sampler.processed_logits(logits.float().cpu(), md)
+        steps = np.concatenate([np.arange(int(lay.counts[i])) for i in verify_idx])  # each row's place in its run
+        md = self.sampling_metadata(owners, sched, steps)  # each row: its request's parameters at that place
+        logits = logits.float().cpu()
+        processed = self.sampler.processed_logits(logits, md)
         choices = processed.argmax(dim=-1).tolist()
         probs = None if md.all_greedy else sampling_probabilities(processed, md)
+        raw_logprobs = torch.log_softmax(logits, dim=-1) if md.max_num_logprobs is not None else None
         at = 0
         for i in verify_idx:
             rid, n = lay.req_ids[i], int(lay.counts[i])
@@ -152,23 +157,24 @@ class ModelRunner:
                 accepted = 0
                 while accepted < len(drafts) and drafts[accepted] == targets[accepted]:
                     accepted += 1
-                out.sampled_token_ids[rid] = targets[: accepted + 1]
+                tokens = targets[: accepted + 1]
             else:
                 generator = self.batch.states[rid].generator or self.sampler.generator
-                out.sampled_token_ids[rid] = _accept_by_rejection(probs[at : at + n], drafts, generator)
+                tokens = _accept_by_rejection(probs[at : at + n], drafts, generator)
+            out.sampled_token_ids[rid] = tokens
+            k = self.batch.states[rid].sampling_params.logprobs
+            if k is not None:
+                out.logprobs[rid] = token_logprobs(raw_logprobs[at : at + len(tokens)], tokens, k)
             at += n
 
     def _propose(self, out: ModelRunnerOutput) -> None:
-        """Drafts for the next step (n-gram prompt lookup or the draft model), for the requests
-        whose tokens verification reproduces; the others decode one token a step."""
+        """Drafts for the next step (n-gram prompt lookup or the draft model) for every request
+        that sampled: verification applies each request's sampling in full (``_verify``)."""
         spec, b = self.speculative, self.batch
-        eligible = {rid: tokens for rid, tokens in out.sampled_token_ids.items()
-                    if _speculates(b.states[rid].sampling_params,
-                                   int(b.num_tokens[b.index[rid]] - b.num_prompt[b.index[rid]]) + len(tokens))}
         if self.drafter is not None:
-            out.spec_token_ids.update(self.drafter.propose(eligible))
+            out.spec_token_ids.update(self.drafter.propose(out.sampled_token_ids))
             return
-        for rid, tokens in eligible.items():
+        for rid, tokens in out.sampled_token_ids.items():
             row = b.index[rid]
             history = np.concatenate([b.token_ids[row, : b.num_tokens[row]], np.asarray(tokens, dtype=np.int64)])
             drafts = propose_ngram(history, spec.num_speculative_tokens, spec.prompt_lookup_min, spec.prompt_lookup_max)
@@ -210,12 +216,17 @@ class ModelRunner:
             for i, rid in enumerate(req_ids):
                 k = self.batch.states[rid].sampling_params.logprobs
                 if k is not None:
-                    out.logprobs[rid] = TokenLogprobs(ids[i][: 1 + k], lps[i][: 1 + k], ranks[i])
+                    out.logprobs[rid] = [TokenLogprobs(ids[i][: 1 + k], lps[i][: 1 + k], ranks[i])]
 
     # -- sampling metadata, gathered from the persistent rows -----------------------------
-    def sampling_metadata(self, req_ids: list[str], sched: SchedulerOutput) -> SamplingMetadata:
+    def sampling_metadata(self, req_ids: list[str], sched: SchedulerOutput,
+                          steps: np.ndarray | None = None) -> SamplingMetadata:
+        """Row i samples for ``req_ids[i]``; ``steps[i]`` (verification) is how many of its
+        request's drafts precede that row, counted as outputs (penalties, min_tokens) and as
+        grammar positions."""
         b, vocab = self.batch, self.vocab_size
         rows = b.rows(req_ids)
+        ends = b.num_tokens[rows] + (steps if steps is not None else 0)  # each row's tokens so far
         states = [b.states[r] for r in req_ids]
         greedy = b.greedy[rows]
         top_k, top_p, min_p = b.top_k[rows], b.top_p[rows], b.min_p[rows]
@@ -228,20 +239,20 @@ class ModelRunner:
             min_p=torch.from_numpy(min_p) if (min_p > 0.0).any() else None,
             generators={i: s.generator for i, s in enumerate(states) if s.generator is not None and not greedy[i]},
         )
-        self._add_penalties(md, rows)
-        _add_sparse(md, states, b.num_tokens[rows] - b.num_prompt[rows], vocab)
-        self._add_grammar_mask(md, req_ids, sched)
+        self._add_penalties(md, rows, ends)
+        _add_sparse(md, states, ends - b.num_prompt[rows], vocab)
+        self._add_grammar_mask(md, req_ids, sched, steps)
         wanted = [s.sampling_params.logprobs for s in states if s.sampling_params.logprobs is not None]
         md.max_num_logprobs = max(wanted) if wanted else None
         return md
 
-    def _add_penalties(self, md: SamplingMetadata, rows: np.ndarray) -> None:
+    def _add_penalties(self, md: SamplingMetadata, rows: np.ndarray, ends: np.ndarray) -> None:
         b = self.batch
         presence, frequency, repetition = b.presence[rows], b.frequency[rows], b.repetition[rows]
         uses = (presence != 0.0).any(), (frequency != 0.0).any(), (repetition != 1.0).any()
         if not any(uses):
             return
-        md.output_tokens = b.padded_tokens(rows, b.num_prompt[rows], b.num_tokens[rows])
+        md.output_tokens = b.padded_tokens(rows, b.num_prompt[rows], ends)
         if uses[0]:
             md.presence = torch.from_numpy(presence)
         if uses[1]:
@@ -252,12 +263,14 @@ class ModelRunner:
             md.prompt_tokens = b.padded_tokens(rows, np.zeros_like(prompt_end), prompt_end)
 
     @staticmethod
-    def _add_grammar_mask(md: SamplingMetadata, req_ids: list[str], sched: SchedulerOutput) -> None:
-        """The scheduler's bitmask rows (its matchers live there), placed at this batch's rows."""
+    def _add_grammar_mask(md: SamplingMetadata, req_ids: list[str], sched: SchedulerOutput,
+                          steps: np.ndarray | None) -> None:
+        """The scheduler's bitmask rows (its matchers live there), placed at this batch's rows: a
+        request's first row, then one per draft it verifies (the mask after those drafts)."""
         if sched.grammar_bitmask is None:
             return
-        index = {rid: i for i, rid in enumerate(req_ids)}
-        rows = [(index[rid], src) for rid, src in sched.grammar_rows.items() if rid in index]
+        rows = [(i, sched.grammar_rows[rid] + (int(steps[i]) if steps is not None else 0))
+                for i, rid in enumerate(req_ids) if rid in sched.grammar_rows]
         if not rows:
             return
         mask = torch.full((len(req_ids), sched.grammar_bitmask.shape[1]), -1, dtype=torch.int32)
@@ -266,12 +279,16 @@ class ModelRunner:
         md.token_bitmask, md.bitmask_rows = mask, [dst for dst, _ in rows]
 
 
-def _speculates(params, num_output: int) -> bool:
-    """Whether verification reproduces this request's sampling exactly (greedy) or in
-    distribution (sampling): nothing that depends on the tokens before a row (penalties, grammar,
-    min_tokens still banning stop tokens) or that the verify pass does not compute (logprobs)."""
-    return (not params.needs_penalties and not params.logit_bias and params.structured_outputs is None
-            and params.logprobs is None and params.prompt_logprobs is None and num_output >= params.min_tokens)
+def token_logprobs(raw: torch.Tensor, tokens: list[int], k: int) -> list[TokenLogprobs]:
+    """Each token's logprob in its row of ``raw`` (log-softmax of the model's logits), its rank,
+    and the row's top ``k``."""
+    chosen_ids = torch.tensor(tokens, dtype=torch.long).unsqueeze(1)
+    chosen = raw.gather(1, chosen_ids)
+    ranks = ((raw > chosen).sum(dim=-1) + 1).tolist()
+    top_lp, top_ids = raw.topk(k, dim=-1) if k > 0 else (raw[:, :0], chosen_ids[:, :0])
+    ids = torch.cat([chosen_ids, top_ids], dim=1).tolist()
+    values = torch.cat([chosen, top_lp], dim=1).tolist()
+    return [TokenLogprobs(ids[i], values[i], ranks[i]) for i in range(len(tokens))]
 
 
 def _accept_by_rejection(probs: torch.Tensor, drafts: list[int], generator: torch.Generator | None) -> list[int]:
@@ -300,14 +317,7 @@ def _draw(weights: torch.Tensor, generator: torch.Generator | None) -> int:
 
 
 def _prompt_logprobs(logits: torch.Tensor, targets: list[int], k: int) -> list[TokenLogprobs]:
-    lp = torch.log_softmax(logits, dim=-1)
-    target = torch.tensor(targets, dtype=torch.long).unsqueeze(1)
-    chosen = lp.gather(1, target)
-    ranks = ((lp > chosen).sum(dim=-1) + 1).tolist()
-    top_lp, top_ids = lp.topk(k, dim=-1) if k > 0 else (lp[:, :0], target[:, :0])
-    ids = torch.cat([target, top_ids], dim=1).tolist()
-    vals = torch.cat([chosen, top_lp], dim=1).tolist()
-    return [TokenLogprobs(ids[i], vals[i], ranks[i]) for i in range(len(targets))]
+    return token_logprobs(torch.log_softmax(logits, dim=-1), targets, k)
 
 
 def _add_sparse(md: SamplingMetadata, states, num_output: np.ndarray, vocab_size: int) -> None:

@@ -58,6 +58,35 @@ def test_greedy_output_is_unchanged_alone_and_batched(plain, int8_drafted):
     assert stats["spec_draft_seconds"] > 0 and stats["spec_verify_seconds"] > 0
 
 
+def test_penalties_bias_min_tokens_logprobs_and_grammar_under_drafts(plain, int8_drafted):
+    """The draft proposes without the request's penalties, bias or grammar; verification applies
+    them at each position as if the drafts before it had been sampled (strong penalties make the
+    target disagree with the draft often), so each answer, logprobs included, is the one without
+    speculation, alone and batched."""
+    from pagoda.sampling_params import StructuredOutputsParams
+
+    kinds = [SamplingParams(max_tokens=30, temperature=0.0, repetition_penalty=1.5, ignore_eos=True),
+             SamplingParams(max_tokens=30, temperature=0.0, presence_penalty=1.0, frequency_penalty=0.5,
+                            ignore_eos=True),
+             SamplingParams(max_tokens=30, temperature=0.0, min_tokens=10, logit_bias={5: 2.0, 9: -2.0}),
+             SamplingParams(max_tokens=30, temperature=0.0, logprobs=2, ignore_eos=True),
+             SamplingParams(max_tokens=30, temperature=0.0,  # refuses some drafts, allows most
+                            structured_outputs=StructuredOutputsParams(regex="[^aeo]*"))]
+    for params in kinds:
+        before = int8_drafted.engine.stats()
+        want = plain.generate(PROMPTS[:1], params, use_tqdm=False)[0].outputs[0]
+        got = int8_drafted.generate(PROMPTS[:1], params, use_tqdm=False)[0].outputs[0]
+        after = int8_drafted.engine.stats()
+        assert (got.token_ids, got.finish_reason) == (want.token_ids, want.finish_reason), params
+        assert after["spec_draft_tokens"] > before["spec_draft_tokens"], params
+        if params.logprobs is not None:
+            assert [list(p) for p in got.logprobs] == [list(p) for p in want.logprobs]
+            assert got.cumulative_logprob == pytest.approx(want.cumulative_logprob, abs=1e-3)
+    prompts = PROMPTS * 2
+    batch = (kinds * 2)[: len(prompts)]
+    assert _tokens(int8_drafted, prompts, batch) == _tokens(plain, prompts, batch)
+
+
 def test_a_draft_that_disagrees_changes_nothing(tiny_llama, other_llama, plain):
     llm = LLM(str(tiny_llama), speculative_config=_draft(other_llama), **ARGS)
     params = SamplingParams(max_tokens=30, temperature=0.0, ignore_eos=True)

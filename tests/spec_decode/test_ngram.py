@@ -54,20 +54,57 @@ def test_greedy_output_is_unchanged_and_drafts_are_accepted(engines):
     assert 0 < stats["spec_accepted_tokens"] <= stats["spec_draft_tokens"]
 
 
-def test_mixed_batch_with_requests_that_do_not_speculate(engines):
-    """Logprobs, penalties and min_tokens do not speculate; they share the batch with greedy
-    requests that do, and every request gets what it gets without speculation."""
+def test_penalties_bias_min_tokens_and_logprobs_speculate_and_change_nothing(engines):
+    """Each verify row is processed as if the drafts before it had been sampled: penalties over
+    the outputs so far, min_tokens, logit bias; logprobs are those of every token of the run.
+    Alone and in one batch with plain greedy requests, every request gets what it gets without
+    speculation, and drafts are verified for each kind."""
     plain, spec = engines
+    kinds = [SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True),
+             SamplingParams(max_tokens=24, temperature=0.8, seed=3, ignore_eos=True, presence_penalty=0.5),
+             SamplingParams(max_tokens=24, temperature=0.0, logprobs=2, ignore_eos=True),
+             SamplingParams(max_tokens=24, temperature=0.0, repetition_penalty=1.02, frequency_penalty=0.02,
+                            min_tokens=5, logit_bias={7: 0.5})]
+    for params in kinds[1:]:
+        before = spec.engine.stats()["spec_draft_tokens"]
+        assert _tokens(spec, REPETITIVE[:1], params) == _tokens(plain, REPETITIVE[:1], params)
+        if params.temperature == 0.0:  # (a sampled answer of this random model rarely repeats: few drafts)
+            assert spec.engine.stats()["spec_draft_tokens"] > before, params
     prompts = REPETITIVE * 2
-    params = [SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True),
-              SamplingParams(max_tokens=24, temperature=0.8, seed=3, ignore_eos=True, presence_penalty=0.5),
-              SamplingParams(max_tokens=24, temperature=0.0, logprobs=2, ignore_eos=True),
-              SamplingParams(max_tokens=24, temperature=0.0, repetition_penalty=1.3, min_tokens=5)] * 2
-    assert _tokens(spec, prompts, params) == _tokens(plain, prompts, params)
+    assert _tokens(spec, prompts, kinds * 2) == _tokens(plain, prompts, kinds * 2)
+    logprobs = SamplingParams(max_tokens=24, temperature=0.0, logprobs=3, ignore_eos=True)
+    want = plain.generate(REPETITIVE[:1], logprobs, use_tqdm=False)[0].outputs[0]
+    got = spec.generate(REPETITIVE[:1], logprobs, use_tqdm=False)[0].outputs[0]
+    assert len(got.logprobs) == len(got.token_ids) == 24
+    for w, g in zip(want.logprobs, got.logprobs, strict=True):
+        assert list(w) == list(g)  # the same tokens, in the same order
+        assert [x.logprob for x in w.values()] == pytest.approx([x.logprob for x in g.values()], abs=1e-4)
+    assert got.cumulative_logprob == pytest.approx(want.cumulative_logprob, abs=1e-3)
 
 
-@pytest.mark.parametrize("sampling", [dict(temperature=0.3, top_k=3), dict(temperature=0.3, top_p=0.9, min_p=0.05)],
-                         ids=["top_k", "top_p_min_p"])
+def test_structured_output_drafts_are_checked_against_the_grammar(engines):
+    """Drafts the grammar refuses are cut before verification; the rest are verified under the
+    mask of their position and the matcher rolls back. The answer is the one without speculation
+    and follows the grammar."""
+    from pagoda.sampling_params import StructuredOutputsParams
+
+    plain, spec = engines
+    prompt = "the quick brown fox " * 6
+    for constraint in (StructuredOutputsParams(regex="(the quick brown fox ){3}(jumps|sleeps)"),
+                       StructuredOutputsParams(regex="(the (quick|slow) (brown|red) fox ){4}")):
+        params = SamplingParams(max_tokens=40, temperature=0.0, structured_outputs=constraint)
+        before = spec.engine.stats()
+        want = plain.generate([prompt], params, use_tqdm=False)[0].outputs[0]
+        got = spec.generate([prompt], params, use_tqdm=False)[0].outputs[0]
+        after = spec.engine.stats()
+        assert (got.token_ids, got.finish_reason) == (want.token_ids, want.finish_reason)
+        assert after["spec_accepted_tokens"] > before["spec_accepted_tokens"]
+        assert got.text.startswith("the quick brown fox the quick brown fox ") or got.text.startswith("the ")
+
+
+@pytest.mark.parametrize("sampling", [dict(temperature=0.3, top_k=3), dict(temperature=0.3, top_p=0.9, min_p=0.05),
+                                      dict(temperature=0.6, top_k=4, presence_penalty=0.1, frequency_penalty=0.05, repetition_penalty=1.05)],
+                         ids=["top_k", "top_p_min_p", "penalties"])
 def test_sampling_with_drafts_keeps_the_target_distribution(tiny_llama, sampling):
     """Rejection sampling: with drafts accepted and rejected, the tokens at each position follow
     the distribution they follow without speculation (two samples of 1,200 seeded requests,
