@@ -17,9 +17,11 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def start_server(model_dir, *extra: str, launcher: list[str] | None = None, name: str = "tiny"):
-    """(process, base URL) once /health answers; a tiny fp32 engine unless `extra` says otherwise."""
-    port = _free_port()
+def start_server(model_dir, *extra: str, launcher: list[str] | None = None, name: str = "tiny",
+                 port: int | None = None):
+    """(process, base URL) once /health answers; a tiny fp32 engine unless `extra` says otherwise.
+    On a free port unless `port` is given (a replica restarted where it was)."""
+    port = port or _free_port()
     launcher = launcher or ["-m", "pagoda.entrypoints.cli"]
     cmd = [sys.executable, *launcher, "serve", "--model", str(model_dir), "--port", str(port),
            "--dtype", "float32", "--kv-cache-memory", "0.02", "--served-model-name", name, "--log-level", "warning", *extra]

@@ -1,4 +1,4 @@
-"""The `pagoda` command: generate | chat | serve | pull | list | bench.
+"""The `pagoda` command: generate | chat | serve | router | pull | list | bench.
 
 Building the parser imports nothing heavy (no torch, transformers or fastapi, not even numpy):
 each command imports what it needs when it runs, so `pagoda --help` answers at once.
@@ -15,6 +15,7 @@ from collections.abc import Callable
 
 from pagoda import __version__
 from pagoda.engine_args import EngineArgs  # not from pagoda.config, which imports torch (~1.5 s)
+from pagoda.router import options as router_options  # argparse only; the router loads when it runs
 
 LOG_LEVELS = ["debug", "info", "warning", "error"]
 DEFAULT_LOG_LEVEL = "warning"
@@ -203,6 +204,10 @@ def cmd_serve(ns: argparse.Namespace) -> int:
     return run_server(ns)
 
 
+def cmd_router(ns: argparse.Namespace) -> int:
+    return router_options.run(ns)
+
+
 def cmd_bench_throughput(ns: argparse.Namespace) -> int:
     from pagoda.bench import throughput
 
@@ -292,6 +297,12 @@ def build_parser() -> argparse.ArgumentParser:
                    help="default: the global --log-level (pagoda --log-level LEVEL serve), else info")
     EngineArgs.add_cli_args(p)
     p.set_defaults(func=cmd_serve, default_log_level="info")
+
+    p = sub.add_parser("router", help="one OpenAI-compatible endpoint in front of several `pagoda serve` replicas")
+    router_options.add_cli_args(p)
+    p.add_argument("--log-level", default=None, choices=LOG_LEVELS,
+                   help="default: the global --log-level (pagoda --log-level LEVEL router), else info")
+    p.set_defaults(func=cmd_router, default_log_level="info")
 
     p = sub.add_parser("pull", help="download a catalog model into the local store")
     p.add_argument("name")

@@ -1,0 +1,417 @@
+"""`pagoda router`: an OpenAI-compatible front for several `pagoda serve` replicas.
+
+A request goes through, in order: the gateway limits (429 at once past them), the routing
+policy (which available worker), the worker (httpx, one shared connection pool), and back.
+
+- Retry: a request that failed before any byte went to the client (the worker refused the
+  connection, timed out, answered 502/503/504, or died before answering / before its stream's
+  first bytes) is tried once more on another worker. A non-streaming answer is read whole
+  before it is sent on, so a worker dying mid-generation costs the client a retry, not an error.
+- A stream that breaks after bytes went out cannot be retried: it ends with an SSE error event
+  and `data: [DONE]` (proxy.RelayResponse).
+- Every answer carries `x-pagoda-worker`, the URL of the worker that gave it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import secrets
+from dataclasses import dataclass, field
+from typing import Any
+
+import httpx
+import orjson
+from starlette.applications import Starlette
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+from starlette.routing import Route
+
+from pagoda import __version__
+from pagoda.router.affinity import RouteRequest, route_request
+from pagoda.router.limits import GatewayLimits
+from pagoda.router.metrics import RouterMetrics
+from pagoda.router.policies import Decision, Policy, make_policy
+from pagoda.router.proxy import (
+    GONE, WORKER_HEADER, BodyTooLarge, OpenAIErrorResponse, RelayResponse, answer_headers, forward_headers,
+    is_event_stream, read_body, until_disconnected,
+)
+from pagoda.router.workers import BreakerState, Worker, WorkerRegistry, normalize_url
+
+logger = logging.getLogger("pagoda.router")
+
+MAX_ATTEMPTS = 2  # the first worker, and one retry elsewhere
+RETRYABLE_STATUS = frozenset({502, 503, 504})  # the worker could not take it; another may
+MODELS_TIMEOUT = 10.0  # seconds for a worker's /v1/models (a hung worker must not hang the list)
+
+
+@dataclass
+class RouterConfig:
+    workers: list[str] = field(default_factory=list)
+    policy: str = "cache_aware"
+    admin_key: str | None = None
+    max_requests_in_flight: int | None = None
+    qps: float | None = None
+    qps_per_key: float | None = None
+    warmup_seconds: float = 30.0
+    health_interval: float = 5.0
+    connect_timeout: float = 5.0
+    request_timeout: float | None = None  # seconds between bytes from a worker; None: no limit
+    breaker_failures: int = 3
+    breaker_open_seconds: float = 10.0
+    cache_threshold: float = 0.5
+    balance_abs_threshold: int = 16
+    balance_rel_threshold: float = 1.5
+
+
+@dataclass
+class _Failure:
+    """An attempt that another worker may redo; `answer` is the worker's own error response, if
+    it gave one (passed on when there is no other worker to try)."""
+
+    reason: str
+    answer: Response | None = None
+
+
+class _Lease:
+    """One request's count in a worker's `in_flight`, given back exactly once."""
+
+    def __init__(self, worker: Worker) -> None:
+        self.worker, self.held = worker, True
+        worker.in_flight += 1
+
+    def release(self) -> None:
+        if self.held:
+            self.held = False
+            self.worker.in_flight -= 1
+
+
+class Router:
+    """The router's state (workers, policy, limits, metrics) and the forwarding of requests."""
+
+    def __init__(self, config: RouterConfig) -> None:
+        self.config = config
+        self.registry = WorkerRegistry(warmup_seconds=config.warmup_seconds, failure_threshold=config.breaker_failures,
+                                       breaker_open_seconds=config.breaker_open_seconds,
+                                       probe_timeout=max(1.0, min(config.health_interval, 5.0)))
+        self.policy: Policy = make_policy(config.policy, **self._cache_aware_options())
+        self.limits = GatewayLimits(config.qps, config.qps_per_key, config.max_requests_in_flight)
+        self.metrics = RouterMetrics(lambda: list(self.registry.workers.values()))
+        self.client: httpx.AsyncClient | None = None
+        self._probes: asyncio.Task | None = None
+        for url in config.workers:
+            self.add_worker(url)
+
+    def _cache_aware_options(self) -> dict[str, Any]:
+        c = self.config
+        if c.policy != "cache_aware":
+            return {}
+        return {"cache_threshold": c.cache_threshold, "balance_abs_threshold": c.balance_abs_threshold,
+                "balance_rel_threshold": c.balance_rel_threshold}
+
+    # --- workers ---------------------------------------------------------------------------
+
+    def add_worker(self, url: str) -> Worker:
+        worker = self.registry.add(url)
+        self.policy.add_worker(worker.url)
+        return worker
+
+    def remove_worker(self, url: str) -> bool:
+        worker = self.registry.remove(url)
+        if worker is not None:
+            self.policy.remove_worker(worker.url)
+        return worker is not None
+
+    async def start(self) -> None:
+        """Open the connection pool, learn the workers' health (at full weight: the workers the
+        router starts with are not warmed up against each other), then probe on the interval."""
+        timeout = httpx.Timeout(connect=self.config.connect_timeout, read=self.config.request_timeout,
+                                write=60.0, pool=None)
+        self.client = httpx.AsyncClient(timeout=timeout, limits=httpx.Limits(max_connections=None,
+                                                                             max_keepalive_connections=256))
+        await self.registry.probe_all(self.client, warm=False)
+        self._probes = asyncio.create_task(self.registry.probe_forever(self.client, self.config.health_interval))
+
+    async def stop(self) -> None:
+        if self._probes is not None:
+            self._probes.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._probes
+        if self.client is not None:
+            await self.client.aclose()
+
+    # --- forwarding ------------------------------------------------------------------------
+
+    async def forward(self, request: Request, path: str) -> Response:
+        """Proxy one POST (a completion, chat, or any other /v1 call) to a worker."""
+        try:
+            body = await read_body(request)
+        except BodyTooLarge:
+            return OpenAIErrorResponse("the request body is larger than the router's limit", 413,
+                                       "invalid_request_error", "request_too_large")
+        rejection = self.limits.admit(_bearer_token(request))
+        if rejection is not None:
+            self.metrics.rejected.labels(rejection.level).inc()
+            return OpenAIErrorResponse(rejection.message, 429, "rate_limit_error", "rate_limit_exceeded",
+                                       headers={"Retry-After": rejection.retry_after_header})
+        answer: Any = None
+        try:
+            answer = await until_disconnected(request, self._dispatch(request, path, body))
+            return answer if answer is not GONE else Response(status_code=499)
+        finally:
+            if isinstance(answer, RelayResponse):
+                answer.on_close(self.limits.release)  # the slot is held until the stream ends
+            else:
+                self.limits.release()
+
+    async def _dispatch(self, request: Request, path: str, body: bytes) -> Response:
+        route = route_request(request.headers, _parse_json(body))
+        headers = forward_headers(request.headers)
+        tried: set[str] = set()
+        failure: _Failure | None = None
+        for attempt in range(MAX_ATTEMPTS):
+            candidates = self.registry.available(exclude=tried)
+            if not candidates:
+                break
+            decision = self._choose(route, candidates)
+            tried.add(decision.worker.url)
+            if attempt:
+                self.metrics.retries.inc()
+                logger.info("retrying on %s after: %s", decision.worker.url, failure.reason if failure else "")
+            outcome = await self._attempt(decision.worker, path, body, headers)
+            if not isinstance(outcome, _Failure):
+                return outcome
+            failure = outcome
+        if failure is None:
+            return OpenAIErrorResponse("no worker is available", 503, "server_error", "no_available_worker")
+        if failure.answer is not None:
+            return failure.answer
+        return OpenAIErrorResponse(f"no worker could answer: {failure.reason}", 502, "server_error", "worker_failed")
+
+    def _choose(self, route: RouteRequest, candidates: list[Worker]) -> Decision:
+        decision = self.policy.choose(route, candidates)
+        self.policy.routed(route, decision.worker)
+        self.metrics.decisions.labels(decision.reason).inc()
+        if self.policy.name == "cache_aware" and decision.reason != "session":
+            self.metrics.prefix_match.observe(decision.matched_chars)
+        return decision
+
+    async def _attempt(self, worker: Worker, path: str, body: bytes, headers: dict[str, str]) -> Response | _Failure:
+        """Send the request to `worker`: its answer, or a `_Failure` if nothing reached the client
+        and another worker may try. A stream is handed to a RelayResponse, which then owns the
+        worker's response and in-flight count."""
+        assert self.client is not None
+        worker.requests += 1
+        is_trial = worker.breaker.on_dispatch()
+        self.metrics.requests.labels(worker.url).inc()
+        lease, upstream, handed_over = _Lease(worker), None, False
+        try:
+            outgoing = self.client.build_request("POST", worker.url + path, content=body, headers=headers)
+            upstream = await self.client.send(outgoing, stream=True)
+            if upstream.status_code in RETRYABLE_STATUS:
+                content = await _read_raw(upstream)
+                self._failed(worker, "status", f"{worker.url} answered {upstream.status_code}")
+                return _Failure(f"{worker.url} answered {upstream.status_code}",
+                                Response(content, upstream.status_code, answer_headers(upstream, worker.url)))
+            if is_event_stream(upstream):
+                chunks = upstream.aiter_raw()
+                first = await anext(chunks, b"")  # fail here and another worker can still take it
+                self.registry.record_success(worker)
+                relay = RelayResponse(first, chunks, status_code=upstream.status_code,
+                                      headers=answer_headers(upstream, worker.url),
+                                      on_broken=lambda e: self._failed(worker, "stream", repr(e)))
+                relay.on_close(upstream.aclose)
+                relay.on_close(lease.release)
+                handed_over = True
+                return relay
+            content = await _read_raw(upstream)
+            self.registry.record_success(worker)
+            return Response(content, upstream.status_code, answer_headers(upstream, worker.url))
+        except httpx.HTTPError as e:
+            kind = "connect" if isinstance(e, httpx.ConnectError) else \
+                "timeout" if isinstance(e, httpx.TimeoutException) else "transport"
+            self._failed(worker, kind, f"{worker.url}: {type(e).__name__} {e}".strip(),
+                         refused=isinstance(e, httpx.ConnectError))
+            return _Failure(f"{worker.url}: {type(e).__name__}")
+        finally:
+            if not handed_over:
+                if is_trial and worker.breaker.state is BreakerState.HALF_OPEN:
+                    worker.breaker.abandon_trial()  # no verdict (the client left): another request may try
+                lease.release()
+                if upstream is not None:
+                    await upstream.aclose()
+
+    def _failed(self, worker: Worker, kind: str, detail: str, *, refused: bool = False) -> None:
+        logger.warning("worker %s failed (%s): %s", worker.url, kind, detail)
+        self.metrics.errors.labels(worker.url, kind).inc()
+        self.registry.record_failure(worker, detail, refused=refused)
+
+    # --- the other routes ------------------------------------------------------------------
+
+    async def models(self, request: Request) -> Response:
+        """The union of the available workers' models (by id, first answer wins)."""
+        assert self.client is not None
+        workers = self.registry.available()
+        headers = forward_headers(request.headers)
+        answers = await asyncio.gather(*(self.client.get(f"{w.url}/v1/models", headers=headers, timeout=MODELS_TIMEOUT)
+                                         for w in workers), return_exceptions=True)
+        seen: dict[str, dict] = {}
+        statuses = []
+        for answer in answers:
+            if isinstance(answer, BaseException):
+                continue
+            statuses.append(answer.status_code)
+            if answer.status_code == 200:
+                for model in _models_of(answer):
+                    seen.setdefault(model.get("id"), model)
+        if not seen and statuses and all(s == 401 for s in statuses):
+            return OpenAIErrorResponse("invalid or missing API key", 401, "authentication_error", "invalid_api_key")
+        if not seen and not statuses:
+            return OpenAIErrorResponse("no worker is available", 503, "server_error", "no_available_worker")
+        return JSONResponse({"object": "list", "data": list(seen.values())})
+
+    def health(self) -> Response:
+        available = len(self.registry.available())
+        if available:
+            return JSONResponse({"status": "ok", "available_workers": available})
+        return OpenAIErrorResponse("no worker is available", 503, "server_error", "no_available_worker")
+
+    def describe(self) -> dict:
+        return {"policy": self.policy.name, "in_flight": self.limits.in_flight,
+                "workers": [w.describe() for w in self.registry.workers.values()]}
+
+
+def _models_of(answer: httpx.Response) -> list[dict]:
+    """The model entries of a worker's /v1/models answer (none if it is not the expected JSON)."""
+    try:
+        data = answer.json().get("data", [])
+    except (ValueError, AttributeError):
+        return []
+    return [m for m in data if isinstance(m, dict)] if isinstance(data, list) else []
+
+
+async def _read_raw(upstream: httpx.Response) -> bytes:
+    """The worker's body as sent (not decoded: its Content-Encoding header goes on with it)."""
+    return b"".join([chunk async for chunk in upstream.aiter_raw()])
+
+
+def _parse_json(body: bytes) -> Any:
+    try:
+        return orjson.loads(body)
+    except orjson.JSONDecodeError:
+        return None  # the worker will say what is wrong with it
+
+
+def _bearer_token(request: Request) -> str:
+    """The API key a request carries ("" without one): the unit of the per-key rate limit."""
+    auth = request.headers.get("authorization", "")
+    return auth[7:] if auth[:7].lower() == "bearer " else auth
+
+
+def build_app(config: RouterConfig) -> Starlette:
+    router = Router(config)
+
+    def admin_refusal(request: Request) -> Response | None:
+        if not config.admin_key:
+            return OpenAIErrorResponse("admin routes are off: start the router with --admin-key", 403,
+                                       "permission_error", "admin_disabled")
+        if not secrets.compare_digest(request.headers.get("authorization", ""), f"Bearer {config.admin_key}"):
+            return OpenAIErrorResponse("invalid or missing admin key", 401, "authentication_error", "invalid_api_key")
+        return None
+
+    async def proxied(request: Request) -> Response:
+        return await router.forward(request, request.url.path)
+
+    async def models(request: Request) -> Response:
+        return await router.models(request)
+
+    async def health(_request: Request) -> Response:
+        return router.health()
+
+    async def metrics(_request: Request) -> Response:
+        return Response(router.metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8")
+
+    async def version(_request: Request) -> Response:
+        return JSONResponse({"version": __version__})
+
+    async def list_workers(request: Request) -> Response:
+        return admin_refusal(request) or JSONResponse(router.describe())
+
+    async def add_worker(request: Request) -> Response:
+        if (refusal := admin_refusal(request)) is not None:
+            return refusal
+        try:
+            url = normalize_url(await _url_from(request))
+        except ValueError as e:
+            return OpenAIErrorResponse(str(e), 400, "invalid_request_error", "invalid_worker_url")
+        known = router.registry.get(url) is not None
+        worker = router.add_worker(url)
+        if not known:
+            assert router.client is not None
+            await router.registry.probe(worker, router.client)  # warm-up starts once it answers
+        return JSONResponse(worker.describe(), status_code=200 if known else 201)
+
+    async def remove_worker(request: Request) -> Response:
+        if (refusal := admin_refusal(request)) is not None:
+            return refusal
+        try:
+            url = normalize_url(await _url_from(request))
+        except ValueError as e:
+            return OpenAIErrorResponse(str(e), 400, "invalid_request_error", "invalid_worker_url")
+        if not router.remove_worker(url):
+            return OpenAIErrorResponse(f"no worker {url}", 404, "invalid_request_error", "worker_not_found")
+        return JSONResponse({"removed": url})
+
+    @contextlib.asynccontextmanager
+    async def lifespan(_app: Starlette):
+        await router.start()
+        try:
+            yield
+        finally:
+            await router.stop()
+
+    routes = [
+        Route("/health", health, methods=["GET"]),
+        Route("/metrics", metrics, methods=["GET"]),
+        Route("/version", version, methods=["GET"]),
+        Route("/v1/models", models, methods=["GET"]),
+        Route("/workers", list_workers, methods=["GET"]),
+        Route("/workers", add_worker, methods=["POST"]),
+        Route("/workers", remove_worker, methods=["DELETE"]),
+        Route("/v1/{path:path}", proxied, methods=["POST"]),
+        Route("/tokenize", proxied, methods=["POST"]),
+        Route("/detokenize", proxied, methods=["POST"]),
+    ]
+    app = Starlette(routes=routes, lifespan=lifespan)
+    app.state.router = router
+    return app
+
+
+async def _url_from(request: Request) -> str:
+    """A worker URL from the body ({"url": ...}) or the query (?url=...)."""
+    if url := request.query_params.get("url"):
+        return url
+    try:
+        body = orjson.loads(await request.body())
+    except orjson.JSONDecodeError:
+        body = None
+    if isinstance(body, dict) and isinstance(body.get("url"), str):
+        return body["url"]
+    raise ValueError('give the worker as {"url": "http://HOST:PORT"} or ?url=')
+
+
+def run_router(config: RouterConfig, host: str, port: int, log_level: str = "info") -> int:
+    import uvicorn
+
+    if not config.workers:
+        logger.warning("starting with no workers: add them with POST /workers")
+    app = build_app(config)
+    logging.getLogger("httpx").setLevel(logging.WARNING)  # a line per proxied request otherwise
+    print(f"pagoda {__version__}: router ({config.policy}) for {len(config.workers)} worker(s) on "
+          f"http://{host}:{port}/v1", flush=True)
+    uvicorn.run(app, host=host, port=port, log_level=log_level, access_log=False)
+    return 0
+
+
+__all__ = ["RouterConfig", "Router", "build_app", "run_router", "WORKER_HEADER"]

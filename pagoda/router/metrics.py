@@ -1,0 +1,64 @@
+"""The router's Prometheus metrics (`GET /metrics`), in a registry of its own, so that several
+routers (or a router beside a server, in one test process) do not share counters."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.core import GaugeMetricFamily
+
+from pagoda.router.workers import BreakerState, Worker
+
+PREFIX_MATCH_BUCKETS = (0, 16, 64, 256, 1024, 4096, 16384)
+BREAKER_VALUES = {BreakerState.CLOSED: 0, BreakerState.HALF_OPEN: 1, BreakerState.OPEN: 2}
+
+
+class _WorkerCollector:
+    """Per-worker gauges read at scrape time, so a removed worker simply stops appearing."""
+
+    def __init__(self, workers: Callable[[], Iterable[Worker]]) -> None:
+        self.workers = workers
+
+    def collect(self):
+        gauges = [
+            ("pagoda_router:worker_healthy", "1 while the worker's health probes pass.", lambda w: float(w.healthy)),
+            ("pagoda_router:worker_available", "1 while the worker takes requests (healthy, breaker not open).",
+             lambda w: float(w.available)),
+            ("pagoda_router:worker_in_flight", "Requests sent to the worker and not yet finished.",
+             lambda w: float(w.in_flight)),
+            ("pagoda_router:worker_weight", "Share of traffic during warm-up (0-1).", lambda w: w.weight()),
+            ("pagoda_router:worker_breaker_state", "Circuit breaker: 0 closed, 1 half-open, 2 open.",
+             lambda w: float(BREAKER_VALUES[w.breaker.state])),
+        ]
+        workers = list(self.workers())
+        for name, doc, read in gauges:
+            family = GaugeMetricFamily(name, doc, labels=["worker"])
+            for w in workers:
+                family.add_metric([w.url], read(w))
+            yield family
+
+
+class RouterMetrics:
+    def __init__(self, workers: Callable[[], Iterable[Worker]]) -> None:
+        self.registry = CollectorRegistry()
+        r = self.registry
+        self.requests = Counter("pagoda_router:requests", "Requests sent to a worker (retries included).",
+                                ["worker"], registry=r)
+        self.errors = Counter("pagoda_router:worker_errors",
+                              "Requests a worker did not answer: connect, timeout, status (502/503/504), stream "
+                              "(broken after it started).", ["worker", "kind"], registry=r)
+        self.decisions = Counter("pagoda_router:routing_decisions",
+                                 "Routing decisions by reason: session (explicit key on the ring), hash (derived "
+                                 "key on the ring), prefix (prefix-tree hit), load, round_robin.",
+                                 ["reason"], registry=r)
+        self.prefix_match = Histogram("pagoda_router:prefix_match_chars",
+                                      "cache_aware: characters of the prompt matched in the chosen worker's tree.",
+                                      buckets=PREFIX_MATCH_BUCKETS, registry=r)
+        self.retries = Counter("pagoda_router:retries", "Requests retried on another worker.", registry=r)
+        self.rejected = Counter("pagoda_router:rate_limited", "Requests refused with 429 by the router, by limit.",
+                                ["level"], registry=r)
+        r.register(_WorkerCollector(workers))
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)

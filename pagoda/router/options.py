@@ -1,0 +1,57 @@
+"""The `pagoda router` command line. Light on purpose: `pagoda --help` builds this parser, so it
+imports only argparse; the router itself (Starlette, httpx, uvicorn) loads when it runs."""
+
+from __future__ import annotations
+
+import argparse
+
+from pagoda.router import POLICIES
+
+
+def add_cli_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--worker", action="append", default=[], metavar="URL",
+                   help="a `pagoda serve` replica, e.g. http://127.0.0.1:8001 (repeat for each; more can be added "
+                        "at run time with POST /workers)")
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--policy", default="cache_aware", choices=POLICIES,
+                   help="how a request picks its worker (docs/architecture.md, 'The router')")
+    p.add_argument("--admin-key", default=None,
+                   help="bearer token for GET/POST/DELETE /workers (without it those routes are off; also "
+                        "PAGODA_ROUTER_ADMIN_KEY)")
+    p.add_argument("--max-requests-in-flight", type=int, default=None,
+                   help="requests the router holds at once before it answers 429 (default: no bound)")
+    p.add_argument("--qps", type=float, default=None, help="requests a second over all clients (default: no limit)")
+    p.add_argument("--qps-per-key", type=float, default=None,
+                   help="requests a second per API key (the Authorization bearer token; default: no limit)")
+    p.add_argument("--warmup-seconds", type=float, default=30.0,
+                   help="a worker that joins or recovers ramps from 10%% to its full share of traffic over this window")
+    p.add_argument("--health-interval", type=float, default=5.0,
+                   help="seconds between GET /health probes of each worker")
+    p.add_argument("--request-timeout", type=float, default=None,
+                   help="seconds to wait for the next bytes from a worker before giving up on it (default: no limit)")
+    p.add_argument("--breaker-failures", type=int, default=3,
+                   help="failures in a row that open a worker's circuit breaker")
+    p.add_argument("--breaker-open-seconds", type=float, default=10.0,
+                   help="how long an open breaker keeps a worker out before one trial request")
+    p.add_argument("--cache-threshold", type=float, default=0.5,
+                   help="cache_aware: the part of a prompt a worker must have seen to be chosen for its cache")
+    p.add_argument("--balance-abs-threshold", type=int, default=16,
+                   help="cache_aware: in-flight difference (max - min) beyond which load wins over cache")
+    p.add_argument("--balance-rel-threshold", type=float, default=1.5,
+                   help="cache_aware: ... and max in flight above this times min")
+
+
+def run(ns: argparse.Namespace) -> int:
+    import os
+
+    from pagoda.router.app import RouterConfig, run_router
+
+    config = RouterConfig(
+        workers=ns.worker, policy=ns.policy, admin_key=ns.admin_key or os.environ.get("PAGODA_ROUTER_ADMIN_KEY"),
+        max_requests_in_flight=ns.max_requests_in_flight, qps=ns.qps, qps_per_key=ns.qps_per_key,
+        warmup_seconds=ns.warmup_seconds, health_interval=ns.health_interval, request_timeout=ns.request_timeout,
+        breaker_failures=ns.breaker_failures, breaker_open_seconds=ns.breaker_open_seconds,
+        cache_threshold=ns.cache_threshold, balance_abs_threshold=ns.balance_abs_threshold,
+        balance_rel_threshold=ns.balance_rel_threshold)
+    return run_router(config, ns.host, ns.port, ns.log_level)

@@ -1,0 +1,108 @@
+"""Real processes for the router's integration tests: `pagoda serve` replicas of the tiny model
+and `pagoda router` in front of them, all on 127.0.0.1. Readiness is polled, never slept for."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+
+import httpx
+import pytest
+
+from server_process import _free_port, start_server
+
+ADMIN_KEY = "admin-secret"
+
+
+def start_replicas(model_dir, n: int = 2, *extra: str) -> list[tuple[subprocess.Popen, str]]:
+    """`n` replicas started side by side (each ~5 s alone)."""
+    with ThreadPoolExecutor(n) as pool:
+        return list(pool.map(lambda _: start_server(model_dir, *extra), range(n)))
+
+
+def stop(proc: subprocess.Popen) -> None:
+    if proc.poll() is None:
+        proc.terminate()
+        try:
+            proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+
+class RouterProcess:
+    """`pagoda router` as a subprocess; its log goes to a temporary file (read on failure)."""
+
+    def __init__(self, workers: list[str], *extra: str) -> None:
+        self.port = _free_port()
+        self.base = f"http://127.0.0.1:{self.port}"
+        self.log = tempfile.NamedTemporaryFile("w+", prefix="pagoda-router-", suffix=".log")
+        cmd = [sys.executable, "-m", "pagoda.entrypoints.cli", "router", "--port", str(self.port),
+               "--log-level", "warning", "--health-interval", "0.3", "--admin-key", ADMIN_KEY,
+               *[arg for url in workers for arg in ("--worker", url)], *extra]
+        self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT, text=True)
+        self._wait_ready()
+
+    def _wait_ready(self, timeout: float = 60) -> None:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"router exited: {self.output()}")
+            try:
+                if httpx.get(f"{self.base}/health", timeout=1).status_code == 200:
+                    return
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.1)
+        self.stop()
+        raise RuntimeError(f"router did not come up: {self.output()}")
+
+    def output(self) -> str:
+        self.log.flush()
+        self.log.seek(0)
+        return self.log.read()
+
+    def workers(self) -> dict[str, dict]:
+        """GET /workers, by URL."""
+        answer = httpx.get(f"{self.base}/workers", headers={"Authorization": f"Bearer {ADMIN_KEY}"}, timeout=5)
+        answer.raise_for_status()
+        return {w["url"]: w for w in answer.json()["workers"]}
+
+    def stop(self) -> None:
+        stop(self.proc)
+        self.log.close()
+
+
+def wait_for(condition, timeout: float = 20.0, interval: float = 0.1, what: str = "condition"):
+    """Poll `condition()` until it returns something truthy (returned), or fail after `timeout`."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if value := condition():
+            return value
+        time.sleep(interval)
+    raise AssertionError(f"timed out waiting for {what}")
+
+
+# The tiny Llama with a 16k context, so that a request can be kept running while a test acts.
+LONG_CONTEXT = ("--kv-cache-memory", "0.05", "--max-model-len", "16384")
+
+
+@pytest.fixture(scope="session")
+def replicas(long_tiny_llama) -> Iterator[list[str]]:
+    """Two replicas of the tiny Llama, shared by the router tests that do not kill them."""
+    started = start_replicas(long_tiny_llama, 2, *LONG_CONTEXT)
+    yield [base for _, base in started]
+    for proc, _ in started:
+        stop(proc)
+
+
+@pytest.fixture(scope="module")
+def router(replicas) -> Iterator[RouterProcess]:
+    """A cache_aware router (the default policy) in front of the shared replicas."""
+    r = RouterProcess(replicas)
+    yield r
+    r.stop()
