@@ -1,69 +1,133 @@
-"""Speculative decoding (n-gram prompt lookup) against plain decoding, side by side in one run.
+"""Speculative decoding against plain decoding, side by side in one run: n-gram prompt lookup on a
+workload with repetition, and a draft model (the GGUF SmolLM2 drafting for the fp32 one) on chat.
 
-    python benchmarks/spec_decode.py        # writes results/spec-decode-<date>.json
+    python benchmarks/spec_decode.py                 # writes results/spec-decode-<date>.json
+    python benchmarks/spec_decode.py --streams 1     # one concurrency only
 
-SmolLM2-135M-Instruct fp32 (the catalog GGUF, dequantized), greedy, 128 new tokens, chat prompts
-that ask for text the prompt already holds (repeat / lightly edit a paragraph, quote code): the
-workload prompt lookup is for. 1, 4 and 16 streams through LLM.chat, with the default
-`disable_by_batch_size` (4: no drafts above 4 running requests); decode tok/s = new tokens /
-wall time after the prompt (a 1-token run is timed first and subtracted); acceptance from
-engine stats.
+Target: SmolLM2-135M-Instruct fp32 (the catalog GGUF, dequantized). Greedy, 128 new tokens.
+Each configuration gets a fresh engine, a warm-up request, then all streams at once through
+``LLMEngine.add_request`` / ``step``: every step's new tokens are timed as they come out.
+
+- decode tok/s: new tokens after each request's first / the time from its first token to its last
+  (summed over requests at 1 stream; at N streams, all tokens / the span from the first first
+  token to the last token);
+- ITL: the gap between a request's successive outputs divided by the tokens that output brought
+  (a run of accepted drafts arrives at once), p50 / p99 over all tokens;
+- TTFT: arrival to first token, mean;
+- acceptance: rate, mean accepted length (tokens per verification, the target's own included),
+  per draft position, and draft / verify seconds from the engine's stats.
+
+Plain and speculative answers must be equal (the script asserts it).
 """
 
 from __future__ import annotations
 
+import argparse
 import json
 import time
 from datetime import date
 from pathlib import Path
 
+import numpy as np
+
 HERE = Path(__file__).parent
+MODEL = "smollm2-135m-instruct"
 PARAGRAPH = ("The paged KV cache stores keys and values in fixed-size blocks. A block table maps each "
              "sequence to its blocks, so memory is allocated on demand and shared between requests "
              "that start with the same prompt.")
 CODE = "def add(a, b):\n    return a + b\n\n\ndef mul(a, b):\n    return a * b\n"
-TASKS = [f"Repeat this text exactly:\n\n{PARAGRAPH}", f"Copy this code and add a docstring to each function:\n\n{CODE}",
-         f"Rewrite this text, replacing 'blocks' with 'pages':\n\n{PARAGRAPH}", f"Quote this code back:\n\n{CODE}"]
+REPETITION = [f"Repeat this text exactly:\n\n{PARAGRAPH}", f"Copy this code and add a docstring to each function:\n\n{CODE}",
+              f"Rewrite this text, replacing 'blocks' with 'pages':\n\n{PARAGRAPH}", f"Quote this code back:\n\n{CODE}"]
+CHAT = ["Write a short story about a robot learning to paint.", "Explain how a hash table works.",
+        "What are the benefits of regular exercise?", "Give me three tips for learning a new language.",
+        "Describe the water cycle for a ten-year-old.", "Why is the sky blue?",
+        "Summarize the plot of a heist movie you invent.", "How do I make a good cup of coffee?"]
+NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 2, "prompt_lookup_max": 5}
+DRAFT = {"method": "draft_model", "model": MODEL, "quantization": "gguf", "num_speculative_tokens": 4}
 
 
-def run(spec: dict | None, streams: int) -> dict:
+def run(spec: dict | None, prompts: list[str], streams: int, max_tokens: int = 128) -> dict:
     from pagoda import LLM, SamplingParams
 
-    llm = LLM("smollm2-135m-instruct", dtype="float32", kv_cache_memory=0.5, speculative_config=spec)
-    conversations = [[{"role": "user", "content": TASKS[i % len(TASKS)]}] for i in range(streams)]
-    llm.chat(conversations, SamplingParams(max_tokens=1, temperature=0.0), use_tqdm=False)  # warm the prefix cache
-    start = time.perf_counter()
-    llm.chat(conversations, SamplingParams(max_tokens=1, temperature=0.0), use_tqdm=False)
-    prefill = time.perf_counter() - start
-    before = llm.engine.stats()
-    start = time.perf_counter()
-    outs = llm.chat(conversations, SamplingParams(max_tokens=128, temperature=0.0, ignore_eos=True), use_tqdm=False)
-    seconds = time.perf_counter() - start - prefill
-    stats = llm.engine.stats()
-    drafts = stats["spec_draft_tokens"] - before["spec_draft_tokens"]
-    accepted = stats["spec_accepted_tokens"] - before["spec_accepted_tokens"]
-    tokens = sum(len(o.outputs[0].token_ids) for o in outs)
-    return {"speculative_config": spec, "streams": streams, "decode_tok_per_s": tokens / seconds,
-            "draft_tokens": drafts, "accepted_tokens": accepted,
-            "acceptance": accepted / drafts if drafts else None, "tokens": [o.outputs[0].token_ids for o in outs]}
+    llm = LLM(MODEL, dtype="float32", kv_cache_memory=0.5, speculative_config=spec)
+    engine = llm.engine
+    tokenizer = llm.get_tokenizer()
+    chats = [tokenizer.encode_chat([{"role": "user", "content": prompts[i % len(prompts)]}]) for i in range(streams)]
+    warm = tokenizer.encode("Tell me about the weather in spring and in autumn. " * 6)  # a prefill and decode steps
+    llm.generate([{"prompt_token_ids": warm}], SamplingParams(max_tokens=16, temperature=0.0), use_tqdm=False)
+    before = engine.stats()
+    params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+    arrival, seen, times, tokens = {}, {}, {}, {}
+    for i, prompt in enumerate(chats):
+        arrival[str(i)] = time.perf_counter()
+        engine.add_request(str(i), {"prompt_token_ids": prompt}, params)
+        seen[str(i)], times[str(i)], tokens[str(i)] = 0, [], []
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            now = time.perf_counter()
+            ids = out.outputs[0].token_ids
+            if len(ids) > seen[out.request_id]:
+                times[out.request_id].append((now, len(ids) - seen[out.request_id]))
+                seen[out.request_id] = len(ids)
+                tokens[out.request_id] = list(ids)
+    stats = engine.stats()
+    llm.shutdown()
+    return _figures(spec, streams, arrival, times, tokens, before, stats)
+
+
+def _figures(spec, streams, arrival, times, tokens, before, stats) -> dict:
+    ttft = [times[r][0][0] - arrival[r] for r in arrival]
+    itl = []
+    for r in times:
+        for (t0, _), (t1, n) in zip(times[r], times[r][1:]):
+            itl += [(t1 - t0) / n] * n
+    first = min(times[r][0][0] for r in times)
+    last = max(times[r][-1][0] for r in times)
+    after_first = sum(len(tokens[r]) - 1 for r in tokens)
+    delta = {k: stats[k] - before[k] for k in ("spec_num_drafts", "spec_draft_tokens", "spec_accepted_tokens",
+                                                "spec_draft_seconds", "spec_verify_seconds")}
+    per_pos = [a - (before["spec_accepted_tokens_per_pos"][i] if i < len(before["spec_accepted_tokens_per_pos"]) else 0)
+               for i, a in enumerate(stats["spec_accepted_tokens_per_pos"])]
+    drafted_pos = [d - (before["spec_draft_tokens_per_pos"][i] if i < len(before["spec_draft_tokens_per_pos"]) else 0)
+                   for i, d in enumerate(stats["spec_draft_tokens_per_pos"])]
+    return {
+        "speculative_config": spec, "streams": streams, "decode_tok_per_s": after_first / (last - first),
+        "itl_p50_ms": 1000 * float(np.percentile(itl, 50)), "itl_p99_ms": 1000 * float(np.percentile(itl, 99)),
+        "ttft_mean_ms": 1000 * float(np.mean(ttft)), **delta,
+        "acceptance": delta["spec_accepted_tokens"] / delta["spec_draft_tokens"] if delta["spec_draft_tokens"] else None,
+        "mean_accepted_length": 1 + delta["spec_accepted_tokens"] / delta["spec_num_drafts"] if delta["spec_num_drafts"] else None,
+        "acceptance_per_position": [a / d if d else None for a, d in zip(per_pos, drafted_pos)],
+        "tokens": [tokens[r] for r in sorted(tokens, key=int)],
+    }
+
+
+def _line(label: str, plain: dict, fast: dict) -> str:
+    acc = (f"acceptance {fast['acceptance']:.2f}, mean length {fast['mean_accepted_length']:.2f}, per position "
+           f"{[round(a, 2) for a in fast['acceptance_per_position'] if a is not None]}"
+           if fast["acceptance"] is not None else "no drafts")
+    return (f"{label}, {plain['streams']:>2} stream(s): {plain['decode_tok_per_s']:.1f} -> {fast['decode_tok_per_s']:.1f} "
+            f"tok/s ({fast['decode_tok_per_s'] / plain['decode_tok_per_s']:.2f}x); ITL p50 {plain['itl_p50_ms']:.1f} -> "
+            f"{fast['itl_p50_ms']:.1f} ms, p99 {plain['itl_p99_ms']:.1f} -> {fast['itl_p99_ms']:.1f} ms; TTFT "
+            f"{plain['ttft_mean_ms']:.0f} -> {fast['ttft_mean_ms']:.0f} ms; {acc}")
 
 
 def main() -> None:
     from pagoda.platform import cpu_flags
 
-    spec = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 2, "prompt_lookup_max": 5}
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--streams", default="1,4,16")
+    ns = parser.parse_args()
     runs = []
-    for streams in (1, 4, 16):
-        plain, fast = run(None, streams), run(spec, streams)
-        assert plain["tokens"] == fast["tokens"], "speculation changed a greedy answer"
-        runs += [plain, fast]
-        print(f"{streams} stream(s): {plain['decode_tok_per_s']:.1f} -> {fast['decode_tok_per_s']:.1f} tok/s "
-              f"({fast['decode_tok_per_s'] / plain['decode_tok_per_s']:.2f}x), acceptance "
-              f"{fast['accepted_tokens']}/{fast['draft_tokens']}")
+    for streams in [int(s) for s in ns.streams.split(",")]:
+        for label, spec, prompts in (("ngram on repetition", NGRAM, REPETITION), ("draft model on chat", DRAFT, CHAT)):
+            plain, fast = run(None, prompts, streams), run(spec, prompts, streams)
+            assert plain["tokens"] == fast["tokens"], "speculation changed a greedy answer"
+            print(_line(label, plain, fast), flush=True)
+            runs += [{**plain, "workload": label}, {**fast, "workload": label}]
     for r in runs:
         del r["tokens"]
     out = HERE / "results" / f"spec-decode-{date.today()}.json"
-    out.write_text(json.dumps({"date": str(date.today()), "cpu_flags": sorted(
+    out.write_text(json.dumps({"date": str(date.today()), "model": MODEL, "cpu_flags": sorted(
         f for f in cpu_flags() if f.startswith(("avx", "amx", "fma"))), "runs": runs}, indent=2))
     print(f"wrote {out}")
 

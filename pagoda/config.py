@@ -97,6 +97,9 @@ class SpeculativeConfig:
     # shares each weight read, so verify rows cost nearly their full price (measured 1.00x at 4
     # streams on SmolLM2 fp32, benchmarks/README.md). None: always.
     disable_by_batch_size: int | None = DEFAULT_DISABLE_BY_BATCH_SIZE
+    # draft_model: fewer drafts (or none) for a request whose drafts the target keeps rejecting,
+    # from its measured acceptance and the measured cost of a draft pass (spec_decode/draft_model.py)
+    adaptive: bool = True
     # draft_model: the draft resolved against the device (create_engine_config fills it in)
     draft: ModelConfig | None = dataclasses.field(default=None, compare=False, repr=False)
 
@@ -135,6 +138,8 @@ class SpeculativeConfig:
             raise ValueError(f"speculative_config.disable_by_batch_size must be an integer >= 1 or null, got {limit!r}")
         if self.method == "draft_model" and not (isinstance(self.model, str) and self.model):
             raise ValueError("speculative_config.model: method 'draft_model' needs the draft's model (a name or path)")
+        if not isinstance(self.adaptive, bool):
+            raise ValueError(f"speculative_config.adaptive must be true or false, got {self.adaptive!r}")
         if self.method == "ngram" and self.model is not None:
             raise ValueError("speculative_config.model is for method 'draft_model', not 'ngram'")
 

@@ -146,7 +146,52 @@ def format_summary(m: dict, title: str) -> str:
         for k, v in m.items():
             if k.startswith("p") and k.endswith(f"_{key}_ms") and k != f"p50_{key}_ms":
                 lines.append(f"{k.split('_')[0].upper() + ' ' + key.upper() + ' (ms):':<40}{v:>10.2f}")
+    if m.get("spec_decode"):
+        lines += format_spec(m["spec_decode"])
     for e in m.get("errors", []):
         lines.append(f"error: {e}")
     lines.append("=" * w)
     return "\n".join(lines)
+
+
+# -- speculative decoding ------------------------------------------------------------------------
+SPEC_COUNTERS = ("num_drafts", "draft_tokens", "accepted_tokens", "draft_seconds", "verify_seconds")
+
+
+def spec_from_stats(stats: dict) -> dict:
+    """The speculative-decoding counters of ``LLMEngine.stats()``, named as ``spec_summary`` takes them."""
+    return {"num_drafts": stats["spec_num_drafts"], "draft_tokens": stats["spec_draft_tokens"],
+            "accepted_tokens": stats["spec_accepted_tokens"], "draft_seconds": stats["spec_draft_seconds"],
+            "verify_seconds": stats["spec_verify_seconds"], "draft_tokens_per_pos": stats["spec_draft_tokens_per_pos"],
+            "accepted_tokens_per_pos": stats["spec_accepted_tokens_per_pos"]}
+
+
+def spec_summary(before: dict, after: dict) -> dict | None:
+    """What speculative decoding did between two readings of its counters (``spec_from_stats`` or a
+    server's /metrics): acceptance rate, mean accepted length (tokens per verification, the
+    target's own included), acceptance per draft position, draft and verify seconds. None when
+    nothing was verified."""
+    delta = {k: after[k] - before.get(k, 0) for k in SPEC_COUNTERS}
+    if not delta["num_drafts"]:
+        return None
+
+    def per_pos(key: str) -> list[float]:
+        old = before.get(key, [])
+        return [v - (old[i] if i < len(old) else 0) for i, v in enumerate(after[key])]
+
+    drafted, accepted = per_pos("draft_tokens_per_pos"), per_pos("accepted_tokens_per_pos")
+    return {**delta, "acceptance_rate": delta["accepted_tokens"] / delta["draft_tokens"],
+            "mean_accepted_length": 1 + delta["accepted_tokens"] / delta["num_drafts"],
+            "acceptance_per_position": [a / d if d else 0.0 for a, d in zip(accepted, drafted)]}
+
+
+def format_spec(s: dict) -> list[str]:
+    w = 50
+    per_pos = ", ".join(f"{a:.2f}" for a in s["acceptance_per_position"])
+    return [f"{' Speculative Decoding ':-^{w}}",
+            f"{'Acceptance rate:':<40}{s['acceptance_rate']:>10.3f}",
+            f"{'Mean accepted length:':<40}{s['mean_accepted_length']:>10.2f}",
+            f"{'Verifications:':<40}{s['num_drafts']:>10.0f}",
+            f"{'Drafts / accepted:':<30}{s['draft_tokens']:>10.0f}{s['accepted_tokens']:>10.0f}",
+            f"Acceptance per position: {per_pos}",
+            f"{'Draft / verify time (s):':<30}{s['draft_seconds']:>10.2f}{s['verify_seconds']:>10.2f}"]

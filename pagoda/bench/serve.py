@@ -25,7 +25,9 @@ from datetime import datetime
 from typing import TYPE_CHECKING
 
 from pagoda.bench import datasets
-from pagoda.bench.metrics import DEFAULT_PERCENTILES, RequestResult, format_summary, parse_slos, percentile, summarize
+from pagoda.bench.metrics import (DEFAULT_PERCENTILES, RequestResult, format_summary, parse_slos, percentile,
+                                 spec_summary, summarize)
+from pagoda.bench.servers import scrape_spec_decode
 
 if TYPE_CHECKING:
     import httpx
@@ -179,6 +181,7 @@ async def benchmark(cfg: ServeConfig, requests: list[datasets.SampleRequest], *,
     """Run the load; returns (summary, per-request results)."""
     if cfg.model is None:
         cfg.model = await resolve_model_name(cfg)
+    spec_before = await asyncio.to_thread(scrape_spec_decode, cfg.base_url)
     async with _client(cfg, cfg.max_concurrency or len(requests)) as client:
         if warmup:  # a short request of its own (sharing no prefix with the load), not measured
             w = await send_request(client, cfg, datasets.SampleRequest("Hello, warm-up.", 4, 4), tokenizer)
@@ -206,6 +209,9 @@ async def benchmark(cfg: ServeConfig, requests: list[datasets.SampleRequest], *,
         if prober is not None:
             await prober
     summary = summarize(results, duration, slos, percentiles)
+    if spec_before is not None:
+        spec_after = await asyncio.to_thread(scrape_spec_decode, cfg.base_url)
+        summary["spec_decode"] = spec_summary(spec_before, spec_after) if spec_after else None
     summary.update({"max_concurrency": cfg.max_concurrency, "num_prompts": len(requests), "loadavg_1m": loadavg(),
                     "request_rate": cfg.request_rate if math.isfinite(cfg.request_rate) else "inf"})
     if cfg.probe_path:

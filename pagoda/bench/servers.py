@@ -97,3 +97,32 @@ def wait_idle(base_url: str, timeout: float = 60.0) -> dict[str, float]:
         if time.monotonic() > deadline:
             raise TimeoutError(f"the server is not idle after {timeout:g} s: {idle}")
         time.sleep(0.05)
+
+
+def scrape_spec_decode(base_url: str) -> dict | None:
+    """A pagoda server's speculative-decoding counters (per draft position too), as
+    ``metrics.spec_summary`` takes them; None when the server has none (not pagoda, or no /metrics)."""
+    names = {"pagoda:spec_decode_num_drafts_total": "num_drafts", "pagoda:spec_decode_num_draft_tokens_total": "draft_tokens",
+             "pagoda:spec_decode_num_accepted_tokens_total": "accepted_tokens",
+             "pagoda:spec_decode_draft_seconds_total": "draft_seconds",
+             "pagoda:spec_decode_verify_seconds_total": "verify_seconds"}
+    per_pos = {"pagoda:spec_decode_num_draft_tokens_per_pos_total": "draft_tokens_per_pos",
+               "pagoda:spec_decode_num_accepted_tokens_per_pos_total": "accepted_tokens_per_pos"}
+    try:
+        text = httpx.get(f"{base_url}/metrics", timeout=10).text
+    except httpx.HTTPError:
+        return None
+    out: dict = {key: 0.0 for key in names.values()} | {key: [] for key in per_pos.values()}
+    found = False
+    for line in text.splitlines():
+        head, _, value = line.rpartition(" ")
+        name = head.split("{")[0]
+        if name in names:
+            out[names[name]] += float(value)
+            found = True
+        elif name in per_pos:
+            position = int(head.split('position="')[1].split('"')[0])
+            values = out[per_pos[name]]
+            values += [0.0] * (position + 1 - len(values))
+            values[position] += float(value)
+    return out if found else None

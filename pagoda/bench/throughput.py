@@ -24,6 +24,7 @@ import sys
 import time
 
 from pagoda.bench import baselines, datasets
+from pagoda.bench.metrics import format_spec, spec_from_stats, spec_summary
 from pagoda.bench.serve import loadavg
 
 BACKENDS = ("pagoda", "hf", "llamacpp")
@@ -63,12 +64,14 @@ def run_pagoda(engine_args, prompts: list[list[int]], output_lens: list[int]) ->
     llm = LLM(**dataclasses.asdict(engine_args))
     llm.generate([{"prompt_token_ids": prompts[0][:8]}], SamplingParams(max_tokens=2), use_tqdm=False)  # warm-up
     params = [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True) for n in output_lens]
+    spec_before = spec_from_stats(llm.engine.stats())
     start = time.perf_counter()
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
     seconds = time.perf_counter() - start
     generated = [len(o.outputs[0].token_ids) for o in outs]
     return _result("pagoda", prompts, generated, seconds, backend="pagoda", steps=llm.engine.core.num_steps,
-                   dtype=str(llm.engine.config.model.dtype).removeprefix("torch."))
+                   dtype=str(llm.engine.config.model.dtype).removeprefix("torch."),
+                   spec_decode=spec_summary(spec_before, spec_from_stats(llm.engine.stats())))
 
 
 def run_hf(model: str, dtype, prompts, output_lens, batch_sizes: list[int], serial_prompts: int | None) -> list[dict]:
@@ -105,6 +108,8 @@ def _print_line(r: dict) -> None:
     print(f"{r['label']}: {r['requests_per_s']:.2f} requests/s, {r['input_tokens_per_s']:.1f} input tokens/s, "
           f"{r['output_tokens_per_s']:.1f} output tokens/s ({r['requests']} requests, {r['input_tokens']} + "
           f"{r['output_tokens']} tokens in {r['elapsed_s']:.1f} s)", flush=True)
+    if r.get("spec_decode"):
+        print("\n".join(format_spec(r["spec_decode"])), flush=True)
 
 
 def format_table(results: list[dict]) -> str:

@@ -9,6 +9,12 @@ how many leading positions of its cache hold the draft's K/V for the request's r
 what makes a prefix-cache hit a hit for the draft too. A block the scheduler hands out afresh
 (a new allocation, or one reused after eviction) is not filled until the draft writes all of it.
 
+A request whose drafts the target keeps rejecting gets fewer, or none (``adaptive``): the j-th
+draft of a run pays off when the chance that it and all before it are accepted, alpha^j, is at
+least what it costs, a draft pass over a target step (both measured as the engine runs; alpha
+from the request's own verifications, a decaying count of accepted drafts and of rejections).
+A request drafting nothing tries one draft every ``PROBE_EVERY`` steps to measure again.
+
 Each proposal runs k forward passes of the draft: the first over every token the draft has not
 seen (usually the target's last token, after an accepted run also the run's last draft; a
 whole prompt for a request that just finished its prefill), then one row per request per
@@ -20,6 +26,8 @@ which is exact whatever chose it.
 
 from __future__ import annotations
 
+import time
+
 import numpy as np
 import torch
 
@@ -30,11 +38,14 @@ from pagoda.worker.input_batch import InputBatch
 
 # A catch-up chunk of at most this many tokens over the draft's cached prefix runs as decode rows.
 SHORT_CHUNK = 32
+PROBE_EVERY = 16  # steps a request drafting nothing waits before it tries one draft again
+DECAY = 0.8  # weight of the past in a request's acceptance counts (recent verifications count most)
+TIMING = 0.1  # weight of each new measurement in the running draft-pass and target-step times
 
 
 class DraftModelProposer:
     def __init__(self, model: torch.nn.Module, kv_cache: torch.Tensor, batch: InputBatch, block_size: int,
-                 device: torch.device, num_speculative_tokens: int) -> None:
+                 device: torch.device, num_speculative_tokens: int, adaptive: bool = True) -> None:
         self.model = model
         self.backend = model.backend
         self.batch = batch
@@ -47,6 +58,41 @@ class DraftModelProposer:
         self.computed: dict[str, int] = {}  # request → leading positions the draft has computed
         self.proposed: dict[str, tuple[int, list[int]]] = {}  # request → (position of its drafts, drafts)
         self.num_tokens_run = 0  # tokens the draft has computed (a prefix-cache hit saves some)
+        self.adaptive = adaptive
+        self.acceptance: dict[str, list[float]] = {}  # request → [accepted drafts, rejections], decaying
+        self.idle_steps: dict[str, int] = {}  # request → steps it has drafted nothing
+        self.pass_seconds = 0.0  # running time of one draft pass
+        self.step_seconds = 0.0  # ... and of one target step
+
+    # -- how many drafts a request gets -----------------------------------------------------
+    def record_verification(self, rid: str, num_drafts: int, num_accepted: int) -> None:
+        """The target verified ``num_drafts`` of the request's drafts and accepted the first
+        ``num_accepted``: successes, and one failure unless all held."""
+        counts = self.acceptance.setdefault(rid, [0.0, 0.0])
+        counts[0] = DECAY * counts[0] + num_accepted
+        counts[1] = DECAY * counts[1] + (num_accepted < num_drafts)
+
+    def record_step(self, seconds: float) -> None:
+        """The target's last step took ``seconds`` (the unit a draft's cost is measured in)."""
+        self.step_seconds = seconds if not self.step_seconds else (1 - TIMING) * self.step_seconds + TIMING * seconds
+
+    def draft_length(self, rid: str) -> int:
+        """Drafts worth proposing for the request: the j-th while alpha^j >= draft pass / target
+        step (alpha: accepted / (accepted + rejections), with one accepted draft assumed up front)."""
+        if not self.adaptive or not self.step_seconds:
+            return self.k
+        accepted, rejected = self.acceptance.get(rid, (0.0, 0.0))
+        alpha = (accepted + 1) / (accepted + rejected + 1)
+        cost = self.pass_seconds / self.step_seconds
+        length = 0
+        while length < self.k and alpha ** (length + 1) >= cost:
+            length += 1
+        if length:
+            self.idle_steps.pop(rid, None)
+            return length
+        idle = self.idle_steps.get(rid, 0) + 1
+        self.idle_steps[rid] = 0 if idle >= PROBE_EVERY else idle
+        return 1 if idle >= PROBE_EVERY else 0
 
     # -- following the scheduler's blocks ---------------------------------------------------
     def observe(self, sched: SchedulerOutput) -> None:
@@ -57,6 +103,8 @@ class DraftModelProposer:
         for rid in sched.finished_req_ids:
             self.computed.pop(rid, None)
             self.proposed.pop(rid, None)
+            self.acceptance.pop(rid, None)
+            self.idle_steps.pop(rid, None)
         for new in sched.new_requests:
             self.computed.pop(new.req_id, None)
             self.proposed.pop(new.req_id, None)
@@ -79,10 +127,12 @@ class DraftModelProposer:
         for rid, tokens in new_tokens.items():
             row = b.index[rid]
             n = int(b.num_tokens[row])
+            if n == b.num_prompt[row]:
+                continue  # its first token: the draft's catch-up over the prompt waits a step, off the TTFT
             end = n + len(tokens)  # the request's length with the new tokens
             # the positions the draft may write: allocated, and inside the context
             room = min(int(b.num_blocks[row]) * bs, b.max_model_len)
-            k = min(self.k, room - end + 1, b.max_model_len - end)
+            k = min(self.draft_length(rid), room - end + 1, b.max_model_len - end)
             if k < 1:
                 continue
             b.token_ids[row, n:end] = tokens  # inputs for now; the next message brings the same tokens
@@ -142,10 +192,15 @@ class DraftModelProposer:
 
     def _forward(self, lay: BatchLayout) -> list[int]:
         """One draft pass; the greedy next token of each request, in ``lay.req_ids`` order."""
+        started = time.perf_counter()
         input_ids, positions, meta = prepare_inputs(self.batch, lay, self.backend, self.block_size, self.device)
         self.num_tokens_run += len(input_ids)
         with self.backend.batch_invariant(False), set_attention_metadata(meta):
             hidden = self.model(input_ids.to(self.device), positions.to(self.device))
             last = torch.from_numpy(lay.offsets + lay.counts - 1)
             logits = self.model.compute_logits(hidden[last.to(self.device)])
-        return logits.argmax(dim=-1).tolist()
+        tokens = logits.argmax(dim=-1).tolist()
+        if lay.num_decode_like == len(lay.req_ids):  # a pass of decode rows, the usual one (catch-ups vary)
+            seconds = time.perf_counter() - started
+            self.pass_seconds = seconds if not self.pass_seconds else (1 - TIMING) * self.pass_seconds + TIMING * seconds
+        return tokens

@@ -67,7 +67,7 @@ class ModelRunner:
         self.drafter = None
         if draft is not None:
             self.drafter = DraftModelProposer(draft[0], draft[1], self.batch, block_size, device,
-                                              speculative.num_speculative_tokens)
+                                              speculative.num_speculative_tokens, speculative.adaptive)
 
     # -- batch layout -----------------------------------------------------------------------
     # A short chunk over a cached prefix (a prefix-cache hit's remaining prompt tokens, the tail
@@ -92,7 +92,7 @@ class ModelRunner:
     # -- run --------------------------------------------------------------------------------
     @torch.inference_mode()
     def execute(self, sched: SchedulerOutput) -> ModelRunnerOutput:
-        started = time.perf_counter()
+        started = self._step_started = time.perf_counter()
         self.batch.apply(sched)
         if self.drafter is not None:
             self.drafter.observe(sched)
@@ -162,6 +162,8 @@ class ModelRunner:
                 generator = self.batch.states[rid].generator or self.sampler.generator
                 tokens = _accept_by_rejection(probs[at : at + n], drafts, generator)
             out.sampled_token_ids[rid] = tokens
+            if self.drafter is not None:
+                self.drafter.record_verification(rid, len(drafts), len(tokens) - 1)
             k = self.batch.states[rid].sampling_params.logprobs
             if k is not None:
                 out.logprobs[rid] = token_logprobs(raw_logprobs[at : at + len(tokens)], tokens, k)
@@ -172,6 +174,7 @@ class ModelRunner:
         that sampled: verification applies each request's sampling in full (``_verify``)."""
         spec, b = self.speculative, self.batch
         if self.drafter is not None:
+            self.drafter.record_step(time.perf_counter() - self._step_started)
             out.spec_token_ids.update(self.drafter.propose(out.sampled_token_ids))
             return
         for rid, tokens in out.sampled_token_ids.items():

@@ -29,6 +29,20 @@ def test_cli_prints_throughput_and_writes_json(tiny_llama, tmp_path, capsys):
     assert "llamacpp" in record["skipped"]
 
 
+def test_speculative_decoding_figures_are_printed_and_saved(tiny_llama, tmp_path, capsys):
+    out = tmp_path / "throughput.json"
+    spec = json.dumps({"method": "draft_model", "model": str(tiny_llama), "num_speculative_tokens": 3,
+                       "adaptive": False})
+    code = main(["bench", "throughput", "--model", str(tiny_llama), "--dtype", "float32", "--kv-cache-memory", "0.02",
+                 "--num-prompts", "2", "--input-len", "20", "--output-len", "16", "--backend", "pagoda",
+                 "--speculative-config", spec, "--save-result", str(out)])
+    printed = capsys.readouterr().out
+    assert code == 0 and "Speculative Decoding" in printed and "Acceptance per position: 1.00, 1.00, 1.00" in printed
+    s = json.loads(out.read_text())["results"][0]["spec_decode"]
+    assert s["acceptance_rate"] == 1.0 and s["mean_accepted_length"] == pytest.approx(4.0, abs=0.5)
+    assert s["draft_seconds"] > 0 and s["verify_seconds"] > 0
+
+
 def test_max_concurrency_is_the_largest_passing_level():
     levels = [{"max_concurrency": c, "failed": 0, "completed": c, "slo_attainment": a}
               for c, a in ((1, 1.0), (4, 1.0), (16, 0.5), (64, 0.2))]

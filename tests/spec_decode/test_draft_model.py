@@ -19,8 +19,9 @@ ARGS = dict(dtype="float32", kv_cache_memory=0.002, max_num_batched_tokens=48, d
 
 
 def _draft(target, **extra) -> dict:
+    """Always draft (no turn-down by batch size or by acceptance): these tests check what drafts do."""
     return {"method": "draft_model", "model": str(target), "num_speculative_tokens": 4,
-            "disable_by_batch_size": None, **extra}
+            "disable_by_batch_size": None, "adaptive": False, **extra}
 
 
 @pytest.fixture(scope="module")
@@ -93,6 +94,41 @@ def test_a_draft_that_disagrees_changes_nothing(tiny_llama, other_llama, plain):
     assert _tokens(llm, PROMPTS, params) == _tokens(plain, PROMPTS, params)
     stats = llm.engine.stats()
     assert stats["spec_draft_tokens"] > 100 and stats["spec_acceptance_rate"] < 0.5
+
+
+def test_a_request_whose_drafts_fail_stops_drafting(tiny_llama, other_llama, plain):
+    """adaptive (the default): after a few rejected runs a request drafts nothing, but for one
+    probe every PROBE_EVERY steps."""
+    from pagoda.spec_decode.draft_model import PROBE_EVERY
+
+    params = SamplingParams(max_tokens=96, temperature=0.0, ignore_eos=True)
+    failing = LLM(str(tiny_llama), speculative_config=_draft(other_llama, adaptive=True), **ARGS)
+    assert _tokens(failing, PROMPTS[:1], params) == _tokens(plain, PROMPTS[:1], params)
+    stats = failing.engine.stats()
+    assert stats["spec_num_drafts"] <= 4 + 96 // PROBE_EVERY, stats["spec_num_drafts"]
+    assert stats["spec_draft_tokens_per_pos"][0] == stats["spec_num_drafts"]
+
+
+def test_draft_length_follows_acceptance_and_cost():
+    """The j-th draft is proposed while alpha^j >= draft pass time / target step time."""
+    from pagoda.spec_decode.draft_model import PROBE_EVERY, DraftModelProposer
+
+    proposer = DraftModelProposer.__new__(DraftModelProposer)  # the decision only: no model
+    proposer.k, proposer.adaptive, proposer.acceptance, proposer.idle_steps = 5, True, {}, {}
+    proposer.pass_seconds, proposer.step_seconds = 0.0, 0.0
+    assert proposer.draft_length("r") == 5  # nothing measured yet: the full length
+    proposer.pass_seconds, proposer.step_seconds = 0.004, 0.020  # a draft pass costs 0.2 of a step
+    assert proposer.draft_length("r") == 5  # no verification yet: alpha = 1
+    for _ in range(20):
+        proposer.record_verification("r", 5, 5)
+    assert proposer.draft_length("r") == 5
+    for _ in range(20):
+        proposer.record_verification("r", 5, 1)  # alpha ~ 0.5: 0.5, 0.25 pay at 0.2, 0.125 does not
+    assert proposer.draft_length("r") == 2
+    proposer.pass_seconds = 0.012  # 0.6 of a step: not even the first
+    assert [proposer.draft_length("r") for _ in range(PROBE_EVERY)] == [0] * (PROBE_EVERY - 1) + [1]
+    proposer.adaptive = False
+    assert proposer.draft_length("r") == 5
 
 
 def test_prefix_cache_hits_are_hits_for_the_draft_too(tiny_llama, plain):

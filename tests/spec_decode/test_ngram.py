@@ -4,6 +4,7 @@ prefix-cache hits, stop conditions inside an accepted run and n > 1; blocks are 
 
 from __future__ import annotations
 
+import json
 import random
 
 import numpy as np
@@ -205,9 +206,10 @@ def test_bad_speculative_config_names_the_field(tiny_llama, config, field):
         LLM(str(tiny_llama), dtype="float32", kv_cache_memory=0.01, speculative_config=config)
 
 
-def test_server_with_speculation_reports_acceptance_in_metrics(tiny_llama):
+def test_server_with_speculation_reports_acceptance_in_metrics(tiny_llama, capsys, tmp_path):
     import httpx
     from pagoda.bench.servers import scrape_metrics
+    from pagoda.entrypoints.cli import main
     from server_process import start_server
 
     proc, base = start_server(tiny_llama, "--speculative-config", '{"method": "ngram", "num_speculative_tokens": 3}')
@@ -219,6 +221,16 @@ def test_server_with_speculation_reports_acceptance_in_metrics(tiny_llama):
         drafts, accepted = (metrics["pagoda:spec_decode_num_draft_tokens_total"],
                             metrics["pagoda:spec_decode_num_accepted_tokens_total"])
         assert 0 < accepted <= drafts
+        assert metrics["pagoda:spec_decode_num_draft_tokens_per_pos_total"] == drafts  # summed over positions
+        assert metrics["pagoda:spec_decode_mean_accepted_length"] > 1
+        assert metrics["pagoda:spec_decode_verify_seconds_total"] > 0
+        # `pagoda bench serve` reads the same counters and prints what the load did
+        dataset = tmp_path / "prompts.jsonl"
+        dataset.write_text("\n".join(json.dumps({"prompt": p, "output_len": 24}) for p in REPETITIVE[:2]))
+        code = main(["bench", "serve", "--base-url", base, "--model", "tiny", "--tokenizer", str(tiny_llama),
+                     "--dataset", str(dataset), "--num-prompts", "2"])
+        printed = capsys.readouterr().out
+        assert code == 0 and "Speculative Decoding" in printed and "Mean accepted length:" in printed
     finally:
         proc.kill()
         proc.wait(timeout=30)
