@@ -94,6 +94,9 @@ class SamplingParams:
     spaces_between_special_tokens: bool = True
     output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
     structured_outputs: StructuredOutputsParams | None = None
+    # Speculative decoding, where the engine has it: False opts this request out (it decodes one
+    # token a step, beside requests that speculate).
+    speculative: bool = True
     # Filled by the engine: the tokens that end generation besides stop_token_ids (the model's eos).
     all_stop_token_ids: set[int] = field(default_factory=set, repr=False)
 
@@ -122,6 +125,7 @@ class SamplingParams:
                    f"must be an integer in [-2**63, 2**64), got {self.seed!r}")
         if self.max_tokens is not None:
             _check(isinstance(self.max_tokens, int) and self.max_tokens >= 1, "max_tokens", f"must be an integer >= 1, got {self.max_tokens!r}")
+        _check(isinstance(self.speculative, bool), "speculative", f"must be true or false, got {self.speculative!r}")
         _check(isinstance(self.min_tokens, int) and self.min_tokens >= 0, "min_tokens", f"must be an integer >= 0, got {self.min_tokens!r}")
         if self.max_tokens is not None:
             _check(self.min_tokens <= self.max_tokens, "min_tokens", f"must be <= max_tokens={self.max_tokens}, got {self.min_tokens}")

@@ -171,13 +171,16 @@ class ModelRunner:
 
     def _propose(self, out: ModelRunnerOutput) -> None:
         """Drafts for the next step (n-gram prompt lookup or the draft model) for every request
-        that sampled: verification applies each request's sampling in full (``_verify``)."""
+        that sampled, unless it opted out (``SamplingParams.speculative``): verification applies
+        each request's sampling in full (``_verify``)."""
         spec, b = self.speculative, self.batch
+        wanted = {rid: tokens for rid, tokens in out.sampled_token_ids.items()
+                  if b.states[rid].sampling_params.speculative}  # a request may opt out
         if self.drafter is not None:
             self.drafter.record_step(time.perf_counter() - self._step_started)
-            out.spec_token_ids.update(self.drafter.propose(out.sampled_token_ids))
+            out.spec_token_ids.update(self.drafter.propose(wanted))
             return
-        for rid, tokens in out.sampled_token_ids.items():
+        for rid, tokens in wanted.items():
             row = b.index[rid]
             history = np.concatenate([b.token_ids[row, : b.num_tokens[row]], np.asarray(tokens, dtype=np.int64)])
             drafts = propose_ngram(history, spec.num_speculative_tokens, spec.prompt_lookup_min, spec.prompt_lookup_max)

@@ -93,3 +93,19 @@ def test_prefix_cache_hits_give_identical_answers(smol_fp32):
     miss = uncached.chat(conversations, params, use_tqdm=False)
     assert [o.outputs[0].token_ids for o in hit] == [o.outputs[0].token_ids for o in miss]
     assert all(o.num_cached_tokens == 0 for o in miss)
+
+
+def test_gguf_draft_model_speeds_nothing_wrong(smol_fp32):
+    """The issue's pair: the GGUF SmolLM2 drafting for the fp32 one. Greedy answers equal the
+    fp32 engine's without speculation, alone and batched, and the quantized copy's drafts are
+    mostly accepted."""
+    draft = {"method": "draft_model", "model": "smollm2", "quantization": "gguf", "num_speculative_tokens": 4}
+    spec = LLM(model="smollm2", dtype="float32", kv_cache_memory=0.5, speculative_config=draft)
+    params = SamplingParams(max_tokens=32, temperature=0.0, ignore_eos=True)
+    conversations = [[{"role": "user", "content": p}] for p in PROMPTS[:2]]
+    want = [o.outputs[0].token_ids for o in smol_fp32.chat(conversations, params, use_tqdm=False)]
+    assert [o.outputs[0].token_ids for o in spec.chat(conversations[:1], params, use_tqdm=False)] == want[:1]
+    assert [o.outputs[0].token_ids for o in spec.chat(conversations, params, use_tqdm=False)] == want
+    stats = spec.engine.stats()
+    assert stats["spec_acceptance_rate"] > 0.8 and stats["spec_mean_accepted_length"] > 3, stats
+    spec.shutdown()

@@ -88,6 +88,52 @@ def test_penalties_bias_min_tokens_logprobs_and_grammar_under_drafts(plain, int8
     assert _tokens(int8_drafted, prompts, batch) == _tokens(plain, prompts, batch)
 
 
+def test_requests_that_opt_out_share_the_batch(plain, int8_drafted):
+    """SamplingParams(speculative=False): that request never drafts, in a batch with requests that do."""
+    out_params = SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True, speculative=False)
+    before = int8_drafted.engine.stats()["spec_num_drafts"]
+    assert _tokens(int8_drafted, PROMPTS[:2], out_params) == _tokens(plain, PROMPTS[:2], out_params)
+    assert int8_drafted.engine.stats()["spec_num_drafts"] == before
+    mixed = [out_params, SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True)] * 2
+    assert _tokens(int8_drafted, PROMPTS[:4], mixed) == _tokens(plain, PROMPTS[:4], mixed)
+    assert int8_drafted.engine.stats()["spec_num_drafts"] > before
+    with pytest.raises(ValueError, match="speculative"):
+        SamplingParams(speculative="no")
+
+
+def test_server_with_a_draft_model_streams_the_same_answer(tiny_llama, plain):
+    """`pagoda serve --speculative-config` with a draft model, through the openai SDK: streamed and
+    whole answers (logprobs included) equal the engine's without speculation; a request may opt
+    out in its body; /metrics shows acceptance per position."""
+    import json
+
+    import openai
+    from pagoda.bench.servers import scrape_metrics
+    from server_process import start_server
+
+    spec = json.dumps(_draft(tiny_llama, quantization="int8"))
+    proc, base = start_server(tiny_llama, "--speculative-config", spec, "--deterministic")
+    try:
+        client = openai.OpenAI(base_url=f"{base}/v1", api_key="none")
+        prompt = PROMPTS[3]
+        want = plain.generate([prompt], SamplingParams(max_tokens=30, temperature=0.0, ignore_eos=True),
+                              use_tqdm=False)[0].outputs[0].text
+        body = dict(model="tiny", prompt=prompt, max_tokens=30, temperature=0, extra_body={"ignore_eos": True})
+        whole = client.completions.create(**body, logprobs=2)
+        assert whole.choices[0].text == want and len(whole.choices[0].logprobs.tokens) == 30
+        streamed = "".join(c.choices[0].text for c in client.completions.create(**body, stream=True) if c.choices)
+        assert streamed == want
+        before = scrape_metrics(base)["pagoda:spec_decode_num_drafts_total"]
+        opted_out = client.completions.create(**{**body, "extra_body": {"ignore_eos": True, "speculative": False}})
+        assert opted_out.choices[0].text == want
+        metrics = scrape_metrics(base)
+        assert metrics["pagoda:spec_decode_num_drafts_total"] == before > 0
+        assert metrics["pagoda:spec_decode_num_accepted_tokens_per_pos_total"] > 0
+    finally:
+        proc.kill()
+        proc.wait(timeout=30)
+
+
 def test_a_draft_that_disagrees_changes_nothing(tiny_llama, other_llama, plain):
     llm = LLM(str(tiny_llama), speculative_config=_draft(other_llama), **ARGS)
     params = SamplingParams(max_tokens=30, temperature=0.0, ignore_eos=True)

@@ -113,6 +113,7 @@ class SamplingFields(RequestBody):
     include_stop_str_in_output: bool = False
     priority: Int64 = 0
     cache_salt: str | None = None
+    speculative: bool = True  # pagoda: false opts the request out of speculative decoding
     # Structured outputs: OpenAI's response_format, vLLM's guided_* fields and its newer object.
     response_format: ResponseFormat | None = None
     guided_json: dict[str, Any] | str | None = None
@@ -201,6 +202,7 @@ class SamplingFields(RequestBody):
             logit_bias=bias,
             skip_special_tokens=self.skip_special_tokens,
             structured_outputs=self.structured_outputs_params(),
+            speculative=self.speculative,
         )
 
 
