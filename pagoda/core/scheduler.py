@@ -207,12 +207,12 @@ class Scheduler:
             out.scheduled.append((request, num_new))
             if drafts:
                 out.spec_tokens[request.request_id] = drafts
-            self._allocate_lookahead(request, num_new)
             budget -= num_new
             i += 1
 
         if not growth_preempted:
             self._admit_waiting(out, budget, favored)
+        self._allocate_lookahead(out)
         return self._message(out)
 
     def _drafts_to_verify(self, request: Request, budget: int) -> list[int]:
@@ -234,14 +234,19 @@ class Scheduler:
             drafts = drafts[: request.grammar.valid_prefix(drafts)]  # the mask after a refused draft is undefined
         return drafts
 
-    def _allocate_lookahead(self, request: Request, num_new: int) -> None:
-        """Slots for the drafts a draft model will write after this step's tokens, from free (or
-        evictable) blocks only: no one is preempted for them, and a request without them gets
-        fewer drafts."""
+    def _allocate_lookahead(self, step: "_Step") -> None:
+        """Slots for the drafts a draft model will write after this step's tokens, for each
+        scheduled request that samples, once everything else is scheduled and only from free
+        blocks: nothing is preempted, admitted later or evicted from the prefix cache for them,
+        and a request without them gets fewer drafts."""
         limit = self.spec_disable_by_batch_size
-        samples = request.num_computed_tokens + num_new >= request.num_tokens
-        if self.spec_lookahead and samples and (limit is None or len(self.running) <= limit):
-            self.kv.allocate_slots(request, num_new + self.spec_lookahead)
+        if not self.spec_lookahead or (limit is not None and len(self.running) > limit):
+            return
+        for request, num_new in step.scheduled:
+            samples = request.num_computed_tokens + num_new >= request.num_tokens
+            wanted = num_new + self.spec_lookahead
+            if samples and self.kv.blocks_needed(request, wanted) <= self.kv.pool.num_free_blocks:
+                self.kv.allocate_slots(request, wanted)
 
     def _message(self, step: "_Step") -> SchedulerOutput:
         """The step as deltas against what the workers already know of each request."""
