@@ -199,6 +199,12 @@ def cmd_list(ns: argparse.Namespace) -> int:
 
 
 def cmd_serve(ns: argparse.Namespace) -> int:
+    if ns.data_parallel_size != 1:
+        if ns.data_parallel_size < 1:
+            raise ValueError(f"--data-parallel-size must be >= 1, got {ns.data_parallel_size}")
+        from pagoda.router.data_parallel import run_data_parallel
+
+        return run_data_parallel(ns)
     from pagoda.entrypoints.openai.api_server import run_server
 
     return run_server(ns)
@@ -283,7 +289,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--port", type=int, default=8000)
     p.add_argument("--served-model-name", nargs="+", default=None)
     p.add_argument("--api-key", default=None, help="require this bearer token (also PAGODA_API_KEY)")
-    p.add_argument("--max-queue-len", type=int, default=None, help="requests in flight before 429")
+    p.add_argument("--max-queue-len", type=int, default=None,
+                   help="requests that may wait beyond the --max-num-seqs running ones; past that, 429 with "
+                        "Retry-After (default: no bound)")
     p.add_argument("--engine-process", action="store_true",
                    help="run the engine core in its own process instead of a thread (see benchmarks/README.md)")
     p.add_argument("--max-engine-restarts", type=int, default=3,
@@ -296,6 +304,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--log-level", default=None, choices=LOG_LEVELS,
                    help="default: the global --log-level (pagoda --log-level LEVEL serve), else info")
     EngineArgs.add_cli_args(p)
+    router_options.add_serve_args(p)
     p.set_defaults(func=cmd_serve, default_log_level="info")
 
     p = sub.add_parser("router", help="one OpenAI-compatible endpoint in front of several `pagoda serve` replicas")
@@ -325,6 +334,7 @@ def resolve_log_level(ns: argparse.Namespace) -> str:
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     ns = parser.parse_args(argv)
+    ns.argv = list(sys.argv[1:] if argv is None else argv)  # as given (serve --data-parallel-size passes it on)
     ns.log_level = resolve_log_level(ns)
     logging.basicConfig(level=ns.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
     try:

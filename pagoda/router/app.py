@@ -214,6 +214,8 @@ class Router:
                 self._failed(worker, "status", f"{worker.url} answered {upstream.status_code}")
                 return _Failure(f"{worker.url} answered {upstream.status_code}",
                                 Response(content, upstream.status_code, answer_headers(upstream, worker.url)))
+            if upstream.status_code == 429:  # the engine-level limit: passed on, counted by level
+                self.metrics.rejected.labels("engine").inc()
             if is_event_stream(upstream):
                 chunks = upstream.aiter_raw()
                 first = await anext(chunks, b"")  # fail here and another worker can still take it

@@ -56,7 +56,8 @@ class RouterMetrics:
                                       "cache_aware: characters of the prompt matched in the chosen worker's tree.",
                                       buckets=PREFIX_MATCH_BUCKETS, registry=r)
         self.retries = Counter("pagoda_router:retries", "Requests retried on another worker.", registry=r)
-        self.rejected = Counter("pagoda_router:rate_limited", "Requests refused with 429 by the router, by limit.",
+        self.rejected = Counter("pagoda_router:rate_limited", "Requests answered 429, by limit: the router's own (in_flight, key_qps, global_qps) or a "
+                                "worker's (engine: its --max-num-seqs + --max-queue-len were full).",
                                 ["level"], registry=r)
         r.register(_WorkerCollector(workers))
 

@@ -42,6 +42,27 @@ def add_cli_args(p: argparse.ArgumentParser) -> None:
                    help="cache_aware: ... and max in flight above this times min")
 
 
+def add_serve_args(p: argparse.ArgumentParser) -> None:
+    """`pagoda serve`'s data-parallel options (pagoda.router.data_parallel)."""
+    g = p.add_argument_group("data parallel: several replicas behind the router, in one command")
+    g.add_argument("--data-parallel-size", "-dp", type=int, default=1,
+                   help="engine replicas to start on this host, each on its share of the cores, behind the router, "
+                        "which listens on --host/--port (1: one server, no router)")
+    g.add_argument("--router-policy", default="cache_aware", choices=POLICIES, help="the router's --policy")
+    g.add_argument("--router-admin-key", default=None,
+                   help="the router's --admin-key, for GET/POST/DELETE /workers (also PAGODA_ROUTER_ADMIN_KEY)")
+    g.add_argument("--router-max-requests-in-flight", type=int, default=None,
+                   help="the router's --max-requests-in-flight (default: no bound)")
+    g.add_argument("--router-qps", type=float, default=None, help="the router's --qps (default: no limit)")
+    g.add_argument("--router-qps-per-key", type=float, default=None,
+                   help="the router's --qps-per-key (default: no limit)")
+    g.add_argument("--router-warmup-seconds", type=float, default=30.0,
+                   help="the router's --warmup-seconds: the ramp of a replica that was restarted")
+    g.add_argument("--router-health-interval", type=float, default=5.0, help="the router's --health-interval")
+    g.add_argument("--max-replica-restarts", type=int, default=3,
+                   help="how many times each replica that exits on its own is started again")
+
+
 def run(ns: argparse.Namespace) -> int:
     import os
 

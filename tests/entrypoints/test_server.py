@@ -243,7 +243,9 @@ def test_disconnect_mid_stream_aborts_and_frees_blocks(server):
 
 
 def test_queue_limit_gives_429_with_retry_after(long_tiny_llama):
-    proc, base = _start(long_tiny_llama, "--max-queue-len", "2", "--max-model-len", "16384", "--kv-cache-memory", "0.05")
+    # room for two: one running (--max-num-seqs 1), one waiting (--max-queue-len 1)
+    proc, base = _start(long_tiny_llama, "--max-num-seqs", "1", "--max-queue-len", "1", "--max-model-len", "16384",
+                        "--kv-cache-memory", "0.05")
     try:
         def in_flight() -> float:
             lines = httpx.get(f"{base}/metrics").text.splitlines()

@@ -77,6 +77,47 @@ class RouterProcess:
         self.log.close()
 
 
+class DataParallelServe:
+    """`pagoda serve --data-parallel-size N` of the tiny model as a subprocess (its replicas are
+    its children); the log goes to a temporary file (read on failure)."""
+
+    def __init__(self, model_dir, n: int = 2, *extra: str) -> None:
+        self.port = _free_port()
+        self.base = f"http://127.0.0.1:{self.port}"
+        self.log = tempfile.NamedTemporaryFile("w+", prefix="pagoda-dp-", suffix=".log")
+        cmd = [sys.executable, "-m", "pagoda.entrypoints.cli", "serve", "--model", str(model_dir),
+               "--port", str(self.port), "--dtype", "float32", "--kv-cache-memory", "0.02",
+               "--served-model-name", "tiny", "--log-level", "warning", "--data-parallel-size", str(n),
+               "--router-admin-key", ADMIN_KEY, "--router-health-interval", "0.3", *extra]
+        self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT, text=True)
+        try:
+            wait_for(self._up, timeout=180, interval=0.2, what="pagoda serve --data-parallel-size")
+        except BaseException:
+            self.stop()
+            raise
+
+    def _up(self) -> bool:
+        assert self.proc.poll() is None, self.output()
+        try:
+            return httpx.get(f"{self.base}/health", timeout=1).status_code == 200
+        except httpx.HTTPError:
+            return False
+
+    def output(self) -> str:
+        self.log.flush()
+        self.log.seek(0)
+        return self.log.read()
+
+    def workers(self) -> dict[str, dict]:
+        answer = httpx.get(f"{self.base}/workers", headers={"Authorization": f"Bearer {ADMIN_KEY}"}, timeout=5)
+        answer.raise_for_status()
+        return {w["url"]: w for w in answer.json()["workers"]}
+
+    def stop(self) -> None:
+        stop(self.proc)  # SIGTERM: it stops its replicas (killed, they get SIGTERM from the kernel)
+        self.log.close()
+
+
 def wait_for(condition, timeout: float = 20.0, interval: float = 0.1, what: str = "condition"):
     """Poll `condition()` until it returns something truthy (returned), or fail after `timeout`."""
     deadline = time.monotonic() + timeout

@@ -121,10 +121,18 @@ def build_app(engine: AsyncLLM, served_model_names: list[str], *, api_key: str |
         disconnect listener fires, and its generator is closed, which aborts the request. A
         plain response writes nothing until the end, so it watches the connection itself."""
         _check_alive()
-        if body.stream:
-            return StreamingResponse(await handler(body), media_type="text/event-stream")
-        result = await unless_disconnected(request, handler(body))
-        return FastJSONResponse(result) if result is not GONE else Response(status_code=499)
+        admission = serving.admission()  # its part of --max-num-seqs + --max-queue-len, held to the end
+        try:
+            if body.stream:
+                response = _ReleasingStream(await handler(body, admission), admission.release,
+                                            media_type="text/event-stream")
+                admission = None  # the stream gives it back when it ends
+                return response
+            result = await unless_disconnected(request, handler(body, admission))
+            return FastJSONResponse(result) if result is not GONE else Response(status_code=499)
+        finally:
+            if admission is not None:
+                admission.release()
 
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request):
@@ -156,6 +164,20 @@ def build_app(engine: AsyncLLM, served_model_names: list[str], *, api_key: str |
         return {"prompt": serving.tokenizer.decode(body.tokens, skip_special_tokens=False)}
 
     return app
+
+
+class _ReleasingStream(StreamingResponse):
+    """A stream that runs `on_end` once it is over, however it ends (done, client gone, error)."""
+
+    def __init__(self, content, on_end, **kwargs) -> None:
+        super().__init__(content, **kwargs)
+        self._on_end = on_end
+
+    async def __call__(self, scope, receive, send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            self._on_end()
 
 
 def run_server(args) -> int:

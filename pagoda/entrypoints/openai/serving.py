@@ -53,6 +53,22 @@ def sse(data: dict | str) -> bytes:
     return b"data: " + (data.encode() if isinstance(data, str) else dumps(data)) + b"\n\n"
 
 
+class Admission:
+    """What one HTTP request holds of the engine-level limit (Serving.check_capacity), given back
+    once when its answer is done (api_server.respond)."""
+
+    def __init__(self, serving: Serving) -> None:
+        self.serving, self.held = serving, 0
+
+    def take(self, n: int) -> None:
+        self.serving.admitted += n
+        self.held += n
+
+    def release(self) -> None:
+        self.serving.admitted -= self.held
+        self.held = 0
+
+
 class Serving:
     def __init__(self, engine: AsyncLLM, served_model_names: list[str], max_queue_len: int | None = None,
                  aliases: Sequence[str] = (), request_timeout: float | None = None) -> None:
@@ -68,6 +84,7 @@ class Serving:
         self._max_token_chars: int | None = None
         self.max_model_len = engine.engine.max_model_len
         self.max_queue_len = max_queue_len
+        self.admitted = 0  # engine requests of the HTTP requests admitted and not yet answered
         self.request_timeout = request_timeout  # seconds a request may live (--request-timeout)
 
     # -- shared checks ----------------------------------------------------------------------
@@ -79,10 +96,27 @@ class Serving:
         raise OpenAIError(f"The model `{model}` does not exist. This server serves {names}.", status=404,
                           type_="NotFoundError", param="model", code="model_not_found")
 
-    def check_capacity(self, new_requests: int) -> None:
-        if self.max_queue_len is not None and self.engine.num_pending + new_requests > self.max_queue_len:
-            raise OpenAIError(f"the server's queue is full ({self.max_queue_len} requests); retry later",
-                              status=429, type_="rate_limit_error", code="queue_full", headers={"Retry-After": "1"})
+    def admission(self) -> Admission:
+        return Admission(self)
+
+    def check_capacity(self, new_requests: int, admission: Admission | None = None) -> None:
+        """The engine-level limit (`--max-queue-len`): up to `--max-num-seqs` requests run and at
+        most `--max-queue-len` more wait; past that, 429 at once instead of an unbounded queue.
+        Counted as requests admitted (running + waiting) against the sum of the two, settled the
+        moment a request arrives: a burst waits in the engine's queue until the next step
+        schedules it, so "waiting" alone would refuse requests that can run. The count is the
+        HTTP requests admitted and not yet answered (`admission` takes its share at once), not
+        the engine's: a request reaches the engine a few awaits after this check, and a burst
+        that arrives in one go would all pass a check of the engine's count."""
+        if self.max_queue_len is None:
+            return
+        running = self.engine.engine.config.scheduler.max_num_seqs
+        if max(self.admitted, self.engine.num_pending) + new_requests > running + self.max_queue_len:
+            raise OpenAIError(f"the server is full ({running} requests running, --max-num-seqs, and "
+                              f"{self.max_queue_len} waiting, --max-queue-len); retry later", status=429,
+                              type_="rate_limit_error", code="queue_full", headers={"Retry-After": "1"})
+        if admission is not None:
+            admission.take(new_requests)
 
     def max_tokens_for(self, requested: int | None, prompt_len: int, prompt_param: str = "prompt") -> int:
         """The completion's token budget. A prompt that leaves no room is the prompt's fault (param
@@ -224,7 +258,7 @@ class Serving:
                 out.append((None, ids))
         return out
 
-    async def completion(self, request: CompletionRequest):
+    async def completion(self, request: CompletionRequest, admission: Admission | None = None):
         model = self.check_model(request.model)
         if request.logprobs is not None and not 0 <= request.logprobs <= 20:
             raise OpenAIError(f"logprobs must be in [0, 20], got {request.logprobs}", param="logprobs")
@@ -234,7 +268,7 @@ class Serving:
             max_tokens = self.max_tokens_for(request.max_tokens, len(ids))
             prompt_lp = request.logprobs if (request.echo and request.logprobs is not None) else None
             params_list.append(self.params(request, max_tokens, request.logprobs, prompt_lp))
-        self.check_capacity(len(prompts))
+        self.check_capacity(len(prompts), admission)
         request_id = random_id("cmpl")
         n = request.n
         ids_only = [ids for _, ids in prompts]
@@ -376,7 +410,7 @@ class Serving:
             raise OpenAIError(str(e), param="tools") from None
         params.structured_outputs = constraint
 
-    async def chat(self, request: ChatCompletionRequest):
+    async def chat(self, request: ChatCompletionRequest, admission: Admission | None = None):
         model = self.check_model(request.model)
         tools = self._tools(request)
         ids = self._chat_prompt(request, tools)
@@ -386,7 +420,7 @@ class Serving:
         k = (request.top_logprobs or 0) if request.logprobs else None
         params = self.params(request, max_tokens, k)
         self._constrain_to_tools(params, tools)
-        self.check_capacity(1)
+        self.check_capacity(1, admission)
         request_id = random_id("chatcmpl")
         if request.stream:
             return self._chat_stream(request, model, request_id, ids, params, tools)
