@@ -214,8 +214,11 @@ class Router:
                 self._failed(worker, "status", f"{worker.url} answered {upstream.status_code}")
                 return _Failure(f"{worker.url} answered {upstream.status_code}",
                                 Response(content, upstream.status_code, answer_headers(upstream, worker.url)))
-            if upstream.status_code == 429:  # the engine-level limit: passed on, counted by level
+            if upstream.status_code == 429:  # the engine-level limit: full there, not unwell
                 self.metrics.rejected.labels("engine").inc()
+                content = await _read_raw(upstream)  # another replica may have room; else this is the answer
+                return _Failure(f"{worker.url} is full (429)",
+                                Response(content, 429, answer_headers(upstream, worker.url)))
             if is_event_stream(upstream):
                 chunks = upstream.aiter_raw()
                 first = await anext(chunks, b"")  # fail here and another worker can still take it

@@ -151,3 +151,46 @@ def test_a_burst_of_10x_capacity_is_shed_not_queued(limited_cluster):
     assert httpx.post(url, json=BODY, timeout=60).status_code == 200  # and the cluster still serves
     metrics = httpx.get(f"{router.base}/metrics", timeout=5).text
     assert 'pagoda_router:rate_limited_total{level="in_flight"}' in metrics
+
+
+async def _full_then_through_router(replica: str, router: str, n: int) -> tuple[list[int], list[httpx.Response]]:
+    """Fill `replica` to its limits with held streams, then send `n` requests through the router."""
+    admitted, ready, done = 0, asyncio.Event(), asyncio.Event()
+
+    async def hold(client: httpx.AsyncClient) -> int:
+        nonlocal admitted
+        async with client.stream("POST", f"{replica}/v1/completions", json={**BODY, "stream": True}) as answer:
+            admitted += 1
+            if admitted == MAX_NUM_SEQS + MAX_QUEUE_LEN:
+                ready.set()
+            await done.wait()
+            return answer.status_code
+
+    limits = httpx.Limits(max_connections=16, max_keepalive_connections=16)
+    async with httpx.AsyncClient(timeout=120, limits=limits) as client:
+        holders = [asyncio.create_task(hold(client)) for _ in range(MAX_NUM_SEQS + MAX_QUEUE_LEN)]
+        await asyncio.wait_for(ready.wait(), 60)
+        answers = [await client.post(f"{router}/v1/completions", json={**BODY, "max_tokens": 4}) for _ in range(n)]
+        done.set()
+        return await asyncio.gather(*holders), answers
+
+
+def _retries(base: str) -> float:
+    for line in httpx.get(f"{base}/metrics", timeout=5).text.splitlines():
+        if line.startswith("pagoda_router:retries_total "):
+            return float(line.split()[1])
+    raise AssertionError("no pagoda_router:retries_total in /metrics")
+
+
+def test_a_full_replica_sends_the_request_to_another(limited_cluster):
+    """A replica's 429 (queue full) is not the client's answer while another replica has room: the
+    router tries the other one (and does not count the full one as failing)."""
+    router = limited_cluster
+    full, other = list(router.workers())
+    retries = _retries(router.base)
+    held, answers = asyncio.run(_full_then_through_router(full, router.base, 4))
+    assert held == [200] * (MAX_NUM_SEQS + MAX_QUEUE_LEN)
+    assert [a.status_code for a in answers] == [200] * 4, [a.text for a in answers]
+    assert {a.headers["x-pagoda-worker"] for a in answers} == {other}
+    assert _retries(router.base) > retries
+    assert all(w["healthy"] for w in router.workers().values())
