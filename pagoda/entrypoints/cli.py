@@ -1,4 +1,5 @@
-"""The `pagoda` command: generate | chat | serve | router | pull | list | bench.
+"""The `pagoda` command: generate | chat | serve | router | bench, and the model store's list | pull |
+push | cp | show | rm | create (pagoda/store/commands.py).
 
 Building the parser imports nothing heavy (no torch, transformers or fastapi, not even numpy):
 each command imports what it needs when it runs, so `pagoda --help` answers at once.
@@ -16,6 +17,7 @@ from collections.abc import Callable
 from pagoda import __version__
 from pagoda.engine_args import EngineArgs  # not from pagoda.config, which imports torch (~1.5 s)
 from pagoda.router import options as router_options  # argparse only; the router loads when it runs
+from pagoda.store import commands as store_commands  # argparse only; each verb imports what it needs
 
 LOG_LEVELS = ["debug", "info", "warning", "error"]
 DEFAULT_LOG_LEVEL = "warning"
@@ -179,25 +181,6 @@ def _chat(engine, ns: argparse.Namespace) -> int:
         messages.append({"role": "assistant", "content": reply})
 
 
-def cmd_pull(ns: argparse.Namespace) -> int:
-    from pagoda.loader import catalog
-
-    path = catalog.pull(ns.name)
-    print(path)
-    return 0
-
-
-def cmd_list(ns: argparse.Namespace) -> int:
-    from pagoda.loader import catalog
-
-    rows = catalog.list_models()
-    print(f"{'NAME':<24} {'ALIASES':<12} {'SIZE':>8}  {'PULLED':<6}  PATH")
-    for r in rows:
-        size = f"{r['size'] / 2**20:.0f} MB" if r.get("size") else "-"
-        print(f"{r['name']:<24} {','.join(r['aliases']) or '-':<12} {size:>8}  {'yes' if r['pulled'] else 'no':<6}  {r['path'] or '-'}")
-    return 0
-
-
 def cmd_serve(ns: argparse.Namespace) -> int:
     if ns.data_parallel_size != 1:
         if ns.data_parallel_size < 1:
@@ -313,12 +296,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="default: the global --log-level (pagoda --log-level LEVEL router), else info")
     p.set_defaults(func=cmd_router, default_log_level="info")
 
-    p = sub.add_parser("pull", help="download a catalog model into the local store")
-    p.add_argument("name")
-    p.set_defaults(func=cmd_pull)
-
-    p = sub.add_parser("list", help="list catalog models and what is pulled")
-    p.set_defaults(func=cmd_list)
+    store_commands.add_parsers(sub)  # the model store: list, pull, push, cp, show, rm, create (pagoda/store)
 
     _add_bench_parser(sub)
     return parser

@@ -1,4 +1,5 @@
-"""What `--model` names: a Hugging Face directory, a .gguf file, a catalog name, or a hub repo id."""
+"""What `--model` names: a Hugging Face directory, a .gguf file, a model in the store (`name:tag`,
+registry-qualified, or `ollama:NAME[:TAG]` in Ollama's store), a catalog name, or a hub repo id."""
 
 from __future__ import annotations
 
@@ -39,7 +40,11 @@ def resolve_model(model: str) -> ModelFiles:
             raise ValueError(f"{model}: a model file must be a .gguf file (or pass a Hugging Face model directory)")
         return _resolve_gguf(model, path)
     from pagoda.loader import catalog
+    from pagoda.store.load import resolve_store_model
 
+    stored = resolve_store_model(model)  # ValueError for a missing ollama:NAME
+    if stored is not None:
+        return stored
     entry = catalog.resolve_catalog_name(model)
     if entry is not None:
         return _resolve_gguf(model, catalog.pull(entry.name))
@@ -47,7 +52,8 @@ def resolve_model(model: str) -> ModelFiles:
         return _resolve_dir(model, _download_from_hub(model))
     names = ", ".join(e.name for e in catalog.CATALOG)
     raise ValueError(
-        f"model {model!r} not found: it is not a local directory or .gguf file, nor a catalog name ({names})"
+        f"model {model!r} not found: it is not a local directory or .gguf file, nor a model in the store "
+        f"(`pagoda list`), nor a catalog name ({names})"
     )
 
 
