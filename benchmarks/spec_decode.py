@@ -3,10 +3,14 @@ workload with repetition, and a draft model (the GGUF SmolLM2 drafting for the f
 
     python benchmarks/spec_decode.py                 # writes results/spec-decode-<date>.json
     python benchmarks/spec_decode.py --streams 1     # one concurrency only
+    python benchmarks/spec_decode.py --repeats 5     # more alternating pairs per setting (default 3)
 
 Target: SmolLM2-135M-Instruct fp32 (the catalog GGUF, dequantized). Greedy, 128 new tokens.
-Each configuration gets a fresh engine, a warm-up request, then all streams at once through
-``LLMEngine.add_request`` / ``step``: every step's new tokens are timed as they come out.
+Per workload one plain and one speculative engine (default speculative_config otherwise, so the
+turn-down by batch size and by measurement is on), warmed up; per concurrency, alternating runs
+of each (``--repeats``), all streams at once through ``LLMEngine.add_request`` / ``step`` with
+every step's new tokens timed as they come out; the prefix cache is reset before each run. The
+median run of each side is reported, and the ratio of every alternating pair.
 
 - decode tok/s: new tokens after each request's first / the time from its first token to its last
   (summed over requests at 1 stream; at N streams, all tokens / the span from the first first
@@ -46,22 +50,33 @@ NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 2,
 DRAFT = {"method": "draft_model", "model": MODEL, "quantization": "gguf", "num_speculative_tokens": 4}
 
 
-def run(spec: dict | None, prompts: list[str], streams: int, max_tokens: int = 128) -> dict:
+def engine(spec: dict | None):
     from pagoda import LLM, SamplingParams
 
     llm = LLM(MODEL, dtype="float32", kv_cache_memory=0.5, speculative_config=spec)
-    engine = llm.engine
     tokenizer = llm.get_tokenizer()
-    chats = [tokenizer.encode_chat([{"role": "user", "content": prompts[i % len(prompts)]}]) for i in range(streams)]
     warm = tokenizer.encode("Tell me about the weather in spring and in autumn. " * 6)  # a prefill and decode steps
     llm.generate([{"prompt_token_ids": warm}], SamplingParams(max_tokens=16, temperature=0.0), use_tqdm=False)
+    return llm
+
+
+def run(llm, spec: dict | None, prompts: list[str], streams: int, max_tokens: int = 128) -> dict:
+    """All streams at once through the engine's step loop, every step's new tokens timed. The
+    prefix cache is reset first, so that every repetition prefills its prompts."""
+    from pagoda import SamplingParams
+
+    engine = llm.engine
+    engine.core.kv_manager.reset_prefix_cache()
+    tokenizer = llm.get_tokenizer()
+    chats = [tokenizer.encode_chat([{"role": "user", "content": prompts[i % len(prompts)]}]) for i in range(streams)]
     before = engine.stats()
     params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
     arrival, seen, times, tokens = {}, {}, {}, {}
     for i, prompt in enumerate(chats):
-        arrival[str(i)] = time.perf_counter()
-        engine.add_request(str(i), {"prompt_token_ids": prompt}, params)
-        seen[str(i)], times[str(i)], tokens[str(i)] = 0, [], []
+        rid = f"{time.monotonic_ns()}-{i}"
+        arrival[rid] = time.perf_counter()
+        engine.add_request(rid, {"prompt_token_ids": prompt}, params)
+        seen[rid], times[rid], tokens[rid] = 0, [], []
     while engine.has_unfinished_requests():
         for out in engine.step():
             now = time.perf_counter()
@@ -70,9 +85,7 @@ def run(spec: dict | None, prompts: list[str], streams: int, max_tokens: int = 1
                 times[out.request_id].append((now, len(ids) - seen[out.request_id]))
                 seen[out.request_id] = len(ids)
                 tokens[out.request_id] = list(ids)
-    stats = engine.stats()
-    llm.shutdown()
-    return _figures(spec, streams, arrival, times, tokens, before, stats)
+    return _figures(spec, streams, arrival, times, tokens, before, engine.stats())
 
 
 def _figures(spec, streams, arrival, times, tokens, before, stats) -> dict:
@@ -97,7 +110,7 @@ def _figures(spec, streams, arrival, times, tokens, before, stats) -> dict:
         "acceptance": delta["spec_accepted_tokens"] / delta["spec_draft_tokens"] if delta["spec_draft_tokens"] else None,
         "mean_accepted_length": 1 + delta["spec_accepted_tokens"] / delta["spec_num_drafts"] if delta["spec_num_drafts"] else None,
         "acceptance_per_position": [a / d if d else None for a, d in zip(per_pos, drafted_pos)],
-        "tokens": [tokens[r] for r in sorted(tokens, key=int)],
+        "tokens": [tokens[r] for r in sorted(tokens, key=lambda r: int(r.split("-")[1]))],
     }
 
 
@@ -111,24 +124,43 @@ def _line(label: str, plain: dict, fast: dict) -> str:
             f"{plain['ttft_mean_ms']:.0f} -> {fast['ttft_mean_ms']:.0f} ms; {acc}")
 
 
+def _median_run(runs: list[dict]) -> dict:
+    """The repetition with the median decode rate (its other figures with it)."""
+    return sorted(runs, key=lambda r: r["decode_tok_per_s"])[len(runs) // 2]
+
+
 def main() -> None:
     from pagoda.platform import cpu_flags
 
     parser = argparse.ArgumentParser()
     parser.add_argument("--streams", default="1,4,16")
+    parser.add_argument("--repeats", type=int, default=3, help="alternating plain / speculative runs per setting")
+    parser.add_argument("--workloads", default="ngram,draft", help="ngram, draft or both")
     ns = parser.parse_args()
-    runs = []
-    for streams in [int(s) for s in ns.streams.split(",")]:
-        for label, spec, prompts in (("ngram on repetition", NGRAM, REPETITION), ("draft model on chat", DRAFT, CHAT)):
-            plain, fast = run(None, prompts, streams), run(spec, prompts, streams)
-            assert plain["tokens"] == fast["tokens"], "speculation changed a greedy answer"
-            print(_line(label, plain, fast), flush=True)
-            runs += [{**plain, "workload": label}, {**fast, "workload": label}]
-    for r in runs:
-        del r["tokens"]
+    results = []
+    workloads = {"ngram": ("ngram on repetition", NGRAM, REPETITION), "draft": ("draft model on chat", DRAFT, CHAT)}
+    for label, spec, prompts in (workloads[w] for w in ns.workloads.split(",")):
+        plain_llm, spec_llm = engine(None), engine(spec)
+        for streams in [int(s) for s in ns.streams.split(",")]:
+            plains, fasts = [], []
+            for _ in range(ns.repeats):  # alternating, so that the machine's drift hits both alike
+                plains.append(run(plain_llm, None, prompts, streams))
+                fasts.append(run(spec_llm, spec, prompts, streams))
+                assert plains[-1]["tokens"] == fasts[-1]["tokens"], "speculation changed a greedy answer"
+            plain, fast = _median_run(plains), _median_run(fasts)
+            ratios = sorted(f["decode_tok_per_s"] / p["decode_tok_per_s"] for p, f in zip(plains, fasts))
+            print(_line(label, plain, fast) + f"; ratios of the {ns.repeats} pairs {[round(r, 2) for r in ratios]}",
+                  flush=True)
+            for r in plains + fasts:
+                r.pop("tokens")
+            results.append({"workload": label, "streams": streams, "plain": plain, "speculative": fast,
+                            "pair_ratios": ratios, "all_runs": plains + fasts})
+        plain_llm.shutdown()
+        spec_llm.shutdown()
     out = HERE / "results" / f"spec-decode-{date.today()}.json"
-    out.write_text(json.dumps({"date": str(date.today()), "model": MODEL, "cpu_flags": sorted(
-        f for f in cpu_flags() if f.startswith(("avx", "amx", "fma"))), "runs": runs}, indent=2))
+    out.write_text(json.dumps({"date": str(date.today()), "model": MODEL, "command": "python benchmarks/spec_decode.py",
+                               "cpu_flags": sorted(f for f in cpu_flags() if f.startswith(("avx", "amx", "fma"))),
+                               "results": results}, indent=2))
     print(f"wrote {out}")
 
 

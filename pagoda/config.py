@@ -76,6 +76,7 @@ class ParallelConfig:
 
 SPECULATIVE_METHODS = ("ngram", "draft_model")
 DEFAULT_DISABLE_BY_BATCH_SIZE = 4
+DRAFT_MODEL_DISABLE_BY_BATCH_SIZE = 2
 MAX_SPECULATIVE_TOKENS = 5  # the seeds cap a draft at 5 steps: errors accumulate past that
 
 
@@ -94,8 +95,10 @@ class SpeculativeConfig:
     prompt_lookup_min: int = 2
     prompt_lookup_max: int = 5
     # No drafts in a step with more running requests than this (vLLM's field): a batch already
-    # shares each weight read, so verify rows cost nearly their full price (measured 1.00x at 4
-    # streams on SmolLM2 fp32, benchmarks/README.md). None: always.
+    # shares each weight read, so verify rows cost nearly their full price, and a draft model's
+    # passes grow with the batch too. Default 4 for ngram (break-even at 4 streams on SmolLM2 fp32),
+    # 2 for draft_model (1.47x at 1 stream, 1.18x at 2, break-even at 3, a loss at 4; GGUF draft,
+    # benchmarks/README.md). None: always.
     disable_by_batch_size: int | None = DEFAULT_DISABLE_BY_BATCH_SIZE
     # draft_model: fewer drafts (or none) for a request whose drafts the target keeps rejecting,
     # from its measured acceptance and the measured cost of a draft pass (spec_decode/draft_model.py)
@@ -121,6 +124,8 @@ class SpeculativeConfig:
             raise ValueError(f"speculative_config: unknown field(s) {unknown}; known: {sorted(known)}")
         method = value.get("method", "draft_model" if "model" in value else "ngram")
         value = {**value, "method": method}
+        if method == "draft_model" and "disable_by_batch_size" not in value:
+            value["disable_by_batch_size"] = DRAFT_MODEL_DISABLE_BY_BATCH_SIZE
         if method not in SPECULATIVE_METHODS:
             raise ValueError(f"speculative_config.method must be one of {list(SPECULATIVE_METHODS)}, got {method!r}")
         config = cls(**{k: v for k, v in value.items() if k in known})
