@@ -182,7 +182,11 @@ def _chat(engine, ns: argparse.Namespace) -> int:
 
 
 def cmd_serve(ns: argparse.Namespace) -> int:
-    if ns.data_parallel_size != 1:
+    if ns.data_parallel_rank is not None:  # one replica of `--data-parallel-size N`
+        from pagoda.router.data_parallel import pin_replica
+
+        pin_replica(ns.data_parallel_rank, ns.data_parallel_size)
+    elif ns.data_parallel_size != 1:
         if ns.data_parallel_size < 1:
             raise ValueError(f"--data-parallel-size must be >= 1, got {ns.data_parallel_size}")
         from pagoda.router.data_parallel import run_data_parallel

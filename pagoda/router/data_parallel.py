@@ -6,7 +6,7 @@ one command.
   process's affinity set, the split the tensor-parallel executor gives its ranks, one level up
   (a replica with `--tensor-parallel-size T` splits its share again among its ranks). The
   replica pins itself to it and sizes torch's (and OpenMP's) thread pool to it before the
-  model loads (`python -m pagoda.router.data_parallel RANK N ARGS...`).
+  model loads (`pagoda serve ARGS... --data-parallel-rank RANK`, `pin_replica`).
 - The router (pagoda.router.app, in this process) listens on `--host`/`--port`, with
   `--router-policy` and the `--router-*` gateway limits, and starts once every replica answers
   `/health`, all at full weight.
@@ -79,8 +79,8 @@ class ReplicaSet:
     def command(self, replica: Replica) -> list[str]:
         # The command's own arguments, then what makes it one replica: argparse keeps the last
         # value of an option, so these win over the user's --port, --host, --data-parallel-size.
-        return [sys.executable, "-m", "pagoda.router.data_parallel", str(replica.rank), str(self.size),
-                *self.serve_argv, "--data-parallel-size", "1", "--host", REPLICA_HOST, "--port", str(replica.port)]
+        return [sys.executable, "-m", "pagoda.entrypoints.cli", *self.serve_argv, "--data-parallel-rank",
+                str(replica.rank), "--host", REPLICA_HOST, "--port", str(replica.port)]
 
     def spawn(self, replica: Replica) -> None:
         env = {**os.environ, PARENT_ENV: str(os.getpid())}
@@ -262,14 +262,14 @@ def _die_with_parent(parent: int) -> None:
         sys.exit(0)
 
 
-def replica_main(argv: list[str]) -> int:
-    """`python -m pagoda.router.data_parallel RANK SIZE ARGS...`: `pagoda ARGS...` pinned to
-    replica RANK's share of the cores."""
-    rank, size, rest = int(argv[0]), int(argv[1]), argv[2:]
+def pin_replica(rank: int, size: int) -> None:
+    """Make this process (`pagoda serve --data-parallel-rank RANK`) replica RANK of SIZE: it
+    follows its supervisor's exit, and it runs on its share of the cores (the tensor-parallel
+    ranks' split), with torch's and OpenMP's threads to match, before any model loads."""
+    if not 0 <= rank < size:
+        raise ValueError(f"--data-parallel-rank must be in [0, {size}), got {rank}")
     _die_with_parent(int(os.environ.pop(PARENT_ENV, "0") or 0))
-    from pagoda.worker.worker import (
-        cpu_share,  # the tensor-parallel ranks' split of the cores
-    )
+    from pagoda.worker.worker import cpu_share
 
     cores = cpu_share(rank, size)
     with contextlib.suppress(OSError, AttributeError):
@@ -279,10 +279,3 @@ def replica_main(argv: list[str]) -> int:
 
     torch.set_num_threads(len(cores))
     logging.getLogger("pagoda.router").info("replica %d of %d: cores %s", rank, size, cores)
-    from pagoda.entrypoints.cli import main
-
-    return main(rest)
-
-
-if __name__ == "__main__":
-    sys.exit(replica_main(sys.argv[1:]))

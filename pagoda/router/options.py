@@ -48,6 +48,9 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--data-parallel-size", "-dp", type=int, default=1,
                    help="engine replicas to start on this host, each on its share of the cores, behind the router, "
                         "which listens on --host/--port (1: one server, no router)")
+    g.add_argument("--data-parallel-rank", type=int, default=None,
+                   help="serve as replica RANK of --data-parallel-size, pinned to its share of the cores "
+                        "(set by --data-parallel-size for the replicas it starts)")
     g.add_argument("--router-policy", default="cache_aware", choices=POLICIES, help="the router's --policy")
     g.add_argument("--router-admin-key", default=None,
                    help="the router's --admin-key, for GET/POST/DELETE /workers (also PAGODA_ROUTER_ADMIN_KEY)")
