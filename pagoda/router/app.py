@@ -29,13 +29,14 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from pagoda import __version__
+from pagoda.entrypoints.disconnect import GONE, unless_disconnected
 from pagoda.router.affinity import RouteRequest, route_request
 from pagoda.router.limits import GatewayLimits
 from pagoda.router.metrics import RouterMetrics
 from pagoda.router.policies import Decision, Policy, make_policy
 from pagoda.router.proxy import (
-    GONE, WORKER_HEADER, BodyTooLarge, OpenAIErrorResponse, RelayResponse, answer_headers, forward_headers,
-    is_event_stream, read_body, until_disconnected,
+    WORKER_HEADER, BodyTooLarge, OpenAIErrorResponse, RelayResponse, answer_headers, forward_headers,
+    is_event_stream, read_body,
 )
 from pagoda.router.workers import BreakerState, Worker, WorkerRegistry, normalize_url
 
@@ -157,7 +158,9 @@ class Router:
                                        headers={"Retry-After": rejection.retry_after_header})
         answer: Any = None
         try:
-            answer = await until_disconnected(request, self._dispatch(request, path, body))
+            # a client that left cancels the forwarding: the connection to the worker closes, which
+            # aborts the generation there
+            answer = await unless_disconnected(request, self._dispatch(request, path, body))
             return answer if answer is not GONE else Response(status_code=499)
         finally:
             if isinstance(answer, RelayResponse):

@@ -3,10 +3,8 @@ the relay of a worker's SSE stream to the client, and the watch on a client that
 
 from __future__ import annotations
 
-import asyncio
 import logging
-from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine
-from typing import Any
+from collections.abc import AsyncIterator, Awaitable, Callable
 
 import httpx
 import orjson
@@ -139,29 +137,3 @@ class RelayResponse(StreamingResponse):
                 await result
 
 
-GONE = object()  # until_disconnected's answer when the client left first
-
-
-async def until_disconnected(request: Request, work: Coroutine[Any, Any, Any]) -> Any:
-    """Await `work`, cancelling it if the client disconnects first (then returns GONE): a
-    request whose client is gone is not worth a worker's time, and cancelling closes the
-    connection to the worker, which aborts the generation there. The body has been read by now,
-    so the next ASGI message can only be `http.disconnect`."""
-    task = asyncio.ensure_future(work)
-
-    async def client_gone() -> None:
-        while (await request.receive())["type"] != "http.disconnect":
-            pass
-
-    watcher = asyncio.ensure_future(client_gone())
-    try:
-        await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
-    finally:
-        watcher.cancel()
-        if not task.done():
-            task.cancel()
-    if task.cancelled() or not task.done():
-        await asyncio.gather(task, return_exceptions=True)
-        logger.info("client disconnected: request cancelled")
-        return GONE
-    return task.result()

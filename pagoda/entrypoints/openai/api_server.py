@@ -14,9 +14,8 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from pagoda import __version__
 from pagoda.engine.async_llm import AsyncLLM
-from pagoda.entrypoints.openai.lifecycle import (
-    GONE, DrainingServer, Lifecycle, bind_listener, shutting_down, unless_disconnected,
-)
+from pagoda.entrypoints.disconnect import GONE, unless_disconnected
+from pagoda.entrypoints.openai.lifecycle import DrainingServer, Lifecycle, bind_listener, shutting_down
 from pagoda.entrypoints.openai.middleware import (
     MAX_BODY_BYTES, APIKeyCheck, BodyLimit, FastJSONResponse, error_response, http_error,
 )

@@ -1,6 +1,6 @@
-"""How the server starts, notices clients that leave, and stops: the listening socket bound
-before the model loads, the watch on a plain response's connection, and the signal handling
-that drains requests before exiting (README, "Operating pagoda")."""
+"""How the server starts and stops: the listening socket bound before the model loads, and the
+signal handling that drains requests before exiting (README, "Operating pagoda"). Noticing a
+client that leaves: pagoda/entrypoints/disconnect.py."""
 
 from __future__ import annotations
 
@@ -10,11 +10,9 @@ import logging
 import signal
 import socket
 import threading
-from collections.abc import Coroutine
-from typing import Any
 
 import uvicorn
-from fastapi import FastAPI, Request
+from fastapi import FastAPI
 
 from pagoda.engine.async_llm import AsyncLLM, ShuttingDownError
 from pagoda.entrypoints.openai.serving import OpenAIError
@@ -33,31 +31,6 @@ def shutting_down() -> OpenAIError:
     return OpenAIError("the server is shutting down", status=503, type_="server_error", code="shutting_down")
 
 
-GONE = object()
-
-
-async def unless_disconnected(request: Request, work: Coroutine[Any, Any, Any]):
-    """Await `work`, cancelling it (which aborts its engine requests and frees their KV blocks)
-    if the client disconnects first; returns `GONE` then. The body has been read by now, so
-    the next ASGI message is `http.disconnect`, sent when the connection is lost."""
-    task = asyncio.ensure_future(work)
-
-    async def client_gone() -> None:
-        while (await request.receive())["type"] != "http.disconnect":
-            pass
-
-    watcher = asyncio.ensure_future(client_gone())
-    try:
-        await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
-    finally:
-        watcher.cancel()
-        if not task.done():
-            task.cancel()
-    if task.cancelled() or not task.done():
-        await asyncio.gather(task, return_exceptions=True)  # let its cleanup (the abort) run
-        logger.info("client disconnected: request cancelled")
-        return GONE
-    return task.result()
 
 
 def bind_listener(host: str, port: int) -> socket.socket:
