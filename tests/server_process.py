@@ -67,3 +67,14 @@ def engine_pids(server_pid: int) -> list[int]:
         except OSError:
             continue
     return found
+
+
+def stop_process(proc: subprocess.Popen, timeout: float = 30) -> None:
+    """SIGTERM (a server drains and exits), then SIGKILL if it has not exited within `timeout`."""
+    if proc.poll() is None:
+        proc.terminate()
+        try:
+            proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()

@@ -13,7 +13,7 @@ from concurrent.futures import ThreadPoolExecutor
 import httpx
 import pytest
 
-from server_process import _free_port, start_server
+from server_process import _free_port, start_server, stop_process
 
 ADMIN_KEY = "admin-secret"
 
@@ -25,13 +25,7 @@ def start_replicas(model_dir, n: int = 2, *extra: str) -> list[tuple[subprocess.
 
 
 def stop(proc: subprocess.Popen) -> None:
-    if proc.poll() is None:
-        proc.terminate()
-        try:
-            proc.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
+    stop_process(proc)
 
 
 class RouterProcess:

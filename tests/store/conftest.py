@@ -19,6 +19,7 @@ from pathlib import Path
 import httpx
 import pytest
 from gguf_export import export_gguf
+from server_process import stop_process
 
 REGISTRY_BIN = shutil.which("docker-registry") or shutil.which("registry")
 
@@ -100,12 +101,7 @@ def _start_registry(tmp: Path, htpasswd: Path | None = None) -> Registry:
 
 
 def _stop(proc: subprocess.Popen) -> None:
-    proc.terminate()
-    try:
-        proc.wait(timeout=10)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        proc.wait()
+    stop_process(proc, timeout=10)
 
 
 @pytest.fixture(scope="module")
