@@ -279,6 +279,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-queue-len", type=int, default=None,
                    help="requests that may wait beyond the --max-num-seqs running ones; past that, 429 with "
                         "Retry-After (default: no bound)")
+    p.add_argument("--grpc-port", type=int, default=None,
+                   help="also serve the gRPC service pagoda.v1.Engine (with grpc.health.v1 and reflection) on "
+                        "this port, on the same engine, API key and limits")
     p.add_argument("--engine-process", action="store_true",
                    help="run the engine core in its own process instead of a thread (see benchmarks/README.md)")
     p.add_argument("--max-engine-restarts", type=int, default=3,

@@ -196,6 +196,10 @@ def run_server(args) -> int:
     async_engine = AsyncLLM(engine, engine_process=args.engine_process, max_engine_restarts=args.max_engine_restarts)
     app = build_app(async_engine, names, api_key=api_key, max_queue_len=args.max_queue_len, model_root=args.model,
                     request_timeout=args.request_timeout)
+    if args.grpc_port is not None:  # the gRPC service on the same engine (pagoda/entrypoints/grpc_api)
+        from pagoda.entrypoints.grpc_api.service import attach_grpc
+
+        attach_grpc(app, args.host, args.grpc_port, api_key, args.shutdown_timeout)
     cfg = engine.config.model
     print(f"pagoda {__version__}: loaded {args.model} ({cfg.architecture}, {str(cfg.dtype).removeprefix('torch.')}, "
           f"{cfg.device.type}, max_model_len={engine.max_model_len}, KV blocks={async_engine.limits.num_blocks}, "

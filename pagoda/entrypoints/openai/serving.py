@@ -165,7 +165,7 @@ class Serving:
         except ValueError as e:
             raise bad_value(e) from None
 
-    async def _run_all(self, prompts: list[list[int]], params_list, request_id: str, priority: int,
+    async def run_all(self, prompts: list[list[int]], params_list, request_id: str, priority: int,
                        cache_salt: str | None = None) -> AsyncIterator[tuple[int, RequestOutput]]:
         """Run several prompts concurrently; yield (prompt index, delta output) as they arrive."""
         merged: asyncio.Queue = asyncio.Queue()
@@ -225,7 +225,7 @@ class Serving:
         samples: dict[tuple[int, int], _Sample] = {}
         prompt_logprobs: dict[int, list] = {}
         cached: dict[int, int] = {}
-        async for i, out in self._run_all(prompts, params_list, request_id, request.priority, request.cache_salt):
+        async for i, out in self.run_all(prompts, params_list, request_id, request.priority, request.cache_salt):
             cached[i] = out.num_cached_tokens
             if out.prompt_logprobs is not None:
                 prompt_logprobs[i] = out.prompt_logprobs
@@ -258,7 +258,9 @@ class Serving:
                 out.append((None, ids))
         return out
 
-    async def completion(self, request: CompletionRequest, admission: Admission | None = None):
+    def prepare_completion(self, request: CompletionRequest):
+        """Check a completion request and make its engine inputs: (served model name, prompts as
+        (text, token ids), sampling parameters per prompt). Shared with the gRPC service."""
         model = self.check_model(request.model)
         if request.logprobs is not None and not 0 <= request.logprobs <= 20:
             raise OpenAIError(f"logprobs must be in [0, 20], got {request.logprobs}", param="logprobs")
@@ -268,6 +270,10 @@ class Serving:
             max_tokens = self.max_tokens_for(request.max_tokens, len(ids))
             prompt_lp = request.logprobs if (request.echo and request.logprobs is not None) else None
             params_list.append(self.params(request, max_tokens, request.logprobs, prompt_lp))
+        return model, prompts, params_list
+
+    async def completion(self, request: CompletionRequest, admission: Admission | None = None):
+        model, prompts, params_list = self.prepare_completion(request)
         self.check_capacity(len(prompts), admission)
         request_id = random_id("cmpl")
         n = request.n
@@ -308,7 +314,7 @@ class Serving:
                         yield sse({"id": request_id, "object": "text_completion", "created": created, "model": model,
                                    "choices": [{"index": i * n + j, "text": echo, "logprobs": None, "finish_reason": None}]})
             cached = {}
-            async for i, out in self._run_all(ids_only, params_list, request_id, request.priority, request.cache_salt):
+            async for i, out in self.run_all(ids_only, params_list, request_id, request.priority, request.cache_salt):
                 cached[i] = out.num_cached_tokens
                 for c in out.outputs:
                     completion_tokens += len(c.token_ids)
@@ -410,7 +416,9 @@ class Serving:
             raise OpenAIError(str(e), param="tools") from None
         params.structured_outputs = constraint
 
-    async def chat(self, request: ChatCompletionRequest, admission: Admission | None = None):
+    def prepare_chat(self, request: ChatCompletionRequest):
+        """Check a chat request and make its engine input: (served model name, prompt token ids,
+        sampling parameters, the tools it may call). Shared with the gRPC service."""
         model = self.check_model(request.model)
         tools = self._tools(request)
         ids = self._chat_prompt(request, tools)
@@ -420,6 +428,11 @@ class Serving:
         k = (request.top_logprobs or 0) if request.logprobs else None
         params = self.params(request, max_tokens, k)
         self._constrain_to_tools(params, tools)
+        return model, ids, params, tools
+
+    async def chat(self, request: ChatCompletionRequest, admission: Admission | None = None):
+        model, ids, params, tools = self.prepare_chat(request)
+        k = (request.top_logprobs or 0) if request.logprobs else None
         self.check_capacity(1, admission)
         request_id = random_id("chatcmpl")
         if request.stream:
@@ -446,7 +459,7 @@ class Serving:
                 yield sse({**head, "choices": [{"index": j, "delta": {"role": "assistant", "content": ""},
                                                 "logprobs": None, "finish_reason": None}]})
             cached = 0
-            async for _, out in self._run_all([ids], [params], request_id, request.priority, request.cache_salt):
+            async for _, out in self.run_all([ids], [params], request_id, request.priority, request.cache_salt):
                 cached = out.num_cached_tokens
                 for c in out.outputs:
                     completion_tokens += len(c.token_ids)

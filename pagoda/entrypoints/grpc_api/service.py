@@ -1,0 +1,258 @@
+"""The gRPC service `pagoda.v1.Engine` (pagoda.proto) on the HTTP server's engine.
+
+A request is turned into the HTTP API's own request object (CompletionRequest /
+ChatCompletionRequest) and goes through the same `Serving` checks: model name, prompt length,
+sampling validation, the engine-level limit; so gRPC and HTTP accept and refuse the same things.
+Errors become status codes (`OpenAIError.status` → `STATUS_CODES`), a field error names the
+field. The answer streams one `GenerateResponse` per engine delta. A client that cancels, or
+whose deadline passes, cancels the handler; the engine request is aborted and its KV blocks freed
+(`AsyncLLM.generate`'s `finally`). The API key travels as `authorization: Bearer KEY` metadata.
+The standard health service (`grpc.health.v1`) and server reflection are served beside it.
+"""
+
+from __future__ import annotations
+
+import hmac
+import json
+import logging
+from collections.abc import AsyncIterator
+
+import grpc
+from pydantic import ValidationError
+
+from pagoda.entrypoints.grpc_api import pagoda_pb2 as pb
+from pagoda.entrypoints.grpc_api import pagoda_pb2_grpc as pb_grpc
+from pagoda.entrypoints.openai.protocol import ChatCompletionRequest, CompletionRequest, random_id
+from pagoda.entrypoints.openai.serving import OpenAIError, Serving
+from pagoda.outputs import RequestOutput
+
+logger = logging.getLogger("pagoda.grpc")
+
+SERVICE_NAME = "pagoda.v1.Engine"
+STATUS_CODES = {400: grpc.StatusCode.INVALID_ARGUMENT, 401: grpc.StatusCode.UNAUTHENTICATED,
+                403: grpc.StatusCode.PERMISSION_DENIED, 404: grpc.StatusCode.NOT_FOUND,
+                413: grpc.StatusCode.INVALID_ARGUMENT, 429: grpc.StatusCode.RESOURCE_EXHAUSTED,
+                503: grpc.StatusCode.UNAVAILABLE, 504: grpc.StatusCode.DEADLINE_EXCEEDED}
+_SAMPLING_FIELDS = ("max_tokens", "temperature", "top_p", "top_k", "min_p", "presence_penalty", "frequency_penalty",
+                    "repetition_penalty", "seed", "min_tokens", "logprobs", "cache_salt", "speculative")
+
+
+class EngineService(pb_grpc.EngineServicer):
+    def __init__(self, serving: Serving, api_key: str | None = None, draining=lambda: False) -> None:
+        """``draining``: whether the server is stopping (new calls then get UNAVAILABLE)."""
+        self.serving = serving
+        self.api_key = api_key
+        self.draining = draining
+
+    # -- the RPCs -----------------------------------------------------------------------------
+    async def Generate(self, request: pb.GenerateRequest, context) -> AsyncIterator[pb.GenerateResponse]:  # noqa: N802
+        body = await self._checked(context, lambda: CompletionRequest(**_completion_fields(request)))
+        try:
+            model, prompts, params_list = self.serving.prepare_completion(body)
+        except OpenAIError as e:
+            await _abort(context, e)
+        async for piece in self._stream(context, [ids for _, ids in prompts], params_list, body, "cmpl"):
+            yield piece
+
+    async def Chat(self, request: pb.ChatRequest, context) -> AsyncIterator[pb.GenerateResponse]:  # noqa: N802
+        body = await self._checked(context, lambda: ChatCompletionRequest(**_chat_fields(request)))
+        try:
+            _, ids, params, _tools = self.serving.prepare_chat(body)
+        except OpenAIError as e:
+            await _abort(context, e)
+        async for piece in self._stream(context, [ids], [params], body, "chatcmpl"):
+            yield piece
+
+    async def Tokenize(self, request: pb.TokenizeRequest, context) -> pb.TokenizeResponse:  # noqa: N802
+        await self._authorize(context)
+        try:
+            self.serving.check_model(request.model or None)
+            if request.WhichOneof("input") == "chat":
+                body = await self._checked(context, lambda: ChatCompletionRequest(**_chat_fields(request.chat)))
+                ids = self.serving.encode_chat(self.serving.chat_messages(body.messages), True)
+            else:
+                self.serving.check_prompt_chars(len(request.prompt))
+                ids = self.serving.tokenizer.encode(request.prompt, add_special_tokens=request.add_special_tokens)
+        except OpenAIError as e:
+            await _abort(context, e)
+        return pb.TokenizeResponse(token_ids=ids, max_model_len=self.serving.max_model_len)
+
+    async def Detokenize(self, request: pb.DetokenizeRequest, context) -> pb.DetokenizeResponse:  # noqa: N802
+        await self._authorize(context)
+        try:
+            self.serving.check_model(request.model or None)
+        except OpenAIError as e:
+            await _abort(context, e)
+        vocab = self.serving.tokenizer.vocab_size
+        bad = [t for t in request.token_ids if not 0 <= t < vocab]
+        if bad:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"token_ids: {bad[:5]} are not in [0, {vocab})")
+        return pb.DetokenizeResponse(text=self.serving.tokenizer.decode(list(request.token_ids)))
+
+    async def ListModels(self, request: pb.ListModelsRequest, context) -> pb.ListModelsResponse:  # noqa: N802
+        await self._authorize(context)
+        return pb.ListModelsResponse(models=[pb.Model(id=name, max_model_len=self.serving.max_model_len)
+                                             for name in self.serving.model_names])
+
+    # -- shared -------------------------------------------------------------------------------
+    async def _authorize(self, context) -> None:
+        if self.draining():
+            await context.abort(grpc.StatusCode.UNAVAILABLE, "the server is shutting down")
+        if self.api_key is None:
+            return
+        metadata = dict(context.invocation_metadata() or ())
+        given = metadata.get("authorization", "")
+        token = given[7:] if given.lower().startswith("bearer ") else ""
+        if not hmac.compare_digest(token.encode(), self.api_key.encode()):
+            await context.abort(grpc.StatusCode.UNAUTHENTICATED, "a valid API key is required "
+                                "(metadata 'authorization: Bearer KEY')")
+
+    async def _checked(self, context, build):
+        """The HTTP API's request object, or INVALID_ARGUMENT naming the field it refused."""
+        await self._authorize(context)
+        try:
+            return build()
+        except ValidationError as e:
+            error = e.errors()[0]
+            field = ".".join(str(p) for p in error["loc"])
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"{field}: {error['msg']}")
+        except ValueError as e:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+
+    async def _stream(self, context, prompts: list[list[int]], params_list, body, prefix: str):
+        """Run the prompts under the engine-level limit; one response per engine delta."""
+        admission = self.serving.admission()
+        try:
+            try:
+                self.serving.check_capacity(len(prompts), admission)
+            except OpenAIError as e:
+                await _abort(context, e)
+            request_id = random_id(prefix)
+            completion_tokens = 0
+            try:
+                async for _, out in self.serving.run_all(prompts, params_list, request_id, body.priority,
+                                                         body.cache_salt):
+                    piece = _piece(request_id, out, params_list[0].logprobs or 0)
+                    completion_tokens += len(piece.token_ids)
+                    if piece.finish_reason:
+                        piece.usage.CopyFrom(pb.Usage(prompt_tokens=len(out.prompt_token_ids),
+                                                      completion_tokens=completion_tokens,
+                                                      cached_tokens=out.num_cached_tokens))
+                    yield piece
+            except OpenAIError as e:
+                await _abort(context, e)
+        finally:
+            admission.release()
+
+
+def _piece(request_id: str, out: RequestOutput, k: int) -> pb.GenerateResponse:
+    """One engine delta as a response; ``k``: top logprobs asked for (each position holds the
+    chosen token and the k most likely, the chosen one among them or not)."""
+    c = out.outputs[0]
+    piece = pb.GenerateResponse(request_id=request_id, text=c.text, token_ids=c.token_ids,
+                                finish_reason=c.finish_reason or "",
+                                stop_reason="" if c.stop_reason is None else str(c.stop_reason))
+    for token, position in zip(c.token_ids, c.logprobs or ()):
+        top = sorted(position.items(), key=lambda item: -item[1].logprob)[:k]
+        piece.logprobs.append(pb.TokenLogprob(token_id=token, logprob=position[token].logprob,
+                                              top_token_ids=[t for t, _ in top],
+                                              top_logprobs=[lp.logprob for _, lp in top]))
+    return piece
+
+
+async def _abort(context, error: OpenAIError) -> None:
+    code = STATUS_CODES.get(error.status, grpc.StatusCode.INTERNAL)
+    message = f"{error.param}: {error.message}" if error.param and not error.message.startswith(error.param) \
+        else error.message
+    await context.abort(code, message)
+
+
+def _sampling(options: pb.SamplingOptions) -> dict:
+    """The SamplingOptions that are set, under the HTTP API's names."""
+    fields = {name: getattr(options, name) for name in _SAMPLING_FIELDS if options.HasField(name)}
+    if options.stop:
+        fields["stop"] = list(options.stop)
+    if options.stop_token_ids:
+        fields["stop_token_ids"] = list(options.stop_token_ids)
+    if options.ignore_eos:
+        fields["ignore_eos"] = True
+    fields["priority"] = options.priority
+    constraint = {}
+    if options.HasField("json_schema"):
+        constraint["json"] = options.json_schema
+    if options.HasField("regex"):
+        constraint["regex"] = options.regex
+    if options.choice:
+        constraint["choice"] = list(options.choice)
+    if constraint:
+        fields["structured_outputs"] = constraint
+    return fields
+
+
+def _completion_fields(request: pb.GenerateRequest) -> dict:
+    prompt = list(request.prompt_token_ids.ids) if request.WhichOneof("input") == "prompt_token_ids" else request.prompt
+    fields = {"model": request.model or None, "prompt": prompt, "stream": True, **_sampling(request.sampling)}
+    if request.HasField("sampling") and request.sampling.HasField("logprobs"):
+        fields["logprobs"] = request.sampling.logprobs
+    return fields
+
+
+def _chat_fields(request: pb.ChatRequest) -> dict:
+    fields = {"model": request.model or None, "stream": True, **_sampling(request.sampling),
+              "messages": [{"role": m.role, "content": m.content} for m in request.messages]}
+    if "logprobs" in fields:  # chat's own shape: a flag and top_logprobs
+        fields["top_logprobs"] = fields.pop("logprobs")
+        fields["logprobs"] = True
+    for name in ("tools", "tool_choice", "response_format"):
+        if request.HasField(f"{name}_json"):
+            try:
+                fields[name] = json.loads(getattr(request, f"{name}_json"))
+            except ValueError as e:
+                raise ValueError(f"{name}_json is not valid JSON: {e}") from None
+    return fields
+
+
+def add_health_and_reflection(server) -> None:
+    """grpc.health.v1 (SERVING for the engine service and the server) and server reflection."""
+    from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+    from grpc_reflection.v1alpha import reflection
+
+    checker = health.aio.HealthServicer()
+    health_pb2_grpc.add_HealthServicer_to_server(checker, server)
+    reflection.enable_server_reflection((SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME), server)
+    return checker, health_pb2
+
+
+def attach_grpc(app, host: str, port: int, api_key: str | None, grace: float) -> None:
+    """Run the gRPC service with the HTTP app: started when the app starts (in its event loop,
+    on its engine), stopped when it stops, in-flight calls given ``grace`` seconds."""
+    state = {}
+
+    async def start() -> None:
+        state["server"] = await start_grpc_server(app.state.serving, host, port, api_key,
+                                                  lambda: app.state.lifecycle.draining)
+        print(f"pagoda: gRPC ({SERVICE_NAME}) on {host}:{port}", flush=True)
+
+    async def stop() -> None:
+        if "server" in state:
+            await state["server"].stop(grace)
+
+    app.router.on_startup.append(start)
+    app.router.on_shutdown.append(stop)
+
+
+async def start_grpc_server(serving: Serving, host: str, port: int, api_key: str | None = None,
+                            draining=lambda: False):
+    """Serve `pagoda.v1.Engine` (and health, reflection) on host:port in this event loop; returns
+    the started `grpc.aio.Server` (stop it with `await server.stop(grace)`)."""
+    server = grpc.aio.server()
+    pb_grpc.add_EngineServicer_to_server(EngineService(serving, api_key, draining), server)
+    checker, health_pb2 = add_health_and_reflection(server)
+    address = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+    if server.add_insecure_port(address) == 0:
+        raise OSError(f"cannot listen for gRPC on {address}")
+    await server.start()
+    for name in ("", SERVICE_NAME):
+        await checker.set(name, health_pb2.HealthCheckResponse.SERVING)
+    logger.info("gRPC service %s on %s", SERVICE_NAME, address)
+    return server
