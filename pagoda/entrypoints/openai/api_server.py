@@ -15,6 +15,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from pagoda import __version__
 from pagoda.engine.async_llm import AsyncLLM
 from pagoda.entrypoints.disconnect import GONE, unless_disconnected
+from pagoda.entrypoints.ollama_api import router as ollama_router
 from pagoda.entrypoints.openai.lifecycle import DrainingServer, Lifecycle, bind_listener, shutting_down
 from pagoda.entrypoints.openai.middleware import (
     MAX_BODY_BYTES, APIKeyCheck, BodyLimit, FastJSONResponse, error_response, http_error,
@@ -162,6 +163,7 @@ def build_app(engine: AsyncLLM, served_model_names: list[str], *, api_key: str |
             raise OpenAIError(f"tokens must be in [0, {vocab}), got {bad[:5]}", param="tokens")
         return {"prompt": serving.tokenizer.decode(body.tokens, skip_special_tokens=False)}
 
+    app.include_router(ollama_router)  # Ollama's API, /api/... (pagoda/entrypoints/ollama_api.py)
     return app
 
 
