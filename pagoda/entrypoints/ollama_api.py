@@ -34,6 +34,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from pagoda import __version__
 from pagoda.entrypoints.disconnect import GONE, unless_disconnected
 from pagoda.entrypoints.openai.lifecycle import shutting_down
+from pagoda.entrypoints.openai.middleware import ReleasingStream
 from pagoda.entrypoints.openai.protocol import random_id
 from pagoda.entrypoints.openai.serving import OpenAIError, Serving
 from pagoda.sampling_params import SamplingParams, StructuredOutputsParams
@@ -382,18 +383,6 @@ def _done_reason(finish_reason: str | None) -> str:
     return {"stop": "stop", "length": "length"}.get(finish_reason or "", finish_reason or "abort")
 
 
-class _ReleasingStream(StreamingResponse):
-    def __init__(self, content, on_end, **kwargs) -> None:
-        super().__init__(content, **kwargs)
-        self._on_end = on_end
-
-    async def __call__(self, scope, receive, send) -> None:
-        try:
-            await super().__call__(scope, receive, send)
-        finally:
-            self._on_end()
-
-
 async def _run(request: Request, body: _GenerateBase, ids: list[int], model: str, shape: Callable[[str], dict],
                final_extra: Callable[[list[int]], dict]) -> Response:
     """Run one prompt; stream NDJSON lines (`shape(text)` each) or answer one object."""
@@ -425,7 +414,7 @@ async def _run(request: Request, body: _GenerateBase, ids: list[int], model: str
                 except OpenAIError as e:
                     yield _line({"error": e.message})
 
-            response = _ReleasingStream(lines(), admission.release, media_type=NDJSON)
+            response = ReleasingStream(lines(), admission.release, media_type=NDJSON)
             admission = None
             return response
 

@@ -9,7 +9,7 @@ import os
 import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import Response, StreamingResponse
+from fastapi.responses import Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from pagoda import __version__
@@ -18,7 +18,7 @@ from pagoda.entrypoints.disconnect import GONE, unless_disconnected
 from pagoda.entrypoints.ollama_api import router as ollama_router
 from pagoda.entrypoints.openai.lifecycle import DrainingServer, Lifecycle, bind_listener, shutting_down
 from pagoda.entrypoints.openai.middleware import (
-    MAX_BODY_BYTES, APIKeyCheck, BodyLimit, FastJSONResponse, error_response, http_error,
+    MAX_BODY_BYTES, APIKeyCheck, BodyLimit, FastJSONResponse, ReleasingStream, error_response, http_error,
 )
 from pagoda.entrypoints.openai.protocol import (
     ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest, describe_validation_errors, now,
@@ -124,7 +124,7 @@ def build_app(engine: AsyncLLM, served_model_names: list[str], *, api_key: str |
         admission = serving.admission()  # its part of --max-num-seqs + --max-queue-len, held to the end
         try:
             if body.stream:
-                response = _ReleasingStream(await handler(body, admission), admission.release,
+                response = ReleasingStream(await handler(body, admission), admission.release,
                                             media_type="text/event-stream")
                 admission = None  # the stream gives it back when it ends
                 return response
@@ -165,20 +165,6 @@ def build_app(engine: AsyncLLM, served_model_names: list[str], *, api_key: str |
 
     app.include_router(ollama_router)  # Ollama's API, /api/... (pagoda/entrypoints/ollama_api.py)
     return app
-
-
-class _ReleasingStream(StreamingResponse):
-    """A stream that runs `on_end` once it is over, however it ends (done, client gone, error)."""
-
-    def __init__(self, content, on_end, **kwargs) -> None:
-        super().__init__(content, **kwargs)
-        self._on_end = on_end
-
-    async def __call__(self, scope, receive, send) -> None:
-        try:
-            await super().__call__(scope, receive, send)
-        finally:
-            self._on_end()
 
 
 def run_server(args) -> int:

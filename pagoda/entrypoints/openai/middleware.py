@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import secrets
 
-from fastapi.responses import JSONResponse
+from fastapi.responses import JSONResponse, StreamingResponse
 from starlette.datastructures import Headers
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
@@ -32,6 +32,21 @@ class FastJSONResponse(JSONResponse):
 
 def error_response(e: OpenAIError) -> JSONResponse:
     return FastJSONResponse(e.body(), status_code=e.status, headers=e.headers)
+
+
+class ReleasingStream(StreamingResponse):
+    """A stream that runs `on_end` once it is over, however it ends (done, client gone, error):
+    a streamed answer gives back its share of the engine-level limit (`Admission.release`)."""
+
+    def __init__(self, content, on_end, **kwargs) -> None:
+        super().__init__(content, **kwargs)
+        self._on_end = on_end
+
+    async def __call__(self, scope, receive, send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            self._on_end()
 
 
 class APIKeyCheck:
