@@ -20,7 +20,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import random
 import statistics
 import sys
@@ -32,25 +31,8 @@ HERE = Path(__file__).parent
 SHAPES = {"qkv": (576, 960), "o": (576, 576), "gate_up": (576, 3072), "down": (1536, 576), "head": (576, 49152)}
 
 
-def cpu_flags() -> list[str]:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("flags"):
-                keep = ("avx", "fma", "amx", "sse4", "f16c")
-                return sorted(f for f in line.split(":", 1)[1].split() if f.startswith(keep))
-    except OSError:
-        pass
-    return []
 
 
-def cpu_model() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor()
 
 
 def best_time(fn, min_seconds=0.3, min_reps=3, max_reps=200) -> float:
@@ -124,10 +106,11 @@ def main() -> int:
     import torch
 
     from pagoda import LLM, SamplingParams
+    from pagoda.platform import benchmark_cpu_flags, cpu_model
 
     torch.set_num_threads(args.threads)
     result = {"date": date.today().isoformat(), "command": " ".join([os.path.basename(sys.executable)] + sys.argv),
-              "cpu": cpu_model(), "cpu_flags": cpu_flags(), "threads": args.threads, "torch": torch.__version__}
+              "cpu": cpu_model(), "cpu_flags": benchmark_cpu_flags(), "threads": args.threads, "torch": torch.__version__}
     print(f"{result['cpu']}, {args.threads} threads; flags: {' '.join(result['cpu_flags'])}", flush=True)
     if not args.skip_kernels:
         result["kernel"] = {}

@@ -38,6 +38,9 @@ from pathlib import Path
 
 import httpx
 
+from pagoda.bench.servers import free_port
+from pagoda.platform import benchmark_cpu_flags, cpu_model
+
 HERE = Path(__file__).parent
 MODEL = "smollm2-135m-instruct"
 ADMIN_KEY = "bench-admin"
@@ -55,33 +58,10 @@ FOLLOW_UPS = ["How long does shipping take?", "Can I return it if it does not fi
               "What if it arrives damaged?", "Do you ship abroad?", "Thanks, how do I pay?"]
 
 
-def cpu_model() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor()
 
 
-def cpu_flags() -> list[str]:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("flags"):
-                keep = ("avx", "fma", "amx", "sse4", "f16c")
-                return sorted(f for f in line.split(":", 1)[1].split() if f.startswith(keep))
-    except OSError:
-        pass
-    return []
 
 
-def free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class Cluster:
@@ -262,7 +242,7 @@ def main() -> int:
     from pagoda import __version__
 
     env = {"date": date.today().isoformat(), "command": " ".join(sys.argv), "pagoda": __version__,
-           "cpu": cpu_model(), "cpu_flags": cpu_flags(), "cores": len(os.sched_getaffinity(0)),
+           "cpu": cpu_model(), "cpu_flags": benchmark_cpu_flags(), "cores": len(os.sched_getaffinity(0)),
            "torch": torch.__version__, "python": platform.python_version()}
     print(f"{env['cpu']}, {env['cores']} cores; flags: {' '.join(env['cpu_flags'])}", flush=True)
     started = time.perf_counter()

@@ -21,6 +21,28 @@ def cpu_flags() -> frozenset[str]:
     return frozenset()
 
 
+def cpu_model() -> str:
+    """The CPU's model name from /proc/cpuinfo (else what `platform` says), for benchmark records."""
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    import platform
+
+    return platform.processor()
+
+
+# The flags a benchmark record keeps beside its numbers: the vector and matrix extensions.
+BENCHMARK_FLAG_PREFIXES = ("avx", "fma", "amx", "sse4", "f16c")
+
+
+def benchmark_cpu_flags() -> list[str]:
+    return sorted(f for f in cpu_flags() if f.startswith(BENCHMARK_FLAG_PREFIXES))
+
+
 def cpu_has_fast_bf16() -> bool:
     """True where bf16 matmuls run on hardware (AMX tiles or AVX-512 BF16)."""
     flags = cpu_flags()

@@ -346,13 +346,18 @@ def build_app(config: RouterConfig) -> Starlette:
     async def list_workers(request: Request) -> Response:
         return admin_refusal(request) or JSONResponse(router.describe())
 
-    async def add_worker(request: Request) -> Response:
+    async def worker_url(request: Request) -> str | Response:
+        """The worker URL an admin request names, or the answer that refuses it."""
         if (refusal := admin_refusal(request)) is not None:
             return refusal
         try:
-            url = normalize_url(await _url_from(request))
+            return normalize_url(await _url_from(request))
         except ValueError as e:
             return OpenAIErrorResponse(str(e), 400, "invalid_request_error", "invalid_worker_url")
+
+    async def add_worker(request: Request) -> Response:
+        if isinstance(url := await worker_url(request), Response):
+            return url
         known = router.registry.get(url) is not None
         worker = router.add_worker(url)
         if not known:
@@ -361,12 +366,8 @@ def build_app(config: RouterConfig) -> Starlette:
         return JSONResponse(worker.describe(), status_code=200 if known else 201)
 
     async def remove_worker(request: Request) -> Response:
-        if (refusal := admin_refusal(request)) is not None:
-            return refusal
-        try:
-            url = normalize_url(await _url_from(request))
-        except ValueError as e:
-            return OpenAIErrorResponse(str(e), 400, "invalid_request_error", "invalid_worker_url")
+        if isinstance(url := await worker_url(request), Response):
+            return url
         if not router.remove_worker(url):
             return OpenAIErrorResponse(f"no worker {url}", 404, "invalid_request_error", "worker_not_found")
         return JSONResponse({"removed": url})

@@ -28,32 +28,28 @@ def stop(proc: subprocess.Popen) -> None:
     stop_process(proc)
 
 
-class RouterProcess:
-    """`pagoda router` as a subprocess; its log goes to a temporary file (read on failure)."""
+class _FrontProcess:
+    """A process whose HTTP front is a router (`pagoda router`, or `pagoda serve
+    --data-parallel-size`), on a free port; its log goes to a temporary file (read on failure)."""
 
-    def __init__(self, workers: list[str], *extra: str) -> None:
+    def __init__(self, args: list[str], label: str, timeout: float) -> None:
         self.port = _free_port()
         self.base = f"http://127.0.0.1:{self.port}"
-        self.log = tempfile.NamedTemporaryFile("w+", prefix="pagoda-router-", suffix=".log")
-        cmd = [sys.executable, "-m", "pagoda.entrypoints.cli", "router", "--port", str(self.port),
-               "--log-level", "warning", "--health-interval", "0.3", "--admin-key", ADMIN_KEY,
-               *[arg for url in workers for arg in ("--worker", url)], *extra]
+        self.log = tempfile.NamedTemporaryFile("w+", prefix=f"pagoda-{label}-", suffix=".log")
+        cmd = [sys.executable, "-m", "pagoda.entrypoints.cli", *args, "--port", str(self.port)]
         self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT, text=True)
-        self._wait_ready()
+        try:
+            wait_for(self._up, timeout=timeout, interval=0.1, what=f"pagoda {args[0]} ({label})")
+        except BaseException:
+            self.stop()
+            raise
 
-    def _wait_ready(self, timeout: float = 60) -> None:
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"router exited: {self.output()}")
-            try:
-                if httpx.get(f"{self.base}/health", timeout=1).status_code == 200:
-                    return
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.1)
-        self.stop()
-        raise RuntimeError(f"router did not come up: {self.output()}")
+    def _up(self) -> bool:
+        assert self.proc.poll() is None, f"it exited: {self.output()}"
+        try:
+            return httpx.get(f"{self.base}/health", timeout=1).status_code == 200
+        except httpx.HTTPError:
+            return False
 
     def output(self) -> str:
         self.log.flush()
@@ -67,49 +63,26 @@ class RouterProcess:
         return {w["url"]: w for w in answer.json()["workers"]}
 
     def stop(self) -> None:
-        stop(self.proc)
+        stop(self.proc)  # SIGTERM: a data-parallel front stops its replicas too
         self.log.close()
 
 
-class DataParallelServe:
-    """`pagoda serve --data-parallel-size N` of the tiny model as a subprocess (its replicas are
-    its children); the log goes to a temporary file (read on failure)."""
+class RouterProcess(_FrontProcess):
+    """`pagoda router` in front of `workers`."""
+
+    def __init__(self, workers: list[str], *extra: str) -> None:
+        super().__init__(["router", "--log-level", "warning", "--health-interval", "0.3", "--admin-key", ADMIN_KEY,
+                          *[arg for url in workers for arg in ("--worker", url)], *extra], "router", timeout=60)
+
+
+class DataParallelServe(_FrontProcess):
+    """`pagoda serve --data-parallel-size N` of the tiny model (its replicas are its children)."""
 
     def __init__(self, model_dir, n: int = 2, *extra: str) -> None:
-        self.port = _free_port()
-        self.base = f"http://127.0.0.1:{self.port}"
-        self.log = tempfile.NamedTemporaryFile("w+", prefix="pagoda-dp-", suffix=".log")
-        cmd = [sys.executable, "-m", "pagoda.entrypoints.cli", "serve", "--model", str(model_dir),
-               "--port", str(self.port), "--dtype", "float32", "--kv-cache-memory", "0.02",
-               "--served-model-name", "tiny", "--log-level", "warning", "--data-parallel-size", str(n),
-               "--router-admin-key", ADMIN_KEY, "--router-health-interval", "0.3", *extra]
-        self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT, text=True)
-        try:
-            wait_for(self._up, timeout=180, interval=0.2, what="pagoda serve --data-parallel-size")
-        except BaseException:
-            self.stop()
-            raise
-
-    def _up(self) -> bool:
-        assert self.proc.poll() is None, self.output()
-        try:
-            return httpx.get(f"{self.base}/health", timeout=1).status_code == 200
-        except httpx.HTTPError:
-            return False
-
-    def output(self) -> str:
-        self.log.flush()
-        self.log.seek(0)
-        return self.log.read()
-
-    def workers(self) -> dict[str, dict]:
-        answer = httpx.get(f"{self.base}/workers", headers={"Authorization": f"Bearer {ADMIN_KEY}"}, timeout=5)
-        answer.raise_for_status()
-        return {w["url"]: w for w in answer.json()["workers"]}
-
-    def stop(self) -> None:
-        stop(self.proc)  # SIGTERM: it stops its replicas (killed, they get SIGTERM from the kernel)
-        self.log.close()
+        super().__init__(["serve", "--model", str(model_dir), "--dtype", "float32", "--kv-cache-memory", "0.02",
+                          "--served-model-name", "tiny", "--log-level", "warning", "--data-parallel-size", str(n),
+                          "--router-admin-key", ADMIN_KEY, "--router-health-interval", "0.3", *extra], "dp",
+                         timeout=180)
 
 
 def wait_for(condition, timeout: float = 20.0, interval: float = 0.1, what: str = "condition"):

@@ -19,15 +19,9 @@ from pathlib import Path
 import httpx
 import pytest
 from gguf_export import export_gguf
-from server_process import stop_process
+from server_process import _free_port, stop_process
 
 REGISTRY_BIN = shutil.which("docker-registry") or shutil.which("registry")
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.fixture(scope="session")
