@@ -46,6 +46,10 @@ class CacheConfig:
     kv_cache_memory_gib: float | None = None  # CPU budget
     gpu_memory_utilization: float = 0.9  # CUDA: fraction of free memory after the weights
     enable_prefix_caching: bool = True
+    # Sessions (/v1/sessions): the share of KV blocks their pinned prefixes may hold together,
+    # and the tokens one session may pin (None: the whole context).
+    session_kv_fraction: float = 0.5
+    max_session_kv_tokens: int | None = None
 
 
 @dataclass(frozen=True)
@@ -184,7 +188,8 @@ def create_engine_config(args: EngineArgs) -> EngineConfig:
                                chat_template, quantization)
     return EngineConfig(
         model=model_config,
-        cache=CacheConfig(args.block_size, args.kv_cache_memory, args.gpu_memory_utilization, args.enable_prefix_caching),
+        cache=CacheConfig(args.block_size, args.kv_cache_memory, args.gpu_memory_utilization, args.enable_prefix_caching,
+                          args.session_kv_fraction, args.max_session_kv_tokens),
         scheduler=SchedulerConfig(args.max_num_seqs, args.max_num_batched_tokens, args.aging_seconds,
                                   args.admission_pressure_threshold, args.short_chunk_tokens),
         parallel=parallel,

@@ -59,6 +59,11 @@ class EngineArgs:
         "off by default: measured no faster on a 2-core AVX2 CPU)"))
     enable_prefix_caching: bool = field(default=True, metadata=_option(
         "share prompt prefixes between requests through a radix tree (default: on)"))
+    session_kv_fraction: float = field(default=0.5, metadata=_option(
+        "share of the KV cache that sessions' pinned prefixes (/v1/sessions) may hold together; "
+        "pins yield to running requests under pressure"))
+    max_session_kv_tokens: int | None = field(default=None, metadata=_option(
+        "tokens of its history one session may keep pinned (default: the whole context)"))
     # Batch invariance holds for float32 on the CPU with pagoda's kernels, without --compile
     # (docs/architecture.md, "Sampling and determinism"). None = pagoda.config.DETERMINISTIC_DEFAULT
     # (off: benchmarks/README.md "Deterministic inference").

@@ -28,6 +28,10 @@ class _EngineCollector:
              stats.num_cached_free_blocks),
             ("pagoda:memory_pressure", "(used KV memory - reclaimable cached memory) / total KV memory.",
              stats.memory_pressure),
+            ("pagoda:sessions_pinned", "Sessions (/v1/sessions) whose KV prefix is pinned in the prefix cache.",
+             stats.num_sessions_pinned),
+            ("pagoda:session_pinned_kv_blocks", "KV blocks held by sessions' pins (a shared prefix counted per "
+             "session).", stats.session_pinned_blocks),
         ]:
             g = GaugeMetricFamily(name, doc, labels=["model_name"])
             g.add_metric([self.model_name], value)
@@ -35,6 +39,10 @@ class _EngineCollector:
         c = CounterMetricFamily("pagoda:num_preemptions", "Requests preempted (KV blocks freed, recomputed later).",
                                 labels=["model_name"])
         c.add_metric([self.model_name], stats.num_preemptions_total)
+        yield c
+        c = CounterMetricFamily("pagoda:session_pins_released_under_pressure", "Sessions' pinned prefixes let go "
+                                "because running requests needed the blocks.", labels=["model_name"])
+        c.add_metric([self.model_name], stats.session_pins_released_under_pressure)
         yield c
         for name, doc, value in [
             ("pagoda:prefix_cache_queries", "Prompt tokens looked up in the prefix cache.", stats.prefix_cache_query_tokens),

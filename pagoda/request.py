@@ -52,6 +52,7 @@ class Request:
     priority: int = 0
     arrival_time: float = field(default_factory=time.monotonic)
     cache_salt: str | None = None  # requests with different salts never share cached blocks
+    session_id: str | None = None  # a conversation's turn: its prefix stays pinned for the next turn
     # A strictly increasing tie-breaker: arrival_time can tie on coarse clocks.
     arrival_seq: int = field(default_factory=lambda: next(_arrival_counter))
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from pagoda.core.block_pool import BlockPool
 from pagoda.core.radix_cache import RadixCache, RadixNode
+from pagoda.core.session_pins import SessionPins
 from pagoda.request import Request
 
 
@@ -19,12 +20,21 @@ class KVCacheManager:
     computed it ends (`cache_computed_blocks`), with a reference of the tree's own, so its blocks
     outlive it; cached blocks nobody uses are evicted, LRU leaf first, only when an allocation
     finds the free list short.
+
+    A finished request of a session (`Request.session_id`) leaves its computed prefix pinned
+    for the session's next turn (core/session_pins.py), within a per-session and an overall
+    budget (`session_max_blocks`, `session_total_blocks`); pins yield to allocations before
+    any running request is preempted.
     """
 
-    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = False) -> None:
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = False,
+                 session_max_blocks: int | None = None, session_total_blocks: int | None = None) -> None:
         self.block_size = block_size
         self.pool = BlockPool(num_blocks)
         self.cache = RadixCache(block_size) if enable_prefix_caching else None
+        self.sessions = SessionPins(self.cache, num_blocks if session_max_blocks is None else session_max_blocks,
+                                    num_blocks // 2 if session_total_blocks is None else session_total_blocks) \
+            if self.cache is not None else None
         self._locked: dict[str, RadixNode] = {}  # request id → deepest locked node of its path
         self._num_cached: dict[str, int] = {}  # request id → its leading blocks already in the tree
         # Counted once per admission (`record_prefix_query`), vLLM's split: fresh requests here,
@@ -101,6 +111,8 @@ class KVCacheManager:
         evicting unused cached ones.
         """
         need = self.blocks_needed(request, num_new_tokens)
+        if need > self.num_free_blocks and self.sessions:
+            self.sessions.release_for(need, lambda: self.num_free_blocks)
         if need > self.num_free_blocks:
             return False
         short = need - self.pool.num_free_blocks
@@ -133,9 +145,14 @@ class KVCacheManager:
             self.cache.unlock(old)
         self._locked[request.request_id] = node
 
-    def free(self, request: Request) -> None:
+    def free(self, request: Request, finished: bool = False) -> None:
         """Release the request's blocks (finished, aborted or preempted). Blocks in the prefix
-        cache keep the tree's reference and stay there for later requests."""
+        cache keep the tree's reference and stay there for later requests; a finished request
+        of a session pins its computed prefix for the session's next turn."""
+        if finished and request.session_id is not None and self.sessions is not None:
+            full = min(len(request.block_ids), request.num_computed_tokens // self.block_size,
+                       self._num_cached.get(request.request_id, 0))
+            self.sessions.pin(request.session_id, request.all_token_ids, full, request.cache_salt)
         node = self._locked.pop(request.request_id, None)
         if node is not None:
             self.cache.unlock(node)
@@ -143,6 +160,14 @@ class KVCacheManager:
         if request.block_ids:
             self.pool.free(request.block_ids)
         request.block_ids = []
+
+    def release_session(self, session_id: str) -> bool:
+        """The session ended: its pinned prefix becomes ordinary cache (evictable)."""
+        return self.sessions.release(session_id) if self.sessions is not None else False
+
+    @property
+    def num_session_pinned_blocks(self) -> int:
+        return self.sessions.num_pinned_blocks if self.sessions is not None else 0
 
     def reset_prefix_cache(self) -> None:
         if self.cache is not None:

@@ -57,6 +57,9 @@ class SchedulerStats:
     spec_accepted_tokens_per_pos: list[int] = field(default_factory=list)  # ... and accepted there
     spec_draft_seconds: float = 0.0  # time spent proposing
     spec_verify_seconds: float = 0.0  # time of the steps that verified drafts
+    num_sessions_pinned: int = 0  # sessions whose prefix is pinned in the prefix cache
+    session_pinned_blocks: int = 0  # blocks those pins hold (shared prefixes counted per session)
+    session_pins_released_under_pressure: int = 0
 
     @property
     def spec_acceptance_rate(self) -> float:
@@ -424,7 +427,7 @@ class Scheduler:
     def _finish(self, request: Request) -> None:
         if request in self.running:
             self.running.remove(request)
-        self.kv.free(request)
+        self.kv.free(request, finished=True)
         rid = request.request_id
         self.requests.pop(rid, None)
         if self._sent_tokens.pop(rid, None) is not None:
@@ -460,4 +463,7 @@ class Scheduler:
             spec_accepted_tokens_per_pos=list(self.spec.accepted_per_pos),
             spec_draft_seconds=self.spec.draft_seconds,
             spec_verify_seconds=self.spec.verify_seconds,
+            num_sessions_pinned=len(self.kv.sessions) if self.kv.sessions is not None else 0,
+            session_pinned_blocks=self.kv.num_session_pinned_blocks,
+            session_pins_released_under_pressure=self.kv.sessions.num_released_under_pressure if self.kv.sessions else 0,
         )

@@ -86,7 +86,8 @@ class AsyncLLM:
 
     # -- the event-loop side ----------------------------------------------------------------
     async def generate(self, prompt: PromptType, params: SamplingParams, request_id: str,
-                       priority: int = 0, cache_salt: str | None = None) -> AsyncIterator[RequestOutput]:
+                       priority: int = 0, cache_salt: str | None = None,
+                       session_id: str | None = None) -> AsyncIterator[RequestOutput]:
         """Yield DELTA outputs for one request until it finishes; abort it if the caller stops."""
         if not self.healthy:
             state = "restarting" if self.restarting else f"not running: {self.dead_error}"
@@ -95,7 +96,8 @@ class AsyncLLM:
         if request_id in self._streams:
             raise ValueError(f"request id {request_id!r} is already in use")
         params = params.clone(output_kind=RequestOutputKind.DELTA)
-        prepared = self.engine.prepare_request(request_id, prompt, params, priority, cache_salt=cache_salt)  # may raise ValueError
+        prepared = self.engine.prepare_request(request_id, prompt, params, priority, cache_salt=cache_salt,
+                                               session_id=session_id)  # may raise ValueError
         stream: asyncio.Queue = asyncio.Queue()
         self._streams[request_id] = stream
         self.output_processor.add_request(*prepared.output_args())
@@ -114,6 +116,11 @@ class AsyncLLM:
             self._streams.pop(request_id, None)
             if not finished:
                 self._abort(request_id)
+
+    def release_sessions(self, session_ids: list[str]) -> None:
+        """Sessions that ended: the core lets their pinned prefixes go."""
+        if session_ids and self.healthy:
+            self.client.release_sessions(session_ids)
 
     def _abort(self, request_id: str) -> None:
         core_ids = self.output_processor.core_ids(request_id)

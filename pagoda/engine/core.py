@@ -79,7 +79,13 @@ class EngineCore:
             logger.warning("KV cache holds %d tokens, less than max_model_len=%d: capping max_model_len", capacity, self.max_model_len)
             self.max_model_len = capacity
         self.executor.initialize_cache(self.num_blocks, self.max_model_len)
-        self.kv_manager = KVCacheManager(self.num_blocks, block_size, config.cache.enable_prefix_caching)
+        cc = config.cache
+        if not 0.0 <= cc.session_kv_fraction <= 1.0:
+            raise ValueError(f"session_kv_fraction must be in [0, 1], got {cc.session_kv_fraction}")
+        session_tokens = self.max_model_len if cc.max_session_kv_tokens is None else cc.max_session_kv_tokens
+        self.kv_manager = KVCacheManager(self.num_blocks, block_size, cc.enable_prefix_caching,
+                                         session_max_blocks=session_tokens // block_size,
+                                         session_total_blocks=int(self.num_blocks * cc.session_kv_fraction))
         sc = config.scheduler
         self.scheduler = Scheduler(
             self.kv_manager, max_num_seqs=sc.max_num_seqs, max_num_batched_tokens=sc.max_num_batched_tokens,
@@ -157,6 +163,11 @@ class EngineCore:
         """Finish requests from outside a step (abort, or a stop string the detokenizer saw)."""
         for rid in request_ids:
             self.scheduler.finish_request(rid, status)
+
+    def release_sessions(self, session_ids: list[str]) -> None:
+        """Sessions that ended: their pinned prefixes become ordinary cache."""
+        for sid in session_ids:
+            self.kv_manager.release_session(sid)
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished_requests()

@@ -49,6 +49,8 @@ def _serve_core(core: EngineCore, inbox, emit_outputs: Callable[[list[EngineCore
             if kind == "add":
                 for request in payload:
                     core.add_request(request)
+            elif kind == "release_sessions":
+                core.release_sessions(payload)
             else:
                 core.finish_requests(payload, status)
             try:
@@ -71,6 +73,9 @@ class _InboxClient:
 
     def finish(self, core_ids: list[str], status: RequestStatus) -> None:
         self._inbox.put(("finish", core_ids, status))
+
+    def release_sessions(self, session_ids: list[str]) -> None:
+        self._inbox.put(("release_sessions", session_ids, None))
 
 
 class ThreadCoreClient(_InboxClient):

@@ -77,7 +77,7 @@ class LLMEngine:
 
     def prepare_request(self, request_id: str, prompt: PromptType, params: SamplingParams,
                         priority: int = 0, arrival_time: float | None = None,
-                        cache_salt: str | None = None) -> PreparedRequest:
+                        cache_salt: str | None = None, session_id: str | None = None) -> PreparedRequest:
         """Tokenize, fan n > 1 out, build and validate the core requests; queue nothing.
 
         Thread-safe (it reads only immutable engine state), so the server runs it on the HTTP side.
@@ -94,13 +94,17 @@ class LLMEngine:
         for core_id, child in samples:
             child.all_stop_token_ids = set(self.eos_token_ids)
             requests.append(Request(core_id, prompt_ids, child, priority=priority, arrival_time=arrival_time,
-                                    cache_salt=cache_salt))
+                                    cache_salt=cache_salt, session_id=session_id))
         self.limits.validate(requests[0])  # the children share the prompt
         return PreparedRequest(request_id, text, prompt_ids, samples, requests, arrival_time)
 
     def add_request(self, request_id: str, prompt: PromptType, params: SamplingParams,
-                    priority: int = 0, arrival_time: float | None = None, cache_salt: str | None = None) -> None:
-        prepared = self.prepare_request(request_id, prompt, params, priority, arrival_time, cache_salt)
+                    priority: int = 0, arrival_time: float | None = None, cache_salt: str | None = None,
+                    session_id: str | None = None) -> None:
+        """Queue a request. `session_id` makes it a turn of a conversation: once it finishes, its
+        prefix (prompt and answer) stays pinned in the prefix cache for the session's next turn,
+        until `release_session`."""
+        prepared = self.prepare_request(request_id, prompt, params, priority, arrival_time, cache_salt, session_id)
         with self._lock:
             if request_id in self.output_processor.requests:
                 raise ValueError(f"request id {request_id!r} is already in use")
@@ -131,6 +135,11 @@ class LLMEngine:
         return {**dataclasses.asdict(s), "prefix_cache_hit_rate": s.prefix_cache_hit_rate,
                 "memory_pressure": s.memory_pressure, "spec_acceptance_rate": s.spec_acceptance_rate,
                 "spec_mean_accepted_length": s.spec_mean_accepted_length}
+
+    def release_session(self, session_id: str) -> None:
+        """The conversation ended: its pinned prefix becomes ordinary (evictable) cache."""
+        with self._lock:
+            self.core.release_sessions([session_id])
 
     def abort_request(self, request_id: str) -> None:
         with self._lock:

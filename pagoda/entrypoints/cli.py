@@ -282,6 +282,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--grpc-port", type=int, default=None,
                    help="also serve the gRPC service pagoda.v1.Engine (with grpc.health.v1 and reflection) on "
                         "this port, on the same engine, API key and limits")
+    p.add_argument("--session-ttl", type=float, default=1800.0,
+                   help="seconds a /v1/sessions conversation may stay idle before it ends and its pinned "
+                        "KV prefix is let go")
+    p.add_argument("--max-sessions", type=int, default=1000,
+                   help="sessions held at once; past that, POST /v1/sessions answers 429")
     p.add_argument("--engine-process", action="store_true",
                    help="run the engine core in its own process instead of a thread (see benchmarks/README.md)")
     p.add_argument("--max-engine-restarts", type=int, default=3,

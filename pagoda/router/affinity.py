@@ -48,6 +48,23 @@ def route_request(headers: Headers, body: Any) -> RouteRequest:
     return RouteRequest(session_key=explicit, derived_key=_derived_key(body), prompt_text=prompt_text(body))
 
 
+SESSIONS_PATH = "/v1/sessions"
+
+
+def session_in_path(path: str) -> str | None:
+    """The session id of a `/v1/sessions/{id}[/...]` call: its key, so every call of a server-side
+    session (sessions live in one replica's memory) reaches the replica that holds it."""
+    if not path.startswith(SESSIONS_PATH + "/"):
+        return None
+    return path[len(SESSIONS_PATH) + 1:].split("/", 1)[0] or None
+
+
+def new_session_id() -> str:
+    """The id the router gives a session it sees created without an X-Session-ID, sent on as that
+    header: the replica names the session so, and the id's key picks the replica."""
+    return f"sess-{uuid.uuid4().hex}"
+
+
 def prompt_text(body: dict) -> str:
     """The prompt of a chat or completion body as one string (at most MAX_PROMPT_CHARS)."""
     messages = body.get("messages")

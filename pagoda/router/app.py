@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import logging
 import secrets
 from dataclasses import dataclass, field
@@ -30,7 +31,9 @@ from starlette.routing import Route
 
 from pagoda import __version__
 from pagoda.entrypoints.disconnect import GONE, unless_disconnected
-from pagoda.router.affinity import RouteRequest, route_request
+from pagoda.router.affinity import (
+    SESSION_HEADER, SESSIONS_PATH, RouteRequest, new_session_id, route_request, session_in_path,
+)
 from pagoda.router.limits import GatewayLimits
 from pagoda.router.metrics import RouterMetrics
 from pagoda.router.policies import Decision, Policy, make_policy
@@ -145,7 +148,7 @@ class Router:
     # --- forwarding ------------------------------------------------------------------------
 
     async def forward(self, request: Request, path: str) -> Response:
-        """Proxy one POST (a completion, chat, or any other /v1 call) to a worker."""
+        """Proxy one call (a completion, chat, any other /v1 POST, or a session's GET / DELETE) to a worker."""
         try:
             body = await read_body(request)
         except BodyTooLarge:
@@ -171,6 +174,12 @@ class Router:
     async def _dispatch(self, request: Request, path: str, body: bytes) -> Response:
         route = route_request(request.headers, _parse_json(body))
         headers = forward_headers(request.headers)
+        session = session_in_path(path)
+        if session is None and request.method == "POST" and path.rstrip("/") == SESSIONS_PATH \
+                and SESSION_HEADER not in headers:
+            session = headers[SESSION_HEADER] = new_session_id()
+        if session is not None:
+            route = dataclasses.replace(route, session_key=session)
         tried: set[str] = set()
         failure: _Failure | None = None
         for attempt in range(MAX_ATTEMPTS):
@@ -182,7 +191,7 @@ class Router:
             if attempt:
                 self.metrics.retries.inc()
                 logger.info("retrying on %s after: %s", decision.worker.url, failure.reason if failure else "")
-            outcome = await self._attempt(decision.worker, path, body, headers)
+            outcome = await self._attempt(decision.worker, request.method, path, body, headers)
             if not isinstance(outcome, _Failure):
                 return outcome
             failure = outcome
@@ -200,7 +209,8 @@ class Router:
             self.metrics.prefix_match.observe(decision.matched_chars)
         return decision
 
-    async def _attempt(self, worker: Worker, path: str, body: bytes, headers: dict[str, str]) -> Response | _Failure:
+    async def _attempt(self, worker: Worker, method: str, path: str, body: bytes,
+                       headers: dict[str, str]) -> Response | _Failure:
         """Send the request to `worker`: its answer, or a `_Failure` if nothing reached the client
         and another worker may try. A stream is handed to a RelayResponse, which then owns the
         worker's response and in-flight count."""
@@ -210,7 +220,7 @@ class Router:
         self.metrics.requests.labels(worker.url).inc()
         lease, upstream, handed_over = _Lease(worker), None, False
         try:
-            outgoing = self.client.build_request("POST", worker.url + path, content=body, headers=headers)
+            outgoing = self.client.build_request(method, worker.url + path, content=body, headers=headers)
             upstream = await self.client.send(outgoing, stream=True)
             if upstream.status_code in RETRYABLE_STATUS:
                 content = await _read_raw(upstream)
@@ -388,6 +398,7 @@ def build_app(config: RouterConfig) -> Starlette:
         Route("/workers", list_workers, methods=["GET"]),
         Route("/workers", add_worker, methods=["POST"]),
         Route("/workers", remove_worker, methods=["DELETE"]),
+        Route("/v1/sessions/{path:path}", proxied, methods=["GET", "POST", "DELETE"]),  # one replica's sessions
         Route("/v1/{path:path}", proxied, methods=["POST"]),
         Route("/tokenize", proxied, methods=["POST"]),
         Route("/detokenize", proxied, methods=["POST"]),

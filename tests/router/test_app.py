@@ -192,3 +192,27 @@ def _metric(text: str, name: str) -> float:
         if line.startswith(name + " "):
             return float(line.rsplit(" ", 1)[1])
     return 0.0
+
+
+def test_server_side_sessions_live_on_one_replica(router, replicas):
+    """/v1/sessions through the router: a session created without an X-Session-ID gets one from
+    the router, and every later call (messages, GET, DELETE) reaches the replica that holds it."""
+    workers: dict[str, set[str]] = {}
+    for s in range(6):
+        created = httpx.post(f"{router.base}/v1/sessions", json={"max_tokens": 2, "temperature": 0}, timeout=60)
+        assert created.status_code == 200, created.text
+        sid = created.json()["id"]
+        workers[sid] = {created.headers[WORKER_HEADER]}
+        for turn in range(3):
+            answer = httpx.post(f"{router.base}/v1/sessions/{sid}/messages", json={"content": f"turn {turn}"},
+                                timeout=60)
+            assert answer.status_code == 200, answer.text
+            workers[sid].add(answer.headers[WORKER_HEADER])
+        state = httpx.get(f"{router.base}/v1/sessions/{sid}", timeout=60)
+        assert len(state.json()["messages"]) == 6
+        workers[sid].add(state.headers[WORKER_HEADER])
+        assert httpx.delete(f"{router.base}/v1/sessions/{sid}", timeout=60).json()["deleted"] is True
+    assert all(len(ws) == 1 for ws in workers.values())
+    chosen = httpx.post(f"{router.base}/v1/sessions", json={}, headers={"X-Session-ID": "mine-1"}, timeout=60)
+    assert chosen.json()["id"] == "mine-1"
+    httpx.delete(f"{router.base}/v1/sessions/mine-1", timeout=60)

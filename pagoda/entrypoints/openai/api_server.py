@@ -21,9 +21,11 @@ from pagoda.entrypoints.openai.middleware import (
     MAX_BODY_BYTES, APIKeyCheck, BodyLimit, FastJSONResponse, ReleasingStream, error_response, http_error,
 )
 from pagoda.entrypoints.openai.protocol import (
-    ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest, describe_validation_errors, now,
+    ChatCompletionRequest, CompletionRequest, DetokenizeRequest, SessionCreateRequest, SessionMessageRequest,
+    TokenizeRequest, describe_validation_errors, now,
 )
 from pagoda.entrypoints.openai.serving import OpenAIError, Serving, bad_value
+from pagoda.entrypoints.openai.sessions import SessionStore
 
 logger = logging.getLogger("pagoda.server")
 
@@ -44,12 +46,15 @@ def _catalog_aliases(model_root: str | None, served_model_names: list[str]) -> l
 
 def build_app(engine: AsyncLLM, served_model_names: list[str], *, api_key: str | None = None,
               max_queue_len: int | None = None, model_root: str | None = None,
-              request_timeout: float | None = None, max_body_bytes: int = MAX_BODY_BYTES) -> FastAPI:
+              request_timeout: float | None = None, max_body_bytes: int = MAX_BODY_BYTES,
+              session_ttl: float = 1800.0, max_sessions: int = 1000) -> FastAPI:
     app = FastAPI(title="pagoda", version=__version__, default_response_class=FastJSONResponse)
     serving = Serving(engine, served_model_names, max_queue_len,
                       aliases=_catalog_aliases(model_root, served_model_names), request_timeout=request_timeout)
     app.state.serving = serving
     app.state.lifecycle = lifecycle = Lifecycle()
+    app.state.sessions = sessions = SessionStore(serving, session_ttl, max_sessions)
+    app.router.on_startup.append(sessions.start)
 
     app.add_middleware(BodyLimit, max_bytes=max_body_bytes)
     if api_key:
@@ -142,6 +147,26 @@ def build_app(engine: AsyncLLM, served_model_names: list[str], *, api_key: str |
     async def chat_completions(body: ChatCompletionRequest, request: Request):
         return await respond(serving.chat, body, request)
 
+    # -- sessions: the history kept here, each turn computing only its new tokens (sessions.py)
+    @app.post("/v1/sessions")
+    async def create_session(body: SessionCreateRequest, request: Request):
+        _check_alive()
+        session = sessions.create(body, request.headers.get("x-session-id"))
+        return {"id": session.id, "object": "session", "model": session.model, "created": session.created}
+
+    @app.get("/v1/sessions/{session_id}")
+    async def get_session(session_id: str):
+        return sessions.get(session_id).describe(sessions.ttl)
+
+    @app.delete("/v1/sessions/{session_id}")
+    async def delete_session(session_id: str):
+        sessions.delete(session_id)
+        return {"id": session_id, "object": "session.deleted", "deleted": True}
+
+    @app.post("/v1/sessions/{session_id}/messages")
+    async def session_message(session_id: str, body: SessionMessageRequest, request: Request):
+        return await respond(lambda b, admission: sessions.message(session_id, b, admission), body, request)
+
     @app.post("/tokenize")
     async def tokenize(body: TokenizeRequest):
         serving.check_model(body.model)
@@ -183,7 +208,7 @@ def run_server(args) -> int:
     api_key = args.api_key or os.environ.get("PAGODA_API_KEY")
     async_engine = AsyncLLM(engine, engine_process=args.engine_process, max_engine_restarts=args.max_engine_restarts)
     app = build_app(async_engine, names, api_key=api_key, max_queue_len=args.max_queue_len, model_root=args.model,
-                    request_timeout=args.request_timeout)
+                    request_timeout=args.request_timeout, session_ttl=args.session_ttl, max_sessions=args.max_sessions)
     if args.grpc_port is not None:  # the gRPC service on the same engine (pagoda/entrypoints/grpc_api)
         from pagoda.entrypoints.grpc_api.service import attach_grpc
 

@@ -312,6 +312,22 @@ class ChatCompletionRequest(SamplingFields):
         return _check_depth(value, info.field_name)
 
 
+class SessionCreateRequest(SamplingFields):
+    """POST /v1/sessions: the system prompt, and sampling fields that become the session's
+    defaults (each message may override them)."""
+
+    system: str | None = None
+    messages: list[ChatMessage] | None = None  # an earlier conversation to go on from (user / assistant turns)
+    overflow: Literal["truncate", "summarize"] = "truncate"  # when the history outgrows the context
+
+
+class SessionMessageRequest(SamplingFields):
+    """POST /v1/sessions/{id}/messages: the user's next message."""
+
+    content: str
+    max_completion_tokens: Int64 | None = None
+
+
 class TokenizeRequest(RequestBody):
     model: str | None = None
     prompt: str | None = None

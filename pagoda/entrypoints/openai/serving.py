@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 import logging
 from dataclasses import dataclass, field
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 
 import orjson
 
@@ -38,7 +38,11 @@ def bad_value(e: ValueError) -> OpenAIError:
     name: lower case; "Overflow when unpacking long long" names none)."""
     message = str(e)
     first = message.split(" ", 1)[0]
-    return OpenAIError(message, param=first if first.isidentifier() and first.islower() else None)
+    named = first.isidentifier() and first.islower() and first not in _NOT_FIELDS
+    return OpenAIError(message, param=first if named else None)
+
+
+_NOT_FIELDS = {"the", "a", "an", "this", "that", "it", "no", "cannot", "request", "model"}  # words, not fields
 
 
 def dumps(data) -> bytes:
@@ -166,15 +170,18 @@ class Serving:
             raise bad_value(e) from None
 
     async def run_all(self, prompts: list[list[int]], params_list, request_id: str, priority: int,
-                       cache_salt: str | None = None) -> AsyncIterator[tuple[int, RequestOutput]]:
-        """Run several prompts concurrently; yield (prompt index, delta output) as they arrive."""
+                       cache_salt: str | None = None,
+                       session_id: str | None = None) -> AsyncIterator[tuple[int, RequestOutput]]:
+        """Run several prompts concurrently; yield (prompt index, delta output) as they arrive.
+        `session_id` makes them turns of a session (/v1/sessions): the engine keeps the prefix."""
         merged: asyncio.Queue = asyncio.Queue()
 
         async def pump(i: int, ids: list[int], params) -> None:
             tracker = self.metrics.tracker(len(ids))
             sub_id, reason = f"{request_id}-{i}", "abort"
             try:
-                async for out in self.engine.generate({"prompt_token_ids": ids}, params, sub_id, priority, cache_salt):
+                async for out in self.engine.generate({"prompt_token_ids": ids}, params, sub_id, priority, cache_salt,
+                                                      session_id):
                     tracker.on_output(out)
                     if out.finished:
                         reason = ",".join(sorted({c.finish_reason or "abort" for c in out.outputs}))
@@ -219,13 +226,15 @@ class Serving:
                               f"({self.request_timeout:g} s) and was aborted", status=504, type_="timeout_error",
                               code="request_timeout", headers={"x-should-retry": "false"}) from None
 
-    async def _collect(self, prompts: list[list[int]], params_list, request_id: str, request: SamplingFields):
+    async def _collect(self, prompts: list[list[int]], params_list, request_id: str, request: SamplingFields,
+                       session_id: str | None = None):
         """Run prompts to the end (non-streaming). Returns the samples by (prompt index, sample
         index), the prompt logprobs by prompt index, and the prompt tokens served from cache."""
         samples: dict[tuple[int, int], _Sample] = {}
         prompt_logprobs: dict[int, list] = {}
         cached: dict[int, int] = {}
-        async for i, out in self.run_all(prompts, params_list, request_id, request.priority, request.cache_salt):
+        async for i, out in self.run_all(prompts, params_list, request_id, request.priority, request.cache_salt,
+                                         session_id):
             cached[i] = out.num_cached_tokens
             if out.prompt_logprobs is not None:
                 prompt_logprobs[i] = out.prompt_logprobs
@@ -432,12 +441,20 @@ class Serving:
 
     async def chat(self, request: ChatCompletionRequest, admission: Admission | None = None):
         model, ids, params, tools = self.prepare_chat(request)
-        k = (request.top_logprobs or 0) if request.logprobs else None
         self.check_capacity(1, admission)
+        return await self.answer_chat(request, model, ids, params, tools)
+
+    async def answer_chat(self, request: ChatCompletionRequest, model: str, ids: list[int], params,
+                          tools: ToolChoice | None, turn: ChatTurn | None = None):
+        """Run a prepared chat prompt: the JSON answer, or its SSE stream when asked for. A
+        `turn` (a session's, /v1/sessions) names the session to the engine, hears the first
+        choice's answer when it is complete, and adds its fields to the answer."""
+        k = (request.top_logprobs or 0) if request.logprobs else None
         request_id = random_id("chatcmpl")
         if request.stream:
-            return self._chat_stream(request, model, request_id, ids, params, tools)
-        samples, _, cached = await self._collect([ids], [params], request_id, request)
+            return self._chat_stream(request, model, request_id, ids, params, tools, turn)
+        samples, _, cached = await self._collect([ids], [params], request_id, request,
+                                                 turn.session_id if turn else None)
         choices, completion_tokens = [], 0
         for j in range(request.n):
             sample = samples.get((0, j), _Sample())
@@ -446,23 +463,33 @@ class Serving:
             choices.append({"index": j, "message": message,
                             "logprobs": self._chat_logprobs(sample.token_ids, sample.logprobs, k) if request.logprobs else None,
                             "finish_reason": finish_reason, "stop_reason": sample.stop_reason})
-        return {"id": request_id, "object": "chat.completion", "created": now(), "model": model, "choices": choices,
-                "usage": _usage(len(ids), completion_tokens, cached)}
+        answer = {"id": request_id, "object": "chat.completion", "created": now(), "model": model, "choices": choices,
+                  "usage": _usage(len(ids), completion_tokens, cached)}
+        if turn is not None:
+            turn.on_answer(samples.get((0, 0), _Sample()))
+            answer.update(turn.fields)
+        return answer
 
-    async def _chat_stream(self, request, model, request_id, ids, params, tools: ToolChoice | None):
+    async def _chat_stream(self, request, model, request_id, ids, params, tools: ToolChoice | None,
+                           turn: ChatTurn | None = None):
         created = now()
-        head = {"id": request_id, "object": "chat.completion.chunk", "created": created, "model": model}
+        head = {"id": request_id, "object": "chat.completion.chunk", "created": created, "model": model,
+                **(turn.fields if turn else {})}
         completion_tokens = 0
+        first = _Sample()  # the first choice, gathered for a session's history
         streams = {j: ToolCallStream(tools) for j in range(request.n)} if tools else {}
         try:
             for j in range(request.n):
                 yield sse({**head, "choices": [{"index": j, "delta": {"role": "assistant", "content": ""},
                                                 "logprobs": None, "finish_reason": None}]})
             cached = 0
-            async for _, out in self.run_all([ids], [params], request_id, request.priority, request.cache_salt):
+            async for _, out in self.run_all([ids], [params], request_id, request.priority, request.cache_salt,
+                                             turn.session_id if turn else None):
                 cached = out.num_cached_tokens
                 for c in out.outputs:
                     completion_tokens += len(c.token_ids)
+                    if turn is not None and c.index == 0:
+                        first.add(c)
                     if not c.text and c.finish_reason is None:
                         continue
                     finish_reason = c.finish_reason
@@ -479,6 +506,8 @@ class Serving:
                         "index": c.index, "delta": delta,
                         "logprobs": self._chat_logprobs(c.token_ids, c.logprobs or [], params.logprobs) if request.logprobs else None,
                         "finish_reason": finish_reason, "stop_reason": c.stop_reason}]})
+            if turn is not None:
+                turn.on_answer(first)
             if request.stream_options and request.stream_options.include_usage:
                 yield sse({**head, "choices": [], "usage": _usage(len(ids), completion_tokens, cached)})
         except OpenAIError as e:
@@ -509,6 +538,16 @@ def _as_openai_error(error: BaseException, engine_healthy: bool) -> OpenAIError:
         code = "shutting_down" if isinstance(error, ShuttingDownError) else "engine_unavailable"
         return OpenAIError(str(error), status=503, type_="server_error", code=code)
     return OpenAIError(str(error), status=500, type_="server_error")
+
+
+@dataclass
+class ChatTurn:
+    """A session's turn through `Serving.answer_chat`: whose prefix the engine keeps, what to do
+    with the answer (the first choice, complete), and fields the answer carries (session_id)."""
+
+    session_id: str
+    on_answer: Callable[["_Sample"], None]
+    fields: dict = field(default_factory=dict)
 
 
 @dataclass
