@@ -16,6 +16,7 @@ json_schema, regex, choice. Errors are `grpc.RpcError`s with the server's status
 
 from __future__ import annotations
 
+import json
 from collections.abc import Iterator
 
 import grpc
@@ -44,9 +45,16 @@ class EngineClient:
     def complete(self, prompt: str | list[int], model: str = "", **sampling) -> str:
         return "".join(piece.text for piece in self.generate(prompt, model, **sampling))
 
-    def chat(self, messages: list[dict], model: str = "", **sampling) -> Iterator[pb.GenerateResponse]:
+    def chat(self, messages: list[dict], model: str = "", *, tools: list[dict] | None = None,
+             tool_choice: str | dict | None = None, response_format: dict | None = None,
+             **sampling) -> Iterator[pb.GenerateResponse]:
+        """Messages in the HTTP API's shape (tool calls and tool results included); tools,
+        tool_choice and response_format as there. With tools, the last piece has `tool_calls`."""
         request = pb.ChatRequest(model=model, sampling=pb.SamplingOptions(**sampling),
-                                 messages=[pb.ChatMessage(role=m["role"], content=m["content"]) for m in messages])
+                                 messages=[_chat_message(m) for m in messages])
+        for name, value in (("tools", tools), ("tool_choice", tool_choice), ("response_format", response_format)):
+            if value is not None:
+                setattr(request, f"{name}_json", json.dumps(value))
         return self.stub.Chat(request, metadata=self.metadata, timeout=self.timeout)
 
     def tokenize(self, text: str, model: str = "", add_special_tokens: bool = False) -> list[int]:
@@ -69,3 +77,10 @@ class EngineClient:
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+
+def _chat_message(message: dict) -> pb.ChatMessage:
+    calls = [pb.ToolCall(id=c.get("id", ""), name=c["function"]["name"], arguments=c["function"]["arguments"])
+             for c in message.get("tool_calls") or ()]
+    return pb.ChatMessage(role=message["role"], content=message.get("content") or "",
+                          tool_call_id=message.get("tool_call_id") or "", tool_calls=calls)

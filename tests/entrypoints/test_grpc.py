@@ -73,6 +73,33 @@ def test_chat_logprobs_tokenize_detokenize_and_models(server, client):
     assert len(chat_ids) == pieces[-1].usage.prompt_tokens
 
 
+TOOLS = [{"type": "function", "function": {"name": "add", "parameters": {  # enums: the random model's call ends
+    "type": "object", "properties": {"a": {"enum": [1, 2, 3]}, "b": {"enum": [1, 2, 3]}}, "required": ["a", "b"],
+    "additionalProperties": False}}}]
+
+
+def test_chat_with_tools_answers_the_calls_as_http_does(server, client):
+    base, _ = server
+    messages = [{"role": "user", "content": "add two and three"}]
+    choice = {"type": "function", "function": {"name": "add"}}
+    want = _http(base, "/v1/chat/completions", {"model": "tiny", "messages": messages, "tools": TOOLS,
+                                                "tool_choice": choice, "max_tokens": 40, "temperature": 0})
+    pieces = list(client.chat(messages, tools=TOOLS, tool_choice=choice, max_tokens=40, temperature=0))
+    [http_call] = want["choices"][0]["message"]["tool_calls"]
+    [call] = pieces[-1].tool_calls
+    assert (call.name, call.arguments) == ("add", http_call["function"]["arguments"])
+    assert pieces[-1].finish_reason == want["choices"][0]["finish_reason"] == "tool_calls"
+    assert not any(p.tool_calls for p in pieces[:-1])
+    # the call and its result go back in the conversation, in the HTTP API's shape
+    follow_up = messages + [{"role": "assistant", "content": "", "tool_calls": [http_call]},
+                            {"role": "tool", "tool_call_id": http_call["id"], "content": "5"}]
+    want = _http(base, "/v1/chat/completions", {"model": "tiny", "messages": follow_up, "tools": TOOLS,
+                                                "max_tokens": 12, "temperature": 0, "ignore_eos": True})
+    pieces = list(client.chat(follow_up, tools=TOOLS, max_tokens=12, temperature=0, ignore_eos=True))
+    assert pieces[-1].usage.prompt_tokens == want["usage"]["prompt_tokens"]
+    assert "".join(p.text for p in pieces) == want["choices"][0]["message"]["content"]
+
+
 @pytest.mark.parametrize("sampling,field", [
     (dict(temperature=-1.0), "temperature"),
     (dict(top_p=2.0), "top_p"),

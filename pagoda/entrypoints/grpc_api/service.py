@@ -24,6 +24,7 @@ from pagoda.entrypoints.grpc_api import pagoda_pb2 as pb
 from pagoda.entrypoints.grpc_api import pagoda_pb2_grpc as pb_grpc
 from pagoda.entrypoints.openai.protocol import ChatCompletionRequest, CompletionRequest, random_id
 from pagoda.entrypoints.openai.serving import OpenAIError, Serving
+from pagoda.entrypoints.openai.tool_calls import ToolChoice
 from pagoda.outputs import RequestOutput
 
 logger = logging.getLogger("pagoda.grpc")
@@ -57,10 +58,10 @@ class EngineService(pb_grpc.EngineServicer):
     async def Chat(self, request: pb.ChatRequest, context) -> AsyncIterator[pb.GenerateResponse]:  # noqa: N802
         body = await self._checked(context, lambda: ChatCompletionRequest(**_chat_fields(request)))
         try:
-            _, ids, params, _tools = self.serving.prepare_chat(body)
+            _, ids, params, tools = self.serving.prepare_chat(body)
         except OpenAIError as e:
             await _abort(context, e)
-        async for piece in self._stream(context, [ids], [params], body, "chatcmpl"):
+        async for piece in self._stream(context, [ids], [params], body, "chatcmpl", tools):
             yield piece
 
     async def Tokenize(self, request: pb.TokenizeRequest, context) -> pb.TokenizeResponse:  # noqa: N802
@@ -119,8 +120,10 @@ class EngineService(pb_grpc.EngineServicer):
         except ValueError as e:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
 
-    async def _stream(self, context, prompts: list[list[int]], params_list, body, prefix: str):
-        """Run the prompts under the engine-level limit; one response per engine delta."""
+    async def _stream(self, context, prompts: list[list[int]], params_list, body, prefix: str,
+                      tools: ToolChoice | None = None):
+        """Run the prompts under the engine-level limit; one response per engine delta. With
+        tools, the last piece carries the calls parsed from the whole answer."""
         admission = self.serving.admission()
         try:
             try:
@@ -128,12 +131,15 @@ class EngineService(pb_grpc.EngineServicer):
             except OpenAIError as e:
                 await _abort(context, e)
             request_id = random_id(prefix)
-            completion_tokens = 0
+            completion_tokens, text = 0, ""
             try:
                 async for _, out in self.serving.run_all(prompts, params_list, request_id, body.priority,
                                                          body.cache_salt):
                     piece = _piece(request_id, out, params_list[0].logprobs or 0)
                     completion_tokens += len(piece.token_ids)
+                    text += piece.text
+                    if piece.finish_reason and tools is not None:
+                        _attach_tool_calls(piece, tools, text)
                     if piece.finish_reason:
                         piece.usage.CopyFrom(pb.Usage(prompt_tokens=len(out.prompt_token_ids),
                                                       completion_tokens=completion_tokens,
@@ -143,6 +149,14 @@ class EngineService(pb_grpc.EngineServicer):
                 await _abort(context, e)
         finally:
             admission.release()
+
+
+def _attach_tool_calls(piece: pb.GenerateResponse, tools: ToolChoice, text: str) -> None:
+    """The calls in the whole answer, as the HTTP API parses them; finish_reason "tool_calls"."""
+    _, calls = tools.parse(text)
+    piece.tool_calls.extend(pb.ToolCall(id=c.id, name=c.name, arguments=c.arguments) for c in calls)
+    if calls and piece.finish_reason == "stop":
+        piece.finish_reason = "tool_calls"
 
 
 def _piece(request_id: str, out: RequestOutput, k: int) -> pb.GenerateResponse:
@@ -199,7 +213,7 @@ def _completion_fields(request: pb.GenerateRequest) -> dict:
 
 def _chat_fields(request: pb.ChatRequest) -> dict:
     fields = {"model": request.model or None, "stream": True, **_sampling(request.sampling),
-              "messages": [{"role": m.role, "content": m.content} for m in request.messages]}
+              "messages": [_chat_message(m) for m in request.messages]}
     if "logprobs" in fields:  # chat's own shape: a flag and top_logprobs
         fields["top_logprobs"] = fields.pop("logprobs")
         fields["logprobs"] = True
@@ -210,6 +224,16 @@ def _chat_fields(request: pb.ChatRequest) -> dict:
             except ValueError as e:
                 raise ValueError(f"{name}_json is not valid JSON: {e}") from None
     return fields
+
+
+def _chat_message(message: pb.ChatMessage) -> dict:
+    out: dict = {"role": message.role, "content": message.content}
+    if message.tool_call_id:
+        out["tool_call_id"] = message.tool_call_id
+    if message.tool_calls:
+        out["tool_calls"] = [{"id": c.id, "type": "function", "function": {"name": c.name, "arguments": c.arguments}}
+                             for c in message.tool_calls]
+    return out
 
 
 def add_health_and_reflection(server) -> None:
