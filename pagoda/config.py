@@ -172,7 +172,9 @@ def create_engine_config(args: EngineArgs) -> EngineConfig:
 
     args._validate()
     device = torch.device(args.device) if args.device else default_device()
-    files = resolve_model(args.model)
+    files = resolve_model(args.model, key_file=args.model_key_file)
+    if args.model_key_file is not None and files.encryption is None:
+        _warn_once(f"--model-key-file is ignored: {args.model!r} is not an encrypted model")
     hf_config = files.hf_config()
     architecture, _ = resolve_architecture(hf_config)
     dtype = resolve_dtype(args.dtype, device)
@@ -211,7 +213,7 @@ def _speculative_config(args: EngineArgs, target: ModelConfig) -> SpeculativeCon
     if spec is None or spec.method != "draft_model":
         return spec
     try:
-        files = resolve_model(spec.model)
+        files = resolve_model(spec.model, key_file=args.model_key_file)  # an encrypted draft: the same key
         hf_config = files.hf_config()
         architecture, _ = resolve_architecture(hf_config)
         quantization = _check_quantization(spec.quantization, files, target.device)
@@ -316,7 +318,7 @@ def _check_quantization(quantization: str | None, files: ModelFiles, device: tor
     mode = check_quantization(quantization)
     if mode is not None and device.type != "cpu":
         raise ValueError(f"quantization={mode!r} uses torch's CPU kernels; it needs device 'cpu', got {device.type!r}")
-    if mode == "gguf" and files.gguf_file is None:
+    if mode == "gguf" and files.format != "gguf":
         raise ValueError(f"quantization='gguf' keeps a GGUF's own quantized weights, but {files.name!r} is not a GGUF file")
     return mode
 

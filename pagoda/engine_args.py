@@ -42,6 +42,9 @@ class EngineArgs:
 
     model: str = field(default=DEFAULT_MODEL, metadata=_option(
         "HF model directory, .gguf file, catalog name, or hub repo id (default: %(default)s)"))
+    # The key's file, never the key (it is pickled to engine/worker processes, which read it).
+    model_key_file: str | None = field(default=None, metadata=_option(
+        "key file of an encrypted model (`pagoda encrypt`); default: the key in $PAGODA_MODEL_KEY"))
     dtype: str = field(default="auto", metadata=_option(choices=DTYPES))
     max_model_len: int | None = field(default=None, metadata=_option())
     max_num_seqs: int = field(default=256, metadata=_option())

@@ -17,6 +17,7 @@ from collections.abc import Callable
 from pagoda import __version__
 from pagoda.engine_args import EngineArgs  # not from pagoda.config, which imports torch (~1.5 s)
 from pagoda.router import options as router_options  # argparse only; the router loads when it runs
+from pagoda.security import encrypt_command  # argparse only; cryptography loads when it runs
 from pagoda.store import commands as store_commands  # argparse only; each verb imports what it needs
 
 LOG_LEVELS = ["debug", "info", "warning", "error"]
@@ -309,6 +310,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_router, default_log_level="info")
 
     store_commands.add_parsers(sub)  # the model store: list, pull, push, cp, show, rm, create (pagoda/store)
+    encrypt_command.add_parser(sub)  # encrypted models at rest (pagoda/security)
 
     _add_bench_parser(sub)
     return parser

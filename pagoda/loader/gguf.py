@@ -534,8 +534,11 @@ def _convert_tokenizer_with_transformers(gguf_path: Path) -> str:
     with tempfile.TemporaryDirectory(prefix="pagoda-gguf-tok-") as tmp:
         # A directory holding only the GGUF, so nothing else next to the file can be picked up.
         link = Path(tmp) / gguf_path.name
+        target = gguf_path.resolve()
+        if not target.exists():  # /proc/self/fd/N of a GGUF decrypted into memory: link to the fd itself
+            target = gguf_path.absolute()
         try:
-            link.symlink_to(gguf_path.resolve())
+            link.symlink_to(target)
         except OSError:
             shutil.copyfile(gguf_path, link)
         try:

@@ -34,7 +34,7 @@ def load_model(files: ModelFiles, hf_config: dict, dtype: torch.dtype, device: t
 def _load(files: ModelFiles, hf_config: dict, dtype: torch.dtype, device: torch.device, max_position: int,
           quantization: str | None, tp: TensorParallelGroup) -> nn.Module:
     quantization = check_quantization(quantization)
-    if quantization == "gguf" and files.gguf_file is None:
+    if quantization == "gguf" and files.format != "gguf":
         raise ValueError(f"quantization='gguf' keeps a GGUF's own quantized weights, but {files.name!r} is not a GGUF")
     _, model_cls = resolve_architecture(hf_config)
     with torch.device("meta"), building_tp(tp):
@@ -70,6 +70,10 @@ def _init_buffers(model: nn.Module) -> None:
 
 
 def _weights(files: ModelFiles, hf_config: dict, keep_quantized: bool = False, narrow=None):
+    if files.encryption is not None:  # decrypted into memory, never to disk (pagoda/security/encryption.py)
+        from pagoda.security.encryption import open_encrypted_weights
+
+        return open_encrypted_weights(files, hf_config, keep_quantized=keep_quantized, narrow=narrow)
     if files.gguf_file is not None:
         from pagoda.loader.gguf import iter_gguf_weights
 

@@ -7,6 +7,10 @@ import json
 import os
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from pagoda.security.encryption import EncryptedModel
 
 
 @dataclass(frozen=True)
@@ -16,9 +20,14 @@ class ModelFiles:
     name: str  # what the user asked for
     metadata_dir: Path  # config.json, tokenizer.json, tokenizer_config.json, generation_config.json
     gguf_file: Path | None = None  # weights come from here when set, else *.safetensors in metadata_dir
+    # An encrypted container (pagoda/security/encryption.py): metadata_dir holds its decrypted
+    # metadata (a private temporary directory), the weights are decrypted into memory at load.
+    encryption: EncryptedModel | None = None
 
     @property
     def format(self) -> str:
+        if self.encryption is not None:
+            return self.encryption.format
         return "gguf" if self.gguf_file else "safetensors"
 
     def hf_config(self) -> dict:
@@ -31,11 +40,16 @@ class ModelFiles:
             raise ValueError(f"{path} is not valid JSON: {e}") from None
 
 
-def resolve_model(model: str) -> ModelFiles:
+def resolve_model(model: str, key_file: str | None = None) -> ModelFiles:
+    """``key_file``: the key of an encrypted model (`pagoda encrypt`); without it, $PAGODA_MODEL_KEY."""
     path = Path(os.path.expanduser(model))
     if path.is_dir():
         return _resolve_dir(model, path)
     if path.is_file():
+        from pagoda.security.encryption import is_encrypted_model, resolve_encrypted_model
+
+        if is_encrypted_model(path):  # recognised by its magic bytes, whatever its name
+            return resolve_encrypted_model(model, path, key_file)
         if path.suffix != ".gguf":
             raise ValueError(f"{model}: a model file must be a .gguf file (or pass a Hugging Face model directory)")
         return _resolve_gguf(model, path)

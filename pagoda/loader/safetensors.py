@@ -31,12 +31,14 @@ def safetensors_files(model_dir: Path) -> list[Path]:
 WeightSlicer = Callable[[str, tuple[int, ...]], "tuple[int, int, int] | None"]
 
 
-def iter_safetensors_weights(model_dir: Path, narrow: WeightSlicer | None = None) -> Iterator[tuple[str, torch.Tensor]]:
+def iter_safetensors_weights(model_dir: Path | None, narrow: WeightSlicer | None = None,
+                             files: list[Path] | None = None) -> Iterator[tuple[str, torch.Tensor]]:
     """Every tensor by name; with ``narrow`` (tensor parallelism) only the slice this rank holds
-    is read from the file (safetensors slices at read time)."""
+    is read from the file (safetensors slices at read time). ``files``: read these instead of the
+    directory's (an encrypted model's shards decrypted into memory, pagoda/security/encryption.py)."""
     from safetensors import SafetensorError, safe_open
 
-    for path in safetensors_files(model_dir):
+    for path in files if files is not None else safetensors_files(model_dir):
         try:
             with safe_open(str(path), framework="pt") as f:
                 for name in f.keys():
