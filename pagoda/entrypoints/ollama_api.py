@@ -19,6 +19,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import re
 import time
 from collections.abc import AsyncIterator, Callable
 from datetime import UTC, datetime
@@ -788,16 +789,75 @@ async def copy(request: Request):
     return Response(status_code=200)
 
 
+# -- blobs: what `ollama create` uploads before it names the files in /api/create ---------------
+_BLOB_DIGEST = re.compile(r"^sha256[:-][0-9a-f]{64}$")
+
+
+def _blob_digest(digest: str) -> str:
+    if not _BLOB_DIGEST.match(digest):
+        raise OllamaError(f"invalid digest {digest!r}: expected sha256:<64 hex digits>")
+    return "sha256:" + digest[7:]
+
+
+@router.head("/api/blobs/{digest}")
+@_ollama_errors
+async def blob_exists(digest: str):
+    from pagoda.store import blobs
+    from pagoda.store.layout import default_layout
+
+    found = blobs.has_blob(default_layout(), _blob_digest(digest))
+    return Response(status_code=200 if found else 404)
+
+
+@router.post("/api/blobs/{digest}")
+@_ollama_errors
+async def upload_blob(digest: str, request: Request):
+    """Store the body as the blob `digest`, hashed as it arrives; a body that hashes to anything
+    else is refused (400) and leaves nothing behind."""
+    from pagoda.store import blobs
+    from pagoda.store.layout import default_layout
+
+    expected = _blob_digest(digest)
+    layout = default_layout()
+    if blobs.has_blob(layout, expected):
+        return Response(status_code=200)
+    with blobs.BlobWriter(layout) as writer:
+        async for chunk in request.stream():
+            writer.write(chunk)
+        try:
+            await asyncio.to_thread(writer.commit, expected)
+        except blobs.DigestMismatch as e:
+            raise OllamaError(str(e)) from None
+    return Response(status_code=201)
+
+
+def _uploaded_gguf(files: dict[str, str]) -> str:
+    """The store path of the one .gguf among uploaded files ({name: digest}, /api/blobs)."""
+    from pagoda.store import blobs
+    from pagoda.store.layout import default_layout
+
+    ggufs = [(name, digest) for name, digest in files.items() if name.endswith(".gguf")]
+    if len(ggufs) != 1:
+        raise OllamaError("files must name exactly one .gguf file: pagoda creates models from GGUF weights "
+                          f"(got {', '.join(files) or 'none'})", 501 if files else 400)
+    name, digest = ggufs[0]
+    layout = default_layout()
+    if not blobs.has_blob(layout, _blob_digest(digest)):
+        raise OllamaError(f"files.{name}: blob {digest} not found; upload it first (POST /api/blobs/{digest})")
+    return str(layout.blob_path(_blob_digest(digest)))
+
+
 def _modelfile_of(body: CreateBody):
     from pagoda.store.modelfile import PARAMETER_TYPES, Modelfile, parse_modelfile
 
-    if body.files or body.adapters:
-        raise OllamaError("create from uploaded files or adapters (/api/blobs) is not supported; give `from` a "
-                          "model in the store or a .gguf path on the server", 501)
+    if body.adapters:
+        raise OllamaError("create with adapters is not supported", 501)
     if body.quantize:
         raise OllamaError("quantize is not supported by pagoda's create", 501)
     if body.modelfile:
         return parse_modelfile(body.modelfile, source="modelfile")
+    if body.files and not body.from_:
+        body.from_ = _uploaded_gguf(body.files)
     if not body.from_:
         raise OllamaError("from is required (a model in the store, or a .gguf path on the server)")
     params: dict[str, Any] = {}

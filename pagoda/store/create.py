@@ -108,6 +108,11 @@ def copy_model(src: str, dst: str) -> tuple[Ref, Manifest]:
     return dst_ref, manifest
 
 
+def _starts_like_gguf(path: Path) -> bool:
+    with open(path, "rb") as f:
+        return f.read(4) == b"GGUF"
+
+
 def create_model(name: str, modelfile: Modelfile, *, layout: StoreLayout | None = None,
                  progress: bool = False) -> tuple[Ref, Manifest]:
     """``pagoda create NAME -f Modelfile``. FROM a .gguf file (copied into the store, hashed on
@@ -129,7 +134,7 @@ def create_model(name: str, modelfile: Modelfile, *, layout: StoreLayout | None 
                                  "pagoda does not do yet; convert it (llama.cpp's convert_hf_to_gguf.py) and FROM "
                                  "the .gguf file")
     if path is not None:
-        if path.suffix != ".gguf":
+        if path.suffix != ".gguf" and not _starts_like_gguf(path):  # a blob (sha256-...) has no suffix
             raise ModelfileError(modelfile.from_line, f"FROM {modelfile.from_}: not a .gguf file")
         from pagoda.store.model_info import gguf_info
 

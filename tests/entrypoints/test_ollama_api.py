@@ -193,6 +193,27 @@ def test_store_create_show_copy_delete(client, tiny_gguf):
     assert e.value.status_code == 404
 
 
+def test_create_from_an_uploaded_blob(client, server, tiny_gguf, home):
+    """`ollama create` with a local file: the client uploads the GGUF (/api/blobs), then names it."""
+    digest = client.create_blob(tiny_gguf)
+    assert httpx.head(f"{server}/api/blobs/{digest}", timeout=10).status_code == 200
+    assert client.create(model="uploaded", files={"tiny.gguf": digest}, system="Be brief.").status == "success"
+    shown = client.show("uploaded")
+    assert shown.details.quantization_level == "Q8_0" and "Be brief." in shown.modelfile
+    tags = {m.model: m for m in client.list().models}
+    assert tags["uploaded:latest"].size > tiny_gguf.stat().st_size  # the weights and the system layer
+    assert client.delete("uploaded").status == "success"
+    wrong = "sha256:" + "0" * 64  # a body that does not hash to its digest is refused, and not kept
+    answer = httpx.post(f"{server}/api/blobs/{wrong}", content=b"not the announced bytes", timeout=10)
+    assert answer.status_code == 400 and "expected" in answer.json()["error"]
+    assert httpx.head(f"{server}/api/blobs/{wrong}", timeout=10).status_code == 404
+    assert not list((home / "store" / "blobs").glob(".tmp-*"))
+    assert httpx.head(f"{server}/api/blobs/sha256:xyz", timeout=10).status_code == 400
+    with pytest.raises(ollama.ResponseError) as e:
+        client.create(model="nothing", files={"tiny.gguf": wrong})
+    assert e.value.status_code == 400 and "upload it first" in str(e.value)
+
+
 def test_pull_and_push_report_registry_errors(client):
     # Nothing listens on port 9: the failure comes back as Ollama does, an error line / status.
     with pytest.raises(ollama.ResponseError) as e:
