@@ -34,6 +34,7 @@ class ModelConfig:
     max_model_len: int
     chat_template: str | None = None
     quantization: str | None = None  # None, "int8", "int4" or "gguf" (pagoda/layers/quantization.py)
+    generation_config: str = "auto"  # where default sampling parameters come from (generation_defaults.py)
 
     @property
     def name(self) -> str:
@@ -187,7 +188,7 @@ def create_engine_config(args: EngineArgs) -> EngineConfig:
     quantization = _check_quantization(args.quantization, files, device)
     deterministic = _resolve_deterministic(args, device, dtype)
     model_config = ModelConfig(files, hf_config, architecture, dtype, device, args.max_model_len or model_max,
-                               chat_template, quantization)
+                               chat_template, quantization, args.generation_config)
     return EngineConfig(
         model=model_config,
         cache=CacheConfig(args.block_size, args.kv_cache_memory, args.gpu_memory_utilization, args.enable_prefix_caching,

@@ -54,6 +54,10 @@ class EngineArgs:
     gpu_memory_utilization: float = field(default=0.9, metadata=_option())
     seed: int = field(default=0, metadata=_option())
     chat_template: str | None = field(default=None, metadata=_option("a chat template, or a file holding one"))
+    generation_config: str = field(default="auto", metadata=_option(
+        "default sampling parameters: auto reads the model's generation_config.json (its authors' settings, "
+        "or a store model's PARAMETERs) for requests that do not set them; vllm ignores it; or a folder "
+        "holding a generation_config.json"))
     enforce_eager: bool = field(default=False, metadata=_option("never compile the model (overrides --compile)"))
     # Off by default: on this project's 2-core AVX2 CPU it measured no faster and costs ~70 s of
     # compilation (benchmarks/README.md).

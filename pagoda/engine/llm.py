@@ -86,10 +86,14 @@ class LLM:
             prompts.append({"prompt": text, "prompt_token_ids": tokenizer.encode(text, add_special_tokens=False)})
         return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
 
-    @staticmethod
-    def _params_list(sampling_params, n: int) -> list[SamplingParams]:
+    def get_default_sampling_params(self) -> SamplingParams:
+        """What a call without sampling parameters uses: the model's generation_config defaults
+        (`generation_config="vllm"` turns them off), else SamplingParams' own."""
+        return SamplingParams(**self.engine.sampling_defaults)
+
+    def _params_list(self, sampling_params, n: int) -> list[SamplingParams]:
         if sampling_params is None:
-            return [SamplingParams()] * n
+            return [self.get_default_sampling_params()] * n
         if isinstance(sampling_params, SamplingParams):
             return [sampling_params] * n
         params = list(sampling_params)

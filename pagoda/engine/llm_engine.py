@@ -17,6 +17,7 @@ from typing import Any
 from pagoda.config import EngineArgs, EngineConfig
 from pagoda.engine.core import EngineCore, RequestLimits
 from pagoda.engine.output_processor import OutputProcessor
+from pagoda.generation_defaults import sampling_defaults
 from pagoda.outputs import RequestOutput
 from pagoda.request import Request, RequestStatus
 from pagoda.sampling_params import SamplingParams
@@ -52,6 +53,8 @@ class LLMEngine:
         self.output_processor = OutputProcessor(self.tokenizer)
         self._lock = threading.RLock()  # add / abort from other threads against step (pagoda.lang)
         self.eos_token_ids = set(self.tokenizer.eos_token_ids)
+        # The model's own defaults for what a request leaves unset (generation_defaults.py)
+        self.sampling_defaults = sampling_defaults(config.model.generation_config, config.model.files.metadata_dir)
 
     @classmethod
     def from_engine_args(cls, args: EngineArgs) -> "LLMEngine":

@@ -264,6 +264,9 @@ def _structured(fmt: str | dict | None) -> StructuredOutputsParams | None:
     raise OllamaError(f'format must be "json" or a JSON schema object, got {fmt!r}')
 
 
+_OLLAMA_NAMES = {"repetition_penalty": "repeat_penalty"}  # SamplingParams field → Ollama option, where they differ
+
+
 def sampling_params(serving: Serving, body: _GenerateBase, prompt_len: int) -> SamplingParams:
     """`options` and `format` → SamplingParams (Ollama's defaults for what is not given)."""
     options = dict(body.options or {})
@@ -283,17 +286,20 @@ def sampling_params(serving: Serving, body: _GenerateBase, prompt_len: int) -> S
     num_predict = values["num_predict"]
     # -1 (Ollama's default) and -2: until the end or the context is full; more than the room
     # left is cut at the context's end, as Ollama does, rather than refused.
+    if num_predict is None:  # the model's PARAMETER num_predict, if it has one
+        num_predict = serving.sampling_defaults.get("max_tokens")
     max_tokens = room if num_predict is None or num_predict <= 0 else min(num_predict, room)
+    model_defaults = {_OLLAMA_NAMES.get(k, k): v for k, v in serving.sampling_defaults.items()}
 
-    def pick(name, default):
-        return default if values[name] is None else values[name]
+    def pick(name, default):  # the request's option, else the model's PARAMETER, else Ollama's default
+        return model_defaults.get(name, default) if values[name] is None else values[name]
 
     try:
         return SamplingParams(
             temperature=pick("temperature", DEFAULTS["temperature"]), top_p=pick("top_p", DEFAULTS["top_p"]),
             top_k=pick("top_k", DEFAULTS["top_k"]), min_p=pick("min_p", DEFAULTS["min_p"]),
             repetition_penalty=pick("repeat_penalty", 1.0), presence_penalty=pick("presence_penalty", 0.0),
-            frequency_penalty=pick("frequency_penalty", 0.0), seed=values["seed"], max_tokens=max_tokens,
+            frequency_penalty=pick("frequency_penalty", 0.0), seed=pick("seed", None), max_tokens=max_tokens,
             stop=stop or None, structured_outputs=_structured(body.format))
     except ValueError as e:
         raise OllamaError(f"options: {e}") from None

@@ -13,8 +13,8 @@ symlinks to the conversion plus the changed JSON) carries:
   common forms; when it cannot, the GGUF's own ``tokenizer.chat_template`` is used (the GGUF's
   template is preferred anyway when present, since it was written for the tokenizer);
 - temperature / top_p / top_k / min_p / repeat_penalty / seed / num_predict are written to the
-  overlay's ``generation_config.json`` under Hugging Face's names, which the engine does not read
-  for defaults yet (documented in docs/architecture.md).
+  overlay's ``generation_config.json`` under Hugging Face's names, where the engine reads its
+  default sampling parameters (``pagoda/generation_defaults.py``).
 """
 
 from __future__ import annotations

@@ -174,7 +174,14 @@ class SamplingFields(RequestBody):
         validate_structured_outputs(params, name)
         return params
 
-    def sampling_params(self, max_tokens: int, logprobs: int | None, prompt_logprobs: int | None = None) -> SamplingParams:
+    def sampling_params(self, max_tokens: int, logprobs: int | None, prompt_logprobs: int | None = None,
+                        defaults: dict[str, Any] | None = None) -> SamplingParams:
+        """`defaults`: the model's own (generation_defaults.py) for the fields the request leaves unset."""
+        defaults = defaults or {}
+
+        def given(value, name: str, fallback):
+            return value if value is not None else defaults.get(name, fallback)
+
         bias = None
         if self.logit_bias:
             try:
@@ -183,14 +190,14 @@ class SamplingFields(RequestBody):
                 raise ValueError("logit_bias keys must be token ids") from None
         return SamplingParams(
             n=self.n,
-            temperature=1.0 if self.temperature is None else self.temperature,
-            top_p=1.0 if self.top_p is None else self.top_p,
-            top_k=self.top_k or 0,
-            min_p=self.min_p or 0.0,
+            temperature=given(self.temperature, "temperature", 1.0),
+            top_p=given(self.top_p, "top_p", 1.0),
+            top_k=given(self.top_k, "top_k", 0),
+            min_p=given(self.min_p, "min_p", 0.0),
             presence_penalty=self.presence_penalty,
             frequency_penalty=self.frequency_penalty,
-            repetition_penalty=self.repetition_penalty or 1.0,
-            seed=self.seed,
+            repetition_penalty=given(self.repetition_penalty, "repetition_penalty", 1.0),
+            seed=given(self.seed, "seed", None),
             max_tokens=max_tokens,
             min_tokens=self.min_tokens,
             stop=self.stop,

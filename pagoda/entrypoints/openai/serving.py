@@ -90,6 +90,7 @@ class Serving:
         self.max_queue_len = max_queue_len
         self.admitted = 0  # engine requests of the HTTP requests admitted and not yet answered
         self.request_timeout = request_timeout  # seconds a request may live (--request-timeout)
+        self.sampling_defaults = engine.engine.sampling_defaults  # the model's own (--generation-config)
 
     # -- shared checks ----------------------------------------------------------------------
     def check_model(self, model: str | None) -> str:
@@ -131,8 +132,8 @@ class Serving:
             raise OpenAIError(f"This model's maximum context length is {self.max_model_len} tokens. However, "
                               f"{_subject(prompt_param)} {prompt_len} tokens, leaving no room to generate. Please "
                               f"shorten the {prompt_param}.", param=prompt_param, code="context_length_exceeded")
-        if requested is None:
-            return room
+        if requested is None:  # the model's default (generation_config max_new_tokens), else all the room
+            return min(room, self.sampling_defaults.get("max_tokens", room))
         if requested < 1:
             raise OpenAIError(f"max_tokens must be at least 1, got {requested}", param="max_tokens")
         if prompt_len + requested > self.max_model_len:
@@ -165,7 +166,7 @@ class Serving:
 
     def params(self, request: SamplingFields, max_tokens: int, logprobs: int | None, prompt_logprobs: int | None = None):
         try:
-            return request.sampling_params(max_tokens, logprobs, prompt_logprobs)
+            return request.sampling_params(max_tokens, logprobs, prompt_logprobs, self.sampling_defaults)
         except ValueError as e:
             raise bad_value(e) from None
 
