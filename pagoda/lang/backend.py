@@ -3,6 +3,11 @@
 Both offer `generate(prompt, gen) -> Generated` (blocking; safe to call from many threads at
 once: the in-process engine batches concurrent calls), `prefill(prompt)` (compute a prompt's
 KV so later requests share it through the prefix cache) and `role_markers(role)`.
+
+`session_id` (optional, on `generate` and `prefill`) marks a request as a turn of a
+conversation: the engine keeps what it computed pinned in the prefix cache for the session's
+next turn, until `Engine.release_session`. `Endpoint` sends it as the `X-Session-ID` header
+(the router's affinity header).
 """
 
 from __future__ import annotations
@@ -70,13 +75,19 @@ class Engine:
         self._markers: dict[str, tuple[str, str]] = {}
         threading.Thread(target=self._loop, name="pagoda-lang-engine", daemon=True).start()
 
-    def generate(self, prompt: str, g: Gen) -> Generated:
+    def generate(self, prompt: str, g: Gen, session_id: str | None = None) -> Generated:
         params = SamplingParams(max_tokens=g.max_tokens, temperature=g.temperature, top_p=g.top_p, seed=g.seed,
                                 stop=g.stop, structured_outputs=constraint_of(g), output_kind=RequestOutputKind.FINAL_ONLY)
-        return self._submit(prompt, params).result()
+        return self._submit(prompt, params, session_id).result()
 
-    def prefill(self, prompt: str) -> None:
-        self._submit(prompt, SamplingParams(max_tokens=1, temperature=0.0, output_kind=RequestOutputKind.FINAL_ONLY)).result()
+    def prefill(self, prompt: str, session_id: str | None = None) -> Generated:
+        """Compute `prompt`'s KV (a one-token request); its token counts come back."""
+        params = SamplingParams(max_tokens=1, temperature=0.0, output_kind=RequestOutputKind.FINAL_ONLY)
+        return self._submit(prompt, params, session_id).result()
+
+    def release_session(self, session_id: str) -> None:
+        """The conversation ended: its pinned prefix becomes ordinary (evictable) cache."""
+        self._engine.release_session(session_id)
 
     def role_markers(self, role: str) -> tuple[str, str]:
         if role not in self._markers:
@@ -84,13 +95,13 @@ class Engine:
             self._markers[role] = role_markers_from(lambda m, gen_prompt: tok.apply_chat_template(m, gen_prompt), role)
         return self._markers[role]
 
-    def _submit(self, prompt: str, params: SamplingParams) -> Future:
+    def _submit(self, prompt: str, params: SamplingParams, session_id: str | None = None) -> Future:
         future: Future = Future()
         rid = f"lang-{uuid.uuid4().hex}"
         with self._lock:
             self._pending[rid] = future
         try:
-            self._engine.add_request(rid, prompt, params)  # a ValueError reaches the caller here
+            self._engine.add_request(rid, prompt, params, session_id=session_id)  # a ValueError reaches the caller here
         except BaseException:
             with self._lock:
                 self._pending.pop(rid, None)
@@ -134,8 +145,9 @@ class Endpoint:
         self.model = model or self._http.get("/v1/models").raise_for_status().json()["data"][0]["id"]
         self._markers: dict[str, tuple[str, str]] = {}
 
-    def _complete(self, prompt: str, body: dict) -> dict:
-        r = self._http.post("/v1/completions", json={"model": self.model, "prompt": prompt, **body})
+    def _complete(self, prompt: str, body: dict, session_id: str | None = None) -> dict:
+        headers = {"X-Session-ID": session_id} if session_id is not None else None
+        r = self._http.post("/v1/completions", json={"model": self.model, "prompt": prompt, **body}, headers=headers)
         if r.status_code >= 400:
             try:
                 message = r.json()["error"]["message"]
@@ -144,7 +156,7 @@ class Endpoint:
             raise ValueError(f"{self.base_url} answered {r.status_code}: {message}")
         return r.json()
 
-    def generate(self, prompt: str, g: Gen) -> Generated:
+    def generate(self, prompt: str, g: Gen, session_id: str | None = None) -> Generated:
         body: dict = {"max_tokens": g.max_tokens, "temperature": g.temperature, "top_p": g.top_p}
         if g.stop is not None:
             body["stop"] = g.stop
@@ -156,14 +168,10 @@ class Endpoint:
             body["guided_choice"] = g.choices
         elif g.json_schema is not None:
             body["guided_json"] = json.loads(g.json_schema) if isinstance(g.json_schema, str) else g.json_schema
-        out = self._complete(prompt, body)
-        choice, usage = out["choices"][0], out.get("usage") or {}
-        cached = (usage.get("prompt_tokens_details") or {}).get("cached_tokens") or 0
-        return Generated(choice["text"], choice.get("finish_reason"), usage.get("prompt_tokens", 0),
-                         usage.get("completion_tokens", 0), cached)
+        return _generated_from_body(self._complete(prompt, body, session_id))
 
-    def prefill(self, prompt: str) -> None:
-        self._complete(prompt, {"max_tokens": 1, "temperature": 0.0})
+    def prefill(self, prompt: str, session_id: str | None = None) -> Generated:
+        return _generated_from_body(self._complete(prompt, {"max_tokens": 1, "temperature": 0.0}, session_id))
 
     def role_markers(self, role: str) -> tuple[str, str]:
         if role not in self._markers:
@@ -175,3 +183,10 @@ class Endpoint:
         tokens = self._http.post("/tokenize", json={"model": self.model, "messages": messages,
                                                     "add_generation_prompt": add_generation_prompt}).raise_for_status().json()["tokens"]
         return self._http.post("/detokenize", json={"model": self.model, "tokens": tokens}).raise_for_status().json()["prompt"]
+
+
+def _generated_from_body(out: dict) -> Generated:
+    choice, usage = out["choices"][0], out.get("usage") or {}
+    cached = (usage.get("prompt_tokens_details") or {}).get("cached_tokens") or 0
+    return Generated(choice["text"], choice.get("finish_reason"), usage.get("prompt_tokens", 0),
+                     usage.get("completion_tokens", 0), cached)

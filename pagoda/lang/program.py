@@ -35,8 +35,10 @@ class Program:
         self.fn = fn
         functools.update_wrapper(self, fn)
 
-    def run(self, *args, backend=None, **kwargs) -> ProgramState:
-        state = ProgramState(_backend(backend))
+    def run(self, *args, backend=None, session_id: str | None = None, **kwargs) -> ProgramState:
+        """Run on a fresh state; `session_id` makes every request a turn of that session (its
+        prefix stays pinned in the engine's prefix cache until `Engine.release_session`)."""
+        state = ProgramState(_backend(backend), session_id=session_id)
         self.fn(state, *args, **kwargs)
         return state.finish()
 

@@ -10,6 +10,11 @@ next non-dict append or when the program returns. A gen value without a constrai
 JSON string (the model writes its closing quote); one with a regex is written as generated and
 ends where the model would write `,` or `}`; a schema value is written as generated (an object,
 a number); a choice is quoted.
+
+A state with a `session_id` runs every request as a turn of that session, so the engine keeps
+its prefix pinned in the prefix cache between runs (a conversation's next turn computes only its
+new tokens). A fork's shared prefix is prefilled on the session; its branches run without one,
+so a branch's own tail never displaces the session's pinned prefix.
 """
 
 from __future__ import annotations
@@ -26,8 +31,9 @@ _JSON_STRING_BODY = r'([^"\\\x00-\x1f]|\\["\\/bfnrt])*"'
 
 
 class ProgramState:
-    def __init__(self, backend, text: str = "", variables: dict | None = None) -> None:
+    def __init__(self, backend, text: str = "", variables: dict | None = None, session_id: str | None = None) -> None:
         self.backend = backend
+        self.session_id = session_id
         self._text = text
         self._vars: dict[str, Any] = dict(variables or {})
         self._meta: dict[str, Generated] = {}
@@ -63,10 +69,14 @@ class ProgramState:
             raise TypeError(f"cannot append {type(item).__name__} to a program state; use str, gen(), select(), a role or a dict")
 
     def _generate(self, g: Gen) -> str:
-        result = self.backend.generate(self._text, g)
+        result = self.backend.generate(self._text, g, **self._session())
         self._text += result.text
         self._set(g.name, result.text, result)
         return result.text
+
+    def _session(self) -> dict:
+        # Only passed when set, so a backend without sessions still runs session-less programs.
+        return {"session_id": self.session_id} if self.session_id is not None else {}
 
     def _set(self, name: str | None, value: Any, result: Generated) -> None:
         if name is not None:
@@ -95,7 +105,7 @@ class ProgramState:
         self._text += '"'
         constrained = Gen(g.name, g.max_tokens, g.stop, regex=_JSON_STRING_BODY, temperature=g.temperature,
                           top_p=g.top_p, seed=g.seed)
-        result = self.backend.generate(self._text, constrained)
+        result = self.backend.generate(self._text, constrained, **self._session())
         body = result.text[:-1] if result.text.endswith('"') else result.text
         self._text += body + '"'
         self._set(g.name, json.loads(f'"{body}"') if _valid_json_string(body) else body, result)
@@ -105,7 +115,7 @@ class ProgramState:
         it, so it stops where JSON would (not at max_tokens); that character is dropped."""
         constrained = Gen(g.name, g.max_tokens, g.stop, regex=f"({g.regex})[,}}]", temperature=g.temperature,
                           top_p=g.top_p, seed=g.seed)
-        result = self.backend.generate(self._text, constrained)
+        result = self.backend.generate(self._text, constrained, **self._session())
         value = result.text[:-1] if len(result.text) > 1 and result.text[-1] in ",}" else result.text
         self._text += value
         self._set(g.name, value, result)
@@ -157,7 +167,7 @@ class ProgramState:
         if not isinstance(n, int) or n < 1:
             raise ValueError(f"fork needs a positive number of branches, got {n!r}")
         self.finish()
-        self.backend.prefill(self._text)
+        self.backend.prefill(self._text, **self._session())
         return Forks(ProgramState(self.backend, self._text, self._vars) for _ in range(n))
 
     def close(self) -> None:
