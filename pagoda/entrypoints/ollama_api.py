@@ -858,8 +858,6 @@ def _modelfile_of(body: CreateBody):
 
     if body.adapters:
         raise OllamaError("create with adapters is not supported", 501)
-    if body.quantize:
-        raise OllamaError("quantize is not supported by pagoda's create", 501)
     if body.modelfile:
         return parse_modelfile(body.modelfile, source="modelfile")
     if body.files and not body.from_:
@@ -898,7 +896,7 @@ async def create_model(request: Request):
     def work() -> list[dict]:
         from pagoda.store import create
 
-        _, manifest = create.create_model(name, modelfile)
+        _, manifest = create.create_model(name, modelfile, quantize=body.quantize)
         return [{"status": f"using layer {layer.digest}"} for layer in manifest.blobs()] + \
                [{"status": "writing manifest"}]
 

@@ -46,9 +46,13 @@ def add_parsers(sub) -> None:
     p.add_argument("models", nargs="+")
     p.set_defaults(func=cmd_rm)
 
-    p = sub.add_parser("create", help="create a model from a Modelfile (FROM a GGUF file or a model name)")
+    p = sub.add_parser("create", help="create a model from a Modelfile (FROM a GGUF file, a Hugging Face "
+                                      "directory, or a model name)")
     p.add_argument("name")
     p.add_argument("-f", "--file", default="Modelfile", help="the Modelfile")
+    p.add_argument("-q", "--quantize", default=None, metavar="TYPE",
+                   help="FROM a Hugging Face directory: the GGUF type of its weights, f16 (default), f32, bf16, "
+                        "q8_0, q5_1, q5_0, q4_1 or q4_0")
     p.set_defaults(func=cmd_create)
 
 
@@ -145,7 +149,7 @@ def cmd_create(ns: argparse.Namespace) -> int:
     from pagoda.store.modelfile import read_modelfile
 
     modelfile = read_modelfile(ns.file)
-    ref, manifest = create.create_model(ns.name, modelfile, progress=sys.stderr.isatty())
+    ref, manifest = create.create_model(ns.name, modelfile, progress=sys.stderr.isatty(), quantize=ns.quantize)
     print(f"created {ref.short()} ({manifest.digest})")
     return 0
 

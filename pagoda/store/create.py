@@ -5,6 +5,7 @@ Ollama's store)."""
 from __future__ import annotations
 
 import json
+import tempfile
 from pathlib import Path
 
 from pagoda.store import blobs, manifests
@@ -113,27 +114,57 @@ def _starts_like_gguf(path: Path) -> bool:
         return f.read(4) == b"GGUF"
 
 
+QUANTIZE_TYPES = ("f32", "f16", "bf16", "q8_0", "q5_1", "q5_0", "q4_1", "q4_0")  # what FROM a HF directory may become
+
+
+def _converted_layer(layout: StoreLayout, modelfile: Modelfile, hf_dir: Path, quantize: str | None) -> Layer:
+    """A Hugging Face directory written as one GGUF (loader/gguf_writer.py; F16 unless
+    `quantize` says otherwise, as Ollama imports safetensors), stored as the model layer."""
+    from pagoda.loader.gguf_writer import write_gguf
+
+    qtype = (quantize or "f16").lower()
+    if qtype not in QUANTIZE_TYPES:
+        raise ValueError(f"quantize must be one of {', '.join(QUANTIZE_TYPES)}, got {quantize!r}")
+    layout.blobs_dir.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(prefix=".convert-", dir=layout.blobs_dir) as tmp:
+        out = Path(tmp) / "model.gguf"
+        try:
+            write_gguf(hf_dir, out, qtype.upper(), name=hf_dir.name)
+        except (ValueError, KeyError, FileNotFoundError) as e:
+            raise ModelfileError(modelfile.from_line, f"FROM {modelfile.from_}: {e}") from None
+        digest = blobs.import_file(layout, out)
+        return Layer(manifests.MODEL, digest, out.stat().st_size)
+
+
 def create_model(name: str, modelfile: Modelfile, *, layout: StoreLayout | None = None,
-                 progress: bool = False) -> tuple[Ref, Manifest]:
-    """``pagoda create NAME -f Modelfile``. FROM a .gguf file (copied into the store, hashed on
-    the way), or a model name (its layers are inherited: a new TEMPLATE / SYSTEM / MESSAGE
-    replaces the old, PARAMETERs are merged over the old, LICENSEs add up)."""
+                 progress: bool = False, quantize: str | None = None) -> tuple[Ref, Manifest]:
+    """``pagoda create NAME -f Modelfile [--quantize Q]``. FROM a .gguf file (copied into the
+    store, hashed on the way), a Hugging Face directory (written as a GGUF in F16 or `quantize`),
+    or a model name (its layers are inherited: a new TEMPLATE / SYSTEM / MESSAGE replaces the
+    old, PARAMETERs are merged over the old, LICENSEs add up)."""
     layout = layout or default_layout()
     layout.check_writable()
     ref = parse_ref(name)
     inherited: list[Layer] = []
     params: dict = {}
     path = modelfile.from_path()
+    converted = None
     if path is not None and path.is_dir():
         ggufs = sorted(path.glob("*.gguf"))
-        if len(ggufs) == 1:
+        if (path / "config.json").is_file():
+            converted = _converted_layer(layout, modelfile, path, quantize)
+            path = None
+        elif len(ggufs) == 1:
             path = ggufs[0]
         else:
-            raise ModelfileError(modelfile.from_line,
-                                 f"FROM {modelfile.from_}: a Hugging Face directory needs converting to GGUF, which "
-                                 "pagoda does not do yet; convert it (llama.cpp's convert_hf_to_gguf.py) and FROM "
-                                 "the .gguf file")
-    if path is not None:
+            raise ModelfileError(modelfile.from_line, f"FROM {modelfile.from_}: neither a Hugging Face model "
+                                 "directory (config.json) nor a directory holding one .gguf file")
+    if quantize is not None and converted is None:
+        raise ValueError("quantize applies to a model created FROM a Hugging Face directory; a GGUF keeps its "
+                         "own quantization")
+    if converted is not None:
+        inherited.append(converted)
+    elif path is not None:
         if path.suffix != ".gguf" and not _starts_like_gguf(path):  # a blob (sha256-...) has no suffix
             raise ModelfileError(modelfile.from_line, f"FROM {modelfile.from_}: not a .gguf file")
         from pagoda.store.model_info import gguf_info

@@ -1,0 +1,237 @@
+"""Write a Hugging Face model directory as a GGUF file, as llama.cpp's ``convert_hf_to_gguf.py`` does.
+
+`pagoda create NAME -f Modelfile` with `FROM` a Hugging Face directory stores the model this way
+(Ollama imports safetensors the same way), so the store holds one GGUF per model and llama.cpp
+and Ollama can load what pagoda made. What is written:
+
+- metadata under llama.cpp's keys (context, sizes, heads, norm epsilon, rope base and scaling);
+- the tokenizer: byte-level BPE (`tokenizer.json`: vocabulary, merges, token types, bos / eos /
+  pad, the chat template), with the `tokenizer.ggml.pre` name that selects the same
+  pre-tokenization in llama.cpp. The pre-tokenizer is recognised from `tokenizer.json` itself;
+  one this module does not recognise is refused rather than written as something that would
+  split text differently. SentencePiece / Unigram tokenizers are refused too;
+- tensors under llama.cpp's names, the `llama` architecture's Q/K rows permuted to its
+  interleaved rotary order, 2-D weights in ``qtype`` (F32, F16, BF16, or the blocks
+  `gguf.quants` can write: Q8_0, Q4_0, Q4_1, Q5_0, Q5_1), norms and biases in F32.
+
+Architectures: llama (and mistral, which llama.cpp writes as llama), qwen2, qwen3.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import numpy as np
+
+# Types gguf.quants can *write*. The K-quants it can only read.
+WRITABLE_QTYPES = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1")
+_ARCHITECTURES = {"llama": "llama", "mistral": "llama", "qwen2": "qwen2", "qwen3": "qwen3"}
+
+_LAYER_NAMES = {
+    "self_attn.q_proj": "attn_q",
+    "self_attn.k_proj": "attn_k",
+    "self_attn.v_proj": "attn_v",
+    "self_attn.o_proj": "attn_output",
+    "self_attn.q_norm": "attn_q_norm",
+    "self_attn.k_norm": "attn_k_norm",
+    "input_layernorm": "attn_norm",
+    "post_attention_layernorm": "ffn_norm",
+    "mlp.gate_proj": "ffn_gate",
+    "mlp.up_proj": "ffn_up",
+    "mlp.down_proj": "ffn_down",
+}
+_TOP_NAMES = {"model.embed_tokens": "token_embd", "model.norm": "output_norm", "lm_head": "output"}
+
+# Pre-tokenizer regexes of tokenizer.json → llama.cpp's name for the same splitting.
+_LLAMA3_REGEX = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*"
+                 r"|\s*[\r\n]+|\s+(?!\S)|\s+")
+_QWEN2_REGEX = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*"
+                r"|\s*[\r\n]+|\s+(?!\S)|\s+")
+
+
+def gguf_tensor_name(hf_name: str) -> str:
+    """llama.cpp's name for an HF parameter (``model.layers.3.mlp.up_proj.weight`` → ``blk.3.ffn_up.weight``)."""
+    stem, _, suffix = hf_name.rpartition(".")
+    if stem in _TOP_NAMES:
+        return f"{_TOP_NAMES[stem]}.{suffix}"
+    parts = stem.split(".", 3)
+    if len(parts) != 4 or parts[:2] != ["model", "layers"] or parts[3] not in _LAYER_NAMES:
+        raise ValueError(f"cannot write {hf_name!r} to GGUF: not a tensor of the llama / qwen layout")
+    return f"blk.{parts[2]}.{_LAYER_NAMES[parts[3]]}.{suffix}"
+
+
+def permute_qk(w: np.ndarray, n_head: int) -> np.ndarray:
+    """llama.cpp's ``LlamaModel.permute`` (HF rotate-half row order → interleaved pairs)."""
+    return w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def quantize_weight(w: np.ndarray, qtype: str) -> np.ndarray:
+    """``w`` in the storage form GGUFWriter takes for ``qtype`` (ValueError where gguf cannot)."""
+    import gguf
+
+    if qtype not in WRITABLE_QTYPES:
+        raise ValueError(f"cannot write {qtype}: gguf can write {', '.join(WRITABLE_QTYPES)}")
+    block_size, _ = gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType[qtype]]
+    if w.shape[-1] % block_size:
+        raise ValueError(f"cannot write {qtype}: row length {w.shape[-1]} is not a multiple of {block_size}")
+    return gguf.quants.quantize(np.ascontiguousarray(w, dtype=np.float32), gguf.GGMLQuantizationType[qtype])
+
+
+def pre_tokenizer_name(pre_tokenizer: dict | None) -> str:
+    """llama.cpp's `tokenizer.ggml.pre` for a tokenizer.json pre-tokenizer (ValueError if unknown)."""
+    kinds = [p.get("type") for p in (pre_tokenizer or {}).get("pretokenizers", [pre_tokenizer or {}])]
+    if kinds == ["ByteLevel"] and (pre_tokenizer or {}).get("use_regex", True):
+        return "gpt-2"
+    if kinds == ["Digits", "ByteLevel"] and pre_tokenizer["pretokenizers"][0].get("individual_digits"):
+        return "smollm"  # digits apart, then GPT-2's regex (also starcoder's, refact's)
+    if kinds and kinds[0] == "Split":
+        regex = ((pre_tokenizer.get("pretokenizers") or [pre_tokenizer])[0].get("pattern") or {}).get("Regex")
+        if regex == _LLAMA3_REGEX:
+            return "llama-bpe"
+        if regex == _QWEN2_REGEX:
+            return "qwen2"
+    raise ValueError(f"cannot write this tokenizer to GGUF: its pre-tokenizer ({json.dumps(pre_tokenizer)[:200]}) "
+                     "is not one llama.cpp names that pagoda recognises (gpt-2, smollm, llama-bpe, qwen2)")
+
+
+def _rope_theta(config: dict) -> float:
+    params = config.get("rope_parameters") or {}
+    return float(params.get("rope_theta", config.get("rope_theta", 10000.0)))
+
+
+def _add_model_metadata(writer, config: dict, arch: str, name: str) -> None:
+    head_dim = config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"]
+    writer.add_name(name)
+    writer.add_context_length(config["max_position_embeddings"])
+    writer.add_embedding_length(config["hidden_size"])
+    writer.add_block_count(config["num_hidden_layers"])
+    writer.add_feed_forward_length(config["intermediate_size"])
+    writer.add_head_count(config["num_attention_heads"])
+    writer.add_head_count_kv(config.get("num_key_value_heads") or config["num_attention_heads"])
+    writer.add_layer_norm_rms_eps(config["rms_norm_eps"])
+    writer.add_rope_freq_base(_rope_theta(config))
+    if "head_dim" in config:  # what convert_hf_to_gguf does when the config states it
+        writer.add_key_length(head_dim)
+        writer.add_value_length(head_dim)
+    if arch == "llama":
+        writer.add_rope_dimension_count(head_dim)
+    writer.add_vocab_size(config["vocab_size"])
+
+
+def _add_tokenizer(writer, hf_dir: Path, config: dict) -> None:
+    import gguf
+
+    path = hf_dir / "tokenizer.json"
+    if not path.is_file():
+        raise ValueError(f"{hf_dir} has no tokenizer.json: only byte-level BPE tokenizers can be written to GGUF")
+    tok = json.loads(path.read_text())
+    if (tok.get("model") or {}).get("type") != "BPE":
+        raise ValueError(f"cannot write this tokenizer to GGUF: {tok.get('model', {}).get('type')} tokenizers are "
+                         "not supported (byte-level BPE only)")
+    pre = pre_tokenizer_name(tok.get("pre_tokenizer"))
+    tok_config_path = hf_dir / "tokenizer_config.json"
+    tok_config = json.loads(tok_config_path.read_text()) if tok_config_path.is_file() else {}
+    vocab = dict(tok["model"]["vocab"])
+    special = {t["content"]: t["id"] for t in tok.get("added_tokens", []) if t.get("special", True)}
+    vocab.update({t["content"]: t["id"] for t in tok.get("added_tokens", [])})
+    size = max(config["vocab_size"], max(vocab.values()) + 1)
+    tokens: list[str | None] = [None] * size
+    for text, index in vocab.items():
+        tokens[index] = text
+    tokens = [text if text is not None else f"[PAD{i}]" for i, text in enumerate(tokens)]  # as llama.cpp pads
+    token_types = [gguf.TokenType.CONTROL if text in special else
+                   gguf.TokenType.UNUSED if text.startswith("[PAD") else gguf.TokenType.NORMAL for text in tokens]
+    merges = [m if isinstance(m, str) else " ".join(m) for m in tok["model"]["merges"]]
+    writer.add_tokenizer_model("gpt2")
+    writer.add_tokenizer_pre(pre)
+    writer.add_token_list(tokens)
+    writer.add_token_types(token_types)
+    writer.add_token_merges(merges)
+    for key, add in (("bos_token_id", writer.add_bos_token_id), ("eos_token_id", writer.add_eos_token_id),
+                     ("pad_token_id", writer.add_pad_token_id)):
+        value = config.get(key)
+        if isinstance(value, list):
+            value = value[0] if value else None
+        if value is not None:
+            add(int(value))
+    writer.add_add_bos_token(bool(tok_config.get("add_bos_token", False)))
+    template = tok_config.get("chat_template")
+    if isinstance(template, str) and template:
+        writer.add_chat_template(template)
+    elif (hf_dir / "chat_template.jinja").is_file():
+        writer.add_chat_template((hf_dir / "chat_template.jinja").read_text())
+
+
+def _hf_tensors(hf_dir: Path) -> Iterator[tuple[str, np.ndarray]]:
+    """Every tensor of the directory's safetensors files (sharded or not), as float32."""
+    import torch
+    from safetensors import safe_open
+
+    from pagoda.loader.safetensors import safetensors_files
+
+    for path in safetensors_files(hf_dir):
+        with safe_open(str(path), framework="pt") as f:
+            for name in f.keys():
+                yield name, f.get_tensor(name).to(torch.float32).numpy()
+
+
+def _add_tensors(writer, hf_dir: Path, config: dict, arch: str, qtype: str) -> None:
+    import gguf
+
+    n_head = config["num_attention_heads"]
+    n_kv = config.get("num_key_value_heads") or n_head
+    for hf_name, w in _hf_tensors(hf_dir):
+        if hf_name.endswith("rotary_emb.inv_freq"):
+            continue  # computed, not learned
+        if config.get("tie_word_embeddings") and hf_name == "lm_head.weight":
+            continue  # llama.cpp omits output.weight when the head is the embedding
+        if arch == "llama" and ".self_attn.q_proj." in hf_name:
+            w = permute_qk(w, n_head)
+        elif arch == "llama" and ".self_attn.k_proj." in hf_name:
+            w = permute_qk(w, n_kv)
+        name = gguf_tensor_name(hf_name)
+        if w.ndim != 2 or qtype == "F32":
+            writer.add_tensor(name, np.ascontiguousarray(w, dtype=np.float32))
+        elif qtype == "F16":
+            writer.add_tensor(name, np.ascontiguousarray(w, dtype=np.float16))
+        else:
+            stored = quantize_weight(w, qtype)
+            raw = gguf.GGMLQuantizationType[qtype]
+            writer.add_tensor(name, stored, raw_dtype=raw if stored.dtype == np.uint8 else None)
+
+
+def write_gguf(hf_dir: Path | str, out_path: Path | str, qtype: str = "F16", *, name: str | None = None,
+               architecture: str | None = None, customize: Callable | None = None) -> Path:
+    """Write the model in ``hf_dir`` to ``out_path`` with its 2-D weights in ``qtype``.
+
+    ``architecture`` overrides the ``general.architecture`` written (tests of unsupported ones);
+    ``customize(writer)`` may add metadata before the file is written. ValueError names what
+    cannot be written (an architecture, a tokenizer, a qtype, a row length)."""
+    import gguf
+
+    hf_dir, out_path = Path(hf_dir), Path(out_path)
+    qtype = qtype.upper()
+    if qtype not in WRITABLE_QTYPES:
+        raise ValueError(f"cannot write {qtype}: gguf can write {', '.join(WRITABLE_QTYPES)}")
+    config = json.loads((hf_dir / "config.json").read_text())
+    arch = _ARCHITECTURES.get(config.get("model_type", ""))
+    if arch is None:
+        raise ValueError(f"cannot write a {config.get('model_type')!r} model to GGUF: pagoda writes "
+                         f"{', '.join(sorted(_ARCHITECTURES))}")
+    writer = gguf.GGUFWriter(str(out_path), architecture or arch)
+    try:
+        _add_model_metadata(writer, config, arch, name or hf_dir.name)
+        file_type = {"F32": "ALL_F32", "F16": "MOSTLY_F16"}.get(qtype, f"MOSTLY_{qtype}")
+        writer.add_file_type(gguf.LlamaFileType[file_type])
+        _add_tokenizer(writer, hf_dir, config)
+        _add_tensors(writer, hf_dir, config, arch, qtype)
+        if customize is not None:
+            customize(writer)
+        writer.write_header_to_file()
+        writer.write_kv_data_to_file()
+        writer.write_tensors_to_file()
+    finally:
+        writer.close()
+    return out_path
