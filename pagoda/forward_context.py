@@ -34,7 +34,7 @@ class AttentionMetadata:
     decode_seq_lens: torch.Tensor | None = None  # int64 [num_decodes]: tokens each decode attends to
     prefills: list[PrefillSeq] = field(default_factory=list)
     block_size: int = 16
-    _decode_mask: torch.Tensor | None = None
+    _decode_masks: dict[int | None, torch.Tensor] = field(default_factory=dict)
     _slot_parts: tuple[torch.Tensor, torch.Tensor] | None = None
 
     def slot_blocks_and_offsets(self) -> tuple[torch.Tensor, torch.Tensor]:
@@ -43,13 +43,20 @@ class AttentionMetadata:
             self._slot_parts = (self.slot_mapping // self.block_size, self.slot_mapping % self.block_size)
         return self._slot_parts
 
-    def decode_mask(self) -> torch.Tensor:
-        """bool [num_decodes, 1, 1, max_blocks * block_size]; built once per step, on demand."""
-        if self._decode_mask is None:
+    def decode_mask(self, window: int | None = None) -> torch.Tensor:
+        """bool [num_decodes, 1, 1, max_blocks * block_size]: the positions each decode row sees
+        (its length; with a sliding ``window``, only its last ``window`` of them). Built once per
+        step and window, on demand."""
+        mask = self._decode_masks.get(window)
+        if mask is None:
             width = self.decode_block_tables.shape[1] * self.block_size
-            key_pos = torch.arange(width, device=self.decode_seq_lens.device)
-            self._decode_mask = (key_pos.unsqueeze(0) < self.decode_seq_lens.unsqueeze(1)).view(-1, 1, 1, width)
-        return self._decode_mask
+            key_pos = torch.arange(width, device=self.decode_seq_lens.device).unsqueeze(0)
+            lens = self.decode_seq_lens.unsqueeze(1)
+            mask = key_pos < lens
+            if window is not None:
+                mask &= key_pos >= lens - window
+            mask = self._decode_masks[window] = mask.view(-1, 1, 1, width)
+        return mask
 
 
 _current: Scoped[AttentionMetadata | None] = Scoped("pagoda_attention_metadata", None)

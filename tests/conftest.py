@@ -6,8 +6,8 @@ redo every run and are shared with the user's real home through symlinks: `model
 SmolLM2 wheel pulled from PyPI, sha256-checked) and `kernels/` (the C++ kernels, ~60 s to build
 per CPU). Both are content the user's own `pagoda` would produce identically.
 
-Every test that uses the real SmolLM2 (the `smollm2_gguf` fixture, directly or through another
-fixture) is marked `slow`, so `pytest -m "not slow"` is a quick run without it.
+Every test that uses a real model (the `smollm2_gguf` or `gemma3_gguf` fixture, directly or through
+another fixture) is marked `slow`, so `pytest -m "not slow"` is a quick run without them.
 """
 
 from __future__ import annotations
@@ -45,13 +45,16 @@ def _use_temporary_pagoda_home() -> Path:
 PAGODA_TEST_HOME = _use_temporary_pagoda_home()
 
 
+REAL_MODEL_FIXTURES = ("smollm2_gguf", "gemma3_gguf")
+
+
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     slow = pytest.mark.slow
     for item in items:
-        if "smollm2_gguf" in getattr(item, "fixturenames", ()):
+        if any(name in getattr(item, "fixturenames", ()) for name in REAL_MODEL_FIXTURES):
             item.add_marker(slow)
 
-ARCHS = ["llama", "qwen2", "qwen3"]
+ARCHS = ["llama", "qwen2", "qwen3", "mistral", "gemma3"]
 
 
 @pytest.fixture(scope="session")
@@ -87,6 +90,28 @@ def smollm2_gguf() -> Path:
     from pagoda.loader import catalog
 
     return catalog.pull("smollm2-135m-instruct", quiet=True)
+
+
+@pytest.fixture(scope="session")
+def gemma3_gguf() -> Path:
+    """The real Gemma 3 270M GGUF (Q4_K_M) from the catalog (pulled from PyPI on first use, ~250 MB)."""
+    from pagoda.loader import catalog
+
+    return catalog.pull("gemma3-270m", quiet=True)
+
+
+@pytest.fixture
+def fresh_home(tmp_path, monkeypatch) -> Path:
+    """An empty `$PAGODA_HOME` (so an empty store) whose kernels, catalog models and GGUF
+    conversions are the suite's (links), so nothing is rebuilt."""
+    suite_home = Path(os.environ["PAGODA_HOME"])
+    home = tmp_path / "home"
+    home.mkdir()
+    for name in ("kernels", "models", "converted"):
+        (suite_home / name).mkdir(parents=True, exist_ok=True)
+        (home / name).symlink_to((suite_home / name).resolve(), target_is_directory=True)
+    monkeypatch.setenv("PAGODA_HOME", str(home))
+    return home
 
 
 @pytest.fixture(scope="session")

@@ -85,18 +85,36 @@ def _config(arch: str, vocab_size: int):
         return transformers.Qwen2Config(rope_theta=1000000.0, **common)
     if arch == "qwen3":
         return transformers.Qwen3Config(rope_theta=1000000.0, head_dim=32, **common)
+    if arch == "mistral":  # every layer windowed: the prompts are longer than the window
+        return transformers.MistralConfig(rope_theta=10000.0, sliding_window=TINY_WINDOW, **common)
+    if arch == "gemma3":  # local, local, global, local (sliding_window_pattern 3, as the GGUF stores it)
+        common.update(num_hidden_layers=4, tie_word_embeddings=True)
+        return transformers.Gemma3TextConfig(
+            head_dim=32, query_pre_attn_scalar=32, sliding_window=TINY_WINDOW,  # the scalar llama.cpp assumes
+            layer_types=["sliding_attention", "sliding_attention", "full_attention", "sliding_attention"],
+            rope_parameters={"full_attention": {"rope_type": "default", "rope_theta": 1000000.0},
+                             "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0}},
+            **common)
     raise ValueError(f"unknown tiny architecture {arch!r}")
 
 
-def make_tiny_hf_model(arch: str, out_dir: Path, *, seed: int = 0, tie_word_embeddings: bool = False) -> Path:
-    """Write a tiny random-weight model of the given family ('llama', 'qwen2', 'qwen3') to out_dir."""
+TINY_WINDOW = 12  # the tiny Mistral's and Gemma 3's sliding window: 1.5 blocks of 8
+
+
+def make_tiny_hf_model(arch: str, out_dir: Path, *, seed: int = 0, tie_word_embeddings: bool = False,
+                       **config_overrides) -> Path:
+    """Write a tiny random-weight model of the given family ('llama', 'qwen2', 'qwen3', 'mistral',
+    'gemma3') to out_dir, with ``config_overrides`` set on its transformers config. Gemma 3 always
+    ties its embeddings."""
     import transformers
 
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     make_tokenizer(out_dir)
     config = _config(arch, VOCAB_SIZE)
-    config.tie_word_embeddings = tie_word_embeddings
+    config.tie_word_embeddings = tie_word_embeddings or arch == "gemma3"
+    for key, value in config_overrides.items():
+        setattr(config, key, value)
     torch.manual_seed(seed)
     model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     # Random init leaves norms at 1 and biases at 0; perturb them so the test exercises them.

@@ -28,10 +28,17 @@ class KVCacheManager:
     """
 
     def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = False,
-                 session_max_blocks: int | None = None, session_total_blocks: int | None = None) -> None:
+                 session_max_blocks: int | None = None, session_total_blocks: int | None = None,
+                 sliding_window: int | None = None) -> None:
+        """``sliding_window``: the model's window when *every* layer has one (Mistral-style); a
+        running request's blocks that lie wholly before its window are then released
+        (``release_out_of_window``), but only without prefix caching, which keeps whole prefixes."""
         self.block_size = block_size
         self.pool = BlockPool(num_blocks)
         self.cache = RadixCache(block_size) if enable_prefix_caching else None
+        self.sliding_window = sliding_window if self.cache is None else None
+        self._released: dict[str, int] = {}  # request id → its leading blocks released (out of the window)
+        self.num_released_blocks = 0  # counted over the engine's life
         self.sessions = SessionPins(self.cache, num_blocks if session_max_blocks is None else session_max_blocks,
                                     num_blocks // 2 if session_total_blocks is None else session_total_blocks) \
             if self.cache is not None else None
@@ -138,6 +145,24 @@ class KVCacheManager:
         self._lock(request, node)
         self._num_cached[request.request_id] = full
 
+    def release_out_of_window(self, request: Request) -> int:
+        """Drop the request's blocks that no query of its can see again: with every layer windowed,
+        a query at position p >= num_computed_tokens sees keys from p - window + 1 on, so a block
+        ending before num_computed_tokens - window + 1 is dead. Its id stays in ``block_ids`` (the
+        block table keeps its shape; the attention paths never read blocks before a row's
+        window) and returns to the pool; ``free`` skips it. Returns how many were released now."""
+        if self.sliding_window is None:
+            return 0
+        dead = min(len(request.block_ids),
+                   max(0, request.num_computed_tokens - self.sliding_window + 1) // self.block_size)
+        done = self._released.get(request.request_id, 0)
+        if dead <= done:
+            return 0
+        self.pool.free(request.block_ids[done:dead])
+        self._released[request.request_id] = dead
+        self.num_released_blocks += dead - done
+        return dead - done
+
     def _lock(self, request: Request, node: RadixNode) -> None:
         self.cache.lock(node)
         old = self._locked.pop(request.request_id, None)
@@ -157,8 +182,9 @@ class KVCacheManager:
         if node is not None:
             self.cache.unlock(node)
         self._num_cached.pop(request.request_id, None)
-        if request.block_ids:
-            self.pool.free(request.block_ids)
+        released = self._released.pop(request.request_id, 0)
+        if len(request.block_ids) > released:
+            self.pool.free(request.block_ids[released:])
         request.block_ids = []
 
     def release_session(self, session_id: str) -> bool:

@@ -379,6 +379,7 @@ class Scheduler:
             if drafts:  # a stop inside an accepted run leaves computed drafts that were never appended
                 request.num_computed_tokens = min(request.num_computed_tokens, request.num_tokens - 1)
             self.kv.cache_computed_blocks(request)
+            self.kv.release_out_of_window(request)
             if stopped:
                 self._finish(request)
                 finished.append(request)

@@ -9,6 +9,7 @@
 //   → gate_up → silu * up → down
 // so its outputs are those of the Python path bit for bit. Float32 on the CPU; each projection
 // is either a float weight (pagoda::linear, as the Python layers call it) or ggml blocks (block_matmul).
+// `windows` holds each layer's sliding window (0: none; empty: none anywhere), as in Mistral.
 #include <ATen/ATen.h>
 #include <torch/library.h>
 
@@ -33,11 +34,13 @@ at::Tensor decode_layers(at::Tensor hidden, at::Tensor residual, const at::Tenso
                          at::TensorList weights, at::IntArrayRef block_types, at::TensorList k_caches,
                          at::TensorList v_caches, const at::Tensor& cos_cache, const at::Tensor& sin_cache,
                          const at::Tensor& slot_mapping, const at::Tensor& block_tables, const at::Tensor& seq_lens,
-                         int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, double eps, double scale) {
+                         int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, double eps, double scale,
+                         at::IntArrayRef windows) {
   const int64_t L = static_cast<int64_t>(k_caches.size());
   TORCH_CHECK(static_cast<int64_t>(weights.size()) == L * WEIGHTS_PER_LAYER, "decode_layers: expected ",
               L * WEIGHTS_PER_LAYER, " weights, got ", weights.size());
   TORCH_CHECK(static_cast<int64_t>(block_types.size()) == L * PROJECTIONS_PER_LAYER, "decode_layers: bad block_types");
+  TORCH_CHECK(windows.empty() || static_cast<int64_t>(windows.size()) == L, "decode_layers: one window per layer");
   const int64_t T = hidden.size(0), q_size = num_heads * head_dim, kv_size = num_kv_heads * head_dim;
   at::Tensor x = hidden;
   for (int64_t l = 0; l < L; ++l) {
@@ -50,7 +53,8 @@ at::Tensor decode_layers(at::Tensor hidden, at::Tensor residual, const at::Tenso
     const at::Tensor v = qkv.narrow(1, q_size + kv_size, kv_size).view({T, num_kv_heads, head_dim});
     rotary_embedding(q, k, positions, cos_cache, sin_cache);
     write_kv_cache(k, v, k_caches[l], v_caches[l], slot_mapping);
-    const at::Tensor attn = paged_decode_attention(q, k_caches[l], v_caches[l], block_tables, seq_lens, scale);
+    const int64_t window = windows.empty() ? 0 : windows[l];
+    const at::Tensor attn = paged_decode_attention(q, k_caches[l], v_caches[l], block_tables, seq_lens, scale, window);
     at::Tensor o = project(attn.view({T, q_size}), w[2], types[1]);
     fused_add_rms_norm(o, residual, w[3], eps);
     x = project(silu_and_mul(project(o, w[4], types[2])), w[5], types[3]);
@@ -65,7 +69,7 @@ TORCH_LIBRARY_FRAGMENT(pagoda, m) {
       "decode_layers(Tensor(a!) hidden, Tensor(b!) residual, Tensor positions, Tensor[] weights, int[] block_types, "
       "Tensor[] k_caches, Tensor[] v_caches, Tensor cos_cache, Tensor sin_cache, Tensor slot_mapping, "
       "Tensor block_tables, Tensor seq_lens, int num_heads, int num_kv_heads, int head_dim, float eps, "
-      "float scale) -> Tensor");
+      "float scale, int[] windows=[]) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(pagoda, CPU, m) { m.impl("decode_layers", &pagoda::decode_layers); }

@@ -11,7 +11,8 @@ bool batch_invariant();  // small_matmul.cpp: deterministic inference asked (see
 bool set_batch_invariant(bool enabled);
 at::Tensor block_matmul(const at::Tensor& x, const at::Tensor& weight, int64_t type);
 at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
-                                  const at::Tensor& block_tables, const at::Tensor& seq_lens, double scale);
+                                  const at::Tensor& block_tables, const at::Tensor& seq_lens, double scale,
+                                  int64_t window = 0);
 void fused_add_rms_norm(at::Tensor x, at::Tensor residual, const at::Tensor& weight, double eps);
 void rotary_embedding(at::Tensor q, at::Tensor k, const at::Tensor& positions, const at::Tensor& cos_cache,
                       const at::Tensor& sin_cache);

@@ -1,6 +1,9 @@
 // Paged attention on the CPU for rows that each attend over a prefix of their sequence: decode
 // tokens, and (the runner's "decode-like" layout) every token of a prefill chunk, row j of a
 // chunk starting at position s seeing s + j + 1 positions, its K/V already in the cache.
+// With a sliding window W > 0 (Gemma 3's local layers, Mistral), a row of length L sees only its
+// last min(L, W) positions: blocks wholly before the window are never read, and the softmax and
+// the weighted sum run over the window alone.
 //
 // Reads each sequence's K/V straight from the block pool through its block table: no gather
 // copy, no padding to the longest sequence. One work item per (tile of up to 8 consecutive rows
@@ -98,8 +101,11 @@ constexpr int64_t TILE = 16;
 
 struct Item {
   int64_t row, rows, h;  // rows row .. row + rows - 1 of the batch, kv head h
-  int64_t cost;          // positions of its longest row (for ordering the queue)
+  int64_t cost;          // positions its rows read (for ordering the queue)
 };
+
+// The first position row length `len` sees (0 without a window).
+inline int64_t window_start(int64_t len, int64_t window) { return window > 0 ? std::max<int64_t>(0, len - window) : 0; }
 
 #ifdef PAGODA_AVX2
 // scores for NQ query vectors against the 8 keys of kt (kt[d * ldk + lane]), each a fma chain over d.
@@ -296,14 +302,16 @@ inline void transpose(const scalar_t* k, int64_t n, int64_t D, float* kt, int64_
 // Rows of the batch → work items: runs of rows of one sequence cut into tiles, times kv heads,
 // longest first (a queue that threads pull from, so a long prompt's last tiles do not end up on
 // one thread).
-std::vector<Item> plan(const int64_t* tables, const int64_t* lens, int64_t B, int64_t max_blocks, int64_t Hkv) {
+std::vector<Item> plan(const int64_t* tables, const int64_t* lens, int64_t B, int64_t max_blocks, int64_t Hkv,
+                       int64_t window) {
   std::vector<Item> items;
   for (int64_t b = 0; b < B;) {
     int64_t e = b + 1;
     while (e < B && e - b < TILE && lens[e] == lens[e - 1] + 1 &&
            std::equal(tables + e * max_blocks, tables + (e + 1) * max_blocks, tables + b * max_blocks))
       ++e;
-    for (int64_t h = 0; h < Hkv; ++h) items.push_back({b, e - b, h, lens[e - 1]});
+    const int64_t cost = lens[e - 1] - window_start(lens[b], window);
+    for (int64_t h = 0; h < Hkv; ++h) items.push_back({b, e - b, h, cost});
     b = e;
   }
   std::stable_sort(items.begin(), items.end(), [](const Item& a, const Item& b) { return a.cost > b.cost; });
@@ -315,14 +323,14 @@ void decode_attention_impl(const scalar_t* __restrict__ q, const scalar_t* __res
                            const scalar_t* __restrict__ v_cache, const int64_t* __restrict__ tables,
                            const int64_t* __restrict__ lens, scalar_t* __restrict__ out,
                            int64_t B, int64_t Hq, int64_t Hkv, int64_t D, int64_t BS,
-                           int64_t max_blocks, float scale) {
+                           int64_t max_blocks, float scale, int64_t window) {
   const int64_t G = Hq / Hkv;
   // Cache layout [num_blocks, Hkv, BS, D]: one head's tokens of a block are contiguous rows.
   const int64_t head_stride = BS * D;
   const int64_t block_stride = Hkv * head_stride;
   for (int64_t b = 0; b < B; ++b)
     TORCH_CHECK(lens[b] >= 1 && lens[b] <= max_blocks * BS, "paged_decode_attention: bad seq_len ", lens[b]);
-  const std::vector<Item> items = plan(tables, lens, B, max_blocks, Hkv);
+  const std::vector<Item> items = plan(tables, lens, B, max_blocks, Hkv, window);
   std::atomic<int64_t> next{0};
   const int64_t workers = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), items.size()));
   at::parallel_for(0, workers, 1, [&](int64_t, int64_t) {
@@ -330,8 +338,11 @@ void decode_attention_impl(const scalar_t* __restrict__ q, const scalar_t* __res
     std::vector<float> qf(NQ * D), acc(NQ * D), kt(D * BS), vf(BS * D), scores;
     for (int64_t it = next++; it < static_cast<int64_t>(items.size()); it = next++) {
       const Item& item = items[it];
-      const int64_t h = item.h, nq = item.rows * G, Lmax = item.cost;
-      const int64_t ld = (Lmax + BS - 1) / BS * BS;  // a row of scores, padded to whole blocks
+      const int64_t h = item.h, nq = item.rows * G, Lmax = lens[item.row + item.rows - 1];
+      // Positions before `base` (whole blocks before the first row's window) are never read;
+      // a row of scores holds positions base .. Lmax - 1, padded to whole blocks.
+      const int64_t base = window_start(lens[item.row], window) / BS * BS;
+      const int64_t ld = (Lmax - base + BS - 1) / BS * BS;
       const int64_t* table = tables + item.row * max_blocks;
       scores.resize(nq * ld);
       float* sc = scores.data();
@@ -340,19 +351,26 @@ void decode_attention_impl(const scalar_t* __restrict__ q, const scalar_t* __res
           for (int64_t d = 0; d < D; ++d)
             qf[(r * G + g) * D + d] = static_cast<float>(q[((item.row + r) * Hq + h * G + g) * D + d]) * scale;
       // scores: a block of keys transposed once, against every query of the tile that sees it
-      for (int64_t t0 = 0; t0 < Lmax; t0 += BS) {
+      for (int64_t t0 = base; t0 < Lmax; t0 += BS) {
         const scalar_t* kb = k_cache + table[t0 / BS] * block_stride + h * head_stride;
         const int64_t n = std::min(BS, Lmax - t0);
         transpose(kb, n, D, kt.data(), BS);
         int64_t r0 = 0;  // rows before r0 end before this block
         while (lens[item.row + r0] <= t0) ++r0;
-        scores_block(qf.data() + r0 * G * D, nq - r0 * G, D, kt.data(), BS, n, sc + r0 * G * ld + t0, ld);
+        scores_block(qf.data() + r0 * G * D, nq - r0 * G, D, kt.data(), BS, n, sc + r0 * G * ld + (t0 - base), ld);
       }
-      for (int64_t r = 0; r < item.rows; ++r)
-        for (int64_t g = 0; g < G; ++g) softmax(sc + (r * G + g) * ld, lens[item.row + r]);
+      // softmax over each row's own window; the positions of its tile before that weigh exactly 0
+      for (int64_t r = 0; r < item.rows; ++r) {
+        const int64_t len = lens[item.row + r], first = window_start(len, window) - base;
+        for (int64_t g = 0; g < G; ++g) {
+          float* row_scores = sc + (r * G + g) * ld;
+          std::fill(row_scores, row_scores + first, 0.f);
+          softmax(row_scores + first, len - base - first);
+        }
+      }
       // out: each query's values, a block at a time
       std::fill(acc.begin(), acc.begin() + nq * D, 0.f);
-      for (int64_t t0 = 0; t0 < Lmax; t0 += BS) {
+      for (int64_t t0 = base; t0 < Lmax; t0 += BS) {
         const scalar_t* vb = v_cache + table[t0 / BS] * block_stride + h * head_stride;
         const int64_t n = std::min(BS, Lmax - t0);
         const float* v = vf.data();
@@ -367,9 +385,10 @@ void decode_attention_impl(const scalar_t* __restrict__ q, const scalar_t* __res
         int64_t full = r;
         while (full < item.rows && lens[item.row + full] - t0 < n) ++full;
         for (; r < full; ++r)
-          accumulate_vectors(G, acc.data() + r * G * D, sc + r * G * ld + t0, ld, v, lens[item.row + r] - t0, D);
+          accumulate_vectors(G, acc.data() + r * G * D, sc + r * G * ld + (t0 - base), ld, v, lens[item.row + r] - t0, D);
         if (full < item.rows)
-          accumulate_vectors((item.rows - full) * G, acc.data() + full * G * D, sc + full * G * ld + t0, ld, v, n, D);
+          accumulate_vectors((item.rows - full) * G, acc.data() + full * G * D, sc + full * G * ld + (t0 - base), ld, v,
+                             n, D);
       }
       for (int64_t r = 0; r < item.rows; ++r)
         for (int64_t g = 0; g < G; ++g)
@@ -384,9 +403,11 @@ void decode_attention_impl(const scalar_t* __restrict__ q, const scalar_t* __res
 namespace pagoda {
 
 // q: [B, Hq, D]; k_cache, v_cache: [num_blocks, Hkv, block_size, D]; block_tables: [B, max_blocks]
-// int64; seq_lens: [B] int64 (tokens to attend, the query's own included). Returns [B, Hq, D].
+// int64; seq_lens: [B] int64 (tokens to attend, the query's own included); window: a sliding
+// window (each row sees its last `window` positions), 0 for none. Returns [B, Hq, D].
 at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
-                                  const at::Tensor& block_tables, const at::Tensor& seq_lens, double scale) {
+                                  const at::Tensor& block_tables, const at::Tensor& seq_lens, double scale,
+                                  int64_t window) {
   TORCH_CHECK(q.dim() == 3 && k_cache.dim() == 4 && v_cache.dim() == 4, "bad ranks");
   TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous(), "the KV cache must be contiguous");
   TORCH_CHECK(block_tables.scalar_type() == at::kLong && seq_lens.scalar_type() == at::kLong, "int64 tables");
@@ -397,11 +418,12 @@ at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& k_cache
   const int64_t B = q.size(0), Hq = q.size(1), D = q.size(2);
   const int64_t Hkv = k_cache.size(1), BS = k_cache.size(2);
   TORCH_CHECK(k_cache.size(3) == D && Hq % Hkv == 0, "head shapes do not match");
+  TORCH_CHECK(window >= 0, "paged_decode_attention: bad window ", window);
   auto out = at::empty_like(qc);
   AT_DISPATCH_FLOATING_TYPES_AND2(at::ScalarType::BFloat16, at::ScalarType::Half, q.scalar_type(), "paged_decode_attention", [&] {
     decode_attention_impl<scalar_t>(qc.data_ptr<scalar_t>(), k_cache.data_ptr<scalar_t>(), v_cache.data_ptr<scalar_t>(),
                                     tables.data_ptr<int64_t>(), lens.data_ptr<int64_t>(), out.data_ptr<scalar_t>(),
-                                    B, Hq, Hkv, D, BS, tables.size(1), static_cast<float>(scale));
+                                    B, Hq, Hkv, D, BS, tables.size(1), static_cast<float>(scale), window);
   });
   return out;
 }
@@ -409,7 +431,7 @@ at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& k_cache
 }  // namespace pagoda
 
 TORCH_LIBRARY(pagoda, m) {
-  m.def("paged_decode_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor block_tables, Tensor seq_lens, float scale) -> Tensor");
+  m.def("paged_decode_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor block_tables, Tensor seq_lens, float scale, int window=0) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(pagoda, CPU, m) {

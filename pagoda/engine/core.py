@@ -85,7 +85,8 @@ class EngineCore:
         session_tokens = self.max_model_len if cc.max_session_kv_tokens is None else cc.max_session_kv_tokens
         self.kv_manager = KVCacheManager(self.num_blocks, block_size, cc.enable_prefix_caching,
                                          session_max_blocks=session_tokens // block_size,
-                                         session_total_blocks=int(self.num_blocks * cc.session_kv_fraction))
+                                         session_total_blocks=int(self.num_blocks * cc.session_kv_fraction),
+                                         sliding_window=_releasable_window(config, self.model))
         sc = config.scheduler
         self.scheduler = Scheduler(
             self.kv_manager, max_num_seqs=sc.max_num_seqs, max_num_batched_tokens=sc.max_num_batched_tokens,
@@ -234,3 +235,16 @@ def _spec_lookahead(spec) -> int:
     """A draft model writes its drafts' K/V after a request's tokens when it proposes (prompt
     lookup writes nothing)."""
     return spec.num_speculative_tokens if spec is not None and spec.method == "draft_model" else 0
+
+
+def _releasable_window(config: EngineConfig, model: torch.nn.Module) -> int | None:
+    """The window past which a request's KV blocks may be released: when every layer of the model
+    has a sliding window (Mistral-style; Gemma 3's global layers need every block) and no draft
+    model reads the same block tables with its own attention. KVCacheManager applies it only
+    without prefix caching."""
+    windows = getattr(model.config, "sliding_windows", ())
+    if not windows or None in windows:
+        return None
+    if config.speculative is not None and config.speculative.method == "draft_model":
+        return None
+    return max(windows)

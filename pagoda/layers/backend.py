@@ -56,6 +56,11 @@ class TorchBackend:
         gate, up = gate_up.chunk(2, dim=-1)
         return F.silu(gate) * up
 
+    def gelu_tanh_and_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
+        """GeGLU with the tanh approximation (Gemma's ``gelu_pytorch_tanh``); torch on every backend."""
+        gate, up = gate_up.chunk(2, dim=-1)
+        return F.gelu(gate, approximate="tanh") * up
+
     # -- matmuls ----------------------------------------------------------------------------
     def linear(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         return F.linear(x, weight)
@@ -98,11 +103,12 @@ class TorchBackend:
         v_cache[blocks, :, offsets] = v
 
     def decode_attention(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta,
-                         scale: float) -> torch.Tensor:
-        """One query row per decode-like token over its block table: gather, then one masked SDPA."""
+                         scale: float, window: int | None = None) -> torch.Tensor:
+        """One query row per decode-like token over its block table: gather, then one masked SDPA
+        (with a sliding ``window``, the mask keeps each row's last ``window`` positions)."""
         keys, values = gather_blocks(k_cache, meta.decode_block_tables), gather_blocks(v_cache, meta.decode_block_tables)
-        out = F.scaled_dot_product_attention(q.unsqueeze(2), keys, values, attn_mask=meta.decode_mask(), scale=scale,
-                                             enable_gqa=q.shape[1] != keys.shape[1])
+        out = F.scaled_dot_product_attention(q.unsqueeze(2), keys, values, attn_mask=meta.decode_mask(window),
+                                             scale=scale, enable_gqa=q.shape[1] != keys.shape[1])
         return out.squeeze(2)
 
     # -- the model as a whole ---------------------------------------------------------------
@@ -176,11 +182,11 @@ class CpuKernelBackend(TorchBackend):
         else:
             super().write_kv(k, v, k_cache, v_cache, meta)
 
-    def decode_attention(self, q, k_cache, v_cache, meta, scale):
+    def decode_attention(self, q, k_cache, v_cache, meta, scale, window=None):
         if q.device.type == "cpu":
             return self.ops.paged_decode_attention(q.contiguous(), k_cache, v_cache, meta.decode_block_tables,
-                                                   meta.decode_seq_lens, scale)
-        return super().decode_attention(q, k_cache, v_cache, meta, scale)
+                                                   meta.decode_seq_lens, scale, window or 0)
+        return super().decode_attention(q, k_cache, v_cache, meta, scale, window)
 
     def decode_stack(self, model):
         from pagoda.models.decode_stack import DecodeStack

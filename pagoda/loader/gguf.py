@@ -43,16 +43,13 @@ from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 from gguf.quants import dequantize
 
 from pagoda.layers.quantization import PackedWeight
+from pagoda.models.architectures import GGUF_ARCHITECTURES
 
 logger = logging.getLogger(__name__)
 
-# general.architecture → (HF class, HF model_type)
-_HF_ARCHITECTURES: dict[str, tuple[str, str]] = {
-    "llama": ("LlamaForCausalLM", "llama"),  # Llama 2/3, Mistral, SmolLM2
-    "qwen2": ("Qwen2ForCausalLM", "qwen2"),
-    "qwen3": ("Qwen3ForCausalLM", "qwen3"),
-    "gemma3": ("Gemma3ForCausalLM", "gemma3_text"),
-}
+# general.architecture → (HF class, HF model_type): the table the model registry is built from
+# (models/architectures.py). "llama" covers Llama 2/3, Mistral and SmolLM2.
+_HF_ARCHITECTURES: dict[str, tuple[str, str]] = GGUF_ARCHITECTURES
 SUPPORTED_ARCHITECTURES: tuple[str, ...] = tuple(_HF_ARCHITECTURES)
 
 # Bumped whenever the converted directory's contents change, so stale caches are not reused.

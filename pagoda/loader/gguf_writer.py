@@ -14,20 +14,27 @@ and Ollama can load what pagoda made. What is written:
   interleaved rotary order, 2-D weights in ``qtype`` (F32, F16, BF16, or the blocks
   `gguf.quants` can write: Q8_0, Q4_0, Q4_1, Q5_0, Q5_1), norms and biases in F32.
 
-Architectures: llama (and mistral, which llama.cpp writes as llama), qwen2, qwen3.
+Architectures: llama (and mistral, which llama.cpp writes as llama, without its sliding window),
+qwen2, qwen3, gemma3 (text: its norms stored as ``1 + w`` and its sliding-window keys, as llama.cpp's
+converter writes them). The table is models/architectures.py's, which the reader shares.
 """
 
 from __future__ import annotations
 
 import json
+import logging
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import numpy as np
 
+from pagoda.models.architectures import GGUF_WRITE_ARCHITECTURES
+
 # Types gguf.quants can *write*. The K-quants it can only read.
 WRITABLE_QTYPES = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1")
-_ARCHITECTURES = {"llama": "llama", "mistral": "llama", "qwen2": "qwen2", "qwen3": "qwen3"}
+_ARCHITECTURES = GGUF_WRITE_ARCHITECTURES  # HF model_type → general.architecture
+
+logger = logging.getLogger(__name__)
 
 _LAYER_NAMES = {
     "self_attn.q_proj": "attn_q",
@@ -42,6 +49,13 @@ _LAYER_NAMES = {
     "mlp.up_proj": "ffn_up",
     "mlp.down_proj": "ffn_down",
 }
+# Gemma 3 norms around both sublayers: llama.cpp's ffn_norm is the pre-FFN one there.
+_GEMMA3_LAYER_NAMES = {
+    **_LAYER_NAMES,
+    "post_attention_layernorm": "post_attention_norm",
+    "pre_feedforward_layernorm": "ffn_norm",
+    "post_feedforward_layernorm": "post_ffw_norm",
+}
 _TOP_NAMES = {"model.embed_tokens": "token_embd", "model.norm": "output_norm", "lm_head": "output"}
 
 # Pre-tokenizer regexes of tokenizer.json → llama.cpp's name for the same splitting.
@@ -51,15 +65,16 @@ _QWEN2_REGEX = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?
                 r"|\s*[\r\n]+|\s+(?!\S)|\s+")
 
 
-def gguf_tensor_name(hf_name: str) -> str:
+def gguf_tensor_name(hf_name: str, arch: str = "llama") -> str:
     """llama.cpp's name for an HF parameter (``model.layers.3.mlp.up_proj.weight`` → ``blk.3.ffn_up.weight``)."""
     stem, _, suffix = hf_name.rpartition(".")
     if stem in _TOP_NAMES:
         return f"{_TOP_NAMES[stem]}.{suffix}"
+    names = _GEMMA3_LAYER_NAMES if arch == "gemma3" else _LAYER_NAMES
     parts = stem.split(".", 3)
-    if len(parts) != 4 or parts[:2] != ["model", "layers"] or parts[3] not in _LAYER_NAMES:
-        raise ValueError(f"cannot write {hf_name!r} to GGUF: not a tensor of the llama / qwen layout")
-    return f"blk.{parts[2]}.{_LAYER_NAMES[parts[3]]}.{suffix}"
+    if len(parts) != 4 or parts[:2] != ["model", "layers"] or parts[3] not in names:
+        raise ValueError(f"cannot write {hf_name!r} to GGUF: not a tensor of the {arch} layout")
+    return f"blk.{parts[2]}.{names[parts[3]]}.{suffix}"
 
 
 def permute_qk(w: np.ndarray, n_head: int) -> np.ndarray:
@@ -111,13 +126,70 @@ def _add_model_metadata(writer, config: dict, arch: str, name: str) -> None:
     writer.add_head_count(config["num_attention_heads"])
     writer.add_head_count_kv(config.get("num_key_value_heads") or config["num_attention_heads"])
     writer.add_layer_norm_rms_eps(config["rms_norm_eps"])
-    writer.add_rope_freq_base(_rope_theta(config))
+    if arch != "gemma3":  # Gemma 3's global and local bases: _add_gemma3_metadata
+        writer.add_rope_freq_base(_rope_theta(config))
     if "head_dim" in config:  # what convert_hf_to_gguf does when the config states it
         writer.add_key_length(head_dim)
         writer.add_value_length(head_dim)
     if arch == "llama":
         writer.add_rope_dimension_count(head_dim)
+    if arch == "gemma3":
+        _add_gemma3_metadata(writer, config, head_dim)
     writer.add_vocab_size(config["vocab_size"])
+
+
+def _add_gemma3_metadata(writer, config: dict, head_dim: int) -> None:
+    """What llama.cpp's Gemma 3 converter writes beyond the common keys. llama.cpp assumes some
+    settings rather than storing them; a model that departs from those is refused, not written
+    as a file that would run differently."""
+    from pagoda.models.config import layer_windows
+    from pagoda.models.gemma3 import rope_settings
+
+    n_layers = config["num_hidden_layers"]
+    (theta, scaling), (local_theta, local_scaling) = rope_settings(config)
+    scalar = config.get("query_pre_attn_scalar") or head_dim
+    assumed = config["hidden_size"] // config["num_attention_heads"] if n_layers == 62 else head_dim
+    problems = []
+    if scalar != assumed:
+        problems.append(f"query_pre_attn_scalar {scalar} (llama.cpp assumes {assumed})")
+    if local_scaling is not None:
+        problems.append("rope scaling on the local layers")
+    if config.get("attn_logit_softcapping") is not None or config.get("use_bidirectional_attention"):
+        problems.append("attention soft-capping or bidirectional attention")
+    window = config.get("sliding_window") or 0
+    windows = layer_windows({**config, "sliding_window": window or 1}, n_layers)
+    pattern = next((p for p in range(1, n_layers + 2)
+                    if windows == tuple(window or 1 if (i + 1) % p else None for i in range(n_layers))), None)
+    if pattern is None:
+        problems.append("layer types that no sliding_window_pattern describes")
+    if problems:
+        raise ValueError(f"cannot write this Gemma 3 to GGUF: {'; '.join(problems)}")
+    writer.add_rope_freq_base(theta)
+    writer.add_key_value(f"{writer.arch}.rope.freq_base_swa", float(local_theta), _gguf_type("FLOAT32"))
+    if scaling is not None:
+        if scaling.get("rope_type", scaling.get("type")) != "linear":
+            raise ValueError(f"cannot write this Gemma 3 to GGUF: rope scaling {scaling!r} (linear only)")
+        writer.add_rope_scaling_type(_rope_scaling_type("LINEAR"))
+        writer.add_rope_scaling_factor(float(scaling["factor"]))
+    if pattern != 6:
+        logger.warning("Gemma 3 with every %d-th layer global: pagoda reads the pattern from the file, "
+                       "llama.cpp assumes every 6th", pattern)
+    writer.add_sliding_window(int(window))
+    writer.add_key_value(f"{writer.arch}.attention.sliding_window_pattern", int(pattern), _gguf_type("UINT32"))
+    if config.get("final_logit_softcapping") is not None:
+        writer.add_final_logit_softcapping(float(config["final_logit_softcapping"]))
+
+
+def _gguf_type(name: str):
+    import gguf
+
+    return gguf.GGUFValueType[name]
+
+
+def _rope_scaling_type(name: str):
+    import gguf
+
+    return gguf.RopeScalingType[name]
 
 
 def _add_tokenizer(writer, hf_dir: Path, config: dict) -> None:
@@ -191,7 +263,9 @@ def _add_tensors(writer, hf_dir: Path, config: dict, arch: str, qtype: str) -> N
             w = permute_qk(w, n_head)
         elif arch == "llama" and ".self_attn.k_proj." in hf_name:
             w = permute_qk(w, n_kv)
-        name = gguf_tensor_name(hf_name)
+        elif arch == "gemma3" and hf_name.endswith("norm.weight"):
+            w = w + np.float32(1.0)  # llama.cpp stores Gemma's RMSNorm weight as (1 + w)
+        name = gguf_tensor_name(hf_name, arch)
         if w.ndim != 2 or qtype == "F32":
             writer.add_tensor(name, np.ascontiguousarray(w, dtype=np.float32))
         elif qtype == "F16":

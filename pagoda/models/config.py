@@ -23,6 +23,10 @@ class TransformerConfig:
     attention_bias: bool = False
     qk_norm: bool = False
     hidden_act: str = "silu"
+    sliding_windows: tuple[int | None, ...] = ()  # per layer: its sliding window, None for global attention
+
+    def window(self, layer: int) -> int | None:
+        return self.sliding_windows[layer] if self.sliding_windows else None
 
     @classmethod
     def from_hf(cls, hf: dict, architecture: str, *, attention_bias: bool | None = None, qk_norm: bool = False) -> "TransformerConfig":
@@ -48,4 +52,33 @@ class TransformerConfig:
             attention_bias=hf.get("attention_bias", False) if attention_bias is None else attention_bias,
             qk_norm=qk_norm,
             hidden_act=hf.get("hidden_act", "silu"),
+            sliding_windows=layer_windows(hf, hf["num_hidden_layers"]),
         )
+
+
+def layer_windows(hf: dict, num_layers: int) -> tuple[int | None, ...]:
+    """Each layer's sliding window from a config.json, as transformers reads it: none without a
+    ``sliding_window`` (or with ``use_sliding_window: false``, Qwen's switch); else the layers that
+    ``layer_types`` marks ``sliding_attention``, or Gemma's ``sliding_window_pattern`` (every n-th
+    layer global), or Qwen's layers from ``max_window_layers`` on, or every layer (Mistral)."""
+    window = hf.get("sliding_window")
+    enabled = hf.get("use_sliding_window")
+    if enabled is None:  # Qwen's switch defaults to off; other families have none
+        enabled = hf.get("model_type") not in ("qwen2", "qwen3")
+    if not window or not enabled:
+        return (None,) * num_layers
+    window = int(window)
+    types = hf.get("layer_types")
+    if types:
+        if len(types) != num_layers:
+            raise ValueError(f"layer_types has {len(types)} entries for {num_layers} layers")
+        unknown = set(types) - {"sliding_attention", "full_attention"}
+        if unknown:
+            raise ValueError(f"layer types {sorted(unknown)} are not supported (sliding_attention, full_attention)")
+        return tuple(window if t == "sliding_attention" else None for t in types)
+    pattern = hf.get("sliding_window_pattern")
+    if pattern:
+        return tuple(window if (i + 1) % int(pattern) else None for i in range(num_layers))
+    if hf.get("model_type") in ("qwen2", "qwen3") and hf.get("max_window_layers") is not None:
+        return tuple(window if i >= int(hf["max_window_layers"]) else None for i in range(num_layers))
+    return (window,) * num_layers

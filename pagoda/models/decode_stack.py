@@ -4,8 +4,9 @@ under deterministic inference every prefill chunk too (each token a row of the p
 
 The call runs the same ops in the same order as the Python modules, so outputs do not change;
 what goes away is the Python between them (~40 torch calls per layer, ~5 ms of a 18 ms batch-1
-step with SmolLM2). Models the op does not cover (q/k norms, projection biases, other dtypes or
-devices, torch.compile) and batches with prefill chunks take the Python layers.
+step with SmolLM2). Sliding windows (Mistral) pass to the paged kernel per layer. Models the op
+does not cover (q/k norms, projection biases, other activations, other dtypes or devices,
+torch.compile; Gemma 3 as a whole) and batches with prefill chunks take the Python layers.
 """
 
 from __future__ import annotations
@@ -40,7 +41,7 @@ class DecodeStack:
         """The stack for ``model``'s layers as they are now, or None where the op does not apply.
         Called by the C++ backend (layers/backend.py), which passes its ops."""
         cfg = model.config
-        if cfg.qk_norm or not model.layers:
+        if cfg.qk_norm or cfg.hidden_act not in ("silu", "swish") or not model.layers:
             return None
         weights, types, k_caches, v_caches = [], [], [], []
         for layer in model.layers:
@@ -72,5 +73,5 @@ class DecodeStack:
             hidden, residual, positions, self.weights, self.block_types, self.k_caches, self.v_caches,
             self.rotary.cos_cache, self.rotary.sin_cache, meta.slot_mapping, meta.decode_block_tables,
             meta.decode_seq_lens, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.rms_norm_eps,
-            cfg.head_dim ** -0.5,
+            cfg.head_dim ** -0.5, [w or 0 for w in cfg.sliding_windows],
         )

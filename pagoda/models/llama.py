@@ -2,7 +2,9 @@
 
 Qwen2 adds biases to the q/k/v projections; Qwen3 adds an RMSNorm over each head of q and k.
 Q/K/V and gate/up are merged into one matmul each; the weight loader stacks the checkpoint's
-separate tensors into them.
+separate tensors into them. A layer with a sliding window (``TransformerConfig.sliding_windows``:
+Mistral's ``sliding_window`` on every layer, Qwen's ``use_sliding_window``) attends to its last
+``window`` positions only. Other families (models/gemma3.py) build on these classes.
 """
 
 from __future__ import annotations
@@ -26,9 +28,13 @@ from pagoda.models.decode_stack import DecodeStack
 
 
 class Attention(nn.Module):
-    """Self-attention over this rank's heads (all of them at tensor-parallel size 1)."""
+    """Self-attention over this rank's heads (all of them at tensor-parallel size 1).
 
-    def __init__(self, cfg: TransformerConfig, rotary: RotaryEmbedding, plan: ShardPlan, tp: TensorParallelGroup) -> None:
+    ``sliding_window``: this layer's window (None: global attention); ``scale``: the query scale
+    (default ``head_dim ** -0.5``)."""
+
+    def __init__(self, cfg: TransformerConfig, rotary: RotaryEmbedding, plan: ShardPlan, tp: TensorParallelGroup,
+                 sliding_window: int | None = None, scale: float | None = None) -> None:
         super().__init__()
         self.tp, self.backend = tp, current_backend()
         self.num_heads, self.num_kv_heads, self.head_dim = plan.num_heads, plan.num_kv_heads, cfg.head_dim
@@ -39,7 +45,8 @@ class Attention(nn.Module):
         self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
         self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
         self.rotary = rotary  # one table shared by all layers
-        self.attn = PagedAttention(self.num_heads, self.num_kv_heads, cfg.head_dim, scale=cfg.head_dim**-0.5)
+        self.attn = PagedAttention(self.num_heads, self.num_kv_heads, cfg.head_dim,
+                                   scale=cfg.head_dim**-0.5 if scale is None else scale, sliding_window=sliding_window)
 
     def forward(self, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
         qkv = project(self.qkv_proj, x, self.backend)
@@ -53,26 +60,33 @@ class Attention(nn.Module):
         return self.tp.all_reduce(project(self.o_proj, self.attn(q, k, v), self.backend))  # row-parallel: sum the ranks' parts
 
 
+# config activation → the backend's fused "act(gate) * up" (SwiGLU; Gemma's tanh-approximated GeGLU)
+_GATED_ACTIVATIONS = {"silu": "silu_and_mul", "swish": "silu_and_mul", "gelu_pytorch_tanh": "gelu_tanh_and_mul",
+                      "gelu_tanh": "gelu_tanh_and_mul"}
+
+
 class MLP(nn.Module):
     def __init__(self, cfg: TransformerConfig, plan: ShardPlan, tp: TensorParallelGroup) -> None:
         super().__init__()
-        if cfg.hidden_act not in ("silu", "swish"):
-            raise ValueError(f"activation {cfg.hidden_act!r} is not supported (silu only)")
+        if cfg.hidden_act not in _GATED_ACTIVATIONS:
+            raise ValueError(f"activation {cfg.hidden_act!r} is not supported ({', '.join(_GATED_ACTIVATIONS)})")
         self.tp, self.backend = tp, current_backend()
+        self.act_and_mul = getattr(self.backend, _GATED_ACTIVATIONS[cfg.hidden_act])
         self.intermediate_size = plan.intermediate_size
         self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * self.intermediate_size, bias=False)
         self.down_proj = nn.Linear(self.intermediate_size, cfg.hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        act = self.backend.silu_and_mul(project(self.gate_up_proj, x, self.backend))
+        act = self.act_and_mul(project(self.gate_up_proj, x, self.backend))
         return self.tp.all_reduce(project(self.down_proj, act, self.backend))  # row-parallel: sum the ranks' parts
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg: TransformerConfig, rotary: RotaryEmbedding, plan: ShardPlan, tp: TensorParallelGroup) -> None:
+    def __init__(self, cfg: TransformerConfig, rotary: RotaryEmbedding, plan: ShardPlan, tp: TensorParallelGroup,
+                 index: int = 0) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.self_attn = Attention(cfg, rotary, plan, tp)
+        self.self_attn = Attention(cfg, rotary, plan, tp, sliding_window=cfg.window(index))
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = MLP(cfg, plan, tp)
 
@@ -107,19 +121,25 @@ class LlamaForCausalLM(nn.Module):
 
     def __init__(self, hf_config: dict, max_position: int) -> None:
         super().__init__()
-        cfg = TransformerConfig.from_hf(
-            hf_config, type(self).__name__, attention_bias=self.attention_bias, qk_norm=self.qk_norm
-        )
+        cfg = self.read_config(hf_config)
         self.config = cfg
         self.tp = tp = current_group()
         self.backend = current_backend()  # the kernels every layer runs (layers/backend.py)
         self.shards = plan = ShardPlan.for_rank(cfg, tp)
         self.num_local_kv_heads = plan.num_kv_heads  # the KV cache holds these heads
         self.embed_tokens = nn.Embedding(plan.vocab_per_rank, cfg.hidden_size)
-        rotary = RotaryEmbedding(cfg.head_dim, max_position, cfg.rope_theta, cfg.rope_scaling)
-        self.layers = nn.ModuleList(DecoderLayer(cfg, rotary, plan, tp) for _ in range(cfg.num_layers))
+        self.layers = self._build_layers(cfg, hf_config, max_position, plan, tp)
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.lm_head = None if cfg.tie_word_embeddings else nn.Linear(cfg.hidden_size, plan.vocab_per_rank, bias=False)
+
+    def _build_layers(self, cfg: TransformerConfig, hf_config: dict, max_position: int, plan: ShardPlan,
+                      tp: TensorParallelGroup) -> nn.ModuleList:
+        rotary = RotaryEmbedding(cfg.head_dim, max_position, cfg.rope_theta, cfg.rope_scaling)
+        return nn.ModuleList(DecoderLayer(cfg, rotary, plan, tp, i) for i in range(cfg.num_layers))
+
+    @classmethod
+    def read_config(cls, hf_config: dict) -> TransformerConfig:
+        return TransformerConfig.from_hf(hf_config, cls.__name__, attention_bias=cls.attention_bias, qk_norm=cls.qk_norm)
 
     def attention_layers(self) -> list[PagedAttention]:
         return [layer.self_attn.attn for layer in self.layers]

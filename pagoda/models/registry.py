@@ -1,25 +1,27 @@
-"""Architecture name (config.json `architectures` or GGUF `general.architecture`) → model class."""
+"""Architecture name (config.json `architectures` or GGUF `general.architecture`) → model class.
+
+Built from the one table of architectures (models/architectures.py) that the GGUF reader and
+writer use too.
+"""
 
 from __future__ import annotations
 
+import importlib
+
 from torch import nn
 
-from pagoda.models.llama import LlamaForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM
+from pagoda.models.architectures import ARCHITECTURES
+from pagoda.models.architectures import GGUF_ARCHITECTURES as _GGUF
 
-MODEL_REGISTRY: dict[str, type[nn.Module]] = {
-    "LlamaForCausalLM": LlamaForCausalLM,
-    "MistralForCausalLM": LlamaForCausalLM,
-    "Qwen2ForCausalLM": Qwen2ForCausalLM,
-    "Qwen3ForCausalLM": Qwen3ForCausalLM,
-}
+
+def _model_class(module: str, name: str) -> type[nn.Module]:
+    return getattr(importlib.import_module(f"pagoda.models.{module}"), name)
+
+
+MODEL_REGISTRY: dict[str, type[nn.Module]] = {a.hf_class: _model_class(a.module, a.model_class) for a in ARCHITECTURES}
 
 # GGUF general.architecture → config.json architecture name
-GGUF_ARCHITECTURES = {
-    "llama": "LlamaForCausalLM",
-    "mistral": "LlamaForCausalLM",
-    "qwen2": "Qwen2ForCausalLM",
-    "qwen3": "Qwen3ForCausalLM",
-}
+GGUF_ARCHITECTURES: dict[str, str] = {gguf: hf_class for gguf, (hf_class, _) in _GGUF.items()}
 
 
 def supported_architectures() -> list[str]:

@@ -153,18 +153,11 @@ def test_quantized_gguf_keeps_its_blocks_from_memory(tiny_llama, work, key_file)
     assert _tokens(llm) == _tokens(plain)
 
 
-def test_a_store_name_is_encrypted_with_its_overlays(tiny_gguf, key_file, tmp_path, monkeypatch, capsys):
+def test_a_store_name_is_encrypted_with_its_overlays(tiny_gguf, key_file, tmp_path, fresh_home, capsys):
     """`pagoda encrypt NAME` takes what --model NAME loads: a store model's GGUF (a sha256-named
     blob) with its overlays (here a shorter context and a system prompt)."""
     from pagoda.entrypoints.cli import main
 
-    suite_home = Path(os.environ["PAGODA_HOME"])
-    home = tmp_path / "home"
-    home.mkdir()
-    for name in ("kernels", "models", "converted"):
-        (suite_home / name).mkdir(parents=True, exist_ok=True)
-        (home / name).symlink_to((suite_home / name).resolve(), target_is_directory=True)
-    monkeypatch.setenv("PAGODA_HOME", str(home))
     modelfile = tmp_path / "Modelfile"
     modelfile.write_text(f'FROM {tiny_gguf}\nPARAMETER num_ctx 128\nSYSTEM """Be brief."""\n')
     assert main(["create", "brief", "-f", str(modelfile)]) == 0, capsys.readouterr().err

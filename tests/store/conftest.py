@@ -6,7 +6,6 @@ front of it that can cut a blob download short or demand a bearer token."""
 from __future__ import annotations
 
 import base64
-import os
 import shutil
 import socket
 import subprocess
@@ -28,20 +27,6 @@ REGISTRY_BIN = shutil.which("docker-registry") or shutil.which("registry")
 def tiny_gguf(tiny_llama, tmp_path_factory) -> Path:
     """The tiny Llama (tests/tiny_models.py) as a Q8_0 GGUF, with its ChatML template."""
     return export_gguf(tiny_llama, tmp_path_factory.mktemp("store-gguf") / "tiny.gguf", "Q8_0")
-
-
-@pytest.fixture
-def fresh_home(tmp_path, monkeypatch) -> Path:
-    """An empty `$PAGODA_HOME` (so an empty store) whose kernels, catalog models and GGUF
-    conversions are the suite's (links), so nothing is rebuilt."""
-    suite_home = Path(os.environ["PAGODA_HOME"])
-    home = tmp_path / "home"
-    home.mkdir()
-    for name in ("kernels", "models", "converted"):
-        (suite_home / name).mkdir(parents=True, exist_ok=True)
-        (home / name).symlink_to((suite_home / name).resolve(), target_is_directory=True)
-    monkeypatch.setenv("PAGODA_HOME", str(home))
-    return home
 
 
 def _wait_ready(url: str, proc: subprocess.Popen, log: Path, deadline: float = 30.0) -> None:

@@ -1,0 +1,47 @@
+"""The one table of model architectures pagoda runs, shared by the model registry
+(models/registry.py: config.json ``architectures`` → model class), the GGUF reader
+(loader/gguf.py: ``general.architecture`` → the config.json it writes) and the GGUF writer
+(loader/gguf_writer.py: ``model_type`` → ``general.architecture``).
+
+Plain data, no torch: the loaders import it without building any model code.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class Architecture:
+    hf_class: str  # config.json "architectures" entry
+    module: str  # pagoda.models.<module> holds the model class
+    model_class: str  # the class's name there
+    model_types: tuple[str, ...]  # config.json "model_type" values of this architecture
+    gguf: str | None = None  # llama.cpp's general.architecture, when pagoda reads / writes GGUFs of it
+    gguf_model_type: str | None = None  # the model_type a GGUF of this architecture converts to
+
+
+ARCHITECTURES: tuple[Architecture, ...] = (
+    Architecture("LlamaForCausalLM", "llama", "LlamaForCausalLM", ("llama",), gguf="llama", gguf_model_type="llama"),
+    # llama.cpp writes Mistral as "llama" (no sliding window in the file); from a Hugging Face
+    # directory, config.json's sliding_window applies to every layer.
+    Architecture("MistralForCausalLM", "llama", "LlamaForCausalLM", ("mistral",)),
+    Architecture("Qwen2ForCausalLM", "llama", "Qwen2ForCausalLM", ("qwen2",), gguf="qwen2", gguf_model_type="qwen2"),
+    Architecture("Qwen3ForCausalLM", "llama", "Qwen3ForCausalLM", ("qwen3",), gguf="qwen3", gguf_model_type="qwen3"),
+    Architecture("Gemma3ForCausalLM", "gemma3", "Gemma3ForCausalLM", ("gemma3_text",), gguf="gemma3",
+                 gguf_model_type="gemma3_text"),
+)
+
+BY_HF_CLASS: dict[str, Architecture] = {a.hf_class: a for a in ARCHITECTURES}
+
+# GGUF general.architecture → (HF class, HF model_type) of the config.json a GGUF converts to
+GGUF_ARCHITECTURES: dict[str, tuple[str, str]] = {
+    a.gguf: (a.hf_class, a.gguf_model_type) for a in ARCHITECTURES if a.gguf is not None and a.gguf_model_type
+}
+
+# HF model_type → the general.architecture a GGUF of it is written as (loader/gguf_writer.py)
+GGUF_WRITE_ARCHITECTURES: dict[str, str] = {
+    "llama": "llama", "mistral": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "gemma3_text": "gemma3",
+}
+assert set(GGUF_WRITE_ARCHITECTURES.values()) <= set(GGUF_ARCHITECTURES)
+assert all(t in {m for a in ARCHITECTURES for m in a.model_types} for t in GGUF_WRITE_ARCHITECTURES)
