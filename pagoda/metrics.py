@@ -100,6 +100,13 @@ class ServerMetrics:
                                     labels, buckets=_LATENCY_BUCKETS, registry=self.registry)
         self.e2e = Histogram("pagoda:e2e_request_latency_seconds", "End-to-end request latency.", labels,
                              buckets=_LATENCY_BUCKETS, registry=self.registry)
+        self.content_filter_hits = Counter("pagoda:content_filter_hits", "Terms of the content filter's word lists "
+                                           "found: in prompts (refused) or in output (stopped or masked).",
+                                           labels + ["list", "direction"], registry=self.registry)
+
+    def content_filter_hit(self, list_name: str, direction: str) -> None:
+        """A word list's term found in a prompt (direction "input") or in output ("output")."""
+        self.content_filter_hits.labels(self.model_name, list_name, direction).inc()
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

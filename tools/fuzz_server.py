@@ -70,11 +70,12 @@ def cap_generation(body: Any) -> None:
 
 # -- schemathesis ---------------------------------------------------------------------------
 def fuzz_schema(base_url: str, cases_per_operation: int, seed: int | None = None,
-                modes: tuple[str, ...] = ("positive", "negative"), timeout: float = 60.0) -> FuzzReport:
+                modes: tuple[str, ...] = ("positive", "negative"), timeout: float = 60.0,
+                headers: dict | None = None) -> FuzzReport:
     """Every operation of the server's /openapi.json, `cases_per_operation` generated cases in
     each generation mode (schema-valid bodies, then bodies that break the schema). A case fails
     on a 5xx or on no answer at all. Failing cases are recorded, not shrunk, so a run stays
-    within its case budget."""
+    within its case budget. `headers` go with every case (`Authorization: Bearer KEY`)."""
     import requests
     import schemathesis
     from hypothesis import HealthCheck, Phase, given, settings
@@ -98,7 +99,7 @@ def fuzz_schema(base_url: str, cases_per_operation: int, seed: int | None = None
             def run(case) -> None:
                 cap_generation(case.body)
                 try:
-                    response = case.call(base_url=base_url, session=session, timeout=timeout)
+                    response = case.call(base_url=base_url, session=session, headers=headers, timeout=timeout)
                 except requests.RequestException as e:
                     report.record(route, "no answer", f"{type(e).__name__}: {e} for {_describe(case)}")
                     return
@@ -200,12 +201,12 @@ def sdk_cases(model: str) -> list[tuple[str, str, dict, str]]:
     return cases
 
 
-def run_sdk_cases(base_url: str, model: str) -> FuzzReport:
+def run_sdk_cases(base_url: str, model: str, api_key: str = "unused") -> FuzzReport:
     """Each of sdk_cases through the openai package; a case fails if the outcome is not the
     expected one (a 5xx, a 422, a 400 for a valid call, a success for an invalid one)."""
     import openai
 
-    client = openai.OpenAI(base_url=f"{base_url}/v1", api_key="unused", max_retries=0, timeout=60)
+    client = openai.OpenAI(base_url=f"{base_url}/v1", api_key=api_key, max_retries=0, timeout=60)
     calls: dict[str, Callable[..., Any]] = {"completions": client.completions.create,
                                              "chat": client.chat.completions.create}
     expected_error = {"bad": openai.BadRequestError, "missing": openai.NotFoundError}
@@ -257,6 +258,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--seed", type=int, default=None, help="hypothesis seed (default: random, printed)")
     ap.add_argument("--modes", default="positive,negative")
     ap.add_argument("--max-model-len", type=int, default=128, help="context of the started server")
+    ap.add_argument("--api-key", default=None, help="with --url: the key to send (Authorization: Bearer KEY)")
     args = ap.parse_args(argv)
     seed = args.seed if args.seed is not None else random.randrange(2**32)
     proc, log = None, []
@@ -268,9 +270,10 @@ def main(argv: list[str] | None = None) -> int:
         print(f"server up in {time.monotonic() - started:.1f} s at {base}", flush=True)
     try:
         print(f"schemathesis: {args.cases} cases per route and mode ({args.modes}), seed {seed}", flush=True)
-        schema = fuzz_schema(base, args.cases, seed, tuple(args.modes.split(",")))
+        headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else None
+        schema = fuzz_schema(base, args.cases, seed, tuple(args.modes.split(",")), headers=headers)
         print("\n".join(schema.lines()), flush=True)
-        sdk = run_sdk_cases(base, args.model_name)
+        sdk = run_sdk_cases(base, args.model_name, args.api_key or "unused")
         print("openai SDK calls:\n" + "\n".join(sdk.lines()), flush=True)
         started = time.monotonic()
         metrics = wait_idle(base, timeout=30)

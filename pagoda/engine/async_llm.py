@@ -87,8 +87,9 @@ class AsyncLLM:
     # -- the event-loop side ----------------------------------------------------------------
     async def generate(self, prompt: PromptType, params: SamplingParams, request_id: str,
                        priority: int = 0, cache_salt: str | None = None,
-                       session_id: str | None = None) -> AsyncIterator[RequestOutput]:
-        """Yield DELTA outputs for one request until it finishes; abort it if the caller stops."""
+                       session_id: str | None = None, moderation=None) -> AsyncIterator[RequestOutput]:
+        """Yield DELTA outputs for one request until it finishes; abort it if the caller stops.
+        `moderation` (pagoda.security.moderation.Moderation) filters its output text."""
         if not self.healthy:
             state = "restarting" if self.restarting else f"not running: {self.dead_error}"
             raise EngineDeadError(f"the engine is {state}")
@@ -100,7 +101,7 @@ class AsyncLLM:
                                                session_id=session_id)  # may raise ValueError
         stream: asyncio.Queue = asyncio.Queue()
         self._streams[request_id] = stream
-        self.output_processor.add_request(*prepared.output_args())
+        self.output_processor.add_request(*prepared.output_args(), moderation=moderation)
         self.client.add(prepared.core_requests)
         finished = False
         try:

@@ -23,8 +23,19 @@ class LLM:
     >>> out[0].outputs[0].text
     """
 
-    def __init__(self, model: str = DEFAULT_MODEL, **kwargs) -> None:
+    def __init__(self, model: str = DEFAULT_MODEL, *, moderation_words: Sequence[str] | None = None,
+                 moderation_action: str = "stop", **kwargs) -> None:
+        """`moderation_words` (word-list files, as `pagoda serve --moderation-words`): prompts that
+        hold a term raise ContentFilterError, and output is filtered as it is generated (a choice
+        stopped with finish_reason "content_filter", or with `moderation_action="mask"` the term
+        masked); pagoda.lang's in-process Engine takes the same keywords."""
+        moderation = None
+        if moderation_words:
+            from pagoda.security.moderation import Moderation
+
+            moderation = Moderation.from_files(moderation_words, moderation_action)
         self.engine = LLMEngine.from_engine_args(EngineArgs(model=model, **kwargs))
+        self.engine.moderation = moderation
         self._ids = itertools.count()
 
     def get_tokenizer(self):

@@ -55,6 +55,9 @@ class LLMEngine:
         self.eos_token_ids = set(self.tokenizer.eos_token_ids)
         # The model's own defaults for what a request leaves unset (generation_defaults.py)
         self.sampling_defaults = sampling_defaults(config.model.generation_config, config.model.files.metadata_dir)
+        # The content filter of add_request's requests (pagoda.security.moderation.Moderation;
+        # LLM(moderation_words=...)): prompts checked, output filtered as it is generated.
+        self.moderation = None
 
     @classmethod
     def from_engine_args(cls, args: EngineArgs) -> "LLMEngine":
@@ -103,17 +106,26 @@ class LLMEngine:
 
     def add_request(self, request_id: str, prompt: PromptType, params: SamplingParams,
                     priority: int = 0, arrival_time: float | None = None, cache_salt: str | None = None,
-                    session_id: str | None = None) -> None:
+                    session_id: str | None = None, moderation=None) -> None:
         """Queue a request. `session_id` makes it a turn of a conversation: once it finishes, its
         prefix (prompt and answer) stays pinned in the prefix cache for the session's next turn,
-        until `release_session`."""
+        until `release_session`. `moderation` (default: the engine's) checks the prompt (a
+        ContentFilterError, a ValueError, on a hit) and filters the output."""
+        moderation = moderation if moderation is not None else self.moderation
         prepared = self.prepare_request(request_id, prompt, params, priority, arrival_time, cache_salt, session_id)
+        if moderation is not None:
+            from pagoda.security.moderation import ContentFilterError
+
+            text = prepared.prompt if prepared.prompt is not None else self.tokenizer.decode(prepared.prompt_token_ids)
+            name = moderation.check_input(text)
+            if name is not None:
+                raise ContentFilterError(name)
         with self._lock:
             if request_id in self.output_processor.requests:
                 raise ValueError(f"request id {request_id!r} is already in use")
             for request in prepared.core_requests:
                 self.core.add_request(request)
-            self.output_processor.add_request(*prepared.output_args())
+            self.output_processor.add_request(*prepared.output_args(), moderation=moderation)
 
     @staticmethod
     def _fan_out(request_id: str, params: SamplingParams) -> list[tuple[str, SamplingParams]]:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
+from typing import Any
 
 from pagoda.engine.core import EngineCoreOutput
 from pagoda.engine.detokenizer import IncrementalDetokenizer
@@ -33,6 +34,11 @@ class SampleState:
     sent_text: int = 0  # DELTA mode: chars / tokens / logprob entries already handed out
     sent_tokens: int = 0
     sent_finish: bool = False
+    # The content filter (pagoda/security/moderation.py), when the request has one: its guard,
+    # how much of the text it has taken, and the text it let through (what is handed out).
+    guard: Any = None
+    guard_fed: int = 0
+    safe_text: str = ""
 
 
 @dataclass
@@ -60,7 +66,9 @@ class OutputProcessor:
         self._token_texts: dict[int, str] = {}  # token id → its text, for logprobs (at most the vocabulary)
 
     def add_request(self, request_id: str, prompt: str | None, prompt_token_ids: list[int],
-                    samples: list[tuple[str, SamplingParams]], arrival_time: float) -> None:
+                    samples: list[tuple[str, SamplingParams]], arrival_time: float, moderation: Any = None) -> None:
+        """`moderation` (a pagoda.security.moderation.Moderation) checks each sample's text as it
+        is generated: held back, masked, or the sample stopped with finish_reason "content_filter"."""
         first = samples[0][1]
         state = RequestState(
             request_id, prompt, prompt_token_ids, [], first.output_kind, RequestMetrics(arrival_time),
@@ -71,6 +79,7 @@ class OutputProcessor:
                 core_id, index, params, IncrementalDetokenizer(self.tokenizer, prompt_token_ids, params.skip_special_tokens),
                 logprobs=[] if params.logprobs is not None else None,
                 cumulative_logprob=0.0 if params.logprobs is not None else None,
+                guard=moderation.guard() if moderation is not None else None,
             )
             state.samples.append(sample)
             self._by_core_id[core_id] = (state, sample)
@@ -100,6 +109,8 @@ class OutputProcessor:
             if entry is None:
                 continue  # aborted meanwhile
             state, sample = entry
+            if sample.guard is not None and sample.guard.stopped:
+                continue  # the content filter ended it; what the core still sent is dropped
             if state.metrics.first_scheduled_time is None:
                 state.metrics.first_scheduled_time = out.first_scheduled_time
                 state.num_cached_tokens = out.num_cached_tokens
@@ -113,6 +124,9 @@ class OutputProcessor:
             if out.finish_reason is not None and sample.finish_reason is None:
                 sample.finish_reason, sample.stop_reason = out.finish_reason, out.stop_reason
                 self._flush(sample)
+            if sample.guard is not None and self._moderate(sample) and out.finish_reason is None \
+                    and sample.core_id not in to_stop:
+                to_stop.append(sample.core_id)  # finished in the core too: its KV blocks are freed
             touched[state.request_id] = state
         results = []
         for state in touched.values():
@@ -154,6 +168,21 @@ class OutputProcessor:
         if stop is not None:
             sample.text = sample.text[: stop[1]]
             sample.finish_reason, sample.stop_reason = "stop", stop[0]
+
+    @staticmethod
+    def _moderate(sample: SampleState) -> bool:
+        """Give the content filter the sample's new text (what stop strings let through); True
+        when it stopped the sample now."""
+        visible = _stop_checked(sample)
+        new, final = visible[sample.guard_fed :], sample.finish_reason is not None
+        if not new and not final:
+            return False
+        sample.guard_fed = len(visible)
+        sample.safe_text += sample.guard.feed(new, final)
+        if not sample.guard.stopped:
+            return False
+        sample.finish_reason, sample.stop_reason = "content_filter", None
+        return True
 
     def _position(self, lp: TokenLogprobs) -> PositionLogprobs:
         """Chosen token first (with its true rank), then the top-k alternatives ranked 1..k."""
@@ -204,7 +233,12 @@ class OutputProcessor:
 
 
 def _visible(sample: SampleState) -> str:
-    """Text safe to hand out: while running, hold back a tail that could start a stop string."""
+    """Text safe to hand out: what the content filter let through, if the request has one."""
+    return sample.safe_text if sample.guard is not None else _stop_checked(sample)
+
+
+def _stop_checked(sample: SampleState) -> str:
+    """The text while running, less a tail that could start a stop string."""
     if sample.finish_reason is not None or not sample.params.stop:
         return sample.text
     hold = max(len(s) for s in sample.params.stop) - 1

@@ -18,6 +18,8 @@ from pagoda import __version__
 from pagoda.engine_args import EngineArgs  # not from pagoda.config, which imports torch (~1.5 s)
 from pagoda.router import options as router_options  # argparse only; the router loads when it runs
 from pagoda.security import encrypt_command  # argparse only; cryptography loads when it runs
+from pagoda.security import keys_command, options as access_options  # argparse only (keys, roles, audit)
+from pagoda.security import moderation, tls  # their serve options; pyahocorasick loads when a list is read
 from pagoda.store import commands as store_commands  # argparse only; each verb imports what it needs
 
 LOG_LEVELS = ["debug", "info", "warning", "error"]
@@ -183,6 +185,7 @@ def _chat(engine, ns: argparse.Namespace) -> int:
 
 
 def cmd_serve(ns: argparse.Namespace) -> int:
+    tls.check_args(ns)  # --ssl-* files, and not with --data-parallel-size (pagoda/security/tls.py)
     if ns.data_parallel_rank is not None:  # one replica of `--data-parallel-size N`
         from pagoda.router.data_parallel import pin_replica
 
@@ -301,6 +304,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="default: the global --log-level (pagoda --log-level LEVEL serve), else info")
     EngineArgs.add_cli_args(p)
     router_options.add_serve_args(p)
+    access_options.add_serve_args(p)  # --auth-config, --audit-log*, --read-timeout (pagoda/security/access.py)
+    moderation.add_cli_args(p)  # --moderation-words / --moderation-action (pagoda/security/moderation.py)
+    tls.add_cli_args(p)  # --ssl-keyfile / --ssl-certfile / --ssl-ca-certs (pagoda/security/tls.py)
     p.set_defaults(func=cmd_serve, default_log_level="info")
 
     p = sub.add_parser("router", help="one OpenAI-compatible endpoint in front of several `pagoda serve` replicas")
@@ -311,6 +317,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     store_commands.add_parsers(sub)  # the model store: list, pull, push, cp, show, rm, create (pagoda/store)
     encrypt_command.add_parser(sub)  # encrypted models at rest (pagoda/security)
+    keys_command.add_parser(sub)  # `pagoda keys add|list|revoke` for --auth-config (pagoda/security)
 
     _add_bench_parser(sub)
     return parser

@@ -39,6 +39,7 @@ from pagoda.entrypoints.openai.middleware import ReleasingStream
 from pagoda.entrypoints.openai.protocol import random_id
 from pagoda.entrypoints.openai.serving import OpenAIError, Serving
 from pagoda.sampling_params import SamplingParams, StructuredOutputsParams
+from pagoda.security.context import request_context
 
 logger = logging.getLogger("pagoda.ollama")
 router = APIRouter()
@@ -105,7 +106,10 @@ def _ollama_errors(handler: Callable):
             return await handler(*args, **kwargs)
         except (OllamaError, OpenAIError, ValidationError, ValueError, OSError) as e:
             err = _as_ollama(e)
-            return _error(err.message, err.status)
+            response = _error(err.message, err.status)
+            if isinstance(e, OpenAIError):  # a 429's Retry-After (the server's limits, --auth-config's)
+                response.headers.update(e.headers)
+            return response
         except Exception as e:
             from pagoda.store.registry import RegistryError
 
@@ -219,12 +223,27 @@ def _served_name(serving: Serving, model: str) -> str:
     """The served name for a request's `model` (`name` or `name:latest`), else a 404."""
     if not model:
         raise OllamaError("model is required")
+    ctx = request_context()  # --auth-config: the key's role may use this name (else 403)
     for candidate in (model, model.removesuffix(":latest")):
         if candidate in serving.accepted_names:
+            if ctx is not None:
+                ctx.check_model(candidate)
             return serving.model_names[0]
-    served = ", ".join(repr(n) for n in serving.model_names)
+    served = ", ".join(repr(n) for n in (ctx.visible(serving.model_names) if ctx is not None else serving.model_names))
     raise OllamaError(f"model {model!r} not found: this server runs {served} (one model per server; start "
                       f"`pagoda serve --model {model}` to run it)", 404)
+
+
+def _store_visible() -> bool:
+    """--auth-config: only an `admin` role sees the model store beyond the served model (its
+    write routes are refused earlier, in pagoda/security/access.py)."""
+    ctx = request_context()
+    return ctx is None or ctx.grant is None or ctx.grant.role.admin
+
+
+def _visible(names: list[str]) -> list[str]:
+    ctx = request_context()
+    return ctx.visible(names) if ctx is not None else names
 
 
 def _check_alive(request: Request) -> None:
@@ -317,6 +336,7 @@ def _generate_prompt(serving: Serving, body: GenerateBody) -> list[int]:
     tokenizer = serving.tokenizer
     prompt = body.prompt or ""
     serving.check_prompt_chars(len(prompt) + len(body.system or ""))
+    serving.check_input([prompt, body.system or ""])  # the content filter (--moderation-words)
     if body.raw:
         if body.system or body.template:
             raise OllamaError("raw prompts take no `system` or `template`")
@@ -359,6 +379,7 @@ def _chat_prompt(serving: Serving, body: ChatBody) -> list[int]:
             message["tool_calls"] = m.tool_calls
         messages.append(message)
     serving.check_prompt_chars(sum(len(m["content"]) for m in messages), "messages")
+    serving.check_input([m["content"] for m in messages], "messages")  # the content filter (--moderation-words)
     if not serving.tokenizer.chat_template:
         raise OllamaError("this model has no chat template; start the server with --chat-template")
     return serving.encode_chat(messages, True)
@@ -599,9 +620,10 @@ async def tags(request: Request):
     serving = _serving(request)
     info = await asyncio.to_thread(_served_info, serving)
     served = [{"name": name, "model": name, "modified_at": info["modified_at"], "size": info["size"],
-               "digest": info["digest"], "details": info["details"]} for name in serving.model_names]
+               "digest": info["digest"], "details": info["details"]} for name in _visible(serving.model_names)]
     seen = {row["name"] for row in served} | {info["store_name"]}
-    stored = [row for row in await asyncio.to_thread(_store_models) if row["name"] not in seen]
+    stored = [row for row in await asyncio.to_thread(_store_models) if row["name"] not in seen] \
+        if _store_visible() else []
     return _json({"models": served + stored})
 
 
@@ -614,7 +636,7 @@ async def ps(request: Request):
     return _json({"models": [{"name": name, "model": name, "size": info["size"], "digest": info["digest"],
                               "details": info["details"], "expires_at": NEVER,
                               "size_vram": info["size"] if on_gpu else 0, "context_length": serving.max_model_len}
-                             for name in serving.model_names]})
+                             for name in _visible(serving.model_names)]})
 
 
 @router.get("/api/version")
@@ -658,6 +680,8 @@ async def show(request: Request):
     try:
         _served_name(serving, name)
     except OllamaError:  # not the served model: one in the store, perhaps
+        if not _store_visible():
+            raise
         try:
             return _json(await asyncio.to_thread(_show_store, name))
         except ValueError as e:

@@ -26,6 +26,8 @@ from pagoda.entrypoints.openai.protocol import ChatCompletionRequest, Completion
 from pagoda.entrypoints.openai.serving import OpenAIError, Serving
 from pagoda.entrypoints.openai.tool_calls import ToolChoice
 from pagoda.outputs import RequestOutput
+from pagoda.security.access import grpc_context
+from pagoda.security.context import request_context
 
 logger = logging.getLogger("pagoda.grpc")
 
@@ -92,13 +94,22 @@ class EngineService(pb_grpc.EngineServicer):
 
     async def ListModels(self, request: pb.ListModelsRequest, context) -> pb.ListModelsResponse:  # noqa: N802
         await self._authorize(context)
+        ctx = request_context()  # --auth-config: only the names the key's role may use
+        names = ctx.visible(self.serving.model_names) if ctx is not None else self.serving.model_names
         return pb.ListModelsResponse(models=[pb.Model(id=name, max_model_len=self.serving.max_model_len)
-                                             for name in self.serving.model_names])
+                                             for name in names])
 
     # -- shared -------------------------------------------------------------------------------
     async def _authorize(self, context) -> None:
         if self.draining():
             await context.abort(grpc.StatusCode.UNAVAILABLE, "the server is shutting down")
+        access = getattr(self.serving, "access", None)  # --auth-config / --audit-log: the HTTP API's keys and roles
+        if access is not None and access.checks_keys:
+            try:  # the call's context, read by the serving hooks (pagoda/security/context.py)
+                grpc_context(access, context.invocation_metadata())
+            except OpenAIError as e:  # 401 → UNAUTHENTICATED, 429 → RESOURCE_EXHAUSTED
+                await _abort(context, e)
+            return
         if self.api_key is None:
             return
         metadata = dict(context.invocation_metadata() or ())
@@ -247,14 +258,15 @@ def add_health_and_reflection(server) -> None:
     return checker, health_pb2
 
 
-def attach_grpc(app, host: str, port: int, api_key: str | None, grace: float) -> None:
+def attach_grpc(app, host: str, port: int, api_key: str | None, grace: float, credentials=None) -> None:
     """Run the gRPC service with the HTTP app: started when the app starts (in its event loop,
-    on its engine), stopped when it stops, in-flight calls given ``grace`` seconds."""
+    on its engine), stopped when it stops, in-flight calls given ``grace`` seconds. With
+    ``credentials`` (grpc.ssl_server_credentials: pagoda/security/tls.py), over TLS."""
     state = {}
 
     async def start() -> None:
         state["server"] = await start_grpc_server(app.state.serving, host, port, api_key,
-                                                  lambda: app.state.lifecycle.draining)
+                                                  lambda: app.state.lifecycle.draining, credentials)
         print(f"pagoda: gRPC ({SERVICE_NAME}) on {host}:{port}", flush=True)
 
     async def stop() -> None:
@@ -266,14 +278,15 @@ def attach_grpc(app, host: str, port: int, api_key: str | None, grace: float) ->
 
 
 async def start_grpc_server(serving: Serving, host: str, port: int, api_key: str | None = None,
-                            draining=lambda: False):
+                            draining=lambda: False, credentials=None):
     """Serve `pagoda.v1.Engine` (and health, reflection) on host:port in this event loop; returns
     the started `grpc.aio.Server` (stop it with `await server.stop(grace)`)."""
     server = grpc.aio.server()
     pb_grpc.add_EngineServicer_to_server(EngineService(serving, api_key, draining), server)
     checker, health_pb2 = add_health_and_reflection(server)
     address = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
-    if server.add_insecure_port(address) == 0:
+    bound = server.add_secure_port(address, credentials) if credentials else server.add_insecure_port(address)
+    if bound == 0:
         raise OSError(f"cannot listen for gRPC on {address}")
     await server.start()
     for name in ("", SERVICE_NAME):

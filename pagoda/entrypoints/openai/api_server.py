@@ -26,6 +26,7 @@ from pagoda.entrypoints.openai.protocol import (
 )
 from pagoda.entrypoints.openai.serving import OpenAIError, Serving, bad_value
 from pagoda.entrypoints.openai.sessions import SessionStore
+from pagoda.security.context import request_context
 
 logger = logging.getLogger("pagoda.server")
 
@@ -47,11 +48,16 @@ def _catalog_aliases(model_root: str | None, served_model_names: list[str]) -> l
 def build_app(engine: AsyncLLM, served_model_names: list[str], *, api_key: str | None = None,
               max_queue_len: int | None = None, model_root: str | None = None,
               request_timeout: float | None = None, max_body_bytes: int = MAX_BODY_BYTES,
-              session_ttl: float = 1800.0, max_sessions: int = 1000) -> FastAPI:
+              session_ttl: float = 1800.0, max_sessions: int = 1000,
+              moderation_words: list[str] | None = None, moderation_action: str = "stop") -> FastAPI:
     app = FastAPI(title="pagoda", version=__version__, default_response_class=FastJSONResponse)
     serving = Serving(engine, served_model_names, max_queue_len,
                       aliases=_catalog_aliases(model_root, served_model_names), request_timeout=request_timeout)
     app.state.serving = serving
+    from pagoda.security.moderation import ServerModeration  # the content filter (--moderation-words)
+
+    serving.moderation = ServerModeration.from_args(moderation_words, moderation_action,
+                                                    serving.metrics.content_filter_hit)
     app.state.lifecycle = lifecycle = Lifecycle()
     app.state.sessions = sessions = SessionStore(serving, session_ttl, max_sessions)
     app.router.on_startup.append(sessions.start)
@@ -107,10 +113,11 @@ def build_app(engine: AsyncLLM, served_model_names: list[str], *, api_key: str |
 
     @app.get("/v1/models")
     async def models():
+        ctx = request_context()  # --auth-config: only the names the key's role may use
         return {"object": "list", "data": [
             {"id": name, "object": "model", "created": now(), "owned_by": "pagoda", "root": model_root or name,
              "parent": None, "max_model_len": serving.max_model_len}
-            for name in served_model_names]}
+            for name in (ctx.visible(served_model_names) if ctx is not None else served_model_names)]}
 
     def _check_alive():
         if lifecycle.draining:
@@ -197,29 +204,49 @@ def run_server(args) -> int:
     from pagoda.engine.llm_engine import LLMEngine
     from pagoda.engine_args import EngineArgs
 
+    from pagoda.security import tls
+    from pagoda.security.moderation import read_list
+
     engine_args = EngineArgs.from_cli_args(args)
+    ssl_kwargs = tls.uvicorn_kwargs(args)  # --ssl-*: checked before loading anything
+    for path in getattr(args, "moderation_words", None) or ():  # so are the word lists
+        read_list(path)
     if engine_args.node_rank > 0:  # another node of a multi-node engine: its ranks only, no HTTP
         from pagoda.executor.multiproc import run_headless
 
         return run_headless(engine_args.create_engine_config())
+    from pagoda.security.access import access_from_args, install as install_access
+
+    # --auth-config / --audit-log (pagoda/security/access.py): a bad file fails before the model loads
+    access = access_from_args(args, args.api_key or os.environ.get("PAGODA_API_KEY"))
     sock = bind_listener(args.host, args.port)
     engine = LLMEngine(engine_args.create_engine_config(), build_core=not args.engine_process)
     names = args.served_model_name or [args.model]
     api_key = args.api_key or os.environ.get("PAGODA_API_KEY")
+    if access is not None:
+        api_key = None  # the access middleware checks --api-key then (and gRPC through serving.access)
     async_engine = AsyncLLM(engine, engine_process=args.engine_process, max_engine_restarts=args.max_engine_restarts)
     app = build_app(async_engine, names, api_key=api_key, max_queue_len=args.max_queue_len, model_root=args.model,
-                    request_timeout=args.request_timeout, session_ttl=args.session_ttl, max_sessions=args.max_sessions)
+                    request_timeout=args.request_timeout, session_ttl=args.session_ttl, max_sessions=args.max_sessions,
+                    moderation_words=getattr(args, "moderation_words", None),
+                    moderation_action=getattr(args, "moderation_action", "stop"))
+    install_access(app, access, args.read_timeout)  # and the body read deadline (pagoda/security/timeouts.py)
     if args.grpc_port is not None:  # the gRPC service on the same engine (pagoda/entrypoints/grpc_api)
         from pagoda.entrypoints.grpc_api.service import attach_grpc
 
-        attach_grpc(app, args.host, args.grpc_port, api_key, args.shutdown_timeout)
+        attach_grpc(app, args.host, args.grpc_port, api_key, args.shutdown_timeout, tls.grpc_credentials(args))
     cfg = engine.config.model
     print(f"pagoda {__version__}: loaded {args.model} ({cfg.architecture}, {str(cfg.dtype).removeprefix('torch.')}, "
           f"{cfg.device.type}, max_model_len={engine.max_model_len}, KV blocks={async_engine.limits.num_blocks}, "
           f"tensor_parallel_size={engine.config.parallel.tensor_parallel_size}, "
           f"engine in a {'process' if args.engine_process else 'thread'}) "
           f"as {', '.join(names)}", flush=True)
-    print(f"pagoda: serving on http://{args.host}:{args.port}/v1", flush=True)
+    print(f"pagoda: serving on http{'s' if ssl_kwargs else ''}://{args.host}:{args.port}/v1"
+          f"{' (client certificates required)' if 'ssl_ca_certs' in ssl_kwargs else ''}", flush=True)
+    if app.state.serving.moderation.base is not None:  # --moderation-words
+        word_filter = app.state.serving.moderation.base.filter
+        print(f"pagoda: content filter: {word_filter.num_terms} terms in {', '.join(word_filter.names)} "
+              f"(--moderation-action {args.moderation_action})", flush=True)
     # What is built by now (model, tokenizer, app: ~330k objects) lives until exit. Frozen, the
     # cyclic GC's full collections skip it; they walked it all, a ~0.3 s pause of the event loop
     # every few thousand tokens (benchmarks/README.md, "Server cost per token").
@@ -227,7 +254,11 @@ def run_server(args) -> int:
     gc.freeze()
     config = uvicorn.Config(app, log_level=args.log_level, access_log=False,
                             # uvicorn's own deadline, a backstop behind the drain in _Server
-                            timeout_graceful_shutdown=args.shutdown_timeout + 5)
+                            timeout_graceful_shutdown=args.shutdown_timeout + 5, **ssl_kwargs)
+    if args.read_timeout:  # slowloris: a deadline on request heads (pagoda/security/timeouts.py)
+        from pagoda.security.timeouts import head_deadline_protocol
+
+        config.http = head_deadline_protocol(args.read_timeout)
     server = DrainingServer(config, app, async_engine, args.shutdown_timeout)
     try:
         server.run(sockets=[sock])

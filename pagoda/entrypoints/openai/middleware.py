@@ -124,7 +124,8 @@ def http_error(scope: Scope, e: StarletteHTTPException) -> JSONResponse:
     if e.status_code == 400 and message == "There was an error parsing the body":
         message = _unparsable_body(e.__cause__)
     server_side = e.status_code >= 500
-    code = {404: "not_found", 405: "method_not_allowed", 413: "request_too_large"}.get(e.status_code)
+    code = {404: "not_found", 405: "method_not_allowed", 408: "request_timeout",  # 408: security/timeouts.py
+            413: "request_too_large"}.get(e.status_code)
     return error_response(OpenAIError(message, status=e.status_code, type_="server_error" if server_side else
                               "invalid_request_error", code=code, headers=dict(e.headers or {})))
 

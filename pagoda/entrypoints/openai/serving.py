@@ -15,6 +15,7 @@ from pagoda.entrypoints.openai.protocol import (
 )
 from pagoda.entrypoints.openai.tool_calls import ToolCallStream, ToolChoice, render_messages
 from pagoda.outputs import CompletionOutput, PositionLogprobs, RequestOutput
+from pagoda.security.context import request_context  # --auth-config / --audit-log (pagoda/security/access.py)
 from pagoda.structured_output.grammar import validate_structured_outputs
 
 logger = logging.getLogger("pagoda.requests")
@@ -63,6 +64,7 @@ class Admission:
 
     def __init__(self, serving: Serving) -> None:
         self.serving, self.held = serving, 0
+        self.tenant_slot = None  # auth: the RequestContext holding a tenant's concurrency slot
 
     def take(self, n: int) -> None:
         self.serving.admitted += n
@@ -71,6 +73,9 @@ class Admission:
     def release(self) -> None:
         self.serving.admitted -= self.held
         self.held = 0
+        if self.tenant_slot is not None:
+            self.tenant_slot.release()
+            self.tenant_slot = None
 
 
 class Serving:
@@ -90,14 +95,19 @@ class Serving:
         self.max_queue_len = max_queue_len
         self.admitted = 0  # engine requests of the HTTP requests admitted and not yet answered
         self.request_timeout = request_timeout  # seconds a request may live (--request-timeout)
+        # The content filter (pagoda/security/moderation.py: --moderation-words, a role's lists); build_app sets it
+        self.moderation = None
         self.sampling_defaults = engine.engine.sampling_defaults  # the model's own (--generation-config)
 
     # -- shared checks ----------------------------------------------------------------------
     def check_model(self, model: str | None) -> str:
         """The served name for a request's `model` (any accepted name; none means the served one)."""
+        ctx = request_context()  # auth: the role may use this name (403; the 404 lists only those), the audit's model
         if model is None or model in self.accepted_names:
+            if ctx is not None:
+                ctx.check_model(model or self.model_names[0])
             return self.model_names[0]
-        names = ", ".join(f"`{name}`" for name in self.accepted_names)
+        names = ", ".join(f"`{name}`" for name in (ctx.visible(self.accepted_names) if ctx else self.accepted_names))
         raise OpenAIError(f"The model `{model}` does not exist. This server serves {names}.", status=404,
                           type_="NotFoundError", param="model", code="model_not_found")
 
@@ -113,6 +123,10 @@ class Serving:
         HTTP requests admitted and not yet answered (`admission` takes its share at once), not
         the engine's: a request reaches the engine a few awaits after this check, and a burst
         that arrives in one go would all pass a check of the engine's count."""
+        ctx = request_context()
+        if ctx is not None and admission is not None and admission.tenant_slot is None:
+            ctx.admit()  # auth: the tenant's max_concurrent and tokens_per_minute (429), held to the end
+            admission.tenant_slot = ctx
         if self.max_queue_len is None:
             return
         running = self.engine.engine.config.scheduler.max_num_seqs
@@ -132,6 +146,10 @@ class Serving:
             raise OpenAIError(f"This model's maximum context length is {self.max_model_len} tokens. However, "
                               f"{_subject(prompt_param)} {prompt_len} tokens, leaving no room to generate. Please "
                               f"shorten the {prompt_param}.", param=prompt_param, code="context_length_exceeded")
+        ctx = request_context()
+        cap = ctx.check_max_tokens(requested) if ctx is not None else None  # auth: the role's max_tokens (400 past it)
+        if requested is None and cap is not None:  # ... and the default within it
+            return min(room, cap, self.sampling_defaults.get("max_tokens", cap))
         if requested is None:  # the model's default (generation_config max_new_tokens), else all the room
             return min(room, self.sampling_defaults.get("max_tokens", room))
         if requested < 1:
@@ -164,6 +182,15 @@ class Serving:
                               f"hold (at most {limit}). Please shorten the {param}.", param=param,
                               code="context_length_exceeded")
 
+    def check_input(self, texts, param: str = "prompt") -> None:
+        """The content filter on a request's text, before it is tokenized: a term of a word list
+        is a 400 `content_filter` that names the list, not the text."""
+        moderation = self.moderation.for_request() if self.moderation is not None else None
+        name = moderation.check_input(texts) if moderation is not None else None
+        if name is not None:
+            raise OpenAIError(f"the {param} was refused by the content filter: it holds a term of the word list "
+                              f"`{name}`", param=param, code="content_filter")
+
     def params(self, request: SamplingFields, max_tokens: int, logprobs: int | None, prompt_logprobs: int | None = None):
         try:
             return request.sampling_params(max_tokens, logprobs, prompt_logprobs, self.sampling_defaults)
@@ -176,14 +203,24 @@ class Serving:
         """Run several prompts concurrently; yield (prompt index, delta output) as they arrive.
         `session_id` makes them turns of a session (/v1/sessions): the engine keeps the prefix."""
         merged: asyncio.Queue = asyncio.Queue()
+        moderation = self.moderation.for_request() if self.moderation is not None else None  # output filter
+        ctx = request_context()  # auth: the role's priority and max_tokens, the tenant's cache salt; usage
+        if ctx is not None:
+            priority, cache_salt = ctx.engine_args(priority, cache_salt)
+            for params in params_list:
+                ctx.cap_params(params)
+        content = ctx is not None and ctx.outputs is not None  # --audit-log-content
 
         async def pump(i: int, ids: list[int], params) -> None:
             tracker = self.metrics.tracker(len(ids))
-            sub_id, reason = f"{request_id}-{i}", "abort"
+            sub_id, reason, cached = f"{request_id}-{i}", "abort", 0
             try:
                 async for out in self.engine.generate({"prompt_token_ids": ids}, params, sub_id, priority, cache_salt,
-                                                      session_id):
+                                                      session_id, moderation=moderation):
                     tracker.on_output(out)
+                    cached = out.num_cached_tokens
+                    if content:
+                        ctx.on_output(i, out)
                     if out.finished:
                         reason = ",".join(sorted({c.finish_reason or "abort" for c in out.outputs}))
                     await merged.put((i, out))
@@ -198,6 +235,8 @@ class Serving:
                 logger.info("request %s: %d prompt tokens, %d generated, %s, %.3fs (ttft %.3fs)", sub_id, len(ids),
                             tracker.generated, reason, elapsed,
                             (tracker.first_token_at - tracker.start) if tracker.first_token_at else float("nan"))
+                if ctx is not None:  # auth / audit: the tokens used (tokens_per_minute, the audit line)
+                    ctx.on_engine_done(i, ids, tracker.generated, cached or 0, self.tokenizer)
                 await merged.put((i, None))
 
         tasks = [asyncio.create_task(pump(i, ids, p)) for i, (ids, p) in enumerate(zip(prompts, params_list))]
@@ -257,6 +296,8 @@ class Serving:
         for item in items:  # every prompt's size before tokenizing any
             if isinstance(item, str):
                 self.check_prompt_chars(len(item))
+        # the content filter; token ids are checked as the text they decode to (decoded only if a list applies)
+        self.check_input(item if isinstance(item, str) else _decoded(self.tokenizer, item) for item in items)
         out = []
         for item in items:
             if isinstance(item, str):
@@ -366,6 +407,7 @@ class Serving:
     # -- chat -------------------------------------------------------------------------------
     def _chat_prompt(self, request: ChatCompletionRequest, tools: ToolChoice | None) -> list[int]:
         messages = self.chat_messages(request.messages)
+        self.check_input([m["content"] for m in messages], "messages")
         template = self.tokenizer.chat_template or ""
         try:
             messages, extra = render_messages(messages, tools, template_takes_tools="tools" in template)
@@ -524,6 +566,15 @@ class Serving:
             content.append({"token": chosen.decoded_token, "logprob": chosen.logprob,
                             "bytes": list(chosen.decoded_token.encode()), "top_logprobs": tops})
         return {"content": content}
+
+
+def _decoded(tokenizer, ids) -> str:
+    """A token-id prompt as text, for the content filter ("" for ids the tokenizer cannot decode:
+    the engine refuses those)."""
+    try:
+        return tokenizer.decode(list(ids))
+    except Exception:  # noqa: BLE001 - out-of-range ids: answered by the engine's own check
+        return ""
 
 
 def _subject(param: str) -> str:

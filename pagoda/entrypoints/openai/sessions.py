@@ -40,6 +40,7 @@ from pagoda.entrypoints.openai.protocol import (
     ChatCompletionRequest, SessionCreateRequest, SessionMessageRequest, describe_validation_errors, now,
 )
 from pagoda.entrypoints.openai.serving import Admission, ChatTurn, OpenAIError, Serving
+from pagoda.security.context import request_context
 
 logger = logging.getLogger("pagoda.sessions")
 
@@ -68,6 +69,7 @@ class Session:
     summary: str | None = None  # of the turns dropped for room (overflow: summarize)
     dropped_turns: int = 0
     busy: bool = False  # a turn is running: a second message at once is a 409
+    tenant: str | None = None  # --auth-config: the tenant that created it; no other tenant sees it
 
     def system_prompt(self) -> str | None:
         if self.summary is None:
@@ -133,18 +135,25 @@ class SessionStore:
         probe = _chat_request(defaults, [{"role": "user", "content": "."}])  # the defaults must make a valid request
         self.serving.params(probe, 1, None)
         session = Session(wanted_id or f"sess-{uuid.uuid4().hex}", model, body.system, defaults, body.overflow)
+        self.serving.check_input([body.system or ""], "system")  # the content filter (--moderation-words)
         if body.messages:
             session.messages = self.serving.chat_messages(body.messages)
+            self.serving.check_input([m["content"] for m in session.messages], "messages")
             roles = {m["role"] for m in session.messages}
             if not roles <= {"user", "assistant"}:
                 raise OpenAIError("a session's earlier messages are user and assistant turns (the system prompt "
                                   "is `system`)", param="messages")
+        ctx = request_context()
+        session.tenant = ctx.tenant if ctx is not None else None
         self.sessions[session.id] = session
         return session
 
     def get(self, session_id: str) -> Session:
         self.expire()
         session = self.sessions.get(session_id)
+        ctx = request_context()  # --auth-config: another tenant's session does not exist for this one
+        if session is not None and ctx is not None and session.tenant != ctx.tenant:
+            session = None
         if session is None:
             raise OpenAIError(f"session {session_id!r} does not exist (it ended or expired after "
                               f"{self.ttl:g} s idle)", status=404, type_="NotFoundError", code="session_not_found")
@@ -164,6 +173,7 @@ class SessionStore:
         fields = body.model_dump(by_alias=True, exclude_unset=True, exclude={"content", "model"})
         if fields.get("n", 1) != 1:
             raise OpenAIError("a session answers with one choice: n must be 1", param="n")
+        self.serving.check_input([body.content], "content")  # the content filter (--moderation-words)
         user = {"role": "user", "content": body.content}
         settings = {**session.defaults, **fields}
         request = _chat_request(settings, session.conversation() + [user])
