@@ -18,21 +18,22 @@ def _free_port() -> int:
 
 
 def start_server(model_dir, *extra: str, launcher: list[str] | None = None, name: str = "tiny",
-                 port: int | None = None):
+                 port: int | None = None, scheme: str = "http", verify=True):
     """(process, base URL) once /health answers; a tiny fp32 engine unless `extra` says otherwise.
-    On a free port unless `port` is given (a replica restarted where it was)."""
+    On a free port unless `port` is given (a replica restarted where it was). A server over TLS
+    (`--ssl-*` in `extra`) takes scheme="https" and what httpx should `verify` it with."""
     port = port or _free_port()
     launcher = launcher or ["-m", "pagoda.entrypoints.cli"]
     cmd = [sys.executable, *launcher, "serve", "--model", str(model_dir), "--port", str(port),
            "--dtype", "float32", "--kv-cache-memory", "0.02", "--served-model-name", name, "--log-level", "warning", *extra]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=dict(os.environ))
-    base = f"http://127.0.0.1:{port}"
+    base = f"{scheme}://127.0.0.1:{port}"
     deadline = time.monotonic() + 120
     while time.monotonic() < deadline:
         if proc.poll() is not None:
             raise RuntimeError(f"server exited: {proc.stdout.read()}")
         try:
-            if httpx.get(f"{base}/health", timeout=1).status_code == 200:
+            if httpx.get(f"{base}/health", timeout=1, verify=verify).status_code == 200:
                 return proc, base
         except httpx.HTTPError:
             time.sleep(0.3)

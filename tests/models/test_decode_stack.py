@@ -22,7 +22,7 @@ def _run(llm: LLM):
             for o in outs]
 
 
-def _count_stack_calls(monkeypatch) -> list[int]:
+def count_stack_calls(monkeypatch) -> list[int]:
     calls = [0]
     original = DecodeStack.__call__
 
@@ -37,7 +37,7 @@ def _count_stack_calls(monkeypatch) -> list[int]:
 @pytest.mark.parametrize("quantization", [None, "int4"])
 def test_stack_equals_the_python_layers_bit_for_bit(tiny_llama, quantization, monkeypatch):
     args = {"dtype": "float32", "kv_cache_memory": 0.02, "quantization": quantization}
-    calls = _count_stack_calls(monkeypatch)
+    calls = count_stack_calls(monkeypatch)
     fast = _run(LLM(model=str(tiny_llama), **args))
     assert calls[0] >= 9  # every decode step of the batch went through the stack
     monkeypatch.setattr(DecodeStack, "build", classmethod(lambda cls, model, ops: None))
@@ -48,7 +48,7 @@ def test_stack_equals_the_python_layers_bit_for_bit(tiny_llama, quantization, mo
 
 
 def test_stack_steps_aside_where_it_does_not_apply(tiny_model_dirs, monkeypatch):
-    calls = _count_stack_calls(monkeypatch)
+    calls = count_stack_calls(monkeypatch)
     qwen3 = LLM(model=str(tiny_model_dirs["qwen3"]), dtype="float32", kv_cache_memory=0.02)  # q/k norms
     qwen2 = LLM(model=str(tiny_model_dirs["qwen2"]), dtype="float32", kv_cache_memory=0.02)  # qkv biases
     bf16 = LLM(model=str(tiny_model_dirs["llama"]), dtype="bfloat16", kv_cache_memory=0.02)

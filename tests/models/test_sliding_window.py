@@ -6,13 +6,13 @@ from __future__ import annotations
 
 import pytest
 import torch
+from test_decode_stack import count_stack_calls
 from tiny_models import TINY_WINDOW
 from window_checks import assert_matches, prompt, reference, run
 
 from pagoda import LLM
 from pagoda.layers.cpu_kernels import load_cpu_kernels
 from pagoda.models.config import layer_windows
-from pagoda.models.decode_stack import DecodeStack
 from pagoda.models.llama import LlamaForCausalLM
 
 W = TINY_WINDOW
@@ -68,14 +68,7 @@ def test_window_edges_on_the_torch_fallback(mistral_dir, expected, torch_kernels
 def test_decoder_stack_applies_the_window(mistral_dir, expected, monkeypatch):
     """The one-call stack runs the decodes (each layer's window passed to the paged kernel) and
     gives the Python layers' results bit for bit."""
-    calls = [0]
-    original = DecodeStack.__call__
-
-    def counted(self, *args):
-        calls[0] += 1
-        return original(self, *args)
-
-    monkeypatch.setattr(DecodeStack, "__call__", counted)
+    calls = count_stack_calls(monkeypatch)
     args = {"dtype": "float32", "kv_cache_memory": 0.02, "enable_prefix_caching": False}
     stacked = run(LLM(model=str(mistral_dir), **args), EDGE_PROMPTS)
     assert calls[0] > 0

@@ -7,16 +7,12 @@ from __future__ import annotations
 
 import datetime
 import ipaddress
-import os
 import ssl
-import subprocess
-import sys
-import time
 from pathlib import Path
 
 import httpx
 import pytest
-from server_process import _free_port
+from server_process import _free_port, start_server
 
 from pagoda.security import tls
 
@@ -91,24 +87,9 @@ def _context(pki, client: str | None = None) -> ssl.SSLContext:
 
 def _start(model_dir, pki, *extra: str, client: str | None = None):
     """`pagoda serve` over TLS: (process, https base URL) once /health answers."""
-    port = _free_port()
     key, cert = pki["server"]
-    cmd = [sys.executable, "-m", "pagoda.entrypoints.cli", "serve", "--model", str(model_dir), "--port", str(port),
-           "--dtype", "float32", "--kv-cache-memory", "0.02", "--served-model-name", "tiny", "--log-level", "warning",
-           "--ssl-keyfile", key, "--ssl-certfile", cert, *extra]
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=dict(os.environ))
-    base = f"https://127.0.0.1:{port}"
-    deadline = time.monotonic() + 120
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"server exited: {proc.stdout.read()}")
-        try:
-            if httpx.get(f"{base}/health", verify=_context(pki, client), timeout=1).status_code == 200:
-                return proc, base
-        except httpx.HTTPError:
-            time.sleep(0.3)
-    proc.kill()
-    raise RuntimeError("server did not come up")
+    return start_server(model_dir, "--ssl-keyfile", key, "--ssl-certfile", cert, *extra, scheme="https",
+                        verify=_context(pki, client))
 
 
 @pytest.fixture(scope="module")
