@@ -5,6 +5,9 @@
      "model": "smollm2", "status": 200, "prompt_tokens": 31, "completion_tokens": 64,
      "cached_tokens": 16, "latency_ms": 812.4, "filter_hits": []}
 
+gRPC calls write the same line (`"method": "gRPC"`, `"path": "/pagoda.v1.Engine/<RPC>"`, `status`
+the gRPC code's name: grpc_api/service.py's `_audited`).
+
 Written when the request's answer is complete (a stream: when it ends), for every request
 except the open paths (/health, /metrics, /version, /docs, /openapi.json), refused ones
 included (401, 403, 429: tenant and key id are null for an unknown key). No prompt or output

@@ -107,10 +107,16 @@ def test_rotated_by_size(srv):
 def test_grpc_takes_the_api_key(srv):
     from pagoda.client import EngineClient
 
-    _, _, target = srv
+    _, log, target = srv
     with EngineClient(target, timeout=30) as c:
         with pytest.raises(grpc.RpcError) as e:
             c.list_models()
         assert e.value.code() == grpc.StatusCode.UNAUTHENTICATED
     with EngineClient(target, api_key=KEY, timeout=30) as c:
         assert c.list_models() == ["tiny"] and c.complete("Hi", max_tokens=2)
+    # one audit line per call, as for HTTP: the code's name as its status, tokens, no text
+    [refused] = wait_for(log, lambda r: r["method"] == "gRPC" and r["status"] == "UNAUTHENTICATED")
+    assert refused["path"] == "/pagoda.v1.Engine/ListModels"
+    [generated] = wait_for(log, lambda r: r["path"] == "/pagoda.v1.Engine/Generate")
+    assert generated["status"] == "OK" and generated["completion_tokens"] == 2 and generated["prompt_tokens"] > 0
+    assert generated["model"] == "tiny" and "prompts" not in generated

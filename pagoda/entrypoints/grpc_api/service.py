@@ -12,7 +12,10 @@ The standard health service (`grpc.health.v1`) and server reflection are served 
 
 from __future__ import annotations
 
+import asyncio
+import functools
 import hmac
+import inspect
 import json
 import logging
 from collections.abc import AsyncIterator
@@ -27,7 +30,7 @@ from pagoda.entrypoints.openai.serving import OpenAIError, Serving
 from pagoda.entrypoints.openai.tool_calls import ToolChoice
 from pagoda.outputs import RequestOutput
 from pagoda.security.access import grpc_context
-from pagoda.security.context import request_context
+from pagoda.security.context import CURRENT, RequestContext, request_context
 
 logger = logging.getLogger("pagoda.grpc")
 
@@ -40,6 +43,61 @@ _SAMPLING_FIELDS = ("max_tokens", "temperature", "top_p", "top_k", "min_p", "pre
                     "repetition_penalty", "seed", "min_tokens", "logprobs", "cache_salt", "speculative")
 
 
+def _audited(handler):
+    """With --audit-log, one line per call, as the HTTP API writes one per request: the same
+    fields, `method` "gRPC", `path` /pagoda.v1.Engine/<RPC>, `status` the gRPC code's name."""
+    rpc = handler.__name__
+    if inspect.isasyncgenfunction(handler):
+        @functools.wraps(handler)
+        async def streaming(self, request, context):
+            access = self._audit_start()
+            if access is None:
+                async for piece in handler(self, request, context):
+                    yield piece
+                return
+            code = "OK"
+            try:
+                async for piece in handler(self, request, context):
+                    yield piece
+            except asyncio.CancelledError:
+                code = "CANCELLED"
+                raise
+            except BaseException:
+                code = _code_name(context)
+                raise
+            finally:
+                _audit_end(access, rpc, code, context)
+        return streaming
+
+    @functools.wraps(handler)
+    async def unary(self, request, context):
+        access = self._audit_start()
+        if access is None:
+            return await handler(self, request, context)
+        code = "OK"
+        try:
+            return await handler(self, request, context)
+        except asyncio.CancelledError:
+            code = "CANCELLED"
+            raise
+        except BaseException:
+            code = _code_name(context)
+            raise
+        finally:
+            _audit_end(access, rpc, code, context)
+    return unary
+
+
+def _code_name(context) -> str:
+    code = context.code() if hasattr(context, "code") else None
+    return code.name if isinstance(code, grpc.StatusCode) else "UNKNOWN"
+
+
+def _audit_end(access, rpc: str, code: str, context) -> None:
+    ctx = request_context() or RequestContext(None)
+    access.audit.write(access.audit_record(ctx, code, "gRPC", f"/{SERVICE_NAME}/{rpc}", context.peer()))
+
+
 class EngineService(pb_grpc.EngineServicer):
     def __init__(self, serving: Serving, api_key: str | None = None, draining=lambda: False) -> None:
         """``draining``: whether the server is stopping (new calls then get UNAVAILABLE)."""
@@ -48,6 +106,7 @@ class EngineService(pb_grpc.EngineServicer):
         self.draining = draining
 
     # -- the RPCs -----------------------------------------------------------------------------
+    @_audited
     async def Generate(self, request: pb.GenerateRequest, context) -> AsyncIterator[pb.GenerateResponse]:  # noqa: N802
         body = await self._checked(context, lambda: CompletionRequest(**_completion_fields(request)))
         try:
@@ -57,6 +116,7 @@ class EngineService(pb_grpc.EngineServicer):
         async for piece in self._stream(context, [ids for _, ids in prompts], params_list, body, "cmpl"):
             yield piece
 
+    @_audited
     async def Chat(self, request: pb.ChatRequest, context) -> AsyncIterator[pb.GenerateResponse]:  # noqa: N802
         body = await self._checked(context, lambda: ChatCompletionRequest(**_chat_fields(request)))
         try:
@@ -66,6 +126,7 @@ class EngineService(pb_grpc.EngineServicer):
         async for piece in self._stream(context, [ids], [params], body, "chatcmpl", tools):
             yield piece
 
+    @_audited
     async def Tokenize(self, request: pb.TokenizeRequest, context) -> pb.TokenizeResponse:  # noqa: N802
         await self._authorize(context)
         try:
@@ -80,6 +141,7 @@ class EngineService(pb_grpc.EngineServicer):
             await _abort(context, e)
         return pb.TokenizeResponse(token_ids=ids, max_model_len=self.serving.max_model_len)
 
+    @_audited
     async def Detokenize(self, request: pb.DetokenizeRequest, context) -> pb.DetokenizeResponse:  # noqa: N802
         await self._authorize(context)
         try:
@@ -92,6 +154,7 @@ class EngineService(pb_grpc.EngineServicer):
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"token_ids: {bad[:5]} are not in [0, {vocab})")
         return pb.DetokenizeResponse(text=self.serving.tokenizer.decode(list(request.token_ids)))
 
+    @_audited
     async def ListModels(self, request: pb.ListModelsRequest, context) -> pb.ListModelsResponse:  # noqa: N802
         await self._authorize(context)
         ctx = request_context()  # --auth-config: only the names the key's role may use
@@ -100,6 +163,16 @@ class EngineService(pb_grpc.EngineServicer):
                                              for name in names])
 
     # -- shared -------------------------------------------------------------------------------
+    def _audit_start(self):
+        """The Access whose audit log this call writes to (None without --audit-log); the call
+        gets a request context for the serving hooks to fill, if the key check gives it none."""
+        access = getattr(self.serving, "access", None)
+        if access is None or access.audit is None:
+            return None
+        if request_context() is None:
+            CURRENT.set(RequestContext(None, access.keep_content))
+        return access
+
     async def _authorize(self, context) -> None:
         if self.draining():
             await context.abort(grpc.StatusCode.UNAVAILABLE, "the server is shutting down")
