@@ -462,14 +462,21 @@ async def _run(request: Request, body: _GenerateBase, ids: list[int], model: str
             admission.release()
 
 
-@router.post("/api/generate")
-@_ollama_errors
-async def generate(request: Request):
-    body: GenerateBody = await _body(request, GenerateBody)
+async def _generation_request(request: Request, kind: type[_GenerateBase]):
+    """/api/generate's or /api/chat's body, the serving and the served name, once the body,
+    the model and the engine's health pass and nothing unsupported is asked for."""
+    body = await _body(request, kind)
     serving = _serving(request)
     model = _served_name(serving, body.model)
     _check_alive(request)
     _refuse_unsupported(body)
+    return body, serving, model
+
+
+@router.post("/api/generate")
+@_ollama_errors
+async def generate(request: Request):
+    body, serving, model = await _generation_request(request, GenerateBody)
     if body.images:
         raise OllamaError("images: this model does not support images (pagoda serves text models)")
     if body.suffix:
@@ -485,11 +492,7 @@ async def generate(request: Request):
 @router.post("/api/chat")
 @_ollama_errors
 async def chat(request: Request):
-    body: ChatBody = await _body(request, ChatBody)
-    serving = _serving(request)
-    model = _served_name(serving, body.model)
-    _check_alive(request)
-    _refuse_unsupported(body)
+    body, serving, model = await _generation_request(request, ChatBody)
     if not body.messages:
         return _json({"model": model, "created_at": _now(), "message": {"role": "assistant", "content": ""},
                       "done": True, "done_reason": "load"})

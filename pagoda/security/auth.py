@@ -128,13 +128,8 @@ class AuthConfig:
     @classmethod
     def from_dict(cls, data, where: str = "auth config", base: Path | None = None) -> AuthConfig:
         """`base`: the directory relative paths in the file (moderation_words) are relative to."""
-        if data is None:
-            data = {}
-        if not isinstance(data, dict):
-            raise AuthConfigError(f"{where}: the top level must be a mapping with `roles:` and `keys:`")
-        unknown = set(data) - _TOP_FIELDS
-        if unknown:
-            raise AuthConfigError(f"{where}: unknown top-level field(s) {sorted(unknown)}; expected {sorted(_TOP_FIELDS)}")
+        data = _mapping({} if data is None else data, _TOP_FIELDS, where,
+                        "the top level must be a mapping with `roles:` and `keys:`", "unknown top-level field(s)")
         roles_data = data.get("roles") or {}
         if not isinstance(roles_data, dict):
             raise AuthConfigError(f"{where}: `roles` must map role names to their settings")
@@ -271,13 +266,7 @@ def _role(name: str, spec, where: str, base: Path | None = None) -> Role:
     here = f"{where}: roles.{name}"
     if not _NAME.match(name):
         raise AuthConfigError(f"{here}: a role name is 1-64 letters, digits or . _ -")
-    if spec is None:
-        spec = {}
-    if not isinstance(spec, dict):
-        raise AuthConfigError(f"{here}: must be a mapping (models, limits)")
-    unknown = set(spec) - _ROLE_FIELDS
-    if unknown:
-        raise AuthConfigError(f"{here}: unknown field(s) {sorted(unknown)}; expected {sorted(_ROLE_FIELDS)}")
+    spec = _mapping({} if spec is None else spec, _ROLE_FIELDS, here, "must be a mapping (models, limits)")
     models = spec.get("models", [])
     if isinstance(models, str):
         models = [models]
@@ -306,12 +295,19 @@ def _role(name: str, spec, where: str, base: Path | None = None) -> Role:
                 priority, admin, spec.get("description"), tuple(lists))
 
 
-def _key(spec, where: str) -> KeyEntry:
+def _mapping(spec, allowed: set[str], where: str, not_a_mapping: str,
+             unknown_what: str = "unknown field(s)") -> dict:
+    """`spec` if it is a mapping of `allowed` fields only, else the AuthConfigError naming what is wrong."""
     if not isinstance(spec, dict):
-        raise AuthConfigError(f"{where}: must be a mapping (id, tenant, role, hash)")
-    unknown = set(spec) - _KEY_FIELDS
+        raise AuthConfigError(f"{where}: {not_a_mapping}")
+    unknown = set(spec) - allowed
     if unknown:
-        raise AuthConfigError(f"{where}: unknown field(s) {sorted(unknown)}; expected {sorted(_KEY_FIELDS)}")
+        raise AuthConfigError(f"{where}: {unknown_what} {sorted(unknown)}; expected {sorted(allowed)}")
+    return spec
+
+
+def _key(spec, where: str) -> KeyEntry:
+    _mapping(spec, _KEY_FIELDS, where, "must be a mapping (id, tenant, role, hash)")
     missing = [f for f in ("id", "tenant", "role", "hash") if spec.get(f) is None or spec.get(f) == ""]
     if missing:
         raise AuthConfigError(f"{where}: missing {', '.join(missing)}")

@@ -13,6 +13,7 @@ The standard health service (`grpc.health.v1`) and server reflection are served 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import functools
 import hmac
 import inspect
@@ -50,41 +51,15 @@ def _audited(handler):
     if inspect.isasyncgenfunction(handler):
         @functools.wraps(handler)
         async def streaming(self, request, context):
-            access = self._audit_start()
-            if access is None:
+            with self._audit_call(rpc, context):
                 async for piece in handler(self, request, context):
                     yield piece
-                return
-            code = "OK"
-            try:
-                async for piece in handler(self, request, context):
-                    yield piece
-            except asyncio.CancelledError:
-                code = "CANCELLED"
-                raise
-            except BaseException:
-                code = _code_name(context)
-                raise
-            finally:
-                _audit_end(access, rpc, code, context)
         return streaming
 
     @functools.wraps(handler)
     async def unary(self, request, context):
-        access = self._audit_start()
-        if access is None:
+        with self._audit_call(rpc, context):
             return await handler(self, request, context)
-        code = "OK"
-        try:
-            return await handler(self, request, context)
-        except asyncio.CancelledError:
-            code = "CANCELLED"
-            raise
-        except BaseException:
-            code = _code_name(context)
-            raise
-        finally:
-            _audit_end(access, rpc, code, context)
     return unary
 
 
@@ -163,15 +138,28 @@ class EngineService(pb_grpc.EngineServicer):
                                              for name in names])
 
     # -- shared -------------------------------------------------------------------------------
-    def _audit_start(self):
-        """The Access whose audit log this call writes to (None without --audit-log); the call
-        gets a request context for the serving hooks to fill, if the key check gives it none."""
+    @contextlib.contextmanager
+    def _audit_call(self, rpc: str, context):
+        """With --audit-log, the call's line once it ends (status OK, CANCELLED or the code it was
+        aborted with); the call gets a request context for the serving hooks to fill, if the key
+        check gives it none. Without an audit log, nothing."""
         access = getattr(self.serving, "access", None)
         if access is None or access.audit is None:
-            return None
+            yield
+            return
         if request_context() is None:
             CURRENT.set(RequestContext(None, access.keep_content))
-        return access
+        code = "OK"
+        try:
+            yield
+        except asyncio.CancelledError:
+            code = "CANCELLED"
+            raise
+        except BaseException:
+            code = _code_name(context)
+            raise
+        finally:
+            _audit_end(access, rpc, code, context)
 
     async def _authorize(self, context) -> None:
         if self.draining():
