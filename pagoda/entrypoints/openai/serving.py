@@ -474,13 +474,18 @@ class Serving:
         model = self.check_model(request.model)
         tools = self._tools(request)
         ids = self._chat_prompt(request, tools)
-        if request.top_logprobs is not None and not 0 <= request.top_logprobs <= 20:
-            raise OpenAIError(f"top_logprobs must be in [0, 20], got {request.top_logprobs}", param="top_logprobs")
-        max_tokens = self.max_tokens_for(request.max_completion_tokens or request.max_tokens, len(ids), "messages")
-        k = (request.top_logprobs or 0) if request.logprobs else None
-        params = self.params(request, max_tokens, k)
+        params = self.chat_params(request, len(ids))
         self._constrain_to_tools(params, tools)
         return model, ids, params, tools
+
+    def chat_params(self, request: ChatCompletionRequest, prompt_len: int, prompt_param: str = "messages"):
+        """A chat request's sampling parameters for a prompt of `prompt_len` tokens (top_logprobs
+        and max_tokens checked; shared with /v1/sessions, whose prompt is its `content`)."""
+        if request.top_logprobs is not None and not 0 <= request.top_logprobs <= 20:
+            raise OpenAIError(f"top_logprobs must be in [0, 20], got {request.top_logprobs}", param="top_logprobs")
+        max_tokens = self.max_tokens_for(request.max_completion_tokens or request.max_tokens, prompt_len, prompt_param)
+        k = (request.top_logprobs or 0) if request.logprobs else None
+        return self.params(request, max_tokens, k)
 
     async def chat(self, request: ChatCompletionRequest, admission: Admission | None = None):
         model, ids, params, tools = self.prepare_chat(request)

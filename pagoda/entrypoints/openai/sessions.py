@@ -182,10 +182,7 @@ class SessionStore:
         session.busy = True
         try:
             ids = await self._prompt(session, user, request)
-            wanted = request.max_completion_tokens or request.max_tokens
-            max_tokens = self.serving.max_tokens_for(wanted, len(ids), "content")
-            k = (request.top_logprobs or 0) if request.logprobs else None
-            params = self.serving.params(request, max_tokens, k)
+            params = self.serving.chat_params(request, len(ids), "content")
             self.serving.check_capacity(1, admission)
             turn = ChatTurn(session.id, lambda answer: self._commit(session, user, ids, answer),
                             {"session_id": session.id})
