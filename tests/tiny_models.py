@@ -95,7 +95,41 @@ def _config(arch: str, vocab_size: int):
             rope_parameters={"full_attention": {"rope_type": "default", "rope_theta": 1000000.0},
                              "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0}},
             **common)
+    if arch in MOE_ARCHS or arch == "phi3":
+        return _moe_or_phi3_config(arch, common)
     raise ValueError(f"unknown tiny architecture {arch!r}")
+
+
+MOE_ARCHS = ("mixtral", "qwen2_moe", "qwen3_moe", "olmoe")
+
+
+def _moe_or_phi3_config(arch: str, common: dict):
+    """The mixture-of-experts families (8 experts, 2 per token; Mixtral 4) and Phi-3 (its
+    checkpoint fuses qkv and gate/up; LongRoPE with a 64-token original context)."""
+    import transformers
+
+    experts = dict(num_experts=8, num_experts_per_tok=2)
+    if arch == "mixtral":
+        return transformers.MixtralConfig(rope_theta=1e6, num_local_experts=4, num_experts_per_tok=2,
+                                          **{**common, "intermediate_size": 64})
+    if arch == "qwen2_moe":  # a shared expert behind its sigmoid gate; top-k weights not renormalized
+        return transformers.Qwen2MoeConfig(rope_theta=1e6, moe_intermediate_size=32, shared_expert_intermediate_size=64,
+                                           norm_topk_prob=False, **experts, **common)
+    if arch == "qwen3_moe":  # q/k norms; top-k weights renormalized
+        return transformers.Qwen3MoeConfig(rope_theta=1e6, head_dim=32, moe_intermediate_size=32, norm_topk_prob=True,
+                                           **experts, **common)
+    if arch == "olmoe":  # q/k norms over the whole projection, clipped q/k/v
+        return transformers.OlmoeConfig(rope_theta=1e4, clip_qkv=1.5, norm_topk_prob=False,
+                                        **experts, **{**common, "intermediate_size": 32})
+    head_dim = common["hidden_size"] // common["num_attention_heads"]
+    long_rope = {"rope_type": "longrope", "rope_theta": 1e4, "original_max_position_embeddings": PHI3_ORIGINAL_CONTEXT,
+                 "short_factor": [1.0 + 0.05 * i for i in range(head_dim // 2)],
+                 "long_factor": [1.5 + 0.5 * i for i in range(head_dim // 2)]}
+    return transformers.Phi3Config(rope_parameters=long_rope, original_max_position_embeddings=PHI3_ORIGINAL_CONTEXT,
+                                   **common)
+
+
+PHI3_ORIGINAL_CONTEXT = 64  # the tiny Phi-3's original context: LongRoPE's long factors apply past it
 
 
 TINY_WINDOW = 12  # the tiny Mistral's and Gemma 3's sliding window: 1.5 blocks of 8

@@ -73,6 +73,10 @@ class PackedWeight:
     def int4_groups(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         raise ValueError(f"{type(self).__name__} has no exact int4 form")
 
+    def rows(self, start: int, stop: int) -> PackedWeight:
+        """Output rows ``start:stop`` in the same stored form (a fused checkpoint tensor's parts)."""
+        raise ValueError(f"{type(self).__name__} cannot be cut into rows")
+
 
 def _matmul_input(x: torch.Tensor, in_features: int, compute_dtype: torch.dtype) -> torch.Tensor:
     return x.reshape(-1, in_features).to(compute_dtype)

@@ -43,7 +43,7 @@ from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 from gguf.quants import dequantize
 
 from pagoda.layers.quantization import PackedWeight
-from pagoda.models.architectures import GGUF_ARCHITECTURES
+from pagoda.models.architectures import GGUF_ARCHITECTURES, GGUF_EXPERT_ARCHITECTURES
 
 logger = logging.getLogger(__name__)
 
@@ -51,6 +51,9 @@ logger = logging.getLogger(__name__)
 # (models/architectures.py). "llama" covers Llama 2/3, Mistral and SmolLM2.
 _HF_ARCHITECTURES: dict[str, tuple[str, str]] = GGUF_ARCHITECTURES
 SUPPORTED_ARCHITECTURES: tuple[str, ...] = tuple(_HF_ARCHITECTURES)
+# Mixture-of-experts families llama.cpp hard-codes whether the chosen experts' weights are
+# renormalized for (build_moe_ffn's norm_w); pagoda also reads and writes {arch}.expert_weights_norm.
+LLAMA_CPP_RENORMALIZES = {"mixtral": True, "qwen2_moe": False, "qwen3_moe": True, "olmoe": False}
 
 # Bumped whenever the converted directory's contents change, so stale caches are not reused.
 _CONVERTER_VERSION = 1
@@ -399,6 +402,14 @@ def _special_token_ids(gf: GGUFFile) -> dict[str, Any]:
     }
 
 
+def _hf_architecture(gf: GGUFFile) -> tuple[str, str]:
+    """(HF class, model_type) of the file: Mixtral is "llama" with experts."""
+    arch = gf.architecture
+    if (gf.arch_key("expert_count") or 0) > 0 and arch in GGUF_EXPERT_ARCHITECTURES:
+        return GGUF_EXPERT_ARCHITECTURES[arch]
+    return _HF_ARCHITECTURES[arch]
+
+
 def _base_config(gf: GGUFFile, arch: str) -> dict[str, Any]:
     n_heads = _required(gf, "attention.head_count")
     n_kv_heads = gf.arch_key("attention.head_count_kv", n_heads)
@@ -407,7 +418,7 @@ def _base_config(gf: GGUFFile, arch: str) -> dict[str, Any]:
     hidden = _required(gf, "embedding_length")
     head_dim = gf.arch_key("attention.key_length") or hidden // n_heads
     theta = gf.arch_key("rope.freq_base", 10000.0)
-    hf_class, model_type = _HF_ARCHITECTURES[arch]
+    hf_class, model_type = _hf_architecture(gf)
     config: dict[str, Any] = {
         "architectures": [hf_class],
         "model_type": model_type,
@@ -465,12 +476,52 @@ def _gemma3_config(gf: GGUFFile, config: dict[str, Any]) -> dict[str, Any]:
     return config
 
 
+def _moe_config(gf: GGUFFile, config: dict[str, Any]) -> dict[str, Any]:
+    """Mixture-of-experts settings (transformers' names for the family)."""
+    model_type = config["model_type"]
+    experts = _required(gf, "expert_count")
+    config.update(num_experts_per_tok=_required(gf, "expert_used_count"),
+                  norm_topk_prob=bool(gf.arch_key("expert_weights_norm", LLAMA_CPP_RENORMALIZES[model_type])))
+    config["num_local_experts" if model_type == "mixtral" else "num_experts"] = experts
+    if model_type in ("qwen2_moe", "qwen3_moe"):
+        config["moe_intermediate_size"] = gf.arch_key("expert_feed_forward_length") or config["intermediate_size"]
+        config.update(decoder_sparse_step=1, mlp_only_layers=[])
+    if model_type == "qwen2_moe":
+        config["shared_expert_intermediate_size"] = gf.arch_key("expert_shared_feed_forward_length", 0)
+        config["qkv_bias"] = config.pop("attention_bias")
+    if model_type == "olmoe":
+        config["clip_qkv"] = gf.arch_key("attention.clamp_kqv")
+    return config
+
+
+def _phi3_config(gf: GGUFFile, config: dict[str, Any]) -> dict[str, Any]:
+    """Phi-3's sliding window and LongRoPE (its factors are tensors in the file)."""
+    config["sliding_window"] = gf.arch_key("attention.sliding_window") or None
+    original = gf.arch_key("rope.scaling.original_context_length")
+    if original:
+        config["original_max_position_embeddings"] = original
+    factors = [gf.tensors.get(f"rope_factors_{kind}.weight") for kind in ("short", "long")]
+    if all(f is not None for f in factors):
+        short, long = ([float(x) for x in gf.dequantized(f).reshape(-1)] for f in factors)
+        scaling = {"rope_type": "longrope", "short_factor": short, "long_factor": long,
+                   "original_max_position_embeddings": original or config["max_position_embeddings"]}
+        if gf.arch_key("rope.scaling.attn_factor") is not None:
+            scaling["attention_factor"] = gf.arch_key("rope.scaling.attn_factor")
+        config["rope_scaling"] = scaling
+        config["rope_parameters"] = {"rope_theta": config["rope_theta"], **scaling}
+    return config
+
+
 def gguf_to_hf_config(gf: GGUFFile) -> dict[str, Any]:
     """The HF ``config.json`` contents for a parsed GGUF."""
     arch = _check_architecture(gf)
     config = _base_config(gf, arch)
     if arch == "gemma3":
         config = _gemma3_config(gf, config)
+    if config["model_type"] in LLAMA_CPP_RENORMALIZES:
+        config = _moe_config(gf, config)
+    if arch == "phi3":
+        config = _phi3_config(gf, config)
     return config
 
 
@@ -541,8 +592,26 @@ def _convert_tokenizer_with_transformers(gguf_path: Path) -> str:
         try:
             tok = AutoTokenizer.from_pretrained(tmp, gguf_file=gguf_path.name)
         except Exception as exc:
+            if "is not supported" in str(exc):  # an architecture transformers cannot load (olmoe)
+                return _tokenizer_from_fields(link)
             raise ValueError(f"{gguf_path}: could not convert the GGUF tokenizer: {exc}") from exc
     return tok.backend_tokenizer.to_str()
+
+
+def _tokenizer_from_fields(path: Path) -> str:
+    """transformers' converter of a GGUF's tokenizer fields alone, for a file whose architecture
+    transformers does not load (AutoTokenizer reads the model's config too)."""
+    from transformers.integrations.gguf.gguf_tokenizer_mapping import (
+        convert_gguf_tokenizer,
+        get_gguf_tokenizer,
+    )
+
+    try:
+        architecture, fields, _ = get_gguf_tokenizer(str(path))
+        backend, _ = convert_gguf_tokenizer(architecture, fields)
+    except Exception as exc:
+        raise ValueError(f"{path}: could not convert the GGUF tokenizer: {exc}") from exc
+    return backend.to_str()
 
 
 def _tokenizer_settings(gf: GGUFFile) -> dict[str, Any]:
@@ -683,12 +752,48 @@ _GEMMA3_LAYER_NAMES = {
     "ffn_norm": "pre_feedforward_layernorm",
     "post_ffw_norm": "post_feedforward_layernorm",
 }
-# Tensors that only feed the config (llama3 rope factors are folded into rope_scaling).
-_CONFIG_ONLY_TENSORS = {"rope_freqs.weight"}
+# Mixture of experts (Qwen-MoE / OLMoE checkpoint names); ``*`` is the expert: llama.cpp stacks
+# the experts of a layer into one tensor [experts, rows, columns].
+_MOE_LAYER_NAMES = {
+    **_LAYER_NAMES,
+    "ffn_gate_inp": "mlp.gate",
+    "ffn_gate_exps": "mlp.experts.*.gate_proj",
+    "ffn_up_exps": "mlp.experts.*.up_proj",
+    "ffn_down_exps": "mlp.experts.*.down_proj",
+    "ffn_gate_shexp": "mlp.shared_expert.gate_proj",
+    "ffn_up_shexp": "mlp.shared_expert.up_proj",
+    "ffn_down_shexp": "mlp.shared_expert.down_proj",
+    "ffn_gate_inp_shexp": "mlp.shared_expert_gate",
+}
+# Mixtral's checkpoint names: block_sparse_moe, w1 (gate), w3 (up), w2 (down)
+_MIXTRAL_LAYER_NAMES = {
+    **_LAYER_NAMES,
+    "ffn_gate_inp": "block_sparse_moe.gate",
+    "ffn_gate_exps": "block_sparse_moe.experts.*.w1",
+    "ffn_up_exps": "block_sparse_moe.experts.*.w3",
+    "ffn_down_exps": "block_sparse_moe.experts.*.w2",
+}
+# Phi-3 keeps q/k/v and gate/up fused; llama.cpp's ffn_up is the fused gate/up.
+_PHI3_LAYER_NAMES = {**_LAYER_NAMES, "attn_qkv": "self_attn.qkv_proj", "ffn_up": "mlp.gate_up_proj"}
+# Tensors that only feed the config (llama3 rope factors are folded into rope_scaling, Phi-3's
+# LongRoPE factors into its rope_parameters).
+_CONFIG_ONLY_TENSORS = {"rope_freqs.weight", "rope_factors_long.weight", "rope_factors_short.weight"}
 
 
-def gguf_to_hf_name(name: str, arch: str) -> str | None:
-    """The HF parameter name for a GGUF tensor name, or None if it has none."""
+def _layer_names(arch: str, model_type: str | None) -> dict[str, str]:
+    if arch == "gemma3":
+        return _GEMMA3_LAYER_NAMES
+    if arch == "phi3":
+        return _PHI3_LAYER_NAMES
+    if model_type == "mixtral":
+        return _MIXTRAL_LAYER_NAMES
+    return _MOE_LAYER_NAMES if arch in ("qwen2moe", "qwen3moe", "olmoe") else _LAYER_NAMES
+
+
+def gguf_to_hf_name(name: str, arch: str, model_type: str | None = None) -> str | None:
+    """The HF parameter name for a GGUF tensor name, or None if it has none. A stacked experts
+    tensor's name has ``*`` for the expert (``model.layers.0.mlp.experts.*.up_proj.weight``);
+    ``model_type`` tells Mixtral (written as "llama") apart."""
     stem, dot, suffix = name.rpartition(".")
     if not dot or suffix not in ("weight", "bias"):
         return None
@@ -697,8 +802,7 @@ def gguf_to_hf_name(name: str, arch: str) -> str | None:
     parts = stem.split(".")
     if len(parts) != 3 or parts[0] != "blk" or not parts[1].isdigit():
         return None
-    layer_names = _GEMMA3_LAYER_NAMES if arch == "gemma3" else _LAYER_NAMES
-    hf = layer_names.get(parts[2])
+    hf = _layer_names(arch, model_type).get(parts[2])
     return f"model.layers.{parts[1]}.{hf}.{suffix}" if hf else None
 
 
@@ -721,12 +825,25 @@ def _expected_shapes(config: Mapping[str, Any]) -> dict[str, tuple[int, ...]]:
     head_dim = config.get("head_dim") or hidden // heads
     vocab = config["vocab_size"]
     q, kv = heads * head_dim, kv_heads * head_dim
+    experts = config.get("num_experts") or config.get("num_local_experts") or 0
+    expert_inter = config.get("moe_intermediate_size") or inter
+    shared = config.get("shared_expert_intermediate_size") or 0
+    norm = (q, kv) if config.get("model_type") == "olmoe" else (head_dim, head_dim)  # OLMoE: the whole projection
+    moe = {  # stacked experts as stored: [experts, rows, columns]
+        f"{block}.experts.*.{name}.weight": (experts, *shape)
+        for block, names in (("mlp", ("gate_proj", "up_proj", "down_proj")), ("block_sparse_moe", ("w1", "w3", "w2")))
+        for name, shape in zip(names, ((expert_inter, hidden), (expert_inter, hidden), (hidden, expert_inter)))
+    }
     return {
+        **moe, "mlp.gate.weight": (experts, hidden), "block_sparse_moe.gate.weight": (experts, hidden),
+        "mlp.shared_expert.gate_proj.weight": (shared, hidden), "mlp.shared_expert.up_proj.weight": (shared, hidden),
+        "mlp.shared_expert.down_proj.weight": (hidden, shared), "mlp.shared_expert_gate.weight": (hidden,),
+        "self_attn.qkv_proj.weight": (q + 2 * kv, hidden), "mlp.gate_up_proj.weight": (2 * inter, hidden),
         "model.embed_tokens.weight": (vocab, hidden), "lm_head.weight": (vocab, hidden), "model.norm.weight": (hidden,),
         "self_attn.q_proj.weight": (q, hidden), "self_attn.k_proj.weight": (kv, hidden),
         "self_attn.v_proj.weight": (kv, hidden), "self_attn.o_proj.weight": (hidden, q),
         "self_attn.q_proj.bias": (q,), "self_attn.k_proj.bias": (kv,), "self_attn.v_proj.bias": (kv,),
-        "self_attn.q_norm.weight": (head_dim,), "self_attn.k_norm.weight": (head_dim,),
+        "self_attn.q_norm.weight": norm[:1], "self_attn.k_norm.weight": norm[1:],
         "input_layernorm.weight": (hidden,), "post_attention_layernorm.weight": (hidden,),
         "pre_feedforward_layernorm.weight": (hidden,), "post_feedforward_layernorm.weight": (hidden,),
         "mlp.gate_proj.weight": (inter, hidden), "mlp.up_proj.weight": (inter, hidden),
@@ -749,7 +866,7 @@ def _plan_weights(gf: GGUFFile, config: Mapping[str, Any]) -> list[tuple[GGUFTen
     for info in gf.tensors.values():
         if info.name in _CONFIG_ONLY_TENSORS:
             continue
-        hf_name = gguf_to_hf_name(info.name, arch)
+        hf_name = gguf_to_hf_name(info.name, arch, config.get("model_type"))
         if hf_name is None:
             logger.warning("%s: skipping tensor %r (no Hugging Face counterpart)", gf.path, info.name)
             continue
@@ -766,7 +883,7 @@ def _plan_weights(gf: GGUFFile, config: Mapping[str, Any]) -> list[tuple[GGUFTen
 
 def _check_config_matches(gf: GGUFFile, config: Mapping[str, Any]) -> None:
     model_type = config.get("model_type")
-    expected = _HF_ARCHITECTURES[gf.architecture][1]
+    expected = _hf_architecture(gf)[1]
     if model_type is not None and model_type != expected:
         raise ValueError(f"{gf.path}: the GGUF is {gf.architecture!r} (HF model_type {expected!r}), but the "
                          f"config says model_type {model_type!r}")
@@ -792,6 +909,9 @@ class GGUFPackedWeight(PackedWeight):
         self.ggml_type, self.blocks, self.shape = ggml_type, blocks, tuple(shape)
         self.int4_exact = ggml_type != GGMLQuantizationType.Q8_0
         self.ggml_block_type = int(ggml_type)  # the GGMLQuantizationType values ggml_blocks uses
+
+    def rows(self, start: int, stop: int) -> GGUFPackedWeight:
+        return GGUFPackedWeight(self.ggml_type, self.blocks[start:stop], (stop - start, *self.shape[1:]))
 
     def ggml_blocks(self) -> torch.Tensor:
         """A copy of the stored rows (the file mapping is closed after loading)."""
@@ -837,26 +957,42 @@ def iter_gguf_weights(gguf_path: Path, config: Mapping[str, Any], *, keep_quanti
     _check_config_matches(gf, config)
     heads = config["num_attention_heads"]
     kv_heads = config.get("num_key_value_heads") or heads
-    for info, hf_name in _plan_weights(gf, config):
-        packed = keep_quantized and info.ggml_type in KEPT_QUANTIZED_TYPES and len(info.shape) == 2
-        cut = narrow(hf_name, info.shape) if narrow is not None else None
-        w, shape = _read_slice(gf, info, cut, dequantize_it=not packed)
-        # Row permutations act on whole rows (within a head), so they apply to stored blocks as to
-        # floats, and to a slice of whole heads with the slice's head count.
-        if arch == "llama" and ".self_attn.q_proj." in hf_name:
-            w = _unpermute_rows(w, heads * shape[0] // info.shape[0])
-        elif arch == "llama" and ".self_attn.k_proj." in hf_name:
-            w = _unpermute_rows(w, kv_heads * shape[0] // info.shape[0])
-        elif arch == "gemma3" and hf_name.endswith("norm.weight"):
-            # llama.cpp's converter stores Gemma's RMSNorm weight as (1 + w); HF keeps w.
-            w = w - 1.0
-        if packed:
-            yield hf_name, GGUFPackedWeight(info.ggml_type, w, shape)
-            continue
-        w = np.ascontiguousarray(w, dtype=np.float32)
-        if not w.flags.writeable:  # a view of the read-only mapping (F32 tensors)
-            w = w.copy()
-        yield hf_name, torch.from_numpy(w)
+    for stacked, stacked_name in _plan_weights(gf, config):
+        for info, hf_name in _unstacked(stacked, stacked_name):
+            packed = keep_quantized and info.ggml_type in KEPT_QUANTIZED_TYPES and len(info.shape) == 2
+            cut = narrow(hf_name, info.shape) if narrow is not None else None
+            w, shape = _read_slice(gf, info, cut, dequantize_it=not packed)
+            # Row permutations act on whole rows (within a head), so they apply to stored blocks as
+            # to floats, and to a slice of whole heads with the slice's head count.
+            if arch == "llama" and ".self_attn.q_proj." in hf_name:
+                w = _unpermute_rows(w, heads * shape[0] // info.shape[0])
+            elif arch == "llama" and ".self_attn.k_proj." in hf_name:
+                w = _unpermute_rows(w, kv_heads * shape[0] // info.shape[0])
+            elif arch == "gemma3" and hf_name.endswith("norm.weight"):
+                # llama.cpp's converter stores Gemma's RMSNorm weight as (1 + w); HF keeps w.
+                w = w - 1.0
+            if packed:
+                yield hf_name, GGUFPackedWeight(info.ggml_type, w, shape)
+                continue
+            w = np.ascontiguousarray(w, dtype=np.float32)
+            if not w.flags.writeable:  # a view of the read-only mapping (F32 tensors)
+                w = w.copy()
+            if hf_name.endswith(".shared_expert_gate.weight"):
+                w = w.reshape(1, -1)  # llama.cpp stores the [1, hidden] gate as [hidden]
+            yield hf_name, torch.from_numpy(w)
+
+
+def _unstacked(info: GGUFTensorInfo, hf_name: str) -> Iterator[tuple[GGUFTensorInfo, str]]:
+    """A tensor of stacked experts (``*`` in its name) → one 2-D tensor per expert (where it lies
+    in the file); any other tensor as it is."""
+    if "*" not in hf_name:
+        yield info, hf_name
+        return
+    experts = info.shape[0]
+    size = info.nbytes // experts
+    for e in range(experts):
+        yield (GGUFTensorInfo(f"{info.name}[{e}]", info.ggml_type, info.shape[1:], info.offset + e * size, size),
+               hf_name.replace("*", str(e)))
 
 
 # (HF name, full shape) → (dim, start, length) of the part to read, or None for all of it

@@ -16,14 +16,22 @@ and Ollama can load what pagoda made. What is written:
 
 Architectures: llama (and mistral, which llama.cpp writes as llama, without its sliding window),
 qwen2, qwen3, gemma3 (text: its norms stored as ``1 + w`` and its sliding-window keys, as llama.cpp's
-converter writes them). The table is models/architectures.py's, which the reader shares.
+converter writes them), phi3 (fused ``attn_qkv`` and gate/up as ``ffn_up``; LongRoPE factors as the
+``rope_factors_short`` / ``rope_factors_long`` tensors), and the mixture-of-experts families:
+mixtral (as llama with experts), qwen2moe, qwen3moe, olmoe. A layer's experts are stacked into one
+tensor per projection (``ffn_gate_exps`` / ``ffn_up_exps`` / ``ffn_down_exps``, [experts, rows,
+columns]), the router is ``ffn_gate_inp`` and Qwen2-MoE's shared expert ``ffn_*_shexp`` with its
+gate ``ffn_gate_inp_shexp``; routers stay F32, as llama.cpp keeps them. The table is
+models/architectures.py's, which the reader shares.
 """
 
 from __future__ import annotations
 
 import json
 import logging
-from collections.abc import Callable, Iterator
+import re
+from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -56,6 +64,22 @@ _GEMMA3_LAYER_NAMES = {
     "pre_feedforward_layernorm": "ffn_norm",
     "post_feedforward_layernorm": "post_ffw_norm",
 }
+_MOE_LAYER_NAMES = {
+    **_LAYER_NAMES,
+    "mlp.gate": "ffn_gate_inp",
+    "mlp.shared_expert.gate_proj": "ffn_gate_shexp",
+    "mlp.shared_expert.up_proj": "ffn_up_shexp",
+    "mlp.shared_expert.down_proj": "ffn_down_shexp",
+    "mlp.shared_expert_gate": "ffn_gate_inp_shexp",
+    "block_sparse_moe.gate": "ffn_gate_inp",  # Mixtral's
+}
+_PHI3_LAYER_NAMES = {**_LAYER_NAMES, "self_attn.qkv_proj": "attn_qkv", "mlp.gate_up_proj": "ffn_up"}
+# an expert's projection (Qwen / OLMoE names, Mixtral's) → the stacked tensor it joins
+_EXPERT_TENSORS = {"gate_proj": "ffn_gate_exps", "up_proj": "ffn_up_exps", "down_proj": "ffn_down_exps",
+                   "w1": "ffn_gate_exps", "w3": "ffn_up_exps", "w2": "ffn_down_exps"}
+_EXPERT_NAME = re.compile(r"model\.layers\.(\d+)\.(?:mlp|block_sparse_moe)\.experts\.(\d+)\.(\w+)\.weight")
+_F32_LAYER_TENSORS = ("ffn_gate_inp", "ffn_gate_inp_shexp")  # routers: llama.cpp keeps them F32
+_MOE_MODEL_TYPES = ("mixtral", "qwen2_moe", "qwen3_moe", "olmoe")
 _TOP_NAMES = {"model.embed_tokens": "token_embd", "model.norm": "output_norm", "lm_head": "output"}
 
 # Pre-tokenizer regexes of tokenizer.json → llama.cpp's name for the same splitting.
@@ -65,12 +89,21 @@ _QWEN2_REGEX = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?
                 r"|\s*[\r\n]+|\s+(?!\S)|\s+")
 
 
+@dataclass(frozen=True)
+class BlockTensor:
+    """A 2-D weight already in ggml blocks (``pagoda quantize``): ``blocks`` uint8 [rows, bytes per
+    row] of ``qtype`` (Q4_0, Q4_1 or Q8_0), rows in the Hugging Face order, written as they are."""
+
+    blocks: np.ndarray
+    qtype: str
+
+
 def gguf_tensor_name(hf_name: str, arch: str = "llama") -> str:
     """llama.cpp's name for an HF parameter (``model.layers.3.mlp.up_proj.weight`` → ``blk.3.ffn_up.weight``)."""
     stem, _, suffix = hf_name.rpartition(".")
     if stem in _TOP_NAMES:
         return f"{_TOP_NAMES[stem]}.{suffix}"
-    names = _GEMMA3_LAYER_NAMES if arch == "gemma3" else _LAYER_NAMES
+    names = {"gemma3": _GEMMA3_LAYER_NAMES, "phi3": _PHI3_LAYER_NAMES}.get(arch, _MOE_LAYER_NAMES)
     parts = stem.split(".", 3)
     if len(parts) != 4 or parts[:2] != ["model", "layers"] or parts[3] not in names:
         raise ValueError(f"cannot write {hf_name!r} to GGUF: not a tensor of the {arch} layout")
@@ -80,6 +113,13 @@ def gguf_tensor_name(hf_name: str, arch: str = "llama") -> str:
 def permute_qk(w: np.ndarray, n_head: int) -> np.ndarray:
     """llama.cpp's ``LlamaModel.permute`` (HF rotate-half row order → interleaved pairs)."""
     return w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def _permute_rows(w: np.ndarray | BlockTensor, n_head: int) -> np.ndarray | BlockTensor:
+    """``permute_qk`` of a float weight or of a quantized one's rows (blocks run along a row)."""
+    if isinstance(w, BlockTensor):
+        return BlockTensor(permute_qk(w.blocks, n_head), w.qtype)
+    return permute_qk(w, n_head)
 
 
 def quantize_weight(w: np.ndarray, qtype: str) -> np.ndarray:
@@ -135,7 +175,62 @@ def _add_model_metadata(writer, config: dict, arch: str, name: str) -> None:
         writer.add_rope_dimension_count(head_dim)
     if arch == "gemma3":
         _add_gemma3_metadata(writer, config, head_dim)
+    if arch == "phi3":
+        _add_phi3_metadata(writer, config, head_dim)
+    if config.get("model_type") in _MOE_MODEL_TYPES:
+        _add_moe_metadata(writer, config)
     writer.add_vocab_size(config["vocab_size"])
+
+
+def _add_moe_metadata(writer, config: dict) -> None:
+    """Expert counts and sizes under llama.cpp's keys. llama.cpp runs every layer sparse and
+    hard-codes each family's renormalization: a model that departs is refused (dense layers) or
+    written with a warning (``expert_weights_norm`` says what pagoda does; llama.cpp may not read it)."""
+    from pagoda.loader.gguf import LLAMA_CPP_RENORMALIZES
+    from pagoda.models.moe import num_experts, sparse_layers
+
+    model_type = config["model_type"]
+    if not all(sparse_layers(config, config["num_hidden_layers"])):
+        raise ValueError("cannot write this model to GGUF: llama.cpp runs every layer as experts "
+                         "(mlp_only_layers / decoder_sparse_step make some dense)")
+    writer.add_expert_count(num_experts(config))
+    writer.add_expert_used_count(config["num_experts_per_tok"])
+    renormalize = True if model_type == "mixtral" else bool(config.get("norm_topk_prob", False))
+    writer.add_expert_weights_norm(renormalize)
+    if renormalize != LLAMA_CPP_RENORMALIZES[model_type]:
+        logger.warning("%s with norm_topk_prob=%s: pagoda reads it from the file, llama.cpp assumes %s",
+                       model_type, renormalize, LLAMA_CPP_RENORMALIZES[model_type])
+    if config.get("moe_intermediate_size"):
+        writer.add_expert_feed_forward_length(config["moe_intermediate_size"])
+    if config.get("shared_expert_intermediate_size"):
+        writer.add_expert_shared_feed_forward_length(config["shared_expert_intermediate_size"])
+    if config.get("clip_qkv") is not None:
+        writer.add_clamp_kqv(float(config["clip_qkv"]))
+
+
+def _add_phi3_metadata(writer, config: dict, head_dim: int) -> None:
+    """What llama.cpp's Phi-3 converter writes: the sliding window (0: none), the rotary dimension,
+    and for LongRoPE the original context and attention factor (the factors are tensors)."""
+    from pagoda.layers.rotary import longrope_attention_factor
+    from pagoda.models.config import rope_scaling
+
+    writer.add_rope_dimension_count(head_dim)
+    writer.add_sliding_window(int(config.get("sliding_window") or 0))
+    scaling = rope_scaling(config)
+    if scaling is None:
+        return
+    if scaling["rope_type"] != "longrope":
+        raise ValueError(f"cannot write this Phi-3 to GGUF: rope scaling {scaling['rope_type']!r} (longrope only)")
+    writer.add_rope_scaling_orig_ctx_len(scaling["original_max_position_embeddings"])
+    writer.add_rope_scaling_attn_factors(longrope_attention_factor(scaling))
+
+
+def _phi3_rope_factors(config: dict) -> Iterator[tuple[str, np.ndarray]]:
+    from pagoda.models.config import rope_scaling
+
+    scaling = rope_scaling(config)
+    for kind in ("short", "long") if scaling is not None else ():
+        yield f"rope_factors_{kind}.weight", np.asarray(scaling[f"{kind}_factor"], dtype=np.float32)
 
 
 def _add_gemma3_metadata(writer, config: dict, head_dim: int) -> None:
@@ -249,37 +344,99 @@ def _hf_tensors(hf_dir: Path) -> Iterator[tuple[str, np.ndarray]]:
                 yield name, f.get_tensor(name).to(torch.float32).numpy()
 
 
-def _add_tensors(writer, hf_dir: Path, config: dict, arch: str, qtype: str) -> None:
-    import gguf
-
+def _add_tensors(writer, hf_dir: Path, config: dict, arch: str, qtype: str,
+                 tensors: Iterable[tuple[str, np.ndarray | BlockTensor]] | None = None) -> None:
     n_head = config["num_attention_heads"]
     n_kv = config.get("num_key_value_heads") or n_head
-    for hf_name, w in _hf_tensors(hf_dir):
+    experts = _ExpertStacks(config)
+    for hf_name, w in (_hf_tensors(hf_dir) if tensors is None else tensors):
         if hf_name.endswith("rotary_emb.inv_freq"):
             continue  # computed, not learned
         if config.get("tie_word_embeddings") and hf_name == "lm_head.weight":
             continue  # llama.cpp omits output.weight when the head is the embedding
+        if experts.holds(hf_name):  # kept until its layer's every expert is read, then stacked
+            stacked = experts.add(hf_name, w)
+            if stacked is not None:
+                _add_weight(writer, *stacked, qtype)
+            continue
         if arch == "llama" and ".self_attn.q_proj." in hf_name:
-            w = permute_qk(w, n_head)
+            w = _permute_rows(w, n_head)
         elif arch == "llama" and ".self_attn.k_proj." in hf_name:
-            w = permute_qk(w, n_kv)
+            w = _permute_rows(w, n_kv)
         elif arch == "gemma3" and hf_name.endswith("norm.weight"):
             w = w + np.float32(1.0)  # llama.cpp stores Gemma's RMSNorm weight as (1 + w)
         name = gguf_tensor_name(hf_name, arch)
-        if w.ndim != 2 or qtype == "F32":
-            writer.add_tensor(name, np.ascontiguousarray(w, dtype=np.float32))
-        elif qtype == "F16":
-            writer.add_tensor(name, np.ascontiguousarray(w, dtype=np.float16))
-        else:
-            stored = quantize_weight(w, qtype)
-            raw = gguf.GGMLQuantizationType[qtype]
-            writer.add_tensor(name, stored, raw_dtype=raw if stored.dtype == np.uint8 else None)
+        if name.rsplit(".", 2)[-2] in _F32_LAYER_TENSORS and not isinstance(w, BlockTensor):
+            # routers stay F32; the shared expert's gate [1, hidden] is stored as [hidden]
+            writer.add_tensor(name, np.ascontiguousarray(w.reshape(-1) if "_shexp" in name else w, dtype=np.float32))
+            continue
+        _add_weight(writer, name, w, qtype)
+    experts.check_complete()
+    if arch == "phi3":
+        for name, factors in _phi3_rope_factors(config):
+            writer.add_tensor(name, factors)
+
+
+def _add_weight(writer, name: str, w: np.ndarray | BlockTensor, qtype: str) -> None:
+    """A weight in ``qtype`` (2-D ones and stacked experts' 3-D ones; norms and biases stay F32)."""
+    import gguf
+
+    if isinstance(w, BlockTensor):
+        writer.add_tensor(name, np.ascontiguousarray(w.blocks), raw_dtype=gguf.GGMLQuantizationType[w.qtype])
+    elif w.ndim < 2 or qtype == "F32":
+        writer.add_tensor(name, np.ascontiguousarray(w, dtype=np.float32))
+    elif qtype == "F16":
+        writer.add_tensor(name, np.ascontiguousarray(w, dtype=np.float16))
+    else:
+        stored = quantize_weight(w, qtype)
+        raw = gguf.GGMLQuantizationType[qtype]
+        writer.add_tensor(name, stored, raw_dtype=raw if stored.dtype == np.uint8 else None)
+
+
+class _ExpertStacks:
+    """Each layer's per-expert tensors, collected into llama.cpp's stacked [experts, rows, columns]
+    tensors (a ``BlockTensor``'s blocks stack the same way)."""
+
+    def __init__(self, config: dict) -> None:
+        self.count = int(config.get("num_experts") or config.get("num_local_experts") or 0)
+        self.pending: dict[str, dict[int, np.ndarray | BlockTensor]] = {}  # GGUF name → expert → weight
+
+    def holds(self, hf_name: str) -> bool:
+        return self.count > 0 and _EXPERT_NAME.fullmatch(hf_name) is not None
+
+    def add(self, hf_name: str, w: np.ndarray | BlockTensor) -> tuple[str, np.ndarray | BlockTensor] | None:
+        """(GGUF name, stacked weight) once ``hf_name``'s layer has every expert of it, else None."""
+        layer, expert, projection = _EXPERT_NAME.fullmatch(hf_name).groups()
+        name = f"blk.{layer}.{_EXPERT_TENSORS[projection]}.weight"
+        stack = self.pending.setdefault(name, {})
+        stack[int(expert)] = w
+        if len(stack) < self.count:
+            return None
+        done = self.pending.pop(name)
+        parts = [done[i] for i in range(self.count)]
+        if all(isinstance(p, BlockTensor) for p in parts) and len({p.qtype for p in parts}) == 1:
+            return name, BlockTensor(np.stack([p.blocks for p in parts]), parts[0].qtype)
+        return name, np.stack([p if isinstance(p, np.ndarray) else _dequantized(p) for p in parts])
+
+    def check_complete(self) -> None:
+        for name, stack in self.pending.items():
+            raise ValueError(f"cannot write this model to GGUF: {name} has {len(stack)} of {self.count} experts")
+
+
+def _dequantized(w: BlockTensor) -> np.ndarray:
+    import gguf
+
+    return gguf.quants.dequantize(w.blocks, gguf.GGMLQuantizationType[w.qtype])
 
 
 def write_gguf(hf_dir: Path | str, out_path: Path | str, qtype: str = "F16", *, name: str | None = None,
-               architecture: str | None = None, customize: Callable | None = None) -> Path:
+               architecture: str | None = None, customize: Callable | None = None,
+               tensors: Iterable[tuple[str, np.ndarray | BlockTensor]] | None = None) -> Path:
     """Write the model in ``hf_dir`` to ``out_path`` with its 2-D weights in ``qtype``.
 
+    ``tensors`` (Hugging Face name → float32 array, or a ``BlockTensor`` written as it is) replaces
+    the directory's safetensors as the source of the weights; ``hf_dir`` then gives only the config
+    and tokenizer (``pagoda quantize``, whose model may have come from a GGUF).
     ``architecture`` overrides the ``general.architecture`` written (tests of unsupported ones);
     ``customize(writer)`` may add metadata before the file is written. ValueError names what
     cannot be written (an architecture, a tokenizer, a qtype, a row length)."""
@@ -300,7 +457,7 @@ def write_gguf(hf_dir: Path | str, out_path: Path | str, qtype: str = "F16", *, 
         file_type = {"F32": "ALL_F32", "F16": "MOSTLY_F16"}.get(qtype, f"MOSTLY_{qtype}")
         writer.add_file_type(gguf.LlamaFileType[file_type])
         _add_tokenizer(writer, hf_dir, config)
-        _add_tensors(writer, hf_dir, config, arch, qtype)
+        _add_tensors(writer, hf_dir, config, arch, qtype, tensors)
         if customize is not None:
             customize(writer)
         writer.write_header_to_file()

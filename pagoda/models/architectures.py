@@ -19,6 +19,7 @@ class Architecture:
     model_types: tuple[str, ...]  # config.json "model_type" values of this architecture
     gguf: str | None = None  # llama.cpp's general.architecture, when pagoda reads / writes GGUFs of it
     gguf_model_type: str | None = None  # the model_type a GGUF of this architecture converts to
+    gguf_experts: bool = False  # a GGUF of ``gguf`` is this architecture when it has experts (Mixtral's "llama")
 
 
 ARCHITECTURES: tuple[Architecture, ...] = (
@@ -30,18 +31,33 @@ ARCHITECTURES: tuple[Architecture, ...] = (
     Architecture("Qwen3ForCausalLM", "llama", "Qwen3ForCausalLM", ("qwen3",), gguf="qwen3", gguf_model_type="qwen3"),
     Architecture("Gemma3ForCausalLM", "gemma3", "Gemma3ForCausalLM", ("gemma3_text",), gguf="gemma3",
                  gguf_model_type="gemma3_text"),
+    Architecture("Phi3ForCausalLM", "phi3", "Phi3ForCausalLM", ("phi3",), gguf="phi3", gguf_model_type="phi3"),
+    # mixture of experts (models/moe.py); llama.cpp writes Mixtral as "llama" with expert tensors
+    Architecture("MixtralForCausalLM", "mixtral", "MixtralForCausalLM", ("mixtral",), gguf="llama",
+                 gguf_model_type="mixtral", gguf_experts=True),
+    Architecture("Qwen2MoeForCausalLM", "qwen_moe", "Qwen2MoeForCausalLM", ("qwen2_moe",), gguf="qwen2moe",
+                 gguf_model_type="qwen2_moe"),
+    Architecture("Qwen3MoeForCausalLM", "qwen_moe", "Qwen3MoeForCausalLM", ("qwen3_moe",), gguf="qwen3moe",
+                 gguf_model_type="qwen3_moe"),
+    Architecture("OlmoeForCausalLM", "olmoe", "OlmoeForCausalLM", ("olmoe",), gguf="olmoe", gguf_model_type="olmoe"),
 )
 
 BY_HF_CLASS: dict[str, Architecture] = {a.hf_class: a for a in ARCHITECTURES}
 
 # GGUF general.architecture → (HF class, HF model_type) of the config.json a GGUF converts to
 GGUF_ARCHITECTURES: dict[str, tuple[str, str]] = {
-    a.gguf: (a.hf_class, a.gguf_model_type) for a in ARCHITECTURES if a.gguf is not None and a.gguf_model_type
+    a.gguf: (a.hf_class, a.gguf_model_type) for a in ARCHITECTURES
+    if a.gguf is not None and a.gguf_model_type and not a.gguf_experts
+}
+# ... and for a GGUF of that general.architecture with experts ({arch}.expert_count > 0)
+GGUF_EXPERT_ARCHITECTURES: dict[str, tuple[str, str]] = {
+    a.gguf: (a.hf_class, a.gguf_model_type) for a in ARCHITECTURES if a.gguf is not None and a.gguf_experts
 }
 
 # HF model_type → the general.architecture a GGUF of it is written as (loader/gguf_writer.py)
 GGUF_WRITE_ARCHITECTURES: dict[str, str] = {
     "llama": "llama", "mistral": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "gemma3_text": "gemma3",
+    "phi3": "phi3", "mixtral": "llama", "qwen2_moe": "qwen2moe", "qwen3_moe": "qwen3moe", "olmoe": "olmoe",
 }
 assert set(GGUF_WRITE_ARCHITECTURES.values()) <= set(GGUF_ARCHITECTURES)
 assert all(t in {m for a in ARCHITECTURES for m in a.model_types} for t in GGUF_WRITE_ARCHITECTURES)

@@ -33,8 +33,7 @@ class TransformerConfig:
         num_heads = hf["num_attention_heads"]
         hidden = hf["hidden_size"]
         rope = hf.get("rope_parameters") or {}
-        scaling = hf.get("rope_scaling") or (rope if rope.get("rope_type", "default") != "default" else None)
-        rope_theta = hf.get("rope_theta", rope.get("rope_theta", 10000.0))
+        rope_theta = hf.get("rope_theta") or rope.get("rope_theta", 10000.0)
         return cls(
             architecture=architecture,
             vocab_size=hf["vocab_size"],
@@ -46,7 +45,7 @@ class TransformerConfig:
             head_dim=hf.get("head_dim") or hidden // num_heads,
             rms_norm_eps=hf.get("rms_norm_eps", 1e-6),
             rope_theta=float(rope_theta),
-            rope_scaling=scaling,
+            rope_scaling=rope_scaling(hf),
             max_position_embeddings=hf.get("max_position_embeddings", 4096),
             tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
             attention_bias=hf.get("attention_bias", False) if attention_bias is None else attention_bias,
@@ -54,6 +53,39 @@ class TransformerConfig:
             hidden_act=hf.get("hidden_act", "silu"),
             sliding_windows=layer_windows(hf, hf["num_hidden_layers"]),
         )
+
+
+# rope types whose tables depend on the context the model was pretrained with
+_WITH_ORIGINAL_CONTEXT = ("llama3", "yarn", "longrope")
+
+
+def rope_scaling(hf: dict) -> dict | None:
+    """config.json's rope scaling (``rope_scaling``, or transformers 5's ``rope_parameters``) as
+    layers/rotary.py reads it, or None: ``rope_type`` set (Phi-3's old "su" / "yarn" are its
+    LongRoPE, as transformers reads them), and for llama3 / yarn / longrope the original context
+    (Phi-3's top-level ``original_max_position_embeddings`` first, as in transformers) and the
+    model's ``max_position_embeddings`` (yarn's and longrope's default factor is their ratio).
+    A partial rotary (``partial_rotary_factor`` < 1, e.g. Phi-4-mini) is refused."""
+    params = hf.get("rope_parameters") or {}
+    partial = params.get("partial_rotary_factor", hf.get("partial_rotary_factor", 1.0))
+    if partial is not None and float(partial) != 1.0:
+        raise ValueError(f"partial_rotary_factor={partial} is not supported (pagoda rotates whole heads)")
+    scaling = dict(hf.get("rope_scaling") or params)
+    rope_type = scaling.get("rope_type", scaling.get("type", "default"))
+    if rope_type in ("default", None):
+        return None
+    if hf.get("model_type") == "phi3" and rope_type in ("su", "yarn"):
+        rope_type = "longrope"
+    scaling["rope_type"] = rope_type
+    if rope_type in _WITH_ORIGINAL_CONTEXT:
+        max_position = hf.get("max_position_embeddings", 4096)
+        original = hf.get("original_max_position_embeddings") if hf.get("model_type") == "phi3" else None
+        scaling["original_max_position_embeddings"] = int(
+            original or scaling.get("original_max_position_embeddings") or max_position)
+        scaling["max_position_embeddings"] = max_position
+        if rope_type == "yarn" and scaling.get("factor") is None:
+            scaling["factor"] = max_position / scaling["original_max_position_embeddings"]
+    return scaling
 
 
 def layer_windows(hf: dict, num_layers: int) -> tuple[int | None, ...]:

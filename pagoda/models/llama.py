@@ -252,8 +252,8 @@ class LlamaForCausalLM(nn.Module):
         plan, d = self.shards, self.config.head_dim
         if ".qkv_proj." in target:
             sizes = [plan.num_heads * d, plan.num_kv_heads * d, plan.num_kv_heads * d]
-        else:
-            sizes = [plan.intermediate_size, plan.intermediate_size]
+        else:  # gate/up: halves (an MLP's, an expert's or a shared expert's intermediate rows)
+            sizes = [data.shape[0] // 2] * 2
         return data.split(sizes, dim=0)[shard]
 
     def _check_all_loaded(self, params: dict, loaded: set[str]) -> None:

@@ -159,7 +159,9 @@ def test_registry_and_gguf_share_one_table():
     from pagoda.loader import gguf, gguf_writer
     from pagoda.models import architectures, registry
 
-    assert set(gguf.SUPPORTED_ARCHITECTURES) == set(registry.GGUF_ARCHITECTURES) == {"llama", "qwen2", "qwen3", "gemma3"}
+    assert set(gguf.SUPPORTED_ARCHITECTURES) == set(registry.GGUF_ARCHITECTURES) == {
+        "llama", "qwen2", "qwen3", "gemma3", "phi3", "qwen2moe", "qwen3moe", "olmoe"}
+    assert architectures.GGUF_EXPERT_ARCHITECTURES == {"llama": ("MixtralForCausalLM", "mixtral")}
     assert set(registry.GGUF_ARCHITECTURES.values()) <= set(registry.MODEL_REGISTRY)
     assert registry.MODEL_REGISTRY["Gemma3ForCausalLM"] is Gemma3ForCausalLM
     assert gguf_writer._ARCHITECTURES is architectures.GGUF_WRITE_ARCHITECTURES
