@@ -61,6 +61,8 @@ CHILD = textwrap.dedent(
         p.name: hashlib.sha256(p.read_bytes()).hexdigest()
         for p in sorted(csrc.iterdir()) if p.suffix in (".cpp", ".h")
     }
+    web = pkg / "entrypoints" / "web" / "static"
+    out["installed_web"] = sorted(str(p.relative_to(web)) for p in web.rglob("*") if p.is_file())
 
     import torch
     from pagoda.layers import cpu_kernels
@@ -188,6 +190,9 @@ def test_non_editable_install_builds_and_uses_cpu_kernels(tmp_path, tiny_llama):
     assert not missing, f"not installed (add them to [tool.setuptools.package-data]): {missing}" + context
     differing = sorted(n for n in expected if out["installed_csrc"][n] != expected[n])
     assert not differing, f"installed copies differ from the repo's: {differing}" + context
+    web = REPO / "pagoda" / "entrypoints" / "web" / "static"  # the web pages and their vendored libraries
+    missing_web = sorted({str(p.relative_to(web)) for p in web.rglob("*") if p.is_file()} - set(out["installed_web"]))
+    assert not missing_web, f"web files not installed (package-data): {missing_web}" + context
 
     # The kernels were built, from the installed sources, into the fresh home, and that library is loaded.
     assert out["kernels_loaded"], "load_cpu_kernels() returned None: the kernels did not build" + context

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import heapq
 import itertools
+import time
 from dataclasses import dataclass, field
 
 _clock = itertools.count()
@@ -28,10 +29,12 @@ class RadixNode:
     parent: "RadixNode | None" = None
     children: dict[tuple[int, ...], "RadixNode"] = field(default_factory=dict)  # first block's tokens → child
     lock_ref: int = 0
-    last_access: int = 0
+    last_access: int = 0  # a logical clock: LRU order
+    last_access_time: float = 0.0  # monotonic seconds, for the dashboard's age of a prefix
 
     def touch(self) -> None:
         self.last_access = next(_clock)
+        self.last_access_time = time.monotonic()
 
 
 @dataclass
@@ -89,7 +92,8 @@ class RadixCache:
     def _split(self, node: RadixNode, num_blocks: int) -> RadixNode:
         """Cut node after num_blocks blocks; returns the new upper part (node becomes its child)."""
         cut = num_blocks * self.block_size
-        upper = RadixNode(node.tokens[:cut], node.blocks[:num_blocks], node.parent, {}, node.lock_ref, node.last_access)
+        upper = RadixNode(node.tokens[:cut], node.blocks[:num_blocks], node.parent, {}, node.lock_ref, node.last_access,
+                           node.last_access_time)
         node.parent.children[upper.tokens[: self.block_size]] = upper
         node.tokens, node.blocks, node.parent = node.tokens[cut:], node.blocks[num_blocks:], upper
         upper.children[node.tokens[: self.block_size]] = node

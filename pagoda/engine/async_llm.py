@@ -15,6 +15,7 @@ One AsyncLLM serves one event loop.
 from __future__ import annotations
 
 import asyncio
+import itertools
 import logging
 from collections.abc import AsyncIterator, Callable
 
@@ -53,12 +54,15 @@ class AsyncLLM:
         # Called on the event loop when the engine cannot go on and will not be restarted (a
         # tensor-parallel worker died): the server then stops (run_server).
         self.on_fatal: Callable[[BaseException], None] | None = None
+        self._debug_queries: dict[int, asyncio.Future] = {}  # debug snapshots asked of the engine
+        self._query_ids = itertools.count()
         if engine_process:
             self.client = ProcessCoreClient(engine.config, self._from_core, self._core_failed,
-                                            max_restarts=max_engine_restarts)
+                                            max_restarts=max_engine_restarts, on_answer=self._debug_answered)
             engine.limits = self.client.limits
         else:
-            self.client = ThreadCoreClient(engine.core, self._from_core, self._core_failed)
+            self.client = ThreadCoreClient(engine.core, self._from_core, self._core_failed,
+                                           on_answer=self._debug_answered)
 
     @property
     def healthy(self) -> bool:
@@ -123,6 +127,30 @@ class AsyncLLM:
         if session_ids and self.healthy:
             self.client.release_sessions(session_ids)
 
+    async def debug(self, what: str, limit: int | None = None, timeout: float = 10.0) -> dict:
+        """A snapshot of the engine's recorder (engine/step_trace.py; `what`: engine, steps,
+        requests, radix or all), built by the engine between two steps, in either engine mode."""
+        if not self.healthy:
+            raise EngineDeadError("the engine is not running")
+        loop = asyncio.get_running_loop()
+        self._loop = self._loop or loop
+        query_id = next(self._query_ids)
+        answer = self._debug_queries[query_id] = loop.create_future()
+        self.client.debug(query_id, what, limit)
+        try:
+            return await asyncio.wait_for(answer, timeout)
+        finally:
+            self._debug_queries.pop(query_id, None)
+
+    def _on_debug_answer(self, query_id: int, snapshot: dict | None, error: str | None) -> None:
+        answer = self._debug_queries.get(query_id)
+        if answer is None or answer.done():
+            return
+        if error is not None:
+            answer.set_exception(ValueError(error))
+        else:
+            answer.set_result(snapshot)
+
     def _abort(self, request_id: str) -> None:
         core_ids = self.output_processor.core_ids(request_id)
         self.output_processor.abort_request(request_id)
@@ -143,6 +171,9 @@ class AsyncLLM:
         for rid, stream in list(self._streams.items()):
             self.output_processor.abort_request(rid)
             stream.put_nowait(error)
+        for answer in self._debug_queries.values():
+            if not answer.done():
+                answer.set_exception(error)
 
     def abort_all(self, error: BaseException) -> int:
         """End every request in flight with `error` (raised in its consumer) and free its KV
@@ -157,6 +188,10 @@ class AsyncLLM:
     def _from_core(self, outputs: list[EngineCoreOutput]) -> None:
         if self._loop is not None:
             self._loop.call_soon_threadsafe(self._on_core_outputs, outputs)
+
+    def _debug_answered(self, query_id: int, snapshot: dict | None, error: str | None) -> None:
+        if self._loop is not None:
+            self._loop.call_soon_threadsafe(self._on_debug_answer, query_id, snapshot, error)
 
     def _core_failed(self, error: BaseException) -> None:
         if self._loop is not None:

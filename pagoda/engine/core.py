@@ -15,6 +15,7 @@ from pagoda.config import EngineConfig
 from pagoda.core.kv_cache_manager import KVCacheManager
 from pagoda.core.scheduler import Scheduler, SchedulerStats
 from pagoda.core.scheduler_output import SchedulerOutput
+from pagoda.engine.step_trace import StepTrace, radix_snapshot
 from pagoda.outputs import TokenLogprobs
 from pagoda.request import Request, RequestStatus
 from pagoda.structured_output.manager import StructuredOutputManager, build_token_bitmask
@@ -60,6 +61,10 @@ class RequestLimits:
             raise ValueError(f"prompt token ids must be in [0, {self.vocab_size}), got {bad[:5]}")
 
 
+# What `debug_snapshot("all")` (the dashboard's view, a few times a second) holds of each view.
+DASHBOARD_LIMITS = {"engine": None, "steps": 32, "requests": 25, "radix": 20}
+
+
 class EngineCore:
     """The scheduler and an executor (its workers hold the model and the KV cache)."""
 
@@ -100,6 +105,7 @@ class EngineCore:
         self.limits = RequestLimits(self.max_model_len, self.vocab_size, self.num_blocks)
         self._structured_outputs: StructuredOutputManager | None = None
         self._compiling: list[Request] = []  # constrained requests whose grammar is not compiled yet
+        self.trace = StepTrace()  # the last steps and requests, for /v1/debug (engine/step_trace.py)
 
     @property
     def model(self) -> torch.nn.Module:
@@ -130,6 +136,7 @@ class EngineCore:
             request.grammar = self.structured_outputs.grammar_for(constraint)
             self._compiling.append(request)
         self.scheduler.add_request(request)
+        self.trace.arrived(request)
 
     @property
     def structured_outputs(self) -> StructuredOutputManager:
@@ -151,6 +158,7 @@ class EngineCore:
                     logger.error("request %s: grammar compilation failed: %s", request.request_id, request.grammar.error)
                     request.stop_reason = f"grammar compilation failed: {request.grammar.error}"
                     self.scheduler.finish_request(request.request_id, RequestStatus.FINISHED_ABORTED)
+                    self.trace.finished(request, "abort")
                     failed.append(EngineCoreOutput(request.request_id, [], "abort", request.stop_reason))
                 continue
             pending.append(request)
@@ -163,7 +171,9 @@ class EngineCore:
     def finish_requests(self, request_ids: list[str], status: RequestStatus) -> None:
         """Finish requests from outside a step (abort, or a stop string the detokenizer saw)."""
         for rid in request_ids:
-            self.scheduler.finish_request(rid, status)
+            request = self.scheduler.finish_request(rid, status)
+            if request is not None:
+                self.trace.finished(request, status.finish_reason)
 
     def release_sessions(self, session_ids: list[str]) -> None:
         """Sessions that ended: their pinned prefixes become ordinary cache."""
@@ -176,6 +186,28 @@ class EngineCore:
     def stats(self) -> SchedulerStats:
         return self.scheduler.stats()
 
+    def debug_snapshot(self, what: str, limit: int | None = None) -> dict:
+        """The recorder's view for /v1/debug (plain data): `engine`, `steps`, `requests`, `radix`,
+        or `all` of them (the dashboard's one call per update)."""
+        if what == "all":  # as much as the dashboard shows
+            return {name: self.debug_snapshot(name, limit) for name, limit in DASHBOARD_LIMITS.items()}
+        if what == "engine":
+            stats = self.stats()
+            fields = {**vars(stats), "prefix_cache_hit_rate": stats.prefix_cache_hit_rate,
+                      "memory_pressure": stats.memory_pressure}
+            sc, cc = self.config.scheduler, self.config.cache
+            config = {"max_num_seqs": sc.max_num_seqs, "max_num_batched_tokens": sc.max_num_batched_tokens,
+                      "max_model_len": self.max_model_len, "block_size": cc.block_size, "num_blocks": self.num_blocks,
+                      "enable_prefix_caching": cc.enable_prefix_caching}
+            return self.trace.engine_snapshot(fields, config)
+        if what == "steps":
+            return {"steps": self.trace.steps_snapshot(limit or 256)}
+        if what == "requests":
+            return {"requests": self.trace.requests_snapshot(limit or 100)}
+        if what == "radix":
+            return radix_snapshot(self.kv_manager.cache, limit or 20)
+        raise ValueError(f"unknown debug view {what!r}: expected engine, steps, requests, radix or all")
+
     # -- the step ---------------------------------------------------------------------------
     def step(self) -> list[EngineCoreOutput]:
         failed = self._grammar_failures() if self._compiling else []
@@ -186,18 +218,21 @@ class EngineCore:
                 StructuredOutputManager.wait_any([r.grammar for r in self._compiling], timeout=0.05)
             return failed
         self._attach_grammar_bitmask(sched)
+        self.trace.begin_step(sched, self.scheduler.requests)
         result = self.executor.execute_model(sched)
         before = {rid: r.num_output_tokens for rid in sched.num_scheduled_tokens
                   if (r := self.scheduler.requests.get(rid)) is not None}
         finished = {r.request_id: r for r in self.scheduler.update(sched, result)}
         self.num_steps += 1
         outputs = failed
+        generated = 0
         for rid in sched.num_scheduled_tokens:
             request = finished.get(rid) or self.scheduler.requests.get(rid)
             if request is None:
                 continue  # aborted while the step ran
             # what the scheduler appended: the sampled tokens, cut where a stop condition ended the run
             new_tokens = request.output_token_ids[before.get(rid, request.num_output_tokens):]
+            generated += len(new_tokens)
             prompt_lps = result.prompt_logprobs.get(rid)
             if not new_tokens and prompt_lps is None and rid not in finished:
                 continue
@@ -212,7 +247,16 @@ class EngineCore:
                 first_scheduled_time=request.first_scheduled_time,
                 num_cached_tokens=request.num_cached_tokens or 0,
             ))
+        self._trace_step(sched, generated, finished)
         return outputs
+
+    def _trace_step(self, sched: SchedulerOutput, generated: int, finished: dict[str, Request]) -> None:
+        """Tell the recorder how the step ended: tokens generated, the queue, finishes."""
+        running = len(self.scheduler.running)
+        self.trace.end_step(sched, generated, running, len(self.scheduler.requests) - running,
+                            self.kv_manager.usage())
+        for request in finished.values():
+            self.trace.finished(request, request.status.finish_reason)
 
     def _attach_grammar_bitmask(self, sched: SchedulerOutput) -> None:
         """The allowed tokens of each constrained request that samples this step (at each

@@ -25,14 +25,28 @@ logger = logging.getLogger(__name__)
 
 OnOutputs = Callable[[list[EngineCoreOutput]], None]
 OnFailure = Callable[[BaseException], None]
+# A debug query's answer: (query id, the snapshot, or the error text when it failed)
+OnAnswer = Callable[[int, dict | None, str | None], None]
+
+
+def _answer_debug(core: EngineCore, query: tuple[int, str, int | None], answer: OnAnswer) -> None:
+    """Build a recorder snapshot (engine/step_trace.py) between steps, where nothing changes it."""
+    query_id, what, limit = query
+    try:
+        snapshot = core.debug_snapshot(what, limit)
+    except Exception as e:  # noqa: BLE001 - reported to the caller, the engine goes on
+        answer(query_id, None, f"{type(e).__name__}: {e}")
+    else:
+        answer(query_id, snapshot, None)
 
 
 def _serve_core(core: EngineCore, inbox, emit_outputs: Callable[[list[EngineCoreOutput]], None],
-                stopped: Callable[[], bool]) -> None:
+                stopped: Callable[[], bool], answer: OnAnswer) -> None:
     """The step loop shared by both clients: drain orders, step while anything is unfinished.
 
     emit_outputs gets each step's outputs, and an empty list when orders left the core idle
-    (so a remote client's stats see aborts that no step reports)."""
+    (so a remote client's stats see aborts that no step reports). Debug queries are answered
+    through `answer` between steps."""
     while not stopped():
         core.check_health()  # a dead tensor-parallel worker fails the engine even while it idles
         handled = False
@@ -51,6 +65,8 @@ def _serve_core(core: EngineCore, inbox, emit_outputs: Callable[[list[EngineCore
                     core.add_request(request)
             elif kind == "release_sessions":
                 core.release_sessions(payload)
+            elif kind == "debug":
+                _answer_debug(core, payload, answer)
             else:
                 core.finish_requests(payload, status)
             try:
@@ -77,13 +93,19 @@ class _InboxClient:
     def release_sessions(self, session_ids: list[str]) -> None:
         self._inbox.put(("release_sessions", session_ids, None))
 
+    def debug(self, query_id: int, what: str, limit: int | None = None) -> None:
+        """Ask for a recorder snapshot; it comes back through the client's `on_answer`."""
+        self._inbox.put(("debug", (query_id, what, limit), None))
+
 
 class ThreadCoreClient(_InboxClient):
-    def __init__(self, core: EngineCore, on_outputs: OnOutputs, on_failure: OnFailure) -> None:
+    def __init__(self, core: EngineCore, on_outputs: OnOutputs, on_failure: OnFailure,
+                 on_answer: OnAnswer | None = None) -> None:
         self.core = core
         self.limits: RequestLimits = core.limits
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
         self._on_outputs, self._on_failure = on_outputs, on_failure
+        self._on_answer = on_answer or (lambda *_: None)
         self.dead_error: BaseException | None = None
         self._stopped = False
         self._thread = threading.Thread(target=self._run, name="pagoda-engine", daemon=True)
@@ -104,7 +126,8 @@ class ThreadCoreClient(_InboxClient):
 
     def _run(self) -> None:
         try:
-            _serve_core(self.core, self._inbox, lambda outs: outs and self._on_outputs(outs), lambda: self._stopped)
+            _serve_core(self.core, self._inbox, lambda outs: outs and self._on_outputs(outs), lambda: self._stopped,
+                        self._on_answer)
         except BaseException as e:
             logger.exception("engine loop failed")
             self.dead_error = e
@@ -128,7 +151,8 @@ def _process_main(config: EngineConfig, inbox, outbox, parent_pid: int) -> None:
     outbox.put(("ready", core.limits, core.stats()))
     try:
         _serve_core(core, inbox, lambda outs: outbox.put(("outputs", outs, core.stats())),
-                    lambda: os.getppid() != parent_pid)
+                    lambda: os.getppid() != parent_pid,
+                    lambda query_id, snapshot, error: outbox.put(("debug", (query_id, snapshot, error), None)))
         outbox.put(("stopped", None, None))
     except BaseException as e:  # noqa: BLE001
         outbox.put(("failed", f"{type(e).__name__}: {e}", None))
@@ -145,10 +169,11 @@ class ProcessCoreClient(_InboxClient):
     would leave that queue unusable."""
 
     def __init__(self, config: EngineConfig, on_outputs: OnOutputs, on_failure: OnFailure,
-                 max_restarts: int = 0) -> None:
+                 max_restarts: int = 0, on_answer: OnAnswer | None = None) -> None:
         self._config = config
         self._ctx = mp.get_context("spawn")  # no fork after torch has started its thread pools
         self._on_outputs, self._on_failure = on_outputs, on_failure
+        self._on_answer = on_answer or (lambda *_: None)
         self.max_restarts, self.num_restarts = max_restarts, 0
         self.dead_error: BaseException | None = None
         self.restarting = False
@@ -211,6 +236,8 @@ class ProcessCoreClient(_InboxClient):
                     self._stats = stats
                     if payload:
                         self._on_outputs(payload)
+                elif kind == "debug":
+                    self._on_answer(*payload)
                 elif kind == "failed":
                     return RuntimeError(payload)
                 elif kind == "stopped":

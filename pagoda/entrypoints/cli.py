@@ -300,6 +300,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "and answered 504 (default: no limit)")
     p.add_argument("--shutdown-timeout", type=float, default=10.0,
                    help="on SIGTERM / SIGINT, seconds in-flight requests get to finish before they are aborted")
+    p.add_argument("--no-web-ui", action="store_true",
+                   help="do not serve the web playground (/) and the engine dashboard (/dashboard); the JSON "
+                        "debug API (/v1/debug/...) stays")
     p.add_argument("--log-level", default=None, choices=LOG_LEVELS,
                    help="default: the global --log-level (pagoda --log-level LEVEL serve), else info")
     EngineArgs.add_cli_args(p)

@@ -26,7 +26,7 @@ import time
 
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from pagoda.entrypoints.openai.middleware import OPEN_PATHS, error_response
+from pagoda.entrypoints.openai.middleware import error_response, is_open
 from pagoda.entrypoints.openai.serving import OpenAIError
 from pagoda.security.audit import AuditLog, timestamp
 from pagoda.security.auth import AuthConfig, AuthConfigError
@@ -35,8 +35,10 @@ from pagoda.security.limits import LimitStore
 
 logger = logging.getLogger("pagoda.auth")
 
-# The model store's write routes (Ollama's API): only an `admin` role may call them.
+# The model store's write routes (Ollama's API) and the engine's debug data (/v1/debug/...,
+# pagoda/entrypoints/web): only an `admin` role may call them.
 ADMIN_PATHS = frozenset({"/api/pull", "/api/push", "/api/delete", "/api/copy", "/api/create"})
+ADMIN_PREFIX = "/v1/debug/"
 
 
 def unauthorized() -> OpenAIError:
@@ -113,8 +115,9 @@ class Access:
         if grant is None:
             return
         role = grant.role
-        if path in ADMIN_PATHS and not role.admin:
-            raise OpenAIError(f"the key's role `{role.name}` may not change the model store (needs `admin: true`)",
+        if path is not None and not role.admin and (path in ADMIN_PATHS or path.startswith(ADMIN_PREFIX)):
+            action = "read the engine's debug data" if path.startswith(ADMIN_PREFIX) else "change the model store"
+            raise OpenAIError(f"the key's role `{role.name}` may not {action} (needs `admin: true`)",
                               status=403, type_="permission_error", code="admin_required")
         refusal = grant.limits.take_request(role)
         if refusal is not None:
@@ -151,7 +154,7 @@ class AccessControl:
         self.app, self.access = app, access
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http" or scope["path"] in OPEN_PATHS:
+        if scope["type"] != "http" or is_open(scope["path"]):
             await self.app(scope, receive, send)
             return
         access = self.access
@@ -238,7 +241,8 @@ def install(app, access: Access | None, read_timeout: float | None = None) -> No
     if read_timeout:
         app.add_middleware(BodyDeadline, timeout=read_timeout)
     app.state.access = access
-    app.state.serving.access = access
+    if getattr(app.state, "serving", None) is not None:  # (none on the front of several models)
+        app.state.serving.access = access
     if access is None:
         return
     app.add_middleware(AccessControl, access=access)

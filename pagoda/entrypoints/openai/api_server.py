@@ -16,6 +16,7 @@ from pagoda import __version__
 from pagoda.engine.async_llm import AsyncLLM
 from pagoda.entrypoints.disconnect import GONE, unless_disconnected
 from pagoda.entrypoints.ollama_api import router as ollama_router
+from pagoda.entrypoints.web import install_web
 from pagoda.entrypoints.openai.lifecycle import DrainingServer, Lifecycle, bind_listener, shutting_down
 from pagoda.entrypoints.openai.middleware import (
     MAX_BODY_BYTES, APIKeyCheck, BodyLimit, FastJSONResponse, ReleasingStream, error_response, http_error,
@@ -49,7 +50,8 @@ def build_app(engine: AsyncLLM, served_model_names: list[str], *, api_key: str |
               max_queue_len: int | None = None, model_root: str | None = None,
               request_timeout: float | None = None, max_body_bytes: int = MAX_BODY_BYTES,
               session_ttl: float = 1800.0, max_sessions: int = 1000,
-              moderation_words: list[str] | None = None, moderation_action: str = "stop") -> FastAPI:
+              moderation_words: list[str] | None = None, moderation_action: str = "stop",
+              web_ui: bool = True) -> FastAPI:
     app = FastAPI(title="pagoda", version=__version__, default_response_class=FastJSONResponse)
     serving = Serving(engine, served_model_names, max_queue_len,
                       aliases=_catalog_aliases(model_root, served_model_names), request_timeout=request_timeout)
@@ -196,6 +198,7 @@ def build_app(engine: AsyncLLM, served_model_names: list[str], *, api_key: str |
         return {"prompt": serving.tokenizer.decode(body.tokens, skip_special_tokens=False)}
 
     app.include_router(ollama_router)  # Ollama's API, /api/... (pagoda/entrypoints/ollama_api.py)
+    install_web(app, web_ui=web_ui)  # /, /dashboard and /v1/debug/... (pagoda/entrypoints/web)
     return app
 
 
@@ -229,7 +232,8 @@ def run_server(args) -> int:
     app = build_app(async_engine, names, api_key=api_key, max_queue_len=args.max_queue_len, model_root=args.model,
                     request_timeout=args.request_timeout, session_ttl=args.session_ttl, max_sessions=args.max_sessions,
                     moderation_words=getattr(args, "moderation_words", None),
-                    moderation_action=getattr(args, "moderation_action", "stop"))
+                    moderation_action=getattr(args, "moderation_action", "stop"),
+                    web_ui=not getattr(args, "no_web_ui", False))
     install_access(app, access, args.read_timeout)  # and the body read deadline (pagoda/security/timeouts.py)
     if args.grpc_port is not None:  # the gRPC service on the same engine (pagoda/entrypoints/grpc_api)
         from pagoda.entrypoints.grpc_api.service import attach_grpc

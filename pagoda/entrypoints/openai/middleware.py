@@ -15,7 +15,14 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from pagoda.entrypoints.openai.serving import OpenAIError, dumps
 
-OPEN_PATHS = {"/health", "/version", "/metrics", "/docs", "/openapi.json"}
+OPEN_PATHS = {"/health", "/version", "/metrics", "/docs", "/openapi.json",
+              "/", "/dashboard"}  # the web pages (pagoda/entrypoints/web): they ask for the key themselves
+OPEN_PREFIXES = ("/web/",)  # the web pages' static files
+
+
+def is_open(path: str) -> bool:
+    """Whether a path is served without an API key."""
+    return path in OPEN_PATHS or path.startswith(OPEN_PREFIXES)
 
 # The largest request body taken: far above any prompt a context holds (a 128k-token prompt as
 # token ids is ~1 MB of JSON), low enough that parsing and refusing one costs about a second
@@ -57,7 +64,7 @@ class APIKeyCheck:
         self.app, self.expected = app, f"Bearer {api_key}"
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] == "http" and scope["path"] not in OPEN_PATHS:
+        if scope["type"] == "http" and not is_open(scope["path"]):
             given = Headers(scope=scope).get("authorization", "")
             if not secrets.compare_digest(given, self.expected):
                 error = OpenAIError("invalid or missing API key", status=401, type_="authentication_error",
