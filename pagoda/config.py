@@ -172,6 +172,9 @@ def create_engine_config(args: EngineArgs) -> EngineConfig:
     from pagoda.models.registry import resolve_architecture
 
     args._validate()
+    if args.num_threads is not None:  # the engine computes in this process; OMP_NUM_THREADS for its children
+        torch.set_num_threads(args.num_threads)
+        os.environ["OMP_NUM_THREADS"] = str(args.num_threads)
     device = torch.device(args.device) if args.device else default_device()
     files = resolve_model(args.model, key_file=args.model_key_file)
     if args.model_key_file is not None and files.encryption is None:

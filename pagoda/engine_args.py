@@ -109,6 +109,8 @@ class EngineArgs:
         "\"prompt_lookup_min\": 2, \"prompt_lookup_max\": 5} or {\"method\": \"draft_model\", \"model\": NAME, "
         "\"quantization\": ..., \"num_speculative_tokens\": 4} (num_speculative_tokens 1-5; disable_by_batch_size, "
         "default 4: no drafts above that many running requests)", type=str))
+    num_threads: int | None = field(default=None, metadata=_option(
+        "CPU threads the engine computes with (torch's intra-op threads; default: torch's choice, one per core)"))
     extra: dict = field(default_factory=dict, metadata=NO_OPTION)
 
     @classmethod
@@ -159,6 +161,7 @@ class EngineArgs:
              f"must be divisible by nnodes={self.nnodes}"),
             (self.master_port is None or 0 < self.master_port < 65536, "master_port", "must be in [1, 65535]"),
             (self.distributed_timeout_seconds > 0, "distributed_timeout_seconds", "must be > 0"),
+            (self.num_threads is None or self.num_threads >= 1, "num_threads", "must be >= 1"),
         ]
         for ok, name, message in checks:
             if not ok:

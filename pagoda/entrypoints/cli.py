@@ -1,4 +1,4 @@
-"""The `pagoda` command: generate | chat | serve | router | bench, and the model store's list | pull |
+"""The `pagoda` command: generate | chat | serve | router | bench | tune, and the model store's list | pull |
 push | cp | show | rm | create (pagoda/store/commands.py).
 
 Building the parser imports nothing heavy (no torch, transformers or fastapi, not even numpy):
@@ -14,7 +14,7 @@ import sys
 import uuid
 from collections.abc import Callable
 
-from pagoda import __version__
+from pagoda import __version__, config_file
 from pagoda.engine_args import EngineArgs  # not from pagoda.config, which imports torch (~1.5 s)
 from pagoda.router import options as router_options  # argparse only; the router loads when it runs
 from pagoda.security import encrypt_command  # argparse only; cryptography loads when it runs
@@ -267,12 +267,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
     EngineArgs.add_cli_args(p)
     _add_sampling_args(p)
+    config_file.add_cli_arg(p)  # --config FILE.yaml (pagoda/config_file.py)
     p.set_defaults(func=cmd_generate)
 
     p = sub.add_parser("chat", help="interactive chat that keeps the conversation")
     p.add_argument("--system", default=None, help="system prompt")
     EngineArgs.add_cli_args(p)
     _add_sampling_args(p)
+    config_file.add_cli_arg(p)
     p.set_defaults(func=cmd_chat)
 
     p = sub.add_parser("serve", help="OpenAI-compatible HTTP server")
@@ -310,6 +312,7 @@ def build_parser() -> argparse.ArgumentParser:
     access_options.add_serve_args(p)  # --auth-config, --audit-log*, --read-timeout (pagoda/security/access.py)
     moderation.add_cli_args(p)  # --moderation-words / --moderation-action (pagoda/security/moderation.py)
     tls.add_cli_args(p)  # --ssl-keyfile / --ssl-certfile / --ssl-ca-certs (pagoda/security/tls.py)
+    config_file.add_cli_arg(p)  # --config FILE.yaml, e.g. what `pagoda tune -o` wrote
     p.set_defaults(func=cmd_serve, default_log_level="info")
 
     p = sub.add_parser("router", help="one OpenAI-compatible endpoint in front of several `pagoda serve` replicas")
@@ -323,7 +326,19 @@ def build_parser() -> argparse.ArgumentParser:
     keys_command.add_parser(sub)  # `pagoda keys add|list|revoke` for --auth-config (pagoda/security)
 
     _add_bench_parser(sub)
+    sub.add_parser("tune", help="find the serving flags with the most goodput under latency SLOs (measured trials)",
+                   populate=_populate_tune)
     return parser
+
+
+def _populate_tune(p: argparse.ArgumentParser) -> None:
+    """`pagoda tune`'s options (pagoda/tune/command.py), added only when the command is parsed."""
+    from pagoda.tune import command
+
+    p.description = command.__doc__
+    EngineArgs.add_cli_args(p)  # the starting point; the tuned knobs move from there
+    command.add_cli_args(p)
+    p.set_defaults(func=command.main)
 
 
 def resolve_log_level(ns: argparse.Namespace) -> str:
@@ -335,7 +350,7 @@ def resolve_log_level(ns: argparse.Namespace) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
-    ns = parser.parse_args(argv)
+    ns = config_file.parse_args(parser, sys.argv[1:] if argv is None else argv)
     ns.argv = list(sys.argv[1:] if argv is None else argv)  # as given (serve --data-parallel-size passes it on)
     ns.log_level = resolve_log_level(ns)
     logging.basicConfig(level=ns.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
