@@ -169,7 +169,8 @@ def _load(mode: str, args: argparse.Namespace):
     torch.set_num_threads(args.threads)
     spec = dict(MODES[mode])
     quantization.QUANTIZE_LM_HEAD = spec.pop("head", None)
-    llm = LLM(model=args.model, kv_cache_memory=args.kv_cache_memory, **spec)
+    model = spec.pop("model", args.model)  # a mode may bring its own file (benchmarks/quantize_methods.py)
+    llm = LLM(model=model, kv_cache_memory=args.kv_cache_memory, **spec)
     quantization.QUANTIZE_LM_HEAD = None
     return llm, spec
 

@@ -16,6 +16,7 @@ from collections.abc import Callable
 
 from pagoda import __version__, config_file
 from pagoda.engine_args import EngineArgs  # not from pagoda.config, which imports torch (~1.5 s)
+from pagoda.quantize import command as quantize_command  # argparse only; torch loads when it runs
 from pagoda.router import options as router_options  # argparse only; the router loads when it runs
 from pagoda.security import encrypt_command  # argparse only; cryptography loads when it runs
 from pagoda.security import keys_command, options as access_options  # argparse only (keys, roles, audit)
@@ -324,6 +325,7 @@ def build_parser() -> argparse.ArgumentParser:
     store_commands.add_parsers(sub)  # the model store: list, pull, push, cp, show, rm, create (pagoda/store)
     encrypt_command.add_parser(sub)  # encrypted models at rest (pagoda/security)
     keys_command.add_parser(sub)  # `pagoda keys add|list|revoke` for --auth-config (pagoda/security)
+    quantize_command.add_parser(sub)  # `pagoda quantize MODEL --method awq|gptq|rtn -o OUT.gguf` (pagoda/quantize)
 
     _add_bench_parser(sub)
     sub.add_parser("tune", help="find the serving flags with the most goodput under latency SLOs (measured trials)",
