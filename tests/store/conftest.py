@@ -1,7 +1,8 @@
 """Fixtures for the model store: a tiny GGUF, a fresh `$PAGODA_HOME` per test (sharing the suite's
 kernels and conversions), and a real OCI registry (the CNCF distribution registry, Debian's
-`docker-registry`) started on 127.0.0.1 with a temporary storage directory, plus a small proxy in
-front of it that can cut a blob download short or demand a bearer token."""
+`docker-registry`, started by pagoda/bench/registry_process.py on 127.0.0.1 with a temporary
+storage directory), plus a small proxy in front of it that can cut a blob download short or
+demand a bearer token."""
 
 from __future__ import annotations
 
@@ -10,7 +11,6 @@ import shutil
 import socket
 import subprocess
 import threading
-import time
 from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
@@ -18,9 +18,8 @@ from pathlib import Path
 import httpx
 import pytest
 from gguf_export import export_gguf
-from server_process import _free_port, stop_process
 
-REGISTRY_BIN = shutil.which("docker-registry") or shutil.which("registry")
+from pagoda.bench.registry_process import RegistryNotInstalled, RegistryProcess, start_registry
 
 
 @pytest.fixture(scope="session")
@@ -29,65 +28,17 @@ def tiny_gguf(tiny_llama, tmp_path_factory) -> Path:
     return export_gguf(tiny_llama, tmp_path_factory.mktemp("store-gguf") / "tiny.gguf", "Q8_0")
 
 
-def _wait_ready(url: str, proc: subprocess.Popen, log: Path, deadline: float = 30.0) -> None:
-    end = time.monotonic() + deadline
-    while time.monotonic() < end:
-        if proc.poll() is not None:
-            raise RuntimeError(f"docker-registry exited with {proc.returncode}: {log.read_text()[-2000:]}")
-        try:
-            if httpx.get(url, timeout=1.0).status_code in (200, 401):
-                return
-        except httpx.TransportError:
-            pass
-        time.sleep(0.05)
-    raise RuntimeError(f"docker-registry did not answer {url} within {deadline} s: {log.read_text()[-2000:]}")
-
-
-@dataclass
-class Registry:
-    host: str  # 127.0.0.1:PORT
-    root: Path  # its storage directory
-    proc: subprocess.Popen
-
-    def blob_data_path(self, digest: str) -> Path:
-        hexdigest = digest.split(":", 1)[1]
-        return self.root / "docker/registry/v2/blobs/sha256" / hexdigest[:2] / hexdigest / "data"
-
-
-def _start_registry(tmp: Path, htpasswd: Path | None = None) -> Registry:
-    if REGISTRY_BIN is None:
-        pytest.skip("docker-registry is not installed (apt-get install docker-registry; .ci/run installs it)")
-    port = _free_port()
-    data = tmp / "data"
-    data.mkdir(parents=True)
-    auth = (f"auth:\n  htpasswd:\n    realm: pagoda-test\n    path: {htpasswd}\n" if htpasswd else "")
-    config = tmp / "config.yml"
-    config.write_text(
-        "version: 0.1\n"
-        "log:\n  level: error\n  accesslog:\n    disabled: true\n"
-        f"storage:\n  filesystem:\n    rootdirectory: {data}\n  delete:\n    enabled: true\n"
-        f"http:\n  addr: 127.0.0.1:{port}\n" + auth
-    )
-    log = tmp / "registry.log"
-    with open(log, "wb") as out:
-        proc = subprocess.Popen([REGISTRY_BIN, "serve", str(config)], stdout=out, stderr=subprocess.STDOUT)
+def _start_registry(tmp: Path, htpasswd: Path | None = None) -> RegistryProcess:
     try:
-        _wait_ready(f"http://127.0.0.1:{port}/v2/", proc, log)
-    except Exception:
-        proc.kill()
-        raise
-    return Registry(f"127.0.0.1:{port}", data, proc)
-
-
-def _stop(proc: subprocess.Popen) -> None:
-    stop_process(proc, timeout=10)
+        return start_registry(tmp, htpasswd)
+    except RegistryNotInstalled as e:
+        pytest.skip(str(e))
 
 
 @pytest.fixture(scope="module")
 def registry(tmp_path_factory):
-    reg = _start_registry(tmp_path_factory.mktemp("registry"))
-    yield reg
-    _stop(reg.proc)
+    with _start_registry(tmp_path_factory.mktemp("registry")) as reg:
+        yield reg
 
 
 @pytest.fixture(scope="module")
@@ -100,9 +51,8 @@ def auth_registry(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("auth-registry")
     entry = subprocess.run([htpasswd_bin, "-Bbn", "alice", "s3cret"], capture_output=True, text=True, check=True)
     (tmp / "htpasswd").write_text(entry.stdout.strip() + "\n")
-    reg = _start_registry(tmp, tmp / "htpasswd")
-    yield reg
-    _stop(reg.proc)
+    with _start_registry(tmp, tmp / "htpasswd") as reg:
+        yield reg
 
 
 @dataclass
