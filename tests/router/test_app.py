@@ -11,7 +11,7 @@ import httpx
 import openai
 import pytest
 
-from conftest import ADMIN_KEY, RouterProcess, wait_for
+from router_processes import ADMIN_KEY, RouterProcess, wait_for
 from pagoda.router.proxy import WORKER_HEADER
 
 MODEL = "tiny"

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import httpx
 import pytest
-from conftest import LONG_CONTEXT, DataParallelServe
+from router_processes import LONG_CONTEXT, DataParallelServe
 from server_process import child_pids
 
 MAX_NUM_SEQS, MAX_QUEUE_LEN = 3, 1  # per replica: 3 running, 1 waiting

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import httpx
 import pytest
-from conftest import DataParallelServe, wait_for
+from router_processes import DataParallelServe, wait_for
 from server_process import child_pids
 
 from pagoda.router.proxy import WORKER_HEADER

@@ -12,7 +12,7 @@ import threading
 import httpx
 import pytest
 
-from conftest import LONG_CONTEXT, RouterProcess, start_replicas, stop, wait_for
+from router_processes import LONG_CONTEXT, RouterProcess, start_replicas, stop, wait_for
 from server_process import start_server
 from pagoda.router.proxy import WORKER_HEADER
 

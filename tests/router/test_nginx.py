@@ -17,7 +17,7 @@ from pathlib import Path
 
 import httpx
 import pytest
-from conftest import LONG_CONTEXT, start_replicas, stop, wait_for
+from router_processes import LONG_CONTEXT, start_replicas, stop, wait_for
 from server_process import _free_port
 
 CONF = Path(__file__).resolve().parents[2] / "deploy" / "nginx" / "pagoda.conf"
