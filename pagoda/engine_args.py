@@ -114,12 +114,14 @@ class EngineArgs:
     extra: dict = field(default_factory=dict, metadata=NO_OPTION)
 
     @classmethod
-    def add_cli_args(cls, parser: argparse.ArgumentParser) -> argparse._ArgumentGroup:
-        """Add the "engine" argument group: one option per field, `--field-name`."""
+    def add_cli_args(cls, parser: argparse.ArgumentParser,
+                     overrides: dict[str, dict[str, Any]] | None = None) -> argparse._ArgumentGroup:
+        """Add the "engine" argument group: one option per field, `--field-name`. `overrides`:
+        a command's own add_argument keywords for some fields (serve's repeatable --model)."""
         group = parser.add_argument_group("engine")
         hints = typing.get_type_hints(cls)
         for f in _option_fields(cls):
-            options = dict(f.metadata["cli"])
+            options = {**f.metadata["cli"], **(overrides or {}).get(f.name, {})}
             flags = [f"--{f.name.replace('_', '-')}", *options.pop("aliases", [])]
             if not {"type", "action"} & options.keys():
                 options.update(_argparse_kind(f, hints[f.name]))

@@ -81,28 +81,56 @@ class _EngineCollector:
         yield g
 
 
-class ServerMetrics:
-    def __init__(self, engine, model_name: str) -> None:
-        self.registry = CollectorRegistry()
-        self.model_name = model_name
-        self.registry.register(_EngineCollector(engine, model_name))
-        ProcessCollector(registry=self.registry)  # process_resident_memory_bytes, CPU seconds, open fds
+class MetricFamilies:
+    """The server's counters and histograms, one registry for every model it serves: each series
+    carries a `model_name` label, so several models (pagoda serve --model A --model B) share one
+    /metrics page. Gauges read from an engine at scrape time are each model's `_EngineCollector`,
+    registered while the model is loaded (`ServerMetrics.close` takes it away on unload)."""
+
+    def __init__(self) -> None:
+        self.registry = registry = CollectorRegistry()
+        ProcessCollector(registry=registry)  # process_resident_memory_bytes, CPU seconds, open fds
         labels = ["model_name"]
-        self.prompt_tokens = Counter("pagoda:prompt_tokens", "Prompt tokens processed.", labels, registry=self.registry)
-        self.generation_tokens = Counter("pagoda:generation_tokens", "Tokens generated.", labels, registry=self.registry)
+        self.prompt_tokens = Counter("pagoda:prompt_tokens", "Prompt tokens processed.", labels, registry=registry)
+        self.generation_tokens = Counter("pagoda:generation_tokens", "Tokens generated.", labels, registry=registry)
         self.request_success = Counter("pagoda:request_success", "Finished requests by finish reason.",
-                                       labels + ["finished_reason"], registry=self.registry)
+                                       labels + ["finished_reason"], registry=registry)
         self.ttft = Histogram("pagoda:time_to_first_token_seconds", "Time to first token.", labels,
-                              buckets=_LATENCY_BUCKETS, registry=self.registry)
+                              buckets=_LATENCY_BUCKETS, registry=registry)
         self.itl = Histogram("pagoda:inter_token_latency_seconds", "Time between output tokens.", labels,
-                             buckets=_LATENCY_BUCKETS, registry=self.registry)
+                             buckets=_LATENCY_BUCKETS, registry=registry)
         self.queue_time = Histogram("pagoda:request_queue_time_seconds", "Time from arrival to first scheduling.",
-                                    labels, buckets=_LATENCY_BUCKETS, registry=self.registry)
+                                    labels, buckets=_LATENCY_BUCKETS, registry=registry)
         self.e2e = Histogram("pagoda:e2e_request_latency_seconds", "End-to-end request latency.", labels,
-                             buckets=_LATENCY_BUCKETS, registry=self.registry)
+                             buckets=_LATENCY_BUCKETS, registry=registry)
         self.content_filter_hits = Counter("pagoda:content_filter_hits", "Terms of the content filter's word lists "
                                            "found: in prompts (refused) or in output (stopped or masked).",
-                                           labels + ["list", "direction"], registry=self.registry)
+                                           labels + ["list", "direction"], registry=registry)
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)
+
+
+class ServerMetrics:
+    """One served model's view of the metrics: its engine's gauges, and its label on the shared
+    families (a server of one model makes its own families)."""
+
+    def __init__(self, engine, model_name: str, families: MetricFamilies | None = None) -> None:
+        self.families = families or MetricFamilies()
+        self.registry = self.families.registry
+        self.model_name = model_name
+        self._collector = _EngineCollector(engine, model_name)
+        self.registry.register(self._collector)
+        f = self.families
+        self.prompt_tokens, self.generation_tokens, self.request_success = \
+            f.prompt_tokens, f.generation_tokens, f.request_success
+        self.ttft, self.itl, self.queue_time, self.e2e = f.ttft, f.itl, f.queue_time, f.e2e
+        self.content_filter_hits = f.content_filter_hits
+
+    def close(self) -> None:
+        """The model is unloaded: its engine gauges leave /metrics (its counters stay, as
+        Prometheus counters do)."""
+        self.registry.unregister(self._collector)
 
     def content_filter_hit(self, list_name: str, direction: str) -> None:
         """A word list's term found in a prompt (direction "input") or in output ("output")."""

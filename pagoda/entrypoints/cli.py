@@ -16,6 +16,7 @@ from collections.abc import Callable
 
 from pagoda import __version__, config_file
 from pagoda.engine_args import EngineArgs  # not from pagoda.config, which imports torch (~1.5 s)
+from pagoda.entrypoints import served_models  # argparse only; the pool loads when several models are served
 from pagoda.quantize import command as quantize_command  # argparse only; torch loads when it runs
 from pagoda.router import options as router_options  # argparse only; the router loads when it runs
 from pagoda.security import encrypt_command  # argparse only; cryptography loads when it runs
@@ -187,6 +188,9 @@ def _chat(engine, ns: argparse.Namespace) -> int:
 
 def cmd_serve(ns: argparse.Namespace) -> int:
     tls.check_args(ns)  # --ssl-* files, and not with --data-parallel-size (pagoda/security/tls.py)
+    if served_models.serves_several(ns) and (ns.data_parallel_size != 1 or ns.data_parallel_rank is not None):
+        raise ValueError("--data-parallel-size serves one model: give one --model (several models are served by "
+                         "one process, loaded on first use)")
     if ns.data_parallel_rank is not None:  # one replica of `--data-parallel-size N`
         from pagoda.router.data_parallel import pin_replica
 
@@ -308,7 +312,8 @@ def build_parser() -> argparse.ArgumentParser:
                         "debug API (/v1/debug/...) stays")
     p.add_argument("--log-level", default=None, choices=LOG_LEVELS,
                    help="default: the global --log-level (pagoda --log-level LEVEL serve), else info")
-    EngineArgs.add_cli_args(p)
+    EngineArgs.add_cli_args(p, overrides=served_models.model_option_overrides())  # --model repeatable
+    served_models.add_serve_args(p)  # --models-file, --keep-alive, ... (pagoda/entrypoints/served_models.py)
     router_options.add_serve_args(p)
     access_options.add_serve_args(p)  # --auth-config, --audit-log*, --read-timeout (pagoda/security/access.py)
     moderation.add_cli_args(p)  # --moderation-words / --moderation-action (pagoda/security/moderation.py)

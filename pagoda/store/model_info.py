@@ -4,6 +4,7 @@ tensor is loaded)."""
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import Any
 
@@ -58,3 +59,26 @@ def gguf_info(path: Path) -> dict[str, Any]:
         "block_count": _field(reader, f"{arch}.block_count"),
         "chat_template": _field(reader, "tokenizer.chat_template"),
     }
+
+
+def parameter_count(weights: list[Path]) -> int:
+    """Exact, from the files' headers (no tensor is read): GGUF via gguf_info, safetensors by
+    their JSON header."""
+    total = 0
+    for path in weights:
+        try:
+            if path.suffix == ".gguf":
+                total += gguf_info(path)["parameters"]
+                continue
+            with open(path, "rb") as f:
+                n = int.from_bytes(f.read(8), "little")
+                header = json.loads(f.read(n))
+            for name, meta in header.items():
+                if name != "__metadata__":
+                    count = 1
+                    for dim in meta["shape"]:
+                        count *= dim
+                    total += count
+        except (OSError, ValueError, KeyError):
+            return 0
+    return total

@@ -7,10 +7,6 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
-import socket
-import subprocess
-import time
 from pathlib import Path
 
 import httpx
@@ -138,9 +134,11 @@ def test_errors_are_ollama_shaped(client, server):
         client.generate(model=MODEL, prompt="x", think=True)
     assert e.value.status_code == 400 and "think" in e.value.error
     with pytest.raises(ollama.ResponseError) as e:
-        client.chat(model=MODEL, messages=[{"role": "user", "content": "x"}],
-                    tools=[{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}])
-    assert e.value.status_code == 501 and "/v1/chat/completions" in e.value.error
+        client.chat(model=MODEL, messages=[{"role": "user", "content": "x"}], tools=[{"type": "retrieval"}])
+    assert e.value.status_code == 400 and "tools" in e.value.error
+    with pytest.raises(ollama.ResponseError) as e:
+        client.generate(model=MODEL, prompt="x", logprobs=True, top_logprobs=21)
+    assert e.value.status_code == 400 and "top_logprobs" in e.value.error
     r = httpx.post(f"{server}/api/generate", content=b"{not json")
     assert r.status_code == 400 and set(r.json()) == {"error"}
     # An empty prompt loads the model (Ollama's preload request); keep_alive is accepted.
@@ -227,27 +225,14 @@ def test_pull_and_push_report_registry_errors(client):
 @pytest.fixture(scope="module")
 def registry(tmp_path_factory):
     """The CNCF distribution registry (Debian's `docker-registry`) on 127.0.0.1, as tests/store uses."""
-    binary = shutil.which("docker-registry") or shutil.which("registry")
-    if binary is None:
-        pytest.skip("docker-registry is not installed (apt-get install docker-registry; .ci/run installs it)")
-    tmp = tmp_path_factory.mktemp("ollama-registry")
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    (tmp / "config.yml").write_text(
-        "version: 0.1\nlog:\n  level: error\n  accesslog:\n    disabled: true\n"
-        f"storage:\n  filesystem:\n    rootdirectory: {tmp / 'data'}\nhttp:\n  addr: 127.0.0.1:{port}\n")
-    proc = subprocess.Popen([binary, "serve", str(tmp / "config.yml")], stdout=subprocess.DEVNULL,
-                            stderr=subprocess.DEVNULL)
-    deadline = time.monotonic() + 30
-    while time.monotonic() < deadline:
-        try:
-            if httpx.get(f"http://127.0.0.1:{port}/v2/", timeout=1).status_code == 200:
-                break
-        except httpx.TransportError:
-            time.sleep(0.05)
-    yield f"127.0.0.1:{port}"
-    stop_process(proc, timeout=10)
+    from pagoda.bench.registry_process import RegistryNotInstalled, start_registry
+
+    try:
+        reg = start_registry(tmp_path_factory.mktemp("ollama-registry"))
+    except RegistryNotInstalled as e:
+        pytest.skip(str(e))
+    with reg:
+        yield reg.host
 
 
 def test_push_then_pull_through_a_registry(client, tiny_gguf, registry):
@@ -265,3 +250,67 @@ def test_push_then_pull_through_a_registry(client, tiny_gguf, registry):
     assert {m.model: m.digest for m in client.list().models}[remote] == digest
     assert client.pull(remote, insecure=True).status == "success"  # again, not streamed: nothing to fetch
     assert client.delete(remote).status == "success"
+
+
+WEATHER = {"type": "function", "function": {"name": "get_weather", "description": "The weather in a city.",
+                                            "parameters": {"type": "object", "properties": {"city": {"type": "string"}},
+                                                           "required": ["city"]}}}
+
+
+@pytest.fixture(scope="module")
+def long_client(long_tiny_llama):
+    """The tiny model with room for the tools' system prompt (its own context is 256 tokens)."""
+    proc, base = start_server(long_tiny_llama, "--max-model-len", "2048", name=MODEL)
+    yield ollama.Client(host=base)
+    stop_process(proc)
+
+
+def test_chat_with_tools_and_a_tool_result(long_client):
+    """Tools, an earlier call (Ollama's shape: arguments as an object) and the tool's answer all
+    reach the prompt; the tiny model answers in text. (Parsing the model's calls: the next test,
+    and tests/entrypoints/test_structured_server.py on the real model.)"""
+    client = long_client
+    ask = [{"role": "user", "content": "Weather in Paris?"}]
+    plain = client.chat(model=MODEL, messages=ask, options=GREEDY)
+    with_tools = client.chat(model=MODEL, messages=ask, tools=[WEATHER], options=GREEDY)
+    assert with_tools.prompt_eval_count > plain.prompt_eval_count + 20
+    history = ask + [{"role": "assistant", "content": "",
+                      "tool_calls": [{"function": {"name": "get_weather", "arguments": {"city": "Paris"}}}]},
+                     {"role": "tool", "content": '{"sky": "sunny"}', "tool_name": "get_weather"}]
+    answered = client.chat(model=MODEL, messages=history, tools=[WEATHER], options=GREEDY)
+    assert answered.prompt_eval_count > with_tools.prompt_eval_count + 10
+    assert answered.message.role == "assistant" and not answered.message.tool_calls
+    streamed = "".join(part.message.content for part in client.chat(
+        model=MODEL, messages=history, tools=[WEATHER], options=GREEDY, stream=True))
+    assert streamed == answered.message.content
+
+
+@pytest.mark.parametrize("step", [1, 5, 1000])
+def test_tool_calls_in_the_models_text_become_ollamas_tool_calls(step):
+    from pagoda.entrypoints.ollama.generation import _ChatReply
+    from pagoda.entrypoints.openai.tool_calls import ToolChoice
+
+    text = 'Let me look. <tool_call>{"name": "get_weather", "arguments": {"city": "Paris"}}</tool_call>'
+    reply = _ChatReply(ToolChoice([WEATHER], None, True))
+    pieces = [reply(text[i:i + step], False) for i in range(0, len(text), step)] + [reply("", True)]
+    messages = [p["message"] for p in pieces if p is not None]
+    assert "".join(m["content"] for m in messages).strip() == "Let me look."
+    calls = [c for m in messages for c in m.get("tool_calls", [])]
+    assert calls == [{"function": {"index": 0, "name": "get_weather", "arguments": {"city": "Paris"}}}]
+    parsed = ollama.ChatResponse(model=MODEL, message={"role": "assistant", "content": "", "tool_calls": calls})
+    assert parsed.message.tool_calls[0].function.arguments == {"city": "Paris"}
+
+
+def test_logprobs(client):
+    out = client.generate(model=MODEL, prompt=PROMPT, options=GREEDY, logprobs=True, top_logprobs=3)
+    assert len(out.logprobs) == out.eval_count
+    assert "".join(lp.token for lp in out.logprobs) == out.response
+    for lp in out.logprobs:
+        assert len(lp.top_logprobs) == 3 and lp.logprob <= 0
+        assert lp.top_logprobs[0].token == lp.token and lp.top_logprobs[0].logprob == pytest.approx(lp.logprob)
+    parts = list(client.chat(model=MODEL, messages=[{"role": "user", "content": PROMPT}], options=GREEDY,
+                             logprobs=True, stream=True))
+    tokens = [lp for part in parts for lp in (part.logprobs or [])]
+    assert len(tokens) == parts[-1].eval_count and all(not lp.top_logprobs for lp in tokens)
+    assert "".join(lp.token for lp in tokens) == "".join(part.message.content for part in parts)
+    assert client.generate(model=MODEL, prompt=PROMPT, options=GREEDY).logprobs is None

@@ -15,7 +15,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from pagoda import __version__
 from pagoda.engine.async_llm import AsyncLLM
 from pagoda.entrypoints.disconnect import GONE, unless_disconnected
-from pagoda.entrypoints.ollama_api import router as ollama_router
+from pagoda.entrypoints.ollama import router as ollama_router
 from pagoda.entrypoints.web import install_web
 from pagoda.entrypoints.openai.lifecycle import DrainingServer, Lifecycle, bind_listener, shutting_down
 from pagoda.entrypoints.openai.middleware import (
@@ -46,27 +46,8 @@ def _catalog_aliases(model_root: str | None, served_model_names: list[str]) -> l
     return [name for e in dict.fromkeys(e for e in entries if e is not None) for name in (e.name, *e.aliases)]
 
 
-def build_app(engine: AsyncLLM, served_model_names: list[str], *, api_key: str | None = None,
-              max_queue_len: int | None = None, model_root: str | None = None,
-              request_timeout: float | None = None, max_body_bytes: int = MAX_BODY_BYTES,
-              session_ttl: float = 1800.0, max_sessions: int = 1000,
-              moderation_words: list[str] | None = None, moderation_action: str = "stop",
-              web_ui: bool = True) -> FastAPI:
-    app = FastAPI(title="pagoda", version=__version__, default_response_class=FastJSONResponse)
-    serving = Serving(engine, served_model_names, max_queue_len,
-                      aliases=_catalog_aliases(model_root, served_model_names), request_timeout=request_timeout)
-    app.state.serving = serving
-    from pagoda.security.moderation import ServerModeration  # the content filter (--moderation-words)
-
-    serving.moderation = ServerModeration.from_args(moderation_words, moderation_action,
-                                                    serving.metrics.content_filter_hit)
-    app.state.lifecycle = lifecycle = Lifecycle()
-    app.state.sessions = sessions = SessionStore(serving, session_ttl, max_sessions)
-    app.router.on_startup.append(sessions.start)
-
-    app.add_middleware(BodyLimit, max_bytes=max_body_bytes)
-    if api_key:
-        app.add_middleware(APIKeyCheck, api_key=api_key)
+def install_error_handlers(app: FastAPI) -> None:
+    """OpenAI-style error bodies for what the routes raise, and a bare 500 for a bug."""
 
     @app.exception_handler(OpenAIError)
     async def on_openai_error(_request: Request, e: OpenAIError):
@@ -91,6 +72,36 @@ def build_app(engine: AsyncLLM, served_model_names: list[str], *, api_key: str |
         (Starlette re-raises the exception after this response, and uvicorn logs it)."""
         logger.error("internal error on %s %s: %s", request.method, request.url.path, type(e).__name__)
         return error_response(OpenAIError("internal error", status=500, type_="server_error", code="internal_error"))
+
+
+def build_app(engine: AsyncLLM, served_model_names: list[str], *, api_key: str | None = None,
+              max_queue_len: int | None = None, model_root: str | None = None,
+              request_timeout: float | None = None, max_body_bytes: int = MAX_BODY_BYTES,
+              session_ttl: float = 1800.0, max_sessions: int = 1000,
+              moderation_words: list[str] | None = None, moderation_action: str = "stop",
+              metric_families=None, web_ui: bool = True) -> FastAPI:
+    """The app of one served model. Several models (pagoda serve --model A --model B) get one
+    app each, behind the dispatcher of pagoda/entrypoints/model_dispatch.py, with one shared
+    `metric_families` (pagoda/metrics.py)."""
+    app = FastAPI(title="pagoda", version=__version__, default_response_class=FastJSONResponse)
+    serving = Serving(engine, served_model_names, max_queue_len,
+                      aliases=_catalog_aliases(model_root, served_model_names), request_timeout=request_timeout,
+                      metric_families=metric_families)
+    app.state.serving = serving
+    from pagoda.security.moderation import ServerModeration  # the content filter (--moderation-words)
+
+    serving.moderation = ServerModeration.from_args(moderation_words, moderation_action,
+                                                    serving.metrics.content_filter_hit)
+    app.state.lifecycle = lifecycle = Lifecycle()
+    app.state.sessions = sessions = SessionStore(serving, session_ttl, max_sessions)
+    app.router.on_startup.append(sessions.start)
+    app.router.on_shutdown.append(sessions.stop)
+
+    app.add_middleware(BodyLimit, max_bytes=max_body_bytes)
+    if api_key:
+        app.add_middleware(APIKeyCheck, api_key=api_key)
+
+    install_error_handlers(app)
 
     @app.get("/health")
     async def health():
@@ -197,19 +208,20 @@ def build_app(engine: AsyncLLM, served_model_names: list[str], *, api_key: str |
             raise OpenAIError(f"tokens must be in [0, {vocab}), got {bad[:5]}", param="tokens")
         return {"prompt": serving.tokenizer.decode(body.tokens, skip_special_tokens=False)}
 
-    app.include_router(ollama_router)  # Ollama's API, /api/... (pagoda/entrypoints/ollama_api.py)
+    app.include_router(ollama_router)  # Ollama's API, /api/... (pagoda/entrypoints/ollama)
     install_web(app, web_ui=web_ui)  # /, /dashboard and /v1/debug/... (pagoda/entrypoints/web)
     return app
 
 
 def run_server(args) -> int:
     """Load the model, start the engine, serve until a stop signal; returns the exit status."""
-    from pagoda.engine.llm_engine import LLMEngine
     from pagoda.engine_args import EngineArgs
+    from pagoda.entrypoints.served_models import serves_several
 
     from pagoda.security import tls
     from pagoda.security.moderation import read_list
 
+    several = serves_several(args)
     engine_args = EngineArgs.from_cli_args(args)
     ssl_kwargs = tls.uvicorn_kwargs(args)  # --ssl-*: checked before loading anything
     for path in getattr(args, "moderation_words", None) or ():  # so are the word lists
@@ -218,39 +230,29 @@ def run_server(args) -> int:
         from pagoda.executor.multiproc import run_headless
 
         return run_headless(engine_args.create_engine_config())
+    if several and args.grpc_port is not None:
+        raise ValueError("--grpc-port serves one model: it cannot be combined with several models yet")
     from pagoda.security.access import access_from_args, install as install_access
 
     # --auth-config / --audit-log (pagoda/security/access.py): a bad file fails before the model loads
     access = access_from_args(args, args.api_key or os.environ.get("PAGODA_API_KEY"))
-    sock = bind_listener(args.host, args.port)
-    engine = LLMEngine(engine_args.create_engine_config(), build_core=not args.engine_process)
-    names = args.served_model_name or [args.model]
     api_key = args.api_key or os.environ.get("PAGODA_API_KEY")
     if access is not None:
         api_key = None  # the access middleware checks --api-key then (and gRPC through serving.access)
-    async_engine = AsyncLLM(engine, engine_process=args.engine_process, max_engine_restarts=args.max_engine_restarts)
-    app = build_app(async_engine, names, api_key=api_key, max_queue_len=args.max_queue_len, model_root=args.model,
-                    request_timeout=args.request_timeout, session_ttl=args.session_ttl, max_sessions=args.max_sessions,
-                    moderation_words=getattr(args, "moderation_words", None),
-                    moderation_action=getattr(args, "moderation_action", "stop"),
-                    web_ui=not getattr(args, "no_web_ui", False))
+    if several:
+        specs, pool_settings = _several_models_settings(args)  # checked before the port is bound
+    sock = bind_listener(args.host, args.port)
+    if several:
+        app, engines = _several_models_app(args, specs, pool_settings, api_key)
+    else:
+        app, engines = _one_model_app(args, engine_args, api_key)
     install_access(app, access, args.read_timeout)  # and the body read deadline (pagoda/security/timeouts.py)
     if args.grpc_port is not None:  # the gRPC service on the same engine (pagoda/entrypoints/grpc_api)
         from pagoda.entrypoints.grpc_api.service import attach_grpc
 
         attach_grpc(app, args.host, args.grpc_port, api_key, args.shutdown_timeout, tls.grpc_credentials(args))
-    cfg = engine.config.model
-    print(f"pagoda {__version__}: loaded {args.model} ({cfg.architecture}, {str(cfg.dtype).removeprefix('torch.')}, "
-          f"{cfg.device.type}, max_model_len={engine.max_model_len}, KV blocks={async_engine.limits.num_blocks}, "
-          f"tensor_parallel_size={engine.config.parallel.tensor_parallel_size}, "
-          f"engine in a {'process' if args.engine_process else 'thread'}) "
-          f"as {', '.join(names)}", flush=True)
     print(f"pagoda: serving on http{'s' if ssl_kwargs else ''}://{args.host}:{args.port}/v1"
           f"{' (client certificates required)' if 'ssl_ca_certs' in ssl_kwargs else ''}", flush=True)
-    if app.state.serving.moderation.base is not None:  # --moderation-words
-        word_filter = app.state.serving.moderation.base.filter
-        print(f"pagoda: content filter: {word_filter.num_terms} terms in {', '.join(word_filter.names)} "
-              f"(--moderation-action {args.moderation_action})", flush=True)
     # What is built by now (model, tokenizer, app: ~330k objects) lives until exit. Frozen, the
     # cyclic GC's full collections skip it; they walked it all, a ~0.3 s pause of the event loop
     # every few thousand tokens (benchmarks/README.md, "Server cost per token").
@@ -263,11 +265,11 @@ def run_server(args) -> int:
         from pagoda.security.timeouts import head_deadline_protocol
 
         config.http = head_deadline_protocol(args.read_timeout)
-    server = DrainingServer(config, app, async_engine, args.shutdown_timeout)
+    server = DrainingServer(config, app, engines, args.shutdown_timeout)
     try:
         server.run(sockets=[sock])
     finally:
-        async_engine.shutdown()
+        engines.shutdown()
         sock.close()
         # Frozen objects escape the interpreter's last collection, so the nanobind extension
         # among them (triton's libtriton, loaded by torch._dynamo) printed ~27 lines of
@@ -275,3 +277,75 @@ def run_server(args) -> int:
         gc.unfreeze()
     print("pagoda: stopped", flush=True)
     return server.exit_code
+
+
+def _model_app(args, config, names: list[str], api_key: str | None, metric_families=None) -> tuple[FastAPI, AsyncLLM]:
+    """One model's engine and app, from serve's options (`args.model` and its engine flags)."""
+    from pagoda.engine.llm_engine import LLMEngine
+
+    engine = LLMEngine(config, build_core=not args.engine_process)
+    async_engine = AsyncLLM(engine, engine_process=args.engine_process, max_engine_restarts=args.max_engine_restarts)
+    app = build_app(async_engine, names, api_key=api_key, max_queue_len=args.max_queue_len, model_root=args.model,
+                    request_timeout=args.request_timeout, session_ttl=args.session_ttl, max_sessions=args.max_sessions,
+                    moderation_words=getattr(args, "moderation_words", None),
+                    moderation_action=getattr(args, "moderation_action", "stop"), metric_families=metric_families,
+                    web_ui=not getattr(args, "no_web_ui", False))
+    return app, async_engine
+
+
+def _one_model_app(args, engine_args, api_key: str | None) -> tuple[FastAPI, AsyncLLM]:
+    names = args.served_model_name or [args.model]
+    app, async_engine = _model_app(args, engine_args.create_engine_config(), names, api_key)
+    engine = async_engine.engine
+    cfg = engine.config.model
+    print(f"pagoda {__version__}: loaded {args.model} ({cfg.architecture}, {str(cfg.dtype).removeprefix('torch.')}, "
+          f"{cfg.device.type}, max_model_len={engine.max_model_len}, KV blocks={async_engine.limits.num_blocks}, "
+          f"tensor_parallel_size={engine.config.parallel.tensor_parallel_size}, "
+          f"engine in a {'process' if args.engine_process else 'thread'}) "
+          f"as {', '.join(names)}", flush=True)
+    if app.state.serving.moderation.base is not None:  # --moderation-words
+        word_filter = app.state.serving.moderation.base.filter
+        print(f"pagoda: content filter: {word_filter.num_terms} terms in {', '.join(word_filter.names)} "
+              f"(--moderation-action {args.moderation_action})", flush=True)
+    return app, async_engine
+
+
+def _several_models_settings(args):
+    """The models and the pool's settings of serve's options, each model's files resolved (a
+    model that does not exist fails here, before the server starts)."""
+    from pagoda.engine_args import EngineArgs
+    from pagoda.entrypoints.served_models import default_memory_budget, model_specs
+
+    specs = model_specs(args)
+    for spec in specs:
+        spec.config = EngineArgs.from_cli_args(spec.args).create_engine_config()
+    if args.max_loaded_models < 1:
+        raise ValueError(f"--max-loaded-models must be >= 1, got {args.max_loaded_models}")
+    if args.models_memory is not None and args.models_memory <= 0:
+        raise ValueError(f"--models-memory must be > 0 GiB, got {args.models_memory}")
+    if args.load_timeout <= 0:
+        raise ValueError(f"--load-timeout must be > 0 seconds, got {args.load_timeout}")
+    budget = int(args.models_memory * (1 << 30)) if args.models_memory is not None else default_memory_budget()
+    return specs, (budget, args.max_loaded_models, args.load_timeout)
+
+
+def _several_models_app(args, specs, settings, api_key: str | None):
+    """The front app of several models and their pool (pagoda/entrypoints/model_dispatch.py)."""
+    from pagoda.entrypoints.model_dispatch import build_front_app
+    from pagoda.entrypoints.model_pool import ModelPool, PoolMetrics, _gib, footprint_bytes
+    from pagoda.metrics import MetricFamilies
+
+    families = MetricFamilies()
+    budget, max_loaded, load_timeout = settings
+    pool: ModelPool | None = None
+    pool = ModelPool(specs, load=lambda spec: _model_app(spec.args, spec.config, spec.names, None, families),
+                     memory_budget=budget, max_loaded=max_loaded,
+                     load_timeout=load_timeout, metrics=PoolMetrics(families, lambda: pool))
+    for spec in specs:
+        cfg = spec.config.model
+        print(f"pagoda {__version__}: serving {spec.args.model} ({cfg.architecture}, "
+              f"{str(cfg.dtype).removeprefix('torch.')}, about {_gib(footprint_bytes(spec.config))}) as "
+              f"{', '.join(spec.names)}; {'loaded at start-up' if spec.preload else 'loads on first use'}", flush=True)
+    print(f"pagoda: up to {max_loaded} models loaded at once within {_gib(budget)} (--max-loaded-models, "
+          f"--models-memory); idle models unload after their keep_alive", flush=True)
+    return build_front_app(pool, families, api_key=api_key, web_ui=not getattr(args, "no_web_ui", False)), pool

@@ -80,11 +80,12 @@ class Admission:
 
 class Serving:
     def __init__(self, engine: AsyncLLM, served_model_names: list[str], max_queue_len: int | None = None,
-                 aliases: Sequence[str] = (), request_timeout: float | None = None) -> None:
+                 aliases: Sequence[str] = (), request_timeout: float | None = None, metric_families=None) -> None:
         from pagoda.metrics import ServerMetrics
 
         self.engine = engine
-        self.metrics = ServerMetrics(engine, served_model_names[0])
+        # metric_families: the server's shared registry when it serves several models
+        self.metrics = ServerMetrics(engine, served_model_names[0], metric_families)
         self.tokenizer = engine.engine.tokenizer
         self.model_names = served_model_names
         # What a request's `model` may say: the served names, then other names of the same model
@@ -563,14 +564,7 @@ class Serving:
         yield sse("[DONE]")
 
     def _chat_logprobs(self, token_ids: list[int], positions: list[PositionLogprobs], k: int) -> dict:
-        content = []
-        for tid, pos in zip(token_ids, positions):
-            chosen = pos[tid]
-            tops = [{"token": lp.decoded_token, "logprob": lp.logprob, "bytes": list(lp.decoded_token.encode())}
-                    for _, lp in _top_k(pos, k)]
-            content.append({"token": chosen.decoded_token, "logprob": chosen.logprob,
-                            "bytes": list(chosen.decoded_token.encode()), "top_logprobs": tops})
-        return {"content": content}
+        return {"content": token_logprob_entries(token_ids, positions, k)}
 
 
 def _decoded(tokenizer, ids) -> str:
@@ -639,6 +633,19 @@ def _usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int) -> di
     return UsageInfo(prompt_tokens=prompt_tokens, completion_tokens=completion_tokens,
                      total_tokens=prompt_tokens + completion_tokens,
                      prompt_tokens_details={"cached_tokens": cached_tokens}).model_dump()
+
+
+def token_logprob_entries(token_ids: list[int], positions: list[PositionLogprobs], k: int) -> list[dict]:
+    """Chat's per-token logprobs (OpenAI's `logprobs.content`; Ollama's `logprobs`): each token's
+    text, logprob and UTF-8 bytes, with its top-k alternatives."""
+    entries = []
+    for tid, pos in zip(token_ids, positions):
+        chosen = pos[tid]
+        tops = [{"token": lp.decoded_token, "logprob": lp.logprob, "bytes": list(lp.decoded_token.encode())}
+                for _, lp in _top_k(pos, k)]
+        entries.append({"token": chosen.decoded_token, "logprob": chosen.logprob,
+                        "bytes": list(chosen.decoded_token.encode()), "top_logprobs": tops})
+    return entries
 
 
 def _top_k(position: PositionLogprobs, k: int):

@@ -103,6 +103,12 @@ class SessionStore:
         if self._sweeper is None:
             self._sweeper = asyncio.get_running_loop().create_task(self._sweep_forever())
 
+    def stop(self) -> None:
+        """The app shuts down (the server stops, or its model is unloaded)."""
+        if self._sweeper is not None:
+            self._sweeper.cancel()
+            self._sweeper = None
+
     async def _sweep_forever(self) -> None:
         while True:
             await asyncio.sleep(max(0.05, min(self.ttl / 4, 30.0)))
