@@ -26,10 +26,10 @@ go to the summary, with each setup's ratio to `none` (the median of the repeats'
 from __future__ import annotations
 
 import argparse
+import contextlib
 import asyncio
 import json
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -144,7 +144,7 @@ def _refused(access, header: str) -> None:
 def main() -> None:
     from tiny_models import make_tiny_hf_model
 
-    from pagoda.bench.servers import free_port
+    from pagoda.bench.servers import free_port, running_process
     from pagoda.platform import benchmark_cpu_flags, cpu_model
 
     parser = argparse.ArgumentParser()
@@ -160,25 +160,14 @@ def main() -> None:
     setups = {"none": ([], None), "none-2": ([], None), "auth": (["--auth-config", str(config)], key),
               "auth+audit": (["--auth-config", str(config), "--audit-log", str(work / "audit.jsonl")], key)}
     procs, bases = {}, {}
-    try:
+    with contextlib.ExitStack() as stack:
         for name, (flags, _) in setups.items():
             port = free_port()
-            procs[name] = subprocess.Popen(
-                [sys.executable, "-m", "pagoda.entrypoints.cli", "serve", "--model", str(model), "--port", str(port),
-                 "--dtype", "float32", "--kv-cache-memory", "0.02", "--served-model-name", "tiny",
-                 "--max-num-seqs", str(ns.streams), "--log-level", "warning", *flags])
-            bases[name] = f"http://127.0.0.1:{port}"
-        for base in bases.values():
-            deadline = time.monotonic() + 180
-            while True:
-                try:
-                    if httpx.get(f"{base}/health", timeout=1).status_code == 200:
-                        break
-                except httpx.HTTPError:
-                    pass
-                if time.monotonic() > deadline:
-                    raise RuntimeError(f"{base} did not come up")
-                time.sleep(0.5)
+            cmd = [sys.executable, "-m", "pagoda.entrypoints.cli", "serve", "--model", str(model), "--port", str(port),
+                   "--dtype", "float32", "--kv-cache-memory", "0.02", "--served-model-name", "tiny",
+                   "--max-num-seqs", str(ns.streams), "--log-level", "warning", *flags]
+            bases[name], procs[name] = stack.enter_context(running_process(cmd, port, ready_path="/health",
+                                                                           timeout_s=180))
         for name, (_, k) in setups.items():  # warm-up
             asyncio.run(_requests(bases[name], k, 16))
             asyncio.run(_streams(bases[name], k, 4, 8))
@@ -203,11 +192,6 @@ def main() -> None:
                 r = runs[-1]
                 print(f"{name:>10}: {r['requests_per_s']:7.1f} req/s, {r['server_cpu_ms_per_request']:.3f} ms CPU/req; "
                       f"{r['tokens_per_s']:7.1f} tok/s, {r['server_cpu_us_per_token']:.1f} µs CPU/token", flush=True)
-    finally:
-        for proc in procs.values():
-            proc.terminate()
-        for proc in procs.values():
-            proc.wait(timeout=60)
     metrics = ("requests_per_s", "server_cpu_ms_per_request", "tokens_per_s", "server_cpu_us_per_token")
     summary = {}
     for name in setups:

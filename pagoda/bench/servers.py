@@ -36,6 +36,14 @@ def running(cmd: list[str], port: int, *, ready_path: str = "/v1/models", timeou
     The server is ready when GET ready_path answers 200. Its output goes to a temporary file,
     shown in the error if it exits early.
     """
+    with running_process(cmd, port, ready_path=ready_path, timeout_s=timeout_s) as (base, _proc):
+        yield base
+
+
+@contextlib.contextmanager
+def running_process(cmd: list[str], port: int, *, ready_path: str = "/v1/models",
+                    timeout_s: float = 600) -> Iterator[tuple[str, subprocess.Popen]]:
+    """`running`, yielding the process too (a benchmark that reads the server's CPU time)."""
     base = f"http://127.0.0.1:{port}"
     with tempfile.TemporaryFile(mode="w+") as log:
         proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=dict(os.environ))
@@ -53,7 +61,7 @@ def running(cmd: list[str], port: int, *, ready_path: str = "/v1/models", timeou
                 if time.monotonic() > deadline:
                     raise RuntimeError(f"server did not answer {ready_path} within {timeout_s:.0f} s: {' '.join(cmd)}")
                 time.sleep(0.3)
-            yield base
+            yield base, proc
         finally:
             proc.terminate()
             try:
