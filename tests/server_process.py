@@ -7,8 +7,13 @@ import socket
 import subprocess
 import sys
 import time
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from typing import TypeVar
 
 import httpx
+
+T = TypeVar("T")
 
 
 def _free_port() -> int:
@@ -42,6 +47,19 @@ def start_server(model_dir, *extra: str, launcher: list[str] | None = None, name
             time.sleep(0.3)
     proc.kill()
     raise RuntimeError("server did not come up")
+
+
+def side_by_side(*starts: Callable[[], T]) -> list[T]:
+    """Each `start()` (a server start, ~5 s alone) on its own thread; their results in order."""
+    with ThreadPoolExecutor(len(starts)) as pool:
+        return [future.result() for future in [pool.submit(start) for start in starts]]
+
+
+def kill_all(started: list[tuple[subprocess.Popen, str]]) -> None:
+    """SIGKILL and reap `side_by_side`'s servers (a fixture's teardown that need not drain)."""
+    for proc, _ in started:
+        proc.kill()
+        proc.wait()
 
 
 def child_pids(pid: int) -> list[int]:

@@ -9,19 +9,17 @@ import subprocess
 import sys
 import tempfile
 import time
-from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 
-from server_process import _free_port, start_server, stop_process
+from server_process import _free_port, side_by_side, start_server, stop_process
 
 ADMIN_KEY = "admin-secret"
 
 
 def start_replicas(model_dir, n: int = 2, *extra: str) -> list[tuple[subprocess.Popen, str]]:
     """`n` replicas started side by side (each ~5 s alone)."""
-    with ThreadPoolExecutor(n) as pool:
-        return list(pool.map(lambda _: start_server(model_dir, *extra), range(n)))
+    return side_by_side(*[lambda: start_server(model_dir, *extra)] * n)
 
 
 def stop(proc: subprocess.Popen) -> None:

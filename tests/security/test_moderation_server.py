@@ -13,7 +13,7 @@ import json
 
 import httpx
 import pytest
-from server_process import start_server
+from server_process import kill_all, side_by_side, start_server
 
 from pagoda.security.moderation import WordFilter, normalize
 
@@ -74,16 +74,11 @@ def ref(tiny_llm, tmp_path_factory):
 def servers(tiny_llama, ref):
     """Two servers, started side by side: both lists and the default action (stop); the first
     list with --moderation-action mask."""
-    from concurrent.futures import ThreadPoolExecutor
-
     stop_args = [a for f in ref["files"] for a in ("--moderation-words", f)]
     mask_args = ["--moderation-words", ref["files"][0], "--moderation-action", "mask"]
-    with ThreadPoolExecutor(2) as pool:
-        started = list(pool.map(lambda args: start_server(tiny_llama, *args), [stop_args, mask_args]))
+    started = side_by_side(lambda: start_server(tiny_llama, *stop_args), lambda: start_server(tiny_llama, *mask_args))
     yield [base for _, base in started]
-    for proc, _ in started:
-        proc.kill()
-        proc.wait()
+    kill_all(started)
 
 
 @pytest.fixture(scope="module")

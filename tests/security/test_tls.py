@@ -12,7 +12,7 @@ from pathlib import Path
 
 import httpx
 import pytest
-from server_process import _free_port, start_server
+from server_process import _free_port, kill_all, side_by_side, start_server
 
 from pagoda.security import tls
 
@@ -95,18 +95,11 @@ def _start(model_dir, pki, *extra: str, client: str | None = None):
 @pytest.fixture(scope="module")
 def servers(tiny_llama, pki):
     """Started side by side: HTTPS; HTTPS + gRPC requiring client certificates of the CA."""
-    from concurrent.futures import ThreadPoolExecutor
-
     grpc_port = _free_port()
     mtls = ["--ssl-ca-certs", pki["ca"][1], "--grpc-port", str(grpc_port)]
-    with ThreadPoolExecutor(2) as pool:
-        https = pool.submit(_start, tiny_llama, pki)
-        mutual = pool.submit(_start, tiny_llama, pki, *mtls, client="client")
-        started = [https.result(), mutual.result()]
+    started = side_by_side(lambda: _start(tiny_llama, pki), lambda: _start(tiny_llama, pki, *mtls, client="client"))
     yield started[0][1], (started[1][1], grpc_port)
-    for proc, _ in started:
-        proc.kill()
-        proc.wait()
+    kill_all(started)
 
 
 @pytest.fixture(scope="module")
