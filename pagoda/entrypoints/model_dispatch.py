@@ -246,7 +246,7 @@ def build_front_app(pool: ModelPool, metric_families, *, api_key: str | None = N
     @ollama_common.ollama_errors
     async def tags():
         ctx = request_context()
-        served = [(name, _description(pool, spec)) for spec in pool.specs
+        served = [(name, _description(spec)) for spec in pool.specs
                   for name in (ctx.visible(spec.names) if ctx is not None else spec.names)]
         return await ollama_models.tags_response(served)
 
@@ -260,7 +260,7 @@ def build_front_app(pool: ModelPool, metric_families, *, api_key: str | None = N
             expires = _expires_at(model)
             on_gpu = spec.config.model.device.type == "cuda"
             for name in ctx.visible(spec.names) if ctx is not None else spec.names:
-                rows.append(ollama_models.ps_row(name, _description(pool, spec), model.serving.max_model_len, on_gpu,
+                rows.append(ollama_models.ps_row(name, _description(spec), model.serving.max_model_len, on_gpu,
                                               expires, size=model.footprint))
         return ollama_common.json_response({"models": rows})
 
@@ -284,7 +284,7 @@ def _expires_at(model) -> str:
     return ollama_common.iso_time(model.expires_at if model.expires_at is not None else time.time() + model.keep_alive)
 
 
-def _description(pool: ModelPool, spec: ModelSpec) -> dict:
+def _description(spec: ModelSpec) -> dict:
     """Ollama's description of a served model, loaded or not (model_description, cached)."""
     if spec.description is None:
         spec.description = ollama_models.model_description(spec.config.model, spec.config.model.max_model_len)

@@ -28,7 +28,7 @@ import gc
 import inspect
 import logging
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -121,7 +121,8 @@ def footprint_bytes(config) -> int:
     return weight_bytes(config) + kv_cache_bytes(config)
 
 
-def _gib(n: int) -> str:
+def format_gib(n: int) -> str:
+    """Bytes as GiB for messages and logs."""
     return f"{n / GiB:.2f} GiB"
 
 
@@ -254,16 +255,17 @@ class ModelPool:
             raise OpenAIError("the server is shutting down", status=503, type_="server_error", code="shutting_down")
         need = footprint_bytes(spec.config)
         if need > self.memory_budget:
+            weights, kv = format_gib(weight_bytes(spec.config)), format_gib(kv_cache_bytes(spec.config))
             raise OpenAIError(
-                f"the model `{spec.name}` needs about {_gib(need)} (weights {_gib(weight_bytes(spec.config))} + KV "
-                f"cache {_gib(kv_cache_bytes(spec.config))}), more than --models-memory {_gib(self.memory_budget)}; "
+                f"the model `{spec.name}` needs about {format_gib(need)} (weights {weights} + KV cache {kv}), more "
+                f"than --models-memory {format_gib(self.memory_budget)}; "
                 "give the server more memory or the model a smaller --kv-cache-memory", status=503,
                 type_="server_error", code="insufficient_memory")
         deadline = time.monotonic() + self.load_timeout
         async with self._room_lock:
             await self._make_room(spec, need, deadline)
             started = time.monotonic()
-            logger.info("loading %s (about %s)", spec.name, _gib(need))
+            logger.info("loading %s (about %s)", spec.name, format_gib(need))
             app, engine = await asyncio.to_thread(self._load_fn, spec)
             engine.on_fatal = self.on_fatal
             await _run_hooks(app.router.on_startup)  # the app's own start-up hooks (sessions' sweeper)
@@ -273,7 +275,7 @@ class ModelPool:
             if self.metrics is not None:
                 self.metrics.loaded(spec.name, seconds)
             logger.info("loaded %s in %.2f s (%d loaded, %s of %s)", spec.name, seconds, len(self.loaded),
-                        _gib(self.used_memory), _gib(self.memory_budget))
+                        format_gib(self.used_memory), format_gib(self.memory_budget))
         self._schedule_expiry(model)  # a preloaded model with no request yet still expires
         return model
 
@@ -295,8 +297,8 @@ class ModelPool:
             left = deadline - time.monotonic()
             busy = ", ".join(f"`{m.spec.name}` ({m.in_flight} in flight)" for m in self.loaded.values())
             if left <= 0:
-                raise OpenAIError(f"no room to load `{spec.name}` (about {_gib(need)}): {busy} are busy within "
-                                  f"--models-memory {_gib(self.memory_budget)} / --max-loaded-models "
+                raise OpenAIError(f"no room to load `{spec.name}` (about {format_gib(need)}): {busy} are busy within "
+                                  f"--models-memory {format_gib(self.memory_budget)} / --max-loaded-models "
                                   f"{self.max_loaded}; retry later", status=503, type_="server_error",
                                   code="models_busy", headers={"Retry-After": "5"})
             logger.info("waiting for room to load %s: %s", spec.name, busy)
@@ -349,10 +351,6 @@ class ModelPool:
         self._closed = True
         for model in list(self.loaded.values()):
             await _run_hooks(model.app.router.on_shutdown)
-
-    def models_in(self, names: Iterable[str]) -> list[ModelSpec]:
-        wanted = set(names)
-        return [s for s in self.specs if wanted & set(s.names)]
 
 
 class PoolMetrics:

@@ -332,7 +332,7 @@ def _several_models_settings(args):
 def _several_models_app(args, specs, settings, api_key: str | None):
     """The front app of several models and their pool (pagoda/entrypoints/model_dispatch.py)."""
     from pagoda.entrypoints.model_dispatch import build_front_app
-    from pagoda.entrypoints.model_pool import ModelPool, PoolMetrics, _gib, footprint_bytes
+    from pagoda.entrypoints.model_pool import ModelPool, PoolMetrics, footprint_bytes, format_gib
     from pagoda.metrics import MetricFamilies
 
     families = MetricFamilies()
@@ -344,8 +344,8 @@ def _several_models_app(args, specs, settings, api_key: str | None):
     for spec in specs:
         cfg = spec.config.model
         print(f"pagoda {__version__}: serving {spec.args.model} ({cfg.architecture}, "
-              f"{str(cfg.dtype).removeprefix('torch.')}, about {_gib(footprint_bytes(spec.config))}) as "
+              f"{str(cfg.dtype).removeprefix('torch.')}, about {format_gib(footprint_bytes(spec.config))}) as "
               f"{', '.join(spec.names)}; {'loaded at start-up' if spec.preload else 'loads on first use'}", flush=True)
-    print(f"pagoda: up to {max_loaded} models loaded at once within {_gib(budget)} (--max-loaded-models, "
+    print(f"pagoda: up to {max_loaded} models loaded at once within {format_gib(budget)} (--max-loaded-models, "
           f"--models-memory); idle models unload after their keep_alive", flush=True)
     return build_front_app(pool, families, api_key=api_key, web_ui=not getattr(args, "no_web_ui", False)), pool
