@@ -70,14 +70,18 @@ class ModelDispatch:
     async def _by_body(self, scope: Scope, receive: Receive, send: Send, ollama: bool) -> None:
         body = await _read_body(receive)
         replay = _replaying(body, receive)
-        fields = _json_object(body)
         path = scope["path"]
+        fields = _json_object(body)
+        if fields is None and path != "/api/show":  # names no model (/api/show's: the store's route answers it)
+            await _error(OpenAIError("the request body must be a JSON object"), ollama)(scope, replay, send)
+            return
+        fields = fields or {}
         name = fields.get("model") or (fields.get("name") if path == "/api/show" else None)
         spec = self.pool.find(name) if isinstance(name, str) else None
         try:
             if spec is None:
-                if path == "/api/show" or fields is None:  # the store's model; a body that is not JSON: the front
-                    await self.app(scope, replay, send)  # (a bad body gets the same 400 from either app)
+                if path == "/api/show":  # a model of the store, not a served one: the front's route
+                    await self.app(scope, replay, send)
                     return
                 raise self._unknown(name, ollama)
             keep_alive = parse_keep_alive(fields["keep_alive"]) if fields.get("keep_alive") is not None \

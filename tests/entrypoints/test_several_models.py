@@ -156,6 +156,10 @@ def test_bad_model_names(server):
     assert r.status_code == 404 and "`long`, `qwen`" in r.json()["error"]["message"]
     r = httpx.post(f"{server}/v1/completions", json={"prompt": "hi"})
     assert r.status_code == 400 and "`model` is required" in r.json()["error"]["message"]
+    r = httpx.post(f"{server}/v1/completions", content=b"{not json")
+    assert r.status_code == 400 and "JSON object" in r.json()["error"]["message"]
+    r = httpx.post(f"{server}/api/chat", content=b"[1, 2]")
+    assert r.status_code == 400 and "JSON object" in r.json()["error"]
     r = httpx.post(f"{server}/api/generate", json={"model": "qwen", "prompt": "hi", "keep_alive": "soon"})
     assert r.status_code == 400 and "keep_alive" in r.json()["error"]
     with pytest.raises(ollama.ResponseError) as e:
