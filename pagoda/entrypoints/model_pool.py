@@ -248,7 +248,9 @@ class ModelPool:
     async def preload(self) -> None:
         for spec in self.specs:
             if spec.preload:
-                await self._wait_loaded(spec)
+                model = await self._wait_loaded(spec)
+                if model.in_flight == 0 and model._timer is None:  # no request yet: it still expires
+                    self._schedule_expiry(model)
 
     async def _load(self, spec: ModelSpec) -> LoadedModel:
         if self._closed:
@@ -276,7 +278,8 @@ class ModelPool:
                 self.metrics.loaded(spec.name, seconds)
             logger.info("loaded %s in %.2f s (%d loaded, %s of %s)", spec.name, seconds, len(self.loaded),
                         format_gib(self.used_memory), format_gib(self.memory_budget))
-        self._schedule_expiry(model)  # a preloaded model with no request yet still expires
+        # No expiry timer yet: the requests waiting for this load take it first (a keep_alive of 0
+        # would otherwise unload it before they run); the last one's release starts the timer.
         return model
 
     @property

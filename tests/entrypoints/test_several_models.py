@@ -240,6 +240,27 @@ def test_pool_unloads_least_recently_used_and_bounds_the_wait(tiny_model_dirs):
     asyncio.run(scenario())
 
 
+def test_a_keep_alive_of_zero_unloads_after_the_request_not_before(tiny_model_dirs):
+    pool = _pool(tiny_model_dirs, ["llama"], memory_budget=1 << 30, max_loaded=2, load_timeout=30)
+    spec = pool.specs[0]
+    spec.keep_alive = 0.0
+
+    async def scenario() -> None:
+        model = await pool.acquire(spec)  # loads it; the request holds it
+        for _ in range(20):  # the loop runs whatever the load scheduled: nothing unloads a model in use
+            await asyncio.sleep(0)
+        assert pool.loaded.get("llama") is model and model.app is not None
+        pool.release(model)
+        for _ in range(200):
+            if not pool.loaded:
+                break
+            await asyncio.sleep(0.01)
+        assert not pool.loaded  # the release's keep_alive of 0 unloaded it
+        pool.shutdown()
+
+    asyncio.run(scenario())
+
+
 def test_pool_refuses_a_model_larger_than_the_budget(tiny_model_dirs):
     from pagoda.entrypoints.openai.serving import OpenAIError
 
