@@ -158,7 +158,7 @@ def test_disconnect_aborts_and_frees_blocks(server, path, body, stream):
 
 
 def test_server_serves_others_after_disconnects(server):
-    out = httpx.post(f"{server}/v1/completions", json={"model": "tiny", "prompt": "Paris", "max_tokens": 5}, timeout=60)
+    out = httpx.post(f"{server}/v1/completions", json={"model": "tiny", "prompt": "Paris", "max_tokens": 5, "ignore_eos": True}, timeout=60)
     assert out.status_code == 200 and out.json()["usage"]["completion_tokens"] == 5
 
 
@@ -272,7 +272,7 @@ def test_killed_engine_process_fails_requests_then_restarts(long_model):
         # Either still restarting (503 naming it) or already back.
         assert health.status_code == 200 or health.json()["error"]["code"] == "engine_restarting"
         wait_for(lambda: httpx.get(f"{base}/health", timeout=10).status_code == 200, what="the restart")
-        ok = httpx.post(f"{base}/v1/completions", json={"model": "tiny", "prompt": "again", "max_tokens": 4}, timeout=60)
+        ok = httpx.post(f"{base}/v1/completions", json={"model": "tiny", "prompt": "again", "max_tokens": 4, "ignore_eos": True}, timeout=60)
         assert ok.status_code == 200 and ok.json()["usage"]["completion_tokens"] == 4
 
         # The restart budget (1) is spent: the next death is final.
