@@ -195,7 +195,8 @@ def test_api_key_required_when_set(tiny_llama):
         assert r.status_code == 401 and r.json()["error"]["type"] == "authentication_error"
         r = httpx.post(f"{base}/v1/completions", json={"prompt": "Hi", "max_tokens": 2}, headers={"Authorization": "Bearer wrong"})
         assert r.status_code == 401
-        ok = openai.OpenAI(base_url=f"{base}/v1", api_key="sekret").completions.create(model=MODEL, prompt="Hi", max_tokens=2)
+        ok = openai.OpenAI(base_url=f"{base}/v1", api_key="sekret").completions.create(model=MODEL, prompt="Hi", max_tokens=2,
+                                                                              extra_body={"ignore_eos": True})
         assert ok.choices[0].finish_reason == "length"
         assert httpx.get(f"{base}/health").status_code == 200  # health stays open
     finally:
