@@ -51,6 +51,9 @@ class CacheConfig:
     # and the tokens one session may pin (None: the whole context).
     session_kv_fraction: float = 0.5
     max_session_kv_tokens: int | None = None
+    # Separate block tables for sliding-window layers where a model mixes them with global ones
+    # (core/kv_cache_groups.py); off: --disable-hybrid-kv-cache-manager
+    hybrid_kv_cache: bool = True
 
 
 @dataclass(frozen=True)
@@ -195,7 +198,8 @@ def create_engine_config(args: EngineArgs) -> EngineConfig:
     return EngineConfig(
         model=model_config,
         cache=CacheConfig(args.block_size, args.kv_cache_memory, args.gpu_memory_utilization, args.enable_prefix_caching,
-                          args.session_kv_fraction, args.max_session_kv_tokens),
+                          args.session_kv_fraction, args.max_session_kv_tokens,
+                          not args.disable_hybrid_kv_cache_manager),
         scheduler=SchedulerConfig(args.max_num_seqs, args.max_num_batched_tokens, args.aging_seconds,
                                   args.admission_pressure_threshold, args.short_chunk_tokens),
         parallel=parallel,

@@ -66,6 +66,10 @@ class EngineArgs:
         "off by default: measured no faster on a 2-core AVX2 CPU)"))
     enable_prefix_caching: bool = field(default=True, metadata=_option(
         "share prompt prefixes between requests through a radix tree (default: on)"))
+    disable_hybrid_kv_cache_manager: bool = field(default=False, metadata=_option(
+        "one block table for every layer even where the model mixes global and sliding-window "
+        "layers (Gemma 3); by default the windowed layers get tables of their own and give back "
+        "the blocks their window has passed"))
     session_kv_fraction: float = field(default=0.5, metadata=_option(
         "share of the KV cache that sessions' pinned prefixes (/v1/sessions) may hold together; "
         "pins yield to running requests under pressure"))

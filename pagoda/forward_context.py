@@ -34,8 +34,14 @@ class AttentionMetadata:
     decode_seq_lens: torch.Tensor | None = None  # int64 [num_decodes]: tokens each decode attends to
     prefills: list[PrefillSeq] = field(default_factory=list)
     block_size: int = 16
+    # Every KV cache group's metadata (core/kv_cache_groups.py), this one first; empty: one group.
+    groups: list[AttentionMetadata] = field(default_factory=list)
     _decode_masks: dict[int | None, torch.Tensor] = field(default_factory=dict)
     _slot_parts: tuple[torch.Tensor, torch.Tensor] | None = None
+
+    def for_group(self, group: int) -> AttentionMetadata:
+        """The metadata of the layers of KV cache group ``group`` (their own block tables)."""
+        return self.groups[group] if group else self
 
     def slot_blocks_and_offsets(self) -> tuple[torch.Tensor, torch.Tensor]:
         """slot_mapping split into (block id, offset in block); computed once per step."""

@@ -60,6 +60,7 @@ class Request:
     output_token_ids: list[int] = field(default_factory=list)
     num_computed_tokens: int = 0
     block_ids: list[int] = field(default_factory=list)
+    group_block_ids: list[list[int]] = field(default_factory=list)  # KV cache groups 1.. (hybrid models)
     num_preemptions: int = 0
     stop_reason: int | str | None = None
     # Prompt logprobs are produced chunk by chunk; this counts positions already reported.

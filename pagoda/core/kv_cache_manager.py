@@ -3,9 +3,15 @@
 from __future__ import annotations
 
 from pagoda.core.block_pool import BlockPool
+from pagoda.core.kv_cache_groups import KVCacheGroups
 from pagoda.core.radix_cache import RadixCache, RadixNode
 from pagoda.core.session_pins import SessionPins
 from pagoda.request import Request
+
+
+# The block id a group table holds where its blocks were never taken (before a prefix hit's last
+# window): any valid id, since no attention path reads a windowed layer's blocks before its window.
+UNREAD_BLOCK = 0
 
 
 def cdiv(a: int, b: int) -> int:
@@ -25,18 +31,32 @@ class KVCacheManager:
     for the session's next turn (core/session_pins.py), within a per-session and an overall
     budget (`session_max_blocks`, `session_total_blocks`); pins yield to allocations before
     any running request is preempted.
+
+    With several KV cache groups (``kv_groups``, core/kv_cache_groups.py: Gemma 3), a request has
+    a block table per group, all as long as ``block_ids`` (group 0's, the global layers'); the
+    others (``Request.group_block_ids``) belong to windowed layers, and a block of theirs that lies
+    wholly before the request's window is let go after each step (``release_out_of_window``),
+    prefix caching or not. Its id stays in the table (never read again: every attention path
+    starts at the window) and ``free`` skips it. The prefix tree keeps such blocks beside group
+    0's as long as nothing needs the room (radix_cache.py), and a prefix hit is cut back to where
+    the last window's blocks are all still there; before that window the tables hold
+    ``UNREAD_BLOCK``.
     """
 
     def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = False,
                  session_max_blocks: int | None = None, session_total_blocks: int | None = None,
-                 sliding_window: int | None = None) -> None:
+                 sliding_window: int | None = None, kv_groups: KVCacheGroups | None = None) -> None:
         """``sliding_window``: the model's window when *every* layer has one (Mistral-style); a
         running request's blocks that lie wholly before its window are then released
-        (``release_out_of_window``), but only without prefix caching, which keeps whole prefixes."""
+        (``release_out_of_window``), but only without prefix caching, which keeps whole prefixes.
+        ``kv_groups``: several groups (a hybrid model) give each request a block table per group."""
         self.block_size = block_size
         self.pool = BlockPool(num_blocks)
         self.cache = RadixCache(block_size) if enable_prefix_caching else None
         self.sliding_window = sliding_window if self.cache is None else None
+        self.num_groups = kv_groups.num_groups if kv_groups is not None else 1
+        self.local_window = kv_groups.local_window if self.num_groups > 1 else None
+        self._released_local: dict[str, int] = {}  # request id → its leading blocks let go in groups 1..
         self._released: dict[str, int] = {}  # request id → its leading blocks released (out of the window)
         self.num_released_blocks = 0  # counted over the engine's life
         self.sessions = SessionPins(self.cache, num_blocks if session_max_blocks is None else session_max_blocks,
@@ -65,8 +85,13 @@ class KVCacheManager:
         return (self.pool.num_used_blocks - self.num_evictable_blocks) / self.pool.num_blocks
 
     def blocks_needed(self, request: Request, num_new_tokens: int) -> int:
+        """Pool blocks the request takes to grow by ``num_new_tokens`` (one per group per block)."""
         total = request.num_computed_tokens + num_new_tokens
-        return max(0, cdiv(total, self.block_size) - len(request.block_ids))
+        return max(0, cdiv(total, self.block_size) - len(request.block_ids)) * self.num_groups
+
+    def blocks_for_tokens(self, num_tokens: int) -> int:
+        """Pool blocks that ``num_tokens`` tokens of a fresh request take."""
+        return cdiv(num_tokens, self.block_size) * self.num_groups
 
     def match_prefix(self, request: Request) -> int:
         """Give a request with nothing computed the cached blocks of its prefix; returns the
@@ -77,14 +102,47 @@ class KVCacheManager:
         is admitted."""
         if request.block_ids or request.num_computed_tokens or not self._uses_prefix_cache(request):
             return 0
-        match = self.cache.match(request.all_token_ids[: request.num_tokens - 1], request.cache_salt)
+        tokens = request.all_token_ids[: request.num_tokens - 1]
+        match = self.cache.match(tokens, request.cache_salt)
+        if self.num_groups > 1 and match.blocks:
+            usable = self._usable_hit(match.blocks)
+            if usable < len(match.blocks):
+                match = self.cache.match(tokens[: usable * self.block_size], request.cache_salt)
         if match.blocks:
             self.pool.incref(match.blocks)
             self._lock(request, match.node)
             self._num_cached[request.request_id] = len(match.blocks)
             request.block_ids = list(match.blocks)
             request.num_computed_tokens = len(match.blocks) * self.block_size
+            if self.num_groups > 1:
+                self._take_cached_extras(request, match.blocks)
         return request.num_computed_tokens
+
+    def _first_in_window(self, num_tokens: int) -> int:
+        """The first block a query at position ``num_tokens`` (or later) of a windowed layer reads."""
+        return max(0, num_tokens - self.local_window + 1) // self.block_size
+
+    def _usable_hit(self, blocks: list[int]) -> int:
+        """How many of the matched blocks a request can start after: the most whose last window
+        has every group's blocks still cached."""
+        missing = [0]
+        for block in blocks:
+            missing.append(missing[-1] + (None in self.cache.extras.get(block, (None,))))
+        for n in range(len(blocks), 0, -1):
+            if missing[n] == missing[self._first_in_window(n * self.block_size)]:
+                return n
+        return 0
+
+    def _take_cached_extras(self, request: Request, blocks: list[int]) -> None:
+        """Group tables for a prefix hit: the cached blocks of the last window, ``UNREAD_BLOCK`` before."""
+        first = self._first_in_window(len(blocks) * self.block_size)
+        extras = [self.cache.extras[b] for b in blocks[first:]]
+        request.group_block_ids = [[UNREAD_BLOCK] * first + [e[g] for e in extras] for g in range(self.num_groups - 1)]
+        held = [b for ids in request.group_block_ids for b in ids[first:]]
+        self.pool.incref(held)
+        for b in held:
+            self.cache.extra_taken(b)
+        self._released_local[request.request_id] = first
 
     def record_prefix_query(self, request: Request, num_hit_tokens: int) -> None:
         """Count an admitted request's lookup: its tokens as queries, `num_hit_tokens` (what
@@ -126,7 +184,13 @@ class KVCacheManager:
         if short > 0:
             self.pool.free(self.cache.evict(short))
         if need:
-            request.block_ids.extend(self.pool.allocate(need))
+            per_group = need // self.num_groups
+            request.block_ids.extend(self.pool.allocate(per_group))
+            if self.num_groups > 1:
+                if not request.group_block_ids:
+                    request.group_block_ids = [[] for _ in range(self.num_groups - 1)]
+                for ids in request.group_block_ids:
+                    ids.extend(self.pool.allocate(per_group))
         return True
 
     def cache_computed_blocks(self, request: Request) -> None:
@@ -139,13 +203,48 @@ class KVCacheManager:
         if full <= self._num_cached.get(request.request_id, 0):
             return
         tokens = request.all_token_ids[: full * self.block_size]
-        have, node = self.cache.insert(tokens, request.block_ids[:full], request.cache_salt)
+        extras = self._group_blocks(request, full) if self.num_groups > 1 else None
+        have, node = self.cache.insert(tokens, request.block_ids[:full], request.cache_salt, extras)
         if have < full:
             self.pool.incref(request.block_ids[have:full])  # the tree's own reference
+            if extras is not None:
+                self.pool.incref([b for extra in extras[have:] for b in extra if b is not None])
         self._lock(request, node)
         self._num_cached[request.request_id] = full
 
+    def _group_blocks(self, request: Request, num_blocks: int) -> list[list[int | None]]:
+        """Each of the first ``num_blocks`` blocks' blocks in groups 1.. (None where let go)."""
+        released = self._released_local.get(request.request_id, 0)
+        return [[ids[i] if i >= released else None for ids in request.group_block_ids] for i in range(num_blocks)]
+
     def release_out_of_window(self, request: Request) -> int:
+        """After a step: give back the request's blocks no query of its can see again (see
+        ``_release_group_blocks`` and ``_release_every_layer``); returns how many it let go now."""
+        if self.local_window is not None:
+            return self._release_group_blocks(request)
+        return self._release_every_layer(request)
+
+    def _release_group_blocks(self, request: Request) -> int:
+        """Let go of the request's blocks in groups 1.. (windowed layers) that its window has passed."""
+        dead = min(len(request.block_ids), self._first_in_window(request.num_computed_tokens))
+        done = self._released_local.get(request.request_id, 0)
+        if dead <= done:
+            return 0
+        for ids in request.group_block_ids:
+            self._let_go(ids[done:dead])
+        self._released_local[request.request_id] = dead
+        self.num_released_blocks += (dead - done) * (self.num_groups - 1)
+        return (dead - done) * (self.num_groups - 1)
+
+    def _let_go(self, blocks: list[int]) -> None:
+        """Drop the request's reference to blocks of groups 1..; one the tree still holds becomes evictable."""
+        self.pool.free(blocks)
+        if self.cache is not None:
+            for b in blocks:
+                if self.cache.holds_extra(b) and self.pool.ref_count(b) == 1:
+                    self.cache.extra_released(b)
+
+    def _release_every_layer(self, request: Request) -> int:
         """Drop the request's blocks that no query of its can see again: with every layer windowed,
         a query at position p >= num_computed_tokens sees keys from p - window + 1 on, so a block
         ending before num_computed_tokens - window + 1 is dead. Its id stays in ``block_ids`` (the
@@ -186,6 +285,10 @@ class KVCacheManager:
         if len(request.block_ids) > released:
             self.pool.free(request.block_ids[released:])
         request.block_ids = []
+        released = self._released_local.pop(request.request_id, 0)
+        for ids in request.group_block_ids:
+            self._let_go(ids[released:])
+        request.group_block_ids = []
 
     def release_session(self, session_id: str) -> bool:
         """The session ended: its pinned prefix becomes ordinary cache (evictable)."""

@@ -10,6 +10,14 @@ leaf-first in least-recently-used order, only when the block pool runs out of fr
 Ownership: the tree holds one reference to each block it stores (BlockPool ref counts); a
 request that reuses a block takes a reference of its own. Evicting a node drops the tree's
 reference. Requests with different cache salts live under different roots and never share.
+
+Models with several KV cache groups (core/kv_cache_groups.py: Gemma 3's local layers) store,
+beside each block of the tree (group 0's), the same tokens' blocks of the other groups
+(``extras``). Those are windowed layers' blocks: a running request lets go of them once its window
+has passed, and a block only the tree still holds is then *evictable on its own*, even on a
+locked path (least recently let go first, before any node is evicted); its entry becomes None.
+A later request can use a cached prefix only up to a point whose last window of blocks is still
+complete (KVCacheManager.match_prefix checks).
 """
 
 from __future__ import annotations
@@ -17,6 +25,7 @@ from __future__ import annotations
 import heapq
 import itertools
 import time
+from collections import OrderedDict
 from dataclasses import dataclass, field
 
 _clock = itertools.count()
@@ -52,7 +61,18 @@ class RadixCache:
         self.block_size = block_size
         self._roots: dict[object, RadixNode] = {}
         self.num_cached_blocks = 0
-        self.num_evictable_blocks = 0  # blocks in nodes with lock_ref == 0
+        self.num_evictable_nodes_blocks = 0  # blocks in nodes with lock_ref == 0 (group 0's)
+        # Several KV cache groups: group 0's block id → the other groups' blocks of the same
+        # tokens (None: evicted); each such block → its group-0 block; the ones only the tree
+        # holds, least recently let go first.
+        self.extras: dict[int, list[int | None]] = {}
+        self._extra_owner: dict[int, int] = {}
+        self._evictable_extras: OrderedDict[int, None] = OrderedDict()
+
+    @property
+    def num_evictable_blocks(self) -> int:
+        """Blocks an eviction can give back: unlocked nodes' blocks and extras only the tree holds."""
+        return self.num_evictable_nodes_blocks + len(self._evictable_extras)
 
     def _root(self, salt) -> RadixNode:
         root = self._roots.get(salt)
@@ -103,7 +123,7 @@ class RadixCache:
     def lock(self, node: RadixNode) -> None:
         while node is not None:
             if node.lock_ref == 0:
-                self.num_evictable_blocks -= len(node.blocks)
+                self.num_evictable_nodes_blocks -= len(node.blocks)
             node.lock_ref += 1
             node = node.parent
 
@@ -111,16 +131,19 @@ class RadixCache:
         while node is not None:
             node.lock_ref -= 1
             if node.lock_ref == 0:
-                self.num_evictable_blocks += len(node.blocks)
+                self.num_evictable_nodes_blocks += len(node.blocks)
             node = node.parent
 
     # -- insert -----------------------------------------------------------------------------
-    def insert(self, tokens: list[int], blocks: list[int], salt=None) -> tuple[int, RadixNode]:
-        """Store the full blocks of `tokens` (block i holds tokens[i*bs:(i+1)*bs]).
+    def insert(self, tokens: list[int], blocks: list[int], salt=None,
+               extras: list[list[int | None]] | None = None) -> tuple[int, RadixNode]:
+        """Store the full blocks of `tokens` (block i holds tokens[i*bs:(i+1)*bs]), and with
+        several KV cache groups ``extras[i]``, block i's blocks of the other groups.
 
         Returns (how many leading blocks were cached already, under these or other block ids;
         the node where the inserted run ends). The tree keeps a reference of its own to every
-        block it stores from the first return value on: the caller must add it (incref).
+        block it stores from the first return value on (extras too, but not None): the caller
+        must add it (incref).
         """
         chunks = self._chunks(tokens)[: len(blocks)]
         blocks = blocks[: len(chunks)]
@@ -133,20 +156,55 @@ class RadixCache:
             node.touch()
             match.node.children[chunks[have]] = node
             self.num_cached_blocks += len(node.blocks)
-            self.num_evictable_blocks += len(node.blocks)
+            self.num_evictable_nodes_blocks += len(node.blocks)
+            if extras is not None:
+                for block, extra in zip(node.blocks, extras[have:]):
+                    self.extras[block] = list(extra)
+                    self._extra_owner.update((b, block) for b in extra if b is not None)
         return have, node
+
+    # -- the other KV cache groups' blocks ---------------------------------------------------
+    def holds_extra(self, block: int) -> bool:
+        return block in self._extra_owner
+
+    def extra_released(self, block: int) -> None:
+        """Only the tree holds this extra block now: it may be evicted."""
+        self._evictable_extras[block] = None
+
+    def extra_taken(self, block: int) -> None:
+        """A request holds this extra block again."""
+        self._evictable_extras.pop(block, None)
+
+    def _forget_extra(self, block: int) -> None:
+        owner = self.extras[self._extra_owner.pop(block)]
+        owner[owner.index(block)] = None
+        self._evictable_extras.pop(block, None)
 
     # -- evict ------------------------------------------------------------------------------
     def evict(self, num_blocks: int) -> list[int]:
-        """Drop least-recently-used unlocked leaves until num_blocks blocks are released."""
+        """Release at least num_blocks blocks (the tree's references; fewer when nothing more is
+        evictable): first extras only the tree holds, least recently let go first, then
+        least-recently-used unlocked leaves (with their extras)."""
+        released: list[int] = []
+        while self._evictable_extras and len(released) < num_blocks:
+            block = next(iter(self._evictable_extras))
+            self._forget_extra(block)
+            released.append(block)
+        if len(released) >= num_blocks:
+            return released
         leaves = [(n.last_access, id(n), n) for n in self._leaves() if n.lock_ref == 0]
         heapq.heapify(leaves)
-        released: list[int] = []
         while leaves and len(released) < num_blocks:
             _, _, node = heapq.heappop(leaves)
             released += node.blocks
+            for block in node.blocks:
+                for extra in self.extras.pop(block, ()):
+                    if extra is not None:
+                        del self._extra_owner[extra]
+                        self._evictable_extras.pop(extra, None)
+                        released.append(extra)
             self.num_cached_blocks -= len(node.blocks)
-            self.num_evictable_blocks -= len(node.blocks)
+            self.num_evictable_nodes_blocks -= len(node.blocks)
             parent = node.parent
             del parent.children[node.tokens[: self.block_size]]
             if parent.parent is not None and not parent.children and parent.lock_ref == 0:
@@ -164,4 +222,4 @@ class RadixCache:
 
     def reset(self) -> list[int]:
         """Forget everything unlocked (returns the released blocks)."""
-        return self.evict(self.num_cached_blocks)
+        return self.evict(self.num_cached_blocks + len(self._extra_owner))

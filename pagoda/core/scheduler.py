@@ -263,13 +263,14 @@ class Scheduler:
                 out.new_requests.append(NewRequestData(
                     rid, list(request.prompt_token_ids), request.sampling_params, list(request.block_ids),
                     request.num_computed_tokens, list(request.output_token_ids),
+                    [list(ids) for ids in request.group_block_ids],
                 ))
             else:
                 resumed = rid in self._resumed
                 sent_blocks = 0 if resumed else self._sent_blocks[rid]
                 out.cached_requests.append(CachedRequestData(
                     rid, request.all_token_ids[self._sent_tokens[rid]:], request.block_ids[sent_blocks:],
-                    request.num_computed_tokens, resumed,
+                    request.num_computed_tokens, resumed, [ids[sent_blocks:] for ids in request.group_block_ids],
                 ))
             self._resumed.discard(rid)
             self._sent_tokens[rid] = request.num_tokens
@@ -278,7 +279,7 @@ class Scheduler:
 
     def _blocks_to_admit(self, request: Request) -> int:
         first_chunk = min(request.num_tokens, self.max_num_batched_tokens)
-        return -(-first_chunk // self.kv.block_size)
+        return self.kv.blocks_for_tokens(first_chunk)
 
     def _preempt_for_priority(self, now: float, out: "_Step") -> Request | None:
         """Preempt low-priority running work that stands in the way of the first waiting request."""
@@ -327,10 +328,11 @@ class Scheduler:
         return next((r for r in self._waiting if not r.waiting_for_grammar), None)
 
     def _under_pressure(self, extra_blocks: int) -> bool:
-        """Above the pressure threshold, keep a block of headroom per running request."""
+        """Above the pressure threshold, keep a block of headroom per running request (one per
+        KV cache group)."""
         if not self.running or self.kv.usage() < self.admission_pressure_threshold:
             return False
-        return self.kv.num_free_blocks - extra_blocks < len(self.running)
+        return self.kv.num_free_blocks - extra_blocks < len(self.running) * self.kv.num_groups
 
     def _admit_waiting(self, out: "_Step", budget: int, favored: Request | None) -> None:
         while budget > 0 and len(self.running) < self.max_num_seqs:

@@ -27,6 +27,8 @@ class NewRequestData:
     # Tokens generated before the workers saw it (never today: a request is sent when first
     # scheduled; kept so a worker can be (re)built from the message alone).
     output_token_ids: list[int] = field(default_factory=list)
+    # KV cache groups 1.. (core/kv_cache_groups.py): each group's block table, as long as block_ids
+    group_block_ids: list[list[int]] = field(default_factory=list)
 
 
 @dataclass
@@ -38,6 +40,7 @@ class CachedRequestData:
     new_block_ids: list[int]  # appended to its block table, or the whole table when resumed
     num_computed_tokens: int  # tokens with KV in the cache before this step
     resumed_from_preemption: bool = False  # its blocks were freed: new_block_ids replace the table
+    new_group_block_ids: list[list[int]] = field(default_factory=list)  # the same for KV cache groups 1..
 
 
 @dataclass

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 import torch
 
 from pagoda.config import EngineConfig
+from pagoda.core.kv_cache_groups import KVCacheGroups, kv_groups_for
 from pagoda.core.kv_cache_manager import KVCacheManager
 from pagoda.core.scheduler import Scheduler, SchedulerStats
 from pagoda.core.scheduler_output import SchedulerOutput
@@ -78,12 +79,18 @@ class EngineCore:
         self.load_seconds = time.monotonic() - start
         self.num_blocks = self.executor.determine_num_blocks()
         block_size = config.cache.block_size
-        capacity = self.num_blocks * block_size
+        kv_groups = kv_groups_for(self.model.config, config.speculative, config.cache.hybrid_kv_cache)
+        capacity = _token_capacity(self.num_blocks, block_size, kv_groups, config.scheduler.max_num_batched_tokens)
         self.max_model_len = mc.max_model_len
         if capacity < self.max_model_len:
             logger.warning("KV cache holds %d tokens, less than max_model_len=%d: capping max_model_len", capacity, self.max_model_len)
             self.max_model_len = capacity
         self.executor.initialize_cache(self.num_blocks, self.max_model_len)
+        if kv_groups.is_hybrid:
+            logger.info("KV cache: %d blocks of %d tokens in %d groups (global layers; sliding-window layers, "
+                        "window %d, in groups of %d): the windowed groups give back what their window has passed",
+                        self.num_blocks, block_size, kv_groups.num_groups, kv_groups.local_window,
+                        kv_groups.slots_per_block)
         cc = config.cache
         if not 0.0 <= cc.session_kv_fraction <= 1.0:
             raise ValueError(f"session_kv_fraction must be in [0, 1], got {cc.session_kv_fraction}")
@@ -91,7 +98,7 @@ class EngineCore:
         self.kv_manager = KVCacheManager(self.num_blocks, block_size, cc.enable_prefix_caching,
                                          session_max_blocks=session_tokens // block_size,
                                          session_total_blocks=int(self.num_blocks * cc.session_kv_fraction),
-                                         sliding_window=_releasable_window(config, self.model))
+                                         sliding_window=_releasable_window(config, self.model), kv_groups=kv_groups)
         sc = config.scheduler
         self.scheduler = Scheduler(
             self.kv_manager, max_num_seqs=sc.max_num_seqs, max_num_batched_tokens=sc.max_num_batched_tokens,
@@ -279,6 +286,24 @@ def _spec_lookahead(spec) -> int:
     """A draft model writes its drafts' K/V after a request's tokens when it proposes (prompt
     lookup writes nothing)."""
     return spec.num_speculative_tokens if spec is not None and spec.method == "draft_model" else 0
+
+
+def _token_capacity(num_blocks: int, block_size: int, groups: KVCacheGroups, chunk_tokens: int) -> int:
+    """The longest sequence the cache holds alone. With several KV cache groups, group 0 holds
+    every block of it, and each other group at most its window plus a prefill chunk (vLLM's
+    bound for a sliding window: the chunk's blocks are given back only after its step)."""
+    if not groups.is_hybrid:
+        return num_blocks * block_size
+
+    def blocks(tokens: int) -> int:
+        local = -(-min(tokens, groups.local_window - 1 + chunk_tokens) // block_size) + 1
+        return -(-tokens // block_size) + local * (groups.num_groups - 1)
+
+    low, high = 0, num_blocks * block_size  # blocks() grows with the tokens: the largest that fits
+    while low < high:
+        mid = (low + high + 1) // 2
+        low, high = (mid, high) if blocks(mid) <= num_blocks else (low, mid - 1)
+    return low
 
 
 def _releasable_window(config: EngineConfig, model: torch.nn.Module) -> int | None:

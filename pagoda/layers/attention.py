@@ -37,15 +37,16 @@ class PagedAttention(nn.Module):
         self.sliding_window = sliding_window
         self.k_cache: torch.Tensor | None = None
         self.v_cache: torch.Tensor | None = None
+        self.kv_group = 0  # whose block tables this layer reads (core/kv_cache_groups.py)
         self.backend = current_backend()
 
-    def bind_kv_cache(self, k_cache: torch.Tensor, v_cache: torch.Tensor) -> None:
-        self.k_cache, self.v_cache = k_cache, v_cache
+    def bind_kv_cache(self, k_cache: torch.Tensor, v_cache: torch.Tensor, kv_group: int = 0) -> None:
+        self.k_cache, self.v_cache, self.kv_group = k_cache, v_cache, kv_group
 
     @torch.compiler.disable  # reads per-step metadata and loops in Python: stays eager under --compile
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         """q: [T, Hq, D], k/v: [T, Hkv, D] for the T tokens of the batch → [T, Hq * D]."""
-        meta = get_attention_metadata()
+        meta = get_attention_metadata().for_group(self.kv_group)
         self._write_cache(k, v, meta)
         out = torch.empty_like(q)
         if meta.num_decodes:

@@ -49,6 +49,8 @@ class DecodeStack:
             projections = [_projection(m) for m in (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)]
             norms = [layer.input_layernorm.weight, layer.post_attention_layernorm.weight]
             cache = attn.attn.k_cache
+            if attn.attn.kv_group:  # several KV cache groups: the op takes one block table for every layer
+                return None
             if None in projections or cache is None or cache.dtype != torch.float32 or cache.device.type != "cpu" \
                     or any(n.dtype != torch.float32 for n in norms):
                 return None

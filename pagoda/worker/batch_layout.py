@@ -33,21 +33,30 @@ def prepare_inputs(b: InputBatch, lay: BatchLayout, backend, block_size: int,
                    device: torch.device) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
     """The step's token ids and positions, and the attention metadata for ``backend``: where
     each token's K/V goes (slots through the block table), the decode rows' block tables and
-    lengths, and each prefill chunk's offset, length, cached prefix and blocks."""
-    bs = block_size
+    lengths, and each prefill chunk's offset, length, cached prefix and blocks. With several KV
+    cache groups, the metadata returned is group 0's and ``meta.groups`` holds every group's."""
     input_ids = b.token_ids[lay.token_rows, lay.positions]
-    slots = b.block_table[lay.token_rows, lay.positions // bs] * bs + lay.positions % bs
+    metas = [_group_metadata(b, lay, group, backend, block_size, device) for group in range(b.num_kv_groups)]
+    meta = metas[0]
+    meta.groups = metas
+    return torch.from_numpy(input_ids), torch.from_numpy(lay.positions.copy()), meta
+
+
+def _group_metadata(b: InputBatch, lay: BatchLayout, group: int, backend, block_size: int,
+                    device: torch.device) -> AttentionMetadata:
+    """The attention metadata of the layers of one KV cache group, through its block tables."""
+    bs, tables = block_size, b.block_tables[group]
+    slots = tables[lay.token_rows, lay.positions // bs] * bs + lay.positions % bs
     num_decodes = int(lay.counts[: lay.num_decode_like].sum())
-    prefills = [(int(lay.offsets[i]), int(lay.counts[i]), int(lay.starts[i]), b.block_ids(int(lay.rows[i])))
+    prefills = [(int(lay.offsets[i]), int(lay.counts[i]), int(lay.starts[i]), b.block_ids(int(lay.rows[i]), group))
                 for i in range(lay.num_decode_like, len(lay.req_ids))]
     decode_tables = decode_seq_lens = None
     if num_decodes:
         # One row per decode-like token: its request's block table, and how many positions it sees.
         width = int(b.num_blocks[lay.rows[: lay.num_decode_like]].max())
-        decode_tables = b.block_table[lay.token_rows[:num_decodes], :width]
+        decode_tables = tables[lay.token_rows[:num_decodes], :width]
         decode_seq_lens = lay.positions[:num_decodes] + 1
-    meta = backend.attention_metadata(slots, decode_tables, decode_seq_lens, prefills, bs, device)
-    return torch.from_numpy(input_ids), torch.from_numpy(lay.positions.copy()), meta
+    return backend.attention_metadata(slots, decode_tables, decode_seq_lens, prefills, bs, device)
 
 
 def decode_like_rows(counts: np.ndarray, starts: np.ndarray, short_chunk: int) -> np.ndarray:

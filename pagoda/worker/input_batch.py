@@ -29,9 +29,12 @@ class RequestState:
 
 
 class InputBatch:
-    def __init__(self, max_model_len: int, block_size: int, capacity: int = 16) -> None:
+    def __init__(self, max_model_len: int, block_size: int, capacity: int = 16, num_kv_groups: int = 1) -> None:
+        """``num_kv_groups``: block tables per request (core/kv_cache_groups.py); group 0's is
+        ``block_table``, and every group's table has the same length."""
         self.max_model_len = max_model_len
         self.block_size = block_size
+        self.num_kv_groups = num_kv_groups
         self.max_blocks = -(-max_model_len // block_size)
         self.index: dict[str, int] = {}  # request id → row
         self.states: dict[str, RequestState] = {}
@@ -49,7 +52,10 @@ class InputBatch:
 
         get = lambda name: getattr(self, name, None)  # noqa: E731
         self.token_ids = resized(get("token_ids"), (capacity, self.max_model_len), np.int64)
-        self.block_table = resized(get("block_table"), (capacity, self.max_blocks), np.int64)
+        old_tables = get("block_tables")
+        self.block_tables = np.zeros((self.num_kv_groups, capacity, self.max_blocks), dtype=np.int64)
+        if old_tables is not None:
+            self.block_tables[:, : old_tables.shape[1]] = old_tables
         for name, dtype, fill in _ROW_FIELDS:
             setattr(self, name, resized(get(name), (capacity,), dtype, fill))
         self._free_rows.extend(range(capacity - 1, self._capacity - 1, -1))
@@ -89,7 +95,7 @@ class InputBatch:
         self.num_prompt[row] = len(new.prompt_token_ids)
         self.num_computed[row] = new.num_computed_tokens
         self.num_blocks[row] = 0
-        self._append_blocks(row, new.block_ids)
+        self._append_blocks(row, new.block_ids, new.group_block_ids)
         self._set_sampling(row, p)
 
     def update(self, cached: CachedRequestData) -> None:
@@ -100,7 +106,7 @@ class InputBatch:
         self.num_computed[row] = cached.num_computed_tokens
         if cached.resumed_from_preemption:
             self.num_blocks[row] = 0
-        self._append_blocks(row, cached.new_block_ids)
+        self._append_blocks(row, cached.new_block_ids, cached.new_group_block_ids)
 
     def remove(self, req_id: str) -> None:
         row = self.index.pop(req_id, None)
@@ -108,10 +114,12 @@ class InputBatch:
             self.states.pop(req_id, None)
             self._free_rows.append(row)
 
-    def _append_blocks(self, row: int, block_ids: list[int]) -> None:
-        start = int(self.num_blocks[row])
-        self.block_table[row, start : start + len(block_ids)] = block_ids
-        self.num_blocks[row] = start + len(block_ids)
+    def _append_blocks(self, row: int, block_ids: list[int], group_block_ids: list[list[int]]) -> None:
+        start, end = int(self.num_blocks[row]), int(self.num_blocks[row]) + len(block_ids)
+        self.block_tables[0, row, start:end] = block_ids
+        for group, ids in enumerate(group_block_ids, start=1):
+            self.block_tables[group, row, start:end] = ids
+        self.num_blocks[row] = end
 
     def _set_sampling(self, row: int, p: SamplingParams) -> None:
         self.temperature[row] = p.temperature
@@ -127,8 +135,13 @@ class InputBatch:
     def rows(self, req_ids: list[str]) -> np.ndarray:
         return np.fromiter((self.index[r] for r in req_ids), dtype=np.int64, count=len(req_ids))
 
-    def block_ids(self, row: int) -> np.ndarray:
-        return self.block_table[row, : self.num_blocks[row]]
+    @property
+    def block_table(self) -> np.ndarray:
+        """Group 0's block tables [capacity, max_blocks] (every layer's, for most models)."""
+        return self.block_tables[0]
+
+    def block_ids(self, row: int, group: int = 0) -> np.ndarray:
+        return self.block_tables[group, row, : self.num_blocks[row]]
 
     def padded_tokens(self, rows: np.ndarray, start: np.ndarray, end: np.ndarray) -> torch.Tensor:
         """token_ids[row, start:end] of each row, padded with -1 to the longest: [len(rows), width]."""

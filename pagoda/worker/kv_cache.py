@@ -7,9 +7,11 @@ import torch
 GiB = 1 << 30
 
 
-def bytes_per_block(num_layers: int, block_size: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype) -> int:
+def bytes_per_block(num_slots: int, block_size: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype) -> int:
+    """A block's K and V for ``num_slots`` layers (every layer, or a KV cache group's slots:
+    core/kv_cache_groups.py)."""
     element = torch.empty((), dtype=dtype).element_size()
-    return 2 * num_layers * block_size * num_kv_heads * head_dim * element
+    return 2 * num_slots * block_size * num_kv_heads * head_dim * element
 
 
 def num_blocks_for_budget(budget_bytes: int, per_block: int) -> int:
@@ -17,10 +19,11 @@ def num_blocks_for_budget(budget_bytes: int, per_block: int) -> int:
 
 
 def allocate_kv_cache(
-    num_layers: int, num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int,
+    num_slots: int, num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int,
     dtype: torch.dtype, device: torch.device,
 ) -> torch.Tensor:
-    """One zeroed tensor [2, layers, blocks, kv_heads, block_size, head_dim].
+    """One zeroed tensor [2, slots, blocks, kv_heads, block_size, head_dim]: a slot per layer, or
+    per layer of a KV cache group (a hybrid model's layers share slots across groups).
 
     Within a block, each kv head's tokens are contiguous (block_size x head_dim), so attention
     over a block reads one contiguous run per head.
@@ -28,4 +31,4 @@ def allocate_kv_cache(
     Zeroed, not empty: masked-out slots still flow through the attention matmul (weight 0), and
     0 × NaN garbage would poison it.
     """
-    return torch.zeros(2, num_layers, num_blocks, num_kv_heads, block_size, head_dim, dtype=dtype, device=device)
+    return torch.zeros(2, num_slots, num_blocks, num_kv_heads, block_size, head_dim, dtype=dtype, device=device)

@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 import torch
 
+from pagoda.core.kv_cache_groups import KVCacheGroups
 from pagoda.core.scheduler_output import SchedulerOutput
 from pagoda.forward_context import set_attention_metadata
 from pagoda.layers.sampler import Sampler, SamplingMetadata, sampling_probabilities
@@ -40,11 +41,14 @@ class ModelRunner:
                  max_model_len: int, generator: torch.Generator | None = None, compile: bool = False,
                  deterministic: bool = False, short_chunk: int = DEFAULT_SHORT_CHUNK,
                  is_driver: bool = True, speculative: SpeculativeConfig | None = None,
-                 draft: tuple[torch.nn.Module, torch.Tensor] | None = None) -> None:
+                 draft: tuple[torch.nn.Module, torch.Tensor] | None = None,
+                 kv_groups: KVCacheGroups | None = None) -> None:
         """``deterministic`` (EngineConfig.deterministic): batch-invariant inference, see
         ``_decode_like`` and ``execute``. ``is_driver``: this rank samples and reports (rank 0);
         the others only run the model. ``draft``: the draft model and its KV cache, for
-        speculative decoding with ``method: draft_model``."""
+        speculative decoding with ``method: draft_model``. ``kv_groups``: which layers share a
+        block table and which slot of ``kv_cache`` each layer's K/V takes (default: one group,
+        layer i in slot i)."""
         self.model = model
         # Batch invariance takes pagoda's CPU kernels (the paged kernel for every row, the
         # invariant GEMM); without them (CUDA, no compiler) the layout stays as it is.
@@ -61,9 +65,11 @@ class ModelRunner:
         self.speculative = speculative
         self.vocab_size = model.config.vocab_size
         self.sampler = Sampler(generator)
-        self.batch = InputBatch(max_model_len, block_size)
-        for i, attn in enumerate(model.attention_layers()):
-            attn.bind_kv_cache(kv_cache[0, i], kv_cache[1, i])
+        layers = model.attention_layers()
+        groups = kv_groups or KVCacheGroups.single(len(layers))
+        self.batch = InputBatch(max_model_len, block_size, num_kv_groups=groups.num_groups)
+        for attn, group, slot in zip(layers, groups.layer_group, groups.layer_slot):
+            attn.bind_kv_cache(kv_cache[0, slot], kv_cache[1, slot], group)
         self.drafter = None
         if draft is not None:
             self.drafter = DraftModelProposer(draft[0], draft[1], self.batch, block_size, device,

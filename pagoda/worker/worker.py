@@ -23,6 +23,7 @@ from pagoda.layers.backend import TorchBackend, select_backend
 from pagoda.loader.model_loader import load_model
 from pagoda.outputs import ModelRunnerOutput
 from pagoda.platform import available_memory_bytes, resident_memory_bytes
+from pagoda.core.kv_cache_groups import kv_groups_for
 from pagoda.worker.kv_cache import GiB, allocate_kv_cache, bytes_per_block
 from pagoda.worker.model_runner import ModelRunner
 
@@ -69,6 +70,7 @@ class Worker:
         self.weights_rss_bytes = resident_memory_bytes() - rss_before  # what loading the shard cost
         self.tp.wait_for_all()  # before any timed collective: ranks load at their own pace
         self.load_seconds = time.monotonic() - start
+        self.kv_groups = kv_groups_for(self.model.config, config.speculative, config.cache.hybrid_kv_cache)  # which layers share a block table
         self.runner: ModelRunner | None = None
         self.kv_cache: torch.Tensor | None = None
 
@@ -91,7 +93,7 @@ class Worker:
         """One block of every layer's K/V for ``num_kv_heads`` of the target's heads, plus the
         draft model's block (all its heads: the draft is not sharded)."""
         cfg, mc, bs = self.model.config, self.config.model, self.config.cache.block_size
-        size = bytes_per_block(cfg.num_layers, bs, num_kv_heads, cfg.head_dim, mc.dtype)
+        size = bytes_per_block(self.kv_groups.slots_per_block, bs, num_kv_heads, cfg.head_dim, mc.dtype)
         if self.draft_model is not None:
             d = self.draft_model.config
             size += bytes_per_block(d.num_layers, bs, d.num_kv_heads, d.head_dim, self.config.speculative.draft.dtype)
@@ -130,8 +132,8 @@ class Worker:
 
     def initialize_cache(self, num_blocks: int, max_model_len: int) -> None:
         cfg, mc, cc = self.model.config, self.config.model, self.config.cache
-        self.kv_cache = allocate_kv_cache(cfg.num_layers, num_blocks, cc.block_size, self.model.num_local_kv_heads,
-                                          cfg.head_dim, mc.dtype, self.device)
+        self.kv_cache = allocate_kv_cache(self.kv_groups.slots_per_block, num_blocks, cc.block_size,
+                                          self.model.num_local_kv_heads, cfg.head_dim, mc.dtype, self.device)
         draft = None
         if self.draft_model is not None:
             d = self.draft_model.config
@@ -142,7 +144,7 @@ class Worker:
             self.model, self.kv_cache, cc.block_size, self.device, max_model_len, generator,
             compile=self.config.compile, deterministic=self.config.deterministic,
             short_chunk=self.config.scheduler.short_chunk_tokens, speculative=self.config.speculative,
-            is_driver=self.tp.is_driver, draft=draft,
+            is_driver=self.tp.is_driver, draft=draft, kv_groups=self.kv_groups,
         )
 
     # -- steps ------------------------------------------------------------------------------

@@ -106,6 +106,56 @@ def test_prefix_hits_across_the_window(gemma_dir, ref):
     assert_matches(outs, reference(ref, prompts))
 
 
+LONG_PROMPTS, LONG_OUTPUT = [prompt(30, 21), prompt(31, 22)], 120
+
+
+@pytest.fixture(scope="module")
+def long_expected(ref):
+    return reference(ref, LONG_PROMPTS, LONG_OUTPUT)
+
+
+@pytest.mark.parametrize("prefix_caching", [False, True], ids=["no-prefix-cache", "prefix-cache"])
+def test_local_layers_hold_only_their_window(gemma_dir, ref, long_expected, prefix_caching, monkeypatch):
+    """The local layers' block tables (3 groups beside the global layer's) give back the blocks
+    their window has passed: two 150-token requests run together in a 64-block cache (each would
+    take 4 x 19 = 76 blocks with one table for every layer), without a preemption, and still give
+    transformers' tokens. With the prefix cache, the tree keeps those blocks until the room is needed."""
+    from pagoda.core.block_pool import BlockPool
+
+    peak = [0]
+    allocate = BlockPool.allocate
+
+    def tracked(self, n):
+        blocks = allocate(self, n)
+        peak[0] = max(peak[0], self.num_used_blocks)
+        return blocks
+
+    monkeypatch.setattr(BlockPool, "allocate", tracked)
+    llm = LLM(model=str(gemma_dir), dtype="float32", block_size=8, enable_prefix_caching=prefix_caching,
+              max_num_batched_tokens=32, kv_cache_memory=64 * _bytes_per_block(gemma_dir, 8) / 2**30)
+    core = llm.engine.core
+    assert core.num_blocks == 64 and core.kv_manager.num_groups == 4 and core.kv_manager.local_window == W
+    prompts = LONG_PROMPTS
+    outs = run(llm, prompts, LONG_OUTPUT)
+    assert core.scheduler.num_preemptions_total == 0 and core.kv_manager.num_released_blocks > 2 * 3 * 10
+    if not prefix_caching:  # each request: 19 global blocks and about its window's in each local group
+        assert peak[0] <= 2 * (19 + 3 * (-(-(W + 8) // 8) + 1))
+    assert_matches(outs, long_expected)
+    if prefix_caching:
+        # The early blocks' local parts went first under pressure (least recently let go); the end
+        # of the first request's sequence is cached whole, its last window included.
+        whole = prompts[0] + outs[0].outputs[0].token_ids[:-1]
+        again = run(llm, [prompts[0], whole])
+        assert again[0].num_cached_tokens == 0 and again[1].num_cached_tokens == 144
+        assert_matches(again, reference(ref, [prompts[0], whole]))
+
+
+def _bytes_per_block(model_dir, block_size: int) -> int:
+    """One pool block of the tiny Gemma 3: K and V of one slot (one layer per group), fp32."""
+    config = json.loads((model_dir / "config.json").read_text())
+    return 2 * block_size * config["num_key_value_heads"] * config["head_dim"] * 4
+
+
 def test_chat_on_the_tiny_model(gemma_dir, ref):
     llm = LLM(model=str(gemma_dir), dtype="float32", kv_cache_memory=0.02)
     conversation = [{"role": "user", "content": "The quick brown fox jumps over the lazy dog. " * 2}]
