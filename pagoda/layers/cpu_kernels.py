@@ -1,7 +1,15 @@
 """Hand-written CPU kernels (pagoda/csrc), compiled with torch's C++ extension builder and cached
 (under $PAGODA_HOME/kernels/<cpu>), built or loaded when an engine starts (worker.py). Where no
 compiler is available the engine runs the pure-torch backend (layers/backend.py);
-PAGODA_DISABLE_KERNELS=1 forces that fallback."""
+PAGODA_DISABLE_KERNELS=1 forces that fallback.
+
+The kernels pick their instruction-set paths at compile time (#ifdef __AVX512VNNI__ ...), so the
+build's -march decides them. By default that is -march=native: every extension this CPU has, so
+block_matmul takes its widest path (on the Sapphire Rapids measured, avx512-vnni was the fastest:
+benchmarks/README.md, "Matmul kernels").
+PAGODA_KERNEL_ISA names another level (``ISA_LEVELS``: avx512-vnni, avx-vnni, avx2, scalar),
+built into a directory of its own; the tests use it to run the fallback paths on a machine that
+would never take them."""
 
 from __future__ import annotations
 
@@ -19,21 +27,49 @@ _SOURCES = ("paged_attention.cpp", "block_matmul.cpp", "fused_ops.cpp", "small_m
 
 
 _disabled: bool | None = None  # PAGODA_DISABLE_KERNELS, read once (this is called per layer per step)
+_level: str | None = None  # PAGODA_KERNEL_ISA, read with it
+
+# PAGODA_KERNEL_ISA value -> (compiler flags, the /proc/cpuinfo flags a CPU needs to run the build)
+ISA_LEVELS: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {
+    "native": (("-march=native",), ()),
+    "avx512-vnni": (("-march=x86-64-v4", "-mavx512vnni"), ("avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512cd",
+                                                           "avx512_vnni")),
+    "avx-vnni": (("-march=x86-64-v3", "-mavxvnni"), ("avx2", "fma", "f16c", "avx_vnni")),
+    "avx2": (("-march=x86-64-v3",), ("avx2", "fma", "f16c")),
+    "scalar": (("-march=x86-64",), ()),
+}
+
+
+def kernel_isa_level() -> str:
+    """The ISA level the kernels are built for: PAGODA_KERNEL_ISA, default ``native``. Raises
+    ValueError for a name not in ``ISA_LEVELS`` or a level this CPU cannot run."""
+    level = os.environ.get("PAGODA_KERNEL_ISA", "").strip() or "native"
+    if level not in ISA_LEVELS:
+        raise ValueError(f"PAGODA_KERNEL_ISA={level!r} is not one of {', '.join(ISA_LEVELS)}")
+    from pagoda.platform import cpu_flags
+
+    missing = [f for f in ISA_LEVELS[level][1] if f not in cpu_flags()]
+    if missing and cpu_flags():
+        raise ValueError(f"PAGODA_KERNEL_ISA={level}: this CPU lacks {' '.join(missing)}")
+    return level
 
 
 def load_cpu_kernels():
     """``torch.ops.pagoda`` with the compiled kernels, or None when they are disabled
-    (PAGODA_DISABLE_KERNELS; see ``reread_environment``) or cannot be built here."""
-    global _disabled
+    (PAGODA_DISABLE_KERNELS; see ``reread_environment``) or cannot be built here. Built for
+    PAGODA_KERNEL_ISA's level (``kernel_isa_level``; ValueError for a bad one)."""
+    global _disabled, _level
     if _disabled is None:
-        _disabled = os.environ.get("PAGODA_DISABLE_KERNELS", "") not in ("", "0")
-    return None if _disabled else _build()
+        level = kernel_isa_level()  # first: a bad value raises on every call, not once
+        _disabled, _level = os.environ.get("PAGODA_DISABLE_KERNELS", "") not in ("", "0"), level
+    return None if _disabled else _build(_level)
 
 
 def reread_environment() -> None:
-    """Make the next ``load_cpu_kernels`` read PAGODA_DISABLE_KERNELS again (tests flip it)."""
-    global _disabled
-    _disabled = None
+    """Make the next ``load_cpu_kernels`` read PAGODA_DISABLE_KERNELS and PAGODA_KERNEL_ISA again
+    (tests flip them)."""
+    global _disabled, _level
+    _disabled = _level = None
 
 
 def _cpu_key() -> str:
@@ -48,35 +84,50 @@ def _cpu_key() -> str:
     return f"{platform.machine()}-{hashlib.sha256(flags.encode()).hexdigest()[:12]}"
 
 
+def build_directory(level: str = "native", sources: tuple[str, ...] = _SOURCES) -> Path:
+    """Where a build lives: one directory per kind of CPU (its flags' hash), per ISA level, and per
+    source subset (the tests build block_matmul alone for the fallback levels)."""
+    from pagoda.home import pagoda_home
+
+    name = _cpu_key() if level == "native" else f"{_cpu_key()}-{level}"
+    if tuple(sources) != _SOURCES:
+        name += "-" + "+".join(Path(s).stem for s in sources)
+    return pagoda_home() / "kernels" / name
+
+
+def build_kernels(level: str = "native", sources: tuple[str, ...] = _SOURCES):
+    """Compile (or load from its cache) ``sources`` for ISA ``level`` into this process; returns
+    ``torch.ops.pagoda``. One build per process: the ops register under one name."""
+    from torch.utils.cpp_extension import load
+
+    build_dir = build_directory(level, sources)
+    build_dir.mkdir(parents=True, exist_ok=True)
+    load(
+        name="pagoda_cpu_kernels",
+        sources=[str(_CSRC / name) for name in sources],
+        extra_cflags=["-O3", *ISA_LEVELS[level][0], "-fopenmp", "-ffp-contract=off"],
+        extra_ldflags=["-fopenmp"],
+        build_directory=str(build_dir),
+        verbose=False,
+        is_python_module=False,  # registers torch.ops.pagoda.*
+    )
+    import torch
+
+    return torch.ops.pagoda
+
+
 @functools.cache
-def _build():
+def _build(level: str):
     try:
-        from torch.utils.cpp_extension import load
-
-        from pagoda.home import pagoda_home
-
-        build_dir = pagoda_home() / "kernels" / _cpu_key()  # -march=native: one build per kind of CPU
-        build_dir.mkdir(parents=True, exist_ok=True)
-        load(
-            name="pagoda_cpu_kernels",
-            sources=[str(_CSRC / name) for name in _SOURCES],
-            extra_cflags=["-O3", "-march=native", "-fopenmp", "-ffp-contract=off"],
-            extra_ldflags=["-fopenmp"],
-            build_directory=str(build_dir),
-            verbose=False,
-            is_python_module=False,  # registers torch.ops.pagoda.*
-        )
-        import torch
-
-        try:
-            _register_fakes()
-        except Exception as e:  # the eager ops still work; only --compile would miss them
-            logger.warning("could not register fake kernels for torch.compile (%s)", e)
-
-        return torch.ops.pagoda
+        ops = build_kernels(level)
     except Exception as e:  # no compiler, no ninja, ...
         logger.warning("CPU kernels unavailable (%s); using the pure-torch paths", e)
         return None
+    try:
+        _register_fakes()
+    except Exception as e:  # the eager ops still work; only --compile would miss them
+        logger.warning("could not register fake kernels for torch.compile (%s)", e)
+    return ops
 
 
 def _register_fakes() -> None:
@@ -99,22 +150,26 @@ _ISA_FLAGS = ("avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512vl", "avx512_
 
 
 def kernel_isa() -> str:
-    """Which of this CPU's extensions the kernels are built with (-march=native)."""
+    """Which build the kernels are (PAGODA_KERNEL_ISA level, this CPU's extensions) and, once
+    they are loaded, which instruction set block_matmul's integer dot products run on."""
     import platform
 
     from pagoda.platform import cpu_flags
 
-    flags = cpu_flags()
-    found = [f for f in _ISA_FLAGS if f in flags]
-    return f"{platform.machine()}, -march=native: {' '.join(found) or 'baseline'}"
+    level = kernel_isa_level()
+    found = " ".join(f for f in _ISA_FLAGS if f in cpu_flags()) or "baseline"
+    description = f"{platform.machine()}, {level} ({' '.join(ISA_LEVELS[level][0])}), CPU: {found}"
+    ops = load_cpu_kernels()
+    if ops is not None:
+        min_rows, dtype = ops.block_matmul_gemm()
+        description += f"; block_matmul: {ops.block_matmul_isa()}, from {min_rows} rows a {dtype} GEMM"
+    return description
 
 
 def kernels_are_built() -> bool:
     """Whether this CPU's kernel library exists and is newer than every source (then loading it
     takes a second; otherwise the first load compiles, about a minute)."""
-    from pagoda.home import pagoda_home
-
-    library = pagoda_home() / "kernels" / _cpu_key() / "pagoda_cpu_kernels.so"
+    library = build_directory(kernel_isa_level()) / "pagoda_cpu_kernels.so"
     if not library.exists():
         return False
     built = library.stat().st_mtime

@@ -10,8 +10,11 @@ llama.cpp's quantizer would):
 
 In a 4-bit block, element j sits in the low nibble of byte j and element j + 16 in the high nibble.
 The matmul (``torch.ops.pagoda.block_matmul``, pagoda/csrc/block_matmul.cpp) quantizes the
-activations to int8 per block of 32 and runs integer dot products, as llama.cpp does; without the
-compiled kernels the layers dequantize their weight on every call (correct, slow).
+activations to int8 per block of 32 and runs integer dot products, as llama.cpp does (AVX512-VNNI,
+AVX-VNNI, AVX2 or scalar, as the kernels were built; all give the same bits); from 16 rows, outside
+deterministic mode, it dequantizes the weight per call and runs a library GEMM (bf16 on AMX /
+AVX512-BF16 CPUs). Without the compiled kernels the layers dequantize their weight on every call
+(correct, slow).
 """
 
 from __future__ import annotations

@@ -66,15 +66,28 @@ def test_q4_0_as_q4_1_is_the_same_weight():
 @pytest.mark.parametrize("block_type", sorted(GGML))
 @pytest.mark.parametrize("m", [1, 2, 3, 4, 5, 9, 64, 200])
 def test_kernel_computes_int8_block_dot_products(block_type, m):
+    """Below the kernel's GEMM threshold (and at every M under batch invariance) the integer
+    kernel; from it, the library GEMM on the same int8-rounded activations (in bf16 where the
+    build has AVX512-BF16 / AMX: then the weight, the activations and the result are rounded to
+    bf16, so it is compared with that rounding's exact product)."""
     n, k = 80, 96
     blocks = _blocks(_weight(n, k), block_type)
     x = torch.randn(m, k, generator=torch.Generator().manual_seed(m))
     x[0, :32] = 0.0  # an all-zero block: scale 0, no division by it
-    got = load_cpu_kernels().block_matmul(x, blocks, block_type)
-    want = _int8_activations(x) @ dequantize_blocks(blocks, block_type).T
-    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-4)
-    # against the float product: off only by the activations' int8 rounding
-    exact = x @ dequantize_blocks(blocks, block_type).T
+    ops = load_cpu_kernels()
+    got = ops.block_matmul(x, blocks, block_type)
+    weight = dequantize_blocks(blocks, block_type)
+    min_rows, dtype = ops.block_matmul_gemm()
+    if m >= min_rows and dtype == "bf16":
+        want = (_int8_activations(x).bfloat16().double() @ weight.bfloat16().double().T).float()
+        torch.testing.assert_close(got, want, rtol=2**-8, atol=1e-4)  # + the result's own bf16 rounding
+        with select_backend("cpu").batch_invariant(True):
+            got_int = ops.block_matmul(x, blocks, block_type)
+    else:
+        got_int = got
+    torch.testing.assert_close(got_int, _int8_activations(x) @ weight.T, rtol=1e-5, atol=1e-4)
+    # against the float product: off only by the activations' int8 rounding (and bf16's)
+    exact = x @ weight.T
     assert ((got - exact).norm() / exact.norm()).item() < 0.02
 
 

@@ -1,0 +1,135 @@
+"""block_matmul's instruction-set paths: the build for each ISA level (PAGODA_KERNEL_ISA) takes the
+path it names, and every path gives the native build's bits and the reference arithmetic.
+
+The fallback levels (avx-vnni, avx2, scalar) are built from block_matmul.cpp and small_matmul.cpp
+alone (its batch-invariance switch), each in a subprocess, since two builds register the same
+ops and cannot share a process. Each build is cached under $PAGODA_HOME/kernels/<cpu>-<level>-...;
+the first run compiles them (20-45 s a level on a loaded 2-core machine: ~65 s for the file), later
+runs load them (~3 s a level: ~10 s for the file)."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from gguf import GGMLQuantizationType, quants
+
+from pagoda.layers import cpu_kernels, ggml_blocks
+from pagoda.layers.backend import select_backend
+from pagoda.layers.cpu_kernels import ISA_LEVELS, load_cpu_kernels
+from pagoda.layers.ggml_blocks import dequantize_blocks
+from pagoda.platform import cpu_flags
+
+REPO = Path(__file__).resolve().parents[2]
+GGML = {ggml_blocks.Q4_0: GGMLQuantizationType.Q4_0, ggml_blocks.Q4_1: GGMLQuantizationType.Q4_1,
+        ggml_blocks.Q8_0: GGMLQuantizationType.Q8_0}
+ROWS = (1, 2, 3, 4, 5, 9, 33)  # every tile size (1-4 rows) and ragged ends
+N, K = 37, 96  # an odd number of weight rows: the AVX-512 path's last row goes alone
+
+needs_kernels = pytest.mark.skipif(load_cpu_kernels() is None, reason="pagoda's C++ kernels cannot be built here")
+
+# In a fallback build, the integer kernel at every M (batch invariance on: no library GEMM route).
+_CHILD = """
+import sys, torch
+from pagoda.layers.cpu_kernels import build_kernels
+level, cases, out = sys.argv[1:]
+ops = build_kernels(level, ("block_matmul.cpp", "small_matmul.cpp"))
+ops.set_batch_invariant(True)
+outputs = [ops.block_matmul(x, w, t) for t, x, w in torch.load(cases)]
+torch.save({"isa": ops.block_matmul_isa(), "outputs": outputs}, out)
+"""
+
+
+def _runs_here(level: str) -> bool:
+    return all(flag in cpu_flags() for flag in ISA_LEVELS[level][1])
+
+
+def _expected_native_isa() -> str:
+    flags = cpu_flags()
+    if {"avx512f", "avx512bw", "avx512vl", "avx512_vnni"} <= flags:
+        return "avx512-vnni"
+    if {"avx2", "fma", "avx_vnni"} <= flags:
+        return "avx-vnni"
+    return "avx2" if {"avx2", "fma"} <= flags else "scalar"
+
+
+def _int8_reference(x: torch.Tensor, blocks: torch.Tensor, block_type: int) -> torch.Tensor:
+    """The kernel's arithmetic in float64: x rounded to int8 per block of 32 (scale amax / 127),
+    times the exact weights."""
+    g = x.double().reshape(x.shape[0], -1, 32)
+    d = (x.reshape(x.shape[0], -1, 32).abs().amax(dim=-1, keepdim=True) / 127).double()
+    q = torch.round(g / torch.where(d > 0, d, torch.ones_like(d)))
+    return ((q * d).reshape(x.shape) @ dequantize_blocks(blocks, block_type).double().T).float()
+
+
+def _cases() -> list[tuple[int, torch.Tensor, torch.Tensor]]:
+    g = torch.Generator().manual_seed(13)
+    cases = []
+    for block_type in sorted(GGML):
+        w = torch.randn(N, K, generator=g)
+        blocks = torch.from_numpy(np.ascontiguousarray(quants.quantize(w.numpy(), GGML[block_type])))
+        blocks = blocks.view(torch.uint8).reshape(N, -1).clone()
+        if block_type == ggml_blocks.Q8_0:  # code -128 (ggml never writes it; a file may): |q| = 128 unsigned
+            blocks.view(N, -1, 34)[::3, :, 2 + 5] = 0x80
+        for m in ROWS:
+            x = torch.randn(m, K, generator=g) * torch.rand(m, 1, generator=g) * 4
+            x[0, 32:64] = 0.0  # an all-zero activation block: scale 0
+            cases.append((block_type, x, blocks))
+    return cases
+
+
+@pytest.fixture(scope="module")
+def cases(tmp_path_factory) -> tuple[Path, list]:
+    path = tmp_path_factory.mktemp("isa") / "cases.pt"
+    data = _cases()
+    torch.save(data, path)
+    return path, data
+
+
+@needs_kernels
+def test_native_build_takes_the_widest_path_this_cpu_has():
+    assert load_cpu_kernels().block_matmul_isa() == _expected_native_isa()
+    assert f"block_matmul: {_expected_native_isa()}" in cpu_kernels.kernel_isa()
+
+
+@needs_kernels
+def test_native_build_matches_the_reference_arithmetic(cases):
+    with select_backend("cpu").batch_invariant(True):  # the integer kernel at every M
+        for block_type, x, blocks in cases[1]:
+            got = load_cpu_kernels().block_matmul(x, blocks, block_type)
+            torch.testing.assert_close(got, _int8_reference(x, blocks, block_type), rtol=1e-5, atol=1e-4)
+
+
+@needs_kernels
+@pytest.mark.parametrize("level", ["avx-vnni", "avx2", "scalar"])
+def test_fallback_build_gives_the_native_bits(level, cases, tmp_path):
+    if not _runs_here(level):
+        pytest.skip(f"this CPU cannot run {level}")
+    path, data = cases
+    out = tmp_path / "out.pt"
+    subprocess.run([sys.executable, "-c", _CHILD, level, str(path), str(out)], cwd=REPO, check=True)
+    result = torch.load(out)
+    assert result["isa"] == level
+    ops = load_cpu_kernels()
+    with select_backend("cpu").batch_invariant(True):
+        for (block_type, x, blocks), got in zip(data, result["outputs"], strict=True):
+            # the integer dot products are exact and every path sums the floats in one documented order
+            assert torch.equal(got, ops.block_matmul(x, blocks, block_type)), (level, block_type, x.shape[0])
+            torch.testing.assert_close(got, _int8_reference(x, blocks, block_type), rtol=1e-5, atol=1e-4)
+
+
+def test_isa_level_errors_name_the_problem(monkeypatch):
+    monkeypatch.setenv("PAGODA_KERNEL_ISA", "avx9000")
+    with pytest.raises(ValueError, match="PAGODA_KERNEL_ISA='avx9000' is not one of native, avx512-vnni"):
+        cpu_kernels.kernel_isa_level()
+    # a CPU without AVX-512 (its flags as /proc/cpuinfo would list them) asked for the AVX-512 build
+    monkeypatch.setattr("pagoda.platform.cpu_flags", lambda: frozenset({"sse2", "avx", "avx2", "fma", "f16c"}))
+    monkeypatch.setenv("PAGODA_KERNEL_ISA", "avx512-vnni")
+    with pytest.raises(ValueError, match="PAGODA_KERNEL_ISA=avx512-vnni: this CPU lacks avx512f avx512bw"):
+        cpu_kernels.kernel_isa_level()
+    monkeypatch.setenv("PAGODA_KERNEL_ISA", "avx2")
+    assert cpu_kernels.kernel_isa_level() == "avx2"
