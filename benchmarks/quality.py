@@ -44,6 +44,12 @@ MODES: dict[str, dict] = {
     "int8": {"dtype": "float32", "quantization": "int8"},
     "int4": {"dtype": "float32", "quantization": "int4"},
     "gguf": {"dtype": "float32", "quantization": "gguf"},
+    # --kv-cache-dtype: the prompt in chunks of 64 tokens, so the perplexity reads the cache too
+    # (one whole prefill attends over its fresh fp32 K/V); fp32-chunked shows chunking alone
+    "fp32-chunked": {"dtype": "float32", "max_num_batched_tokens": 64},
+    "kv-bf16": {"dtype": "float32", "kv_cache_dtype": "bfloat16", "max_num_batched_tokens": 64},
+    "kv-fp16": {"dtype": "float32", "kv_cache_dtype": "float16", "max_num_batched_tokens": 64},
+    "kv-int8": {"dtype": "float32", "kv_cache_dtype": "int8", "max_num_batched_tokens": 64},
     "int8-floathead": {"dtype": "float32", "quantization": "int8", "head": False},
     "int4-floathead": {"dtype": "float32", "quantization": "int4", "head": False},
 }

@@ -15,7 +15,7 @@ import torch
 from pagoda.engine_args import EngineArgs  # also re-exported: most callers import it from here
 from pagoda.loader.catalog import DEFAULT_MODEL  # noqa: F401 - the engine's default, re-exported
 from pagoda.loader.resolve import ModelFiles, resolve_model
-from pagoda.platform import default_device, resolve_dtype
+from pagoda.platform import default_device, resolve_dtype, resolve_kv_cache_dtype
 
 DEFAULT_KV_CACHE_GIB = 2.0
 # EngineArgs.deterministic when not given. Off: measured on SmolLM2 fp32 (2 threads, AVX-512), it
@@ -54,6 +54,7 @@ class CacheConfig:
     # Separate block tables for sliding-window layers where a model mixes them with global ones
     # (core/kv_cache_groups.py); off: --disable-hybrid-kv-cache-manager
     hybrid_kv_cache: bool = True
+    kv_cache_dtype: torch.dtype | None = None  # None: the model's dtype (--kv-cache-dtype auto)
 
 
 @dataclass(frozen=True)
@@ -199,7 +200,7 @@ def create_engine_config(args: EngineArgs) -> EngineConfig:
         model=model_config,
         cache=CacheConfig(args.block_size, args.kv_cache_memory, args.gpu_memory_utilization, args.enable_prefix_caching,
                           args.session_kv_fraction, args.max_session_kv_tokens,
-                          not args.disable_hybrid_kv_cache_manager),
+                          not args.disable_hybrid_kv_cache_manager, resolve_kv_cache_dtype(args.kv_cache_dtype, dtype)),
         scheduler=SchedulerConfig(args.max_num_seqs, args.max_num_batched_tokens, args.aging_seconds,
                                   args.admission_pressure_threshold, args.short_chunk_tokens),
         parallel=parallel,

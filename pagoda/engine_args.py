@@ -21,6 +21,7 @@ if TYPE_CHECKING:
     from pagoda.config import EngineConfig
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
+KV_CACHE_DTYPES = ("auto", "float32", "fp32", "bfloat16", "bf16", "float16", "fp16", "int8")
 QUANTIZATIONS = ("none", "int8", "int4", "gguf")
 DISTRIBUTED_BACKENDS = ("mp", "ray", "uni")
 BLOCK_SIZES = (8, 16, 32, 64, 128)
@@ -51,6 +52,10 @@ class EngineArgs:
     max_num_batched_tokens: int = field(default=2048, metadata=_option())
     block_size: int = field(default=16, metadata=_option())
     kv_cache_memory: float | None = field(default=None, metadata=_option("KV cache budget in GiB (CPU)"))
+    kv_cache_dtype: str = field(default="auto", metadata=_option(
+        "the KV cache's dtype: auto (the model's: exact), or a narrower one: bfloat16 / float16 halve "
+        "an fp32 model's cache (twice the tokens fit in --kv-cache-memory), int8 (one scale per token "
+        "and head, llama.cpp's q8_0 way) takes about a quarter", choices=KV_CACHE_DTYPES))
     gpu_memory_utilization: float = field(default=0.9, metadata=_option())
     seed: int = field(default=0, metadata=_option())
     chat_template: str | None = field(default=None, metadata=_option("a chat template, or a file holding one"))

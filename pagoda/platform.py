@@ -69,6 +69,22 @@ _DTYPES = {
 SUPPORTED_DTYPES = ("auto", "float32", "bfloat16", "float16")
 
 
+def resolve_kv_cache_dtype(name: str, model_dtype: torch.dtype) -> torch.dtype:
+    """``--kv-cache-dtype``: 'auto' keeps the model's dtype (exact); bf16 / fp16 halve the cache
+    of an fp32 model, its K/V rounded to nearest as they are written; int8 quantizes them per
+    (token, head) with a float scale beside them."""
+    from pagoda.engine_args import KV_CACHE_DTYPES
+
+    key = str(name).lower()
+    if key == "auto":
+        return model_dtype
+    if key == "int8":
+        return torch.int8
+    if key not in KV_CACHE_DTYPES:
+        raise ValueError(f"kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPES)}, got {name!r}")
+    return _DTYPES[key]
+
+
 def resolve_dtype(dtype: str | torch.dtype, device: torch.device) -> torch.dtype:
     """Map a user dtype ('auto', 'float32', 'bfloat16', 'float16') to a torch dtype.
 

@@ -9,6 +9,7 @@
 
 #include "ops.h"
 
+#include <algorithm>
 #include <cmath>
 #include <cstring>
 
@@ -104,12 +105,85 @@ at::Tensor silu_and_mul(const at::Tensor& x) {
 }
 
 // k/v [T, Hkv, D] → the paged caches [blocks, Hkv, BS, D] at slot_mapping[t] = block * BS + offset
+// k, v [T, heads, D] rounded to a narrower cache (--kv-cache-dtype): as tensor.to(dtype) rounds
+// (to nearest, ties to even), one (token, head) row at a time.
+template <typename src_t, typename dst_t>
+void write_converted(const at::Tensor& k, const at::Tensor& v, at::Tensor& k_cache, at::Tensor& v_cache,
+                     const int64_t* slots) {
+  const int64_t T = k.size(0), H = k.size(1), D = k.size(2), BS = k_cache.size(2), blocks = k_cache.size(0);
+  const src_t* ks = k.data_ptr<src_t>();
+  const src_t* vs = v.data_ptr<src_t>();
+  dst_t* kd = k_cache.data_ptr<dst_t>();
+  dst_t* vd = v_cache.data_ptr<dst_t>();
+  for (int64_t t = 0; t < T; ++t) {
+    const int64_t block = slots[t] / BS, offset = slots[t] % BS;
+    TORCH_CHECK(block >= 0 && block < blocks, "slot ", slots[t], " out of range");
+    for (int64_t h = 0; h < H; ++h) {
+      const int64_t dst = ((block * H + h) * BS + offset) * D;
+      const src_t* kr = ks + t * k.stride(0) + h * D;
+      const src_t* vr = vs + t * v.stride(0) + h * D;
+      for (int64_t d = 0; d < D; ++d) {
+        kd[dst + d] = static_cast<dst_t>(static_cast<float>(kr[d]));
+        vd[dst + d] = static_cast<dst_t>(static_cast<float>(vr[d]));
+      }
+    }
+  }
+}
+
+// k, v [T, heads, D] into an int8 cache: each (token, head) row scaled by its largest magnitude
+// over 127 (the scale stored beside it, 0 for a row of zeros), divided and rounded to nearest even:
+// llama.cpp's q8_0 with one scale per row.
+template <typename src_t>
+void write_int8(const at::Tensor& x, at::Tensor& cache, at::Tensor& scales, const int64_t* slots) {
+  const int64_t T = x.size(0), H = x.size(1), D = x.size(2), BS = cache.size(2), blocks = cache.size(0);
+  const src_t* xs = x.data_ptr<src_t>();
+  int8_t* qd = cache.data_ptr<int8_t>();
+  float* sd = scales.data_ptr<float>();
+  for (int64_t t = 0; t < T; ++t) {
+    const int64_t block = slots[t] / BS, offset = slots[t] % BS;
+    TORCH_CHECK(block >= 0 && block < blocks, "slot ", slots[t], " out of range");
+    for (int64_t h = 0; h < H; ++h) {
+      const src_t* row = xs + t * x.stride(0) + h * D;
+      float amax = 0.f;
+      for (int64_t d = 0; d < D; ++d) amax = std::max(amax, std::fabs(static_cast<float>(row[d])));
+      const float scale = amax / 127.f;
+      const float divisor = scale > 0.f ? scale : 1.f;
+      const int64_t cell = (block * H + h) * BS + offset;
+      sd[cell] = scale;
+      for (int64_t d = 0; d < D; ++d)
+        qd[cell * D + d] = static_cast<int8_t>(std::nearbyint(static_cast<float>(row[d]) / divisor));
+    }
+  }
+}
+
 void write_kv_cache(const at::Tensor& k, const at::Tensor& v, at::Tensor k_cache, at::Tensor v_cache,
-                    const at::Tensor& slot_mapping) {
-  TORCH_CHECK(k.scalar_type() == k_cache.scalar_type() && v.scalar_type() == v_cache.scalar_type(), "cache dtype mismatch");
+                    const at::Tensor& slot_mapping, const std::optional<at::Tensor>& k_scales,
+                    const std::optional<at::Tensor>& v_scales) {
+  TORCH_CHECK(k.scalar_type() == v.scalar_type() && k_cache.scalar_type() == v_cache.scalar_type(), "k and v dtypes differ");
   TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous() && slot_mapping.is_contiguous(), "caches must be contiguous");
   for (const at::Tensor* t : {&k, &v})
     TORCH_CHECK(t->dim() == 3 && t->stride(2) == 1 && t->stride(1) == t->size(2), "k and v must be [T, heads, D] with contiguous heads");
+  if (k_cache.scalar_type() == at::kChar) {
+    TORCH_CHECK(k_scales && v_scales && k_scales->scalar_type() == at::kFloat && v_scales->scalar_type() == at::kFloat &&
+                    k_scales->is_contiguous() && v_scales->is_contiguous(),
+                "an int8 KV cache needs its float scales [num_blocks, kv_heads, block_size]");
+    at::Tensor ks = *k_scales, vs = *v_scales;
+    AT_DISPATCH_FLOATING_TYPES_AND2(at::ScalarType::BFloat16, at::ScalarType::Half, k.scalar_type(), "write_kv_cache_int8", [&] {
+      write_int8<scalar_t>(k, k_cache, ks, slot_mapping.data_ptr<int64_t>());
+      write_int8<scalar_t>(v, v_cache, vs, slot_mapping.data_ptr<int64_t>());
+    });
+    return;
+  }
+  if (k.scalar_type() != k_cache.scalar_type()) {
+    AT_DISPATCH_FLOATING_TYPES_AND2(at::ScalarType::BFloat16, at::ScalarType::Half, k.scalar_type(), "write_kv_cache", [&] {
+      using src_t = scalar_t;
+      AT_DISPATCH_FLOATING_TYPES_AND2(at::ScalarType::BFloat16, at::ScalarType::Half, k_cache.scalar_type(),
+                                      "write_kv_cache_to", [&] {
+        write_converted<src_t, scalar_t>(k, v, k_cache, v_cache, slot_mapping.data_ptr<int64_t>());
+      });
+    });
+    return;
+  }
   const at::Tensor& kc = k;
   const at::Tensor& vc = v;
   const int64_t k_row = k.stride(0) * k.element_size(), v_row = v.stride(0) * v.element_size();
@@ -137,7 +211,8 @@ TORCH_LIBRARY_FRAGMENT(pagoda, m) {
   m.def("fused_add_rms_norm(Tensor(a!) x, Tensor(b!) residual, Tensor weight, float eps) -> ()");
   m.def("rotary_embedding(Tensor(a!) q, Tensor(b!) k, Tensor positions, Tensor cos_cache, Tensor sin_cache) -> ()");
   m.def("silu_and_mul(Tensor x) -> Tensor");
-  m.def("write_kv_cache(Tensor k, Tensor v, Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor slot_mapping) -> ()");
+  m.def("write_kv_cache(Tensor k, Tensor v, Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor slot_mapping, "
+        "Tensor(c!)? k_scales=None, Tensor(d!)? v_scales=None) -> ()");
 }
 
 TORCH_LIBRARY_IMPL(pagoda, CPU, m) {

@@ -299,6 +299,45 @@ inline void transpose(const scalar_t* k, int64_t n, int64_t D, float* kt, int64_
     for (int64_t d = 0; d < D; ++d) kt[d * ldk + j] = static_cast<float>(k[j * D + d]);
 }
 
+// dst[i] = src[i] as float, for a block of a bf16 / fp16 cache (--kv-cache-dtype): bf16 is the
+// high half of a float (a shift), fp16 widens with F16C; exact either way.
+template <typename cache_t>
+inline void widen(const cache_t* src, float* dst, int64_t n) {
+  int64_t i = 0;
+#ifdef PAGODA_AVX2
+  if constexpr (std::is_same_v<cache_t, c10::BFloat16>) {
+    for (; i + 8 <= n; i += 8) {
+      const __m256i w = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(src + i)));
+      _mm256_storeu_ps(dst + i, _mm256_castsi256_ps(_mm256_slli_epi32(w, 16)));
+    }
+  }
+#ifdef __F16C__
+  if constexpr (std::is_same_v<cache_t, c10::Half>) {
+    for (; i + 8 <= n; i += 8) _mm256_storeu_ps(dst + i, _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(src + i))));
+  }
+#endif
+#endif
+  for (; i < n; ++i) dst[i] = static_cast<float>(src[i]);
+}
+
+// dst[j * D + d] = src[j * D + d] * scales[j]: a block of an int8 cache, one scale per token
+// (of this head), as write_kv_cache quantized it.
+inline void widen_scaled(const int8_t* src, const float* scales, float* dst, int64_t n, int64_t D) {
+  for (int64_t j = 0; j < n; ++j) {
+    const int8_t* row = src + j * D;
+    float* out = dst + j * D;
+    int64_t d = 0;
+#ifdef PAGODA_AVX2
+    const __m256 s = _mm256_set1_ps(scales[j]);
+    for (; d + 8 <= D; d += 8) {
+      const __m256i w = _mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(row + d)));
+      _mm256_storeu_ps(out + d, _mm256_mul_ps(_mm256_cvtepi32_ps(w), s));
+    }
+#endif
+    for (; d < D; ++d) out[d] = static_cast<float>(row[d]) * scales[j];
+  }
+}
+
 // Rows of the batch → work items: runs of rows of one sequence cut into tiles, times kv heads,
 // longest first (a queue that threads pull from, so a long prompt's last tiles do not end up on
 // one thread).
@@ -318,12 +357,18 @@ std::vector<Item> plan(const int64_t* tables, const int64_t* lens, int64_t B, in
   return items;
 }
 
-template <typename scalar_t>
-void decode_attention_impl(const scalar_t* __restrict__ q, const scalar_t* __restrict__ k_cache,
-                           const scalar_t* __restrict__ v_cache, const int64_t* __restrict__ tables,
+// scalar_t: the queries' and the output's type; cache_t: the KV cache's (--kv-cache-dtype), which
+// may be narrower: keys and values are widened to float as they are read, so the arithmetic is the
+// same as over a float cache holding the same (rounded) values.
+// An int8 cache (cache_t int8_t) comes with k_scales / v_scales [num_blocks, Hkv, BS]: one float
+// per token and head, by which its values are multiplied as they are widened.
+template <typename scalar_t, typename cache_t>
+void decode_attention_impl(const scalar_t* __restrict__ q, const cache_t* __restrict__ k_cache,
+                           const cache_t* __restrict__ v_cache, const int64_t* __restrict__ tables,
                            const int64_t* __restrict__ lens, scalar_t* __restrict__ out,
                            int64_t B, int64_t Hq, int64_t Hkv, int64_t D, int64_t BS,
-                           int64_t max_blocks, float scale, int64_t window) {
+                           int64_t max_blocks, float scale, int64_t window,
+                           const float* k_scales = nullptr, const float* v_scales = nullptr) {
   const int64_t G = Hq / Hkv;
   // Cache layout [num_blocks, Hkv, BS, D]: one head's tokens of a block are contiguous rows.
   const int64_t head_stride = BS * D;
@@ -352,9 +397,17 @@ void decode_attention_impl(const scalar_t* __restrict__ q, const scalar_t* __res
             qf[(r * G + g) * D + d] = static_cast<float>(q[((item.row + r) * Hq + h * G + g) * D + d]) * scale;
       // scores: a block of keys transposed once, against every query of the tile that sees it
       for (int64_t t0 = base; t0 < Lmax; t0 += BS) {
-        const scalar_t* kb = k_cache + table[t0 / BS] * block_stride + h * head_stride;
+        const cache_t* kb = k_cache + table[t0 / BS] * block_stride + h * head_stride;
         const int64_t n = std::min(BS, Lmax - t0);
-        transpose(kb, n, D, kt.data(), BS);
+        if constexpr (std::is_same_v<cache_t, float>) {
+          transpose(kb, n, D, kt.data(), BS);
+        } else {  // widened first, so the float transpose's vector path serves
+          if constexpr (std::is_same_v<cache_t, int8_t>)
+            widen_scaled(kb, k_scales + (table[t0 / BS] * Hkv + h) * BS, vf.data(), n, D);
+          else
+            widen(kb, vf.data(), n * D);
+          transpose(vf.data(), n, D, kt.data(), BS);
+        }
         int64_t r0 = 0;  // rows before r0 end before this block
         while (lens[item.row + r0] <= t0) ++r0;
         scores_block(qf.data() + r0 * G * D, nq - r0 * G, D, kt.data(), BS, n, sc + r0 * G * ld + (t0 - base), ld);
@@ -371,13 +424,15 @@ void decode_attention_impl(const scalar_t* __restrict__ q, const scalar_t* __res
       // out: each query's values, a block at a time
       std::fill(acc.begin(), acc.begin() + nq * D, 0.f);
       for (int64_t t0 = base; t0 < Lmax; t0 += BS) {
-        const scalar_t* vb = v_cache + table[t0 / BS] * block_stride + h * head_stride;
+        const cache_t* vb = v_cache + table[t0 / BS] * block_stride + h * head_stride;
         const int64_t n = std::min(BS, Lmax - t0);
         const float* v = vf.data();
-        if constexpr (std::is_same_v<scalar_t, float>) {
+        if constexpr (std::is_same_v<cache_t, float>) {
           v = vb;
+        } else if constexpr (std::is_same_v<cache_t, int8_t>) {
+          widen_scaled(vb, v_scales + (table[t0 / BS] * Hkv + h) * BS, vf.data(), n, D);
         } else {
-          for (int64_t j = 0; j < n * D; ++j) vf[j] = static_cast<float>(vb[j]);
+          widen(vb, vf.data(), n * D);
         }
         // rows that see all n keys of this block together, then the one or two that see fewer
         int64_t r = 0;
@@ -404,14 +459,16 @@ namespace pagoda {
 
 // q: [B, Hq, D]; k_cache, v_cache: [num_blocks, Hkv, block_size, D]; block_tables: [B, max_blocks]
 // int64; seq_lens: [B] int64 (tokens to attend, the query's own included); window: a sliding
-// window (each row sees its last `window` positions), 0 for none. Returns [B, Hq, D].
+// window (each row sees its last `window` positions), 0 for none. The cache may be float32,
+// bfloat16 or float16 whatever the queries' type. Returns [B, Hq, D] in the queries' type.
 at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
                                   const at::Tensor& block_tables, const at::Tensor& seq_lens, double scale,
-                                  int64_t window) {
+                                  int64_t window, const std::optional<at::Tensor>& k_scales,
+                                  const std::optional<at::Tensor>& v_scales) {
   TORCH_CHECK(q.dim() == 3 && k_cache.dim() == 4 && v_cache.dim() == 4, "bad ranks");
   TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous(), "the KV cache must be contiguous");
   TORCH_CHECK(block_tables.scalar_type() == at::kLong && seq_lens.scalar_type() == at::kLong, "int64 tables");
-  TORCH_CHECK(q.scalar_type() == k_cache.scalar_type(), "q and cache dtypes differ");
+  TORCH_CHECK(k_cache.scalar_type() == v_cache.scalar_type(), "k and v caches differ in dtype");
   auto qc = q.contiguous();
   auto tables = block_tables.contiguous();
   auto lens = seq_lens.contiguous();
@@ -420,10 +477,26 @@ at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& k_cache
   TORCH_CHECK(k_cache.size(3) == D && Hq % Hkv == 0, "head shapes do not match");
   TORCH_CHECK(window >= 0, "paged_decode_attention: bad window ", window);
   auto out = at::empty_like(qc);
+  if (k_cache.scalar_type() == at::kChar) {
+    TORCH_CHECK(k_scales && v_scales && k_scales->scalar_type() == at::kFloat && v_scales->scalar_type() == at::kFloat &&
+                    k_scales->is_contiguous() && v_scales->is_contiguous() && k_scales->numel() == k_cache.numel() / D,
+                "an int8 KV cache needs its float scales [num_blocks, kv_heads, block_size]");
+    AT_DISPATCH_FLOATING_TYPES_AND2(at::ScalarType::BFloat16, at::ScalarType::Half, q.scalar_type(), "paged_decode_attention", [&] {
+      decode_attention_impl<scalar_t, int8_t>(qc.data_ptr<scalar_t>(), k_cache.data_ptr<int8_t>(), v_cache.data_ptr<int8_t>(),
+                                              tables.data_ptr<int64_t>(), lens.data_ptr<int64_t>(), out.data_ptr<scalar_t>(),
+                                              B, Hq, Hkv, D, BS, tables.size(1), static_cast<float>(scale), window,
+                                              k_scales->data_ptr<float>(), v_scales->data_ptr<float>());
+    });
+    return out;
+  }
   AT_DISPATCH_FLOATING_TYPES_AND2(at::ScalarType::BFloat16, at::ScalarType::Half, q.scalar_type(), "paged_decode_attention", [&] {
-    decode_attention_impl<scalar_t>(qc.data_ptr<scalar_t>(), k_cache.data_ptr<scalar_t>(), v_cache.data_ptr<scalar_t>(),
-                                    tables.data_ptr<int64_t>(), lens.data_ptr<int64_t>(), out.data_ptr<scalar_t>(),
-                                    B, Hq, Hkv, D, BS, tables.size(1), static_cast<float>(scale), window);
+    using q_t = scalar_t;
+    AT_DISPATCH_FLOATING_TYPES_AND2(at::ScalarType::BFloat16, at::ScalarType::Half, k_cache.scalar_type(),
+                                    "paged_decode_attention_cache", [&] {
+      decode_attention_impl<q_t, scalar_t>(qc.data_ptr<q_t>(), k_cache.data_ptr<scalar_t>(), v_cache.data_ptr<scalar_t>(),
+                                           tables.data_ptr<int64_t>(), lens.data_ptr<int64_t>(), out.data_ptr<q_t>(),
+                                           B, Hq, Hkv, D, BS, tables.size(1), static_cast<float>(scale), window);
+    });
   });
   return out;
 }
@@ -431,7 +504,7 @@ at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& k_cache
 }  // namespace pagoda
 
 TORCH_LIBRARY(pagoda, m) {
-  m.def("paged_decode_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor block_tables, Tensor seq_lens, float scale, int window=0) -> Tensor");
+  m.def("paged_decode_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor block_tables, Tensor seq_lens, float scale, int window=0, Tensor? k_scales=None, Tensor? v_scales=None) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(pagoda, CPU, m) {

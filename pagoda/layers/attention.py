@@ -7,7 +7,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from pagoda.forward_context import AttentionMetadata, get_attention_metadata
-from pagoda.layers.backend import current_backend, gather_blocks
+from pagoda.layers.backend import current_backend, read_blocks
 
 
 class PagedAttention(nn.Module):
@@ -37,11 +37,15 @@ class PagedAttention(nn.Module):
         self.sliding_window = sliding_window
         self.k_cache: torch.Tensor | None = None
         self.v_cache: torch.Tensor | None = None
+        self.k_scales: torch.Tensor | None = None  # an int8 cache's per-(token, head) scales
+        self.v_scales: torch.Tensor | None = None
         self.kv_group = 0  # whose block tables this layer reads (core/kv_cache_groups.py)
         self.backend = current_backend()
 
-    def bind_kv_cache(self, k_cache: torch.Tensor, v_cache: torch.Tensor, kv_group: int = 0) -> None:
+    def bind_kv_cache(self, k_cache: torch.Tensor, v_cache: torch.Tensor, kv_group: int = 0,
+                      k_scales: torch.Tensor | None = None, v_scales: torch.Tensor | None = None) -> None:
         self.k_cache, self.v_cache, self.kv_group = k_cache, v_cache, kv_group
+        self.k_scales, self.v_scales = k_scales, v_scales
 
     @torch.compiler.disable  # reads per-step metadata and loops in Python: stays eager under --compile
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
@@ -57,10 +61,11 @@ class PagedAttention(nn.Module):
         return out.view(q.shape[0], self.num_heads * self.head_dim)
 
     def _write_cache(self, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata) -> None:
-        self.backend.write_kv(k, v, self.k_cache, self.v_cache, meta)
+        self.backend.write_kv(k, v, self.k_cache, self.v_cache, meta, self.k_scales, self.v_scales)
 
     def _decode(self, q: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
-        return self.backend.decode_attention(q, self.k_cache, self.v_cache, meta, self.scale, self.sliding_window)
+        return self.backend.decode_attention(q, self.k_cache, self.v_cache, meta, self.scale, self.sliding_window,
+                                             self.k_scales, self.v_scales)
 
     def _prefill(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, seq) -> torch.Tensor:
         gqa = self.num_heads != self.num_kv_heads
@@ -85,8 +90,8 @@ class PagedAttention(nn.Module):
             first = 0 if window is None else max(0, seq.start - window + 1) // bs
             table = seq.block_table[first : -(-total // bs)]
             begin = first * bs
-            keys = gather_blocks(self.k_cache, table)[:, : total - begin].unsqueeze(0)
-            values = gather_blocks(self.v_cache, table)[:, : total - begin].unsqueeze(0)
+            keys = read_blocks(self.k_cache, self.k_scales, table, q.dtype)[:, : total - begin].unsqueeze(0)
+            values = read_blocks(self.v_cache, self.v_scales, table, q.dtype)[:, : total - begin].unsqueeze(0)
             q_pos = torch.arange(seq.start, total, device=q.device).unsqueeze(1)
             mask = _visible(q_pos, torch.arange(begin, total, device=q.device).unsqueeze(0), window)  # [Lq, keys]
             out = F.scaled_dot_product_attention(qh, keys, values, attn_mask=mask, scale=self.scale, enable_gqa=gqa)

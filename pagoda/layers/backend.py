@@ -97,16 +97,27 @@ class TorchBackend:
             meta.decode_block_tables, meta.decode_seq_lens = tensor(decode_tables), tensor(decode_seq_lens)
         return meta
 
-    def write_kv(self, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta) -> None:
+    def write_kv(self, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta,
+                 k_scales: torch.Tensor | None = None, v_scales: torch.Tensor | None = None) -> None:
+        """K/V of the step's tokens into their slots: rounded where --kv-cache-dtype is narrower,
+        quantized per (token, head) with the scales beside them for an int8 cache."""
         blocks, offsets = meta.slot_blocks_and_offsets()
-        k_cache[blocks, :, offsets] = k
-        v_cache[blocks, :, offsets] = v
+        if k_cache.dtype == torch.int8:
+            for x, cache, scales in ((k, k_cache, k_scales), (v, v_cache, v_scales)):
+                values, row_scales = quantize_rows(x)
+                cache[blocks, :, offsets] = values
+                scales[blocks, :, offsets] = row_scales
+            return
+        k_cache[blocks, :, offsets] = k.to(k_cache.dtype)
+        v_cache[blocks, :, offsets] = v.to(v_cache.dtype)
 
     def decode_attention(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta,
-                         scale: float, window: int | None = None) -> torch.Tensor:
+                         scale: float, window: int | None = None, k_scales: torch.Tensor | None = None,
+                         v_scales: torch.Tensor | None = None) -> torch.Tensor:
         """One query row per decode-like token over its block table: gather, then one masked SDPA
         (with a sliding ``window``, the mask keeps each row's last ``window`` positions)."""
-        keys, values = gather_blocks(k_cache, meta.decode_block_tables), gather_blocks(v_cache, meta.decode_block_tables)
+        keys = read_blocks(k_cache, k_scales, meta.decode_block_tables, q.dtype)
+        values = read_blocks(v_cache, v_scales, meta.decode_block_tables, q.dtype)
         out = F.scaled_dot_product_attention(q.unsqueeze(2), keys, values, attn_mask=meta.decode_mask(window),
                                              scale=scale, enable_gqa=q.shape[1] != keys.shape[1])
         return out.squeeze(2)
@@ -176,17 +187,17 @@ class CpuKernelBackend(TorchBackend):
         place up to its length."""
         return self._metadata(slots, decode_tables, decode_seq_lens, prefills, block_size, device)
 
-    def write_kv(self, k, v, k_cache, v_cache, meta):
+    def write_kv(self, k, v, k_cache, v_cache, meta, k_scales=None, v_scales=None):
         if k.device.type == "cpu":
-            self.ops.write_kv_cache(k, v, k_cache, v_cache, meta.slot_mapping)
+            self.ops.write_kv_cache(k, v, k_cache, v_cache, meta.slot_mapping, k_scales, v_scales)
         else:
-            super().write_kv(k, v, k_cache, v_cache, meta)
+            super().write_kv(k, v, k_cache, v_cache, meta, k_scales, v_scales)
 
-    def decode_attention(self, q, k_cache, v_cache, meta, scale, window=None):
+    def decode_attention(self, q, k_cache, v_cache, meta, scale, window=None, k_scales=None, v_scales=None):
         if q.device.type == "cpu":
             return self.ops.paged_decode_attention(q.contiguous(), k_cache, v_cache, meta.decode_block_tables,
-                                                   meta.decode_seq_lens, scale, window or 0)
-        return super().decode_attention(q, k_cache, v_cache, meta, scale, window)
+                                                   meta.decode_seq_lens, scale, window or 0, k_scales, v_scales)
+        return super().decode_attention(q, k_cache, v_cache, meta, scale, window, k_scales, v_scales)
 
     def decode_stack(self, model):
         from pagoda.models.decode_stack import DecodeStack
@@ -240,6 +251,25 @@ def gather_blocks(cache: torch.Tensor, block_table: torch.Tensor) -> torch.Tenso
     """Blocks of one or more sequences → [..., Hkv, L, D] with L = blocks * block_size."""
     x = cache[block_table]  # [..., nb, Hkv, bs, D]
     return x.transpose(-4, -3).flatten(-3, -2)
+
+
+def read_blocks(cache: torch.Tensor, scales: torch.Tensor | None, block_table: torch.Tensor,
+                dtype: torch.dtype) -> torch.Tensor:
+    """``gather_blocks`` widened to ``dtype``: an int8 cache times its per-(token, head) scales."""
+    x = gather_blocks(cache, block_table)
+    if scales is None:
+        return x.to(dtype)
+    row_scales = scales[block_table].transpose(-3, -2).flatten(-2, -1)  # [..., Hkv, L]
+    return (x.float() * row_scales.unsqueeze(-1)).to(dtype)
+
+
+def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """[..., D] → int8 values and one float scale per row (its largest magnitude / 127; 0 for a
+    row of zeros), rounded to nearest even: what the C++ write_kv_cache stores for an int8 cache."""
+    x = x.float()
+    scales = x.abs().amax(dim=-1) / 127.0
+    divisor = torch.where(scales > 0, scales, torch.ones_like(scales))
+    return torch.round(x / divisor.unsqueeze(-1)).to(torch.int8), scales
 
 
 def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

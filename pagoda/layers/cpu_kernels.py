@@ -139,7 +139,7 @@ def _register_fakes() -> None:
         return x.new_empty(x.shape[0], weight.shape[0])
 
     @torch.library.register_fake("pagoda::paged_decode_attention")
-    def _(q, k_cache, v_cache, block_tables, seq_lens, scale, window=0):
+    def _(q, k_cache, v_cache, block_tables, seq_lens, scale, window=0, k_scales=None, v_scales=None):
         return torch.empty_like(q)
 
 

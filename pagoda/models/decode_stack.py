@@ -18,6 +18,7 @@ from pagoda.forward_context import AttentionMetadata
 from pagoda.layers.ggml_blocks import BlockLinear
 
 _FLOAT = -1  # block type of a float projection
+_CACHE_DTYPES = (torch.float32, torch.bfloat16, torch.float16)  # the ops widen a narrower cache as they read it
 
 
 def _projection(module: nn.Module) -> tuple[torch.Tensor, int] | None:
@@ -51,7 +52,7 @@ class DecodeStack:
             cache = attn.attn.k_cache
             if attn.attn.kv_group:  # several KV cache groups: the op takes one block table for every layer
                 return None
-            if None in projections or cache is None or cache.dtype != torch.float32 or cache.device.type != "cpu" \
+            if None in projections or cache is None or cache.dtype not in _CACHE_DTYPES or cache.device.type != "cpu" \
                     or any(n.dtype != torch.float32 for n in norms):
                 return None
             (qkv, t0), (o, t1), (gate_up, t2), (down, t3) = projections

@@ -11,7 +11,8 @@ def bytes_per_block(num_slots: int, block_size: int, num_kv_heads: int, head_dim
     """A block's K and V for ``num_slots`` layers (every layer, or a KV cache group's slots:
     core/kv_cache_groups.py)."""
     element = torch.empty((), dtype=dtype).element_size()
-    return 2 * num_slots * block_size * num_kv_heads * head_dim * element
+    scale = 4 if dtype == torch.int8 else 0  # an int8 cache's float scale per token and head
+    return 2 * num_slots * block_size * num_kv_heads * (head_dim * element + scale)
 
 
 def num_blocks_for_budget(budget_bytes: int, per_block: int) -> int:
@@ -32,3 +33,12 @@ def allocate_kv_cache(
     0 × NaN garbage would poison it.
     """
     return torch.zeros(2, num_slots, num_blocks, num_kv_heads, block_size, head_dim, dtype=dtype, device=device)
+
+
+def allocate_kv_scales(num_slots: int, num_blocks: int, block_size: int, num_kv_heads: int,
+                       dtype: torch.dtype, device: torch.device) -> torch.Tensor | None:
+    """An int8 cache's scales, [2, slots, blocks, kv_heads, block_size] float32 (one per token and
+    head, for K and V); None for a float cache."""
+    if dtype != torch.int8:
+        return None
+    return torch.zeros(2, num_slots, num_blocks, num_kv_heads, block_size, dtype=torch.float32, device=device)

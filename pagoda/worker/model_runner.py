@@ -42,13 +42,14 @@ class ModelRunner:
                  deterministic: bool = False, short_chunk: int = DEFAULT_SHORT_CHUNK,
                  is_driver: bool = True, speculative: SpeculativeConfig | None = None,
                  draft: tuple[torch.nn.Module, torch.Tensor] | None = None,
-                 kv_groups: KVCacheGroups | None = None) -> None:
+                 kv_groups: KVCacheGroups | None = None, kv_scales: torch.Tensor | None = None) -> None:
         """``deterministic`` (EngineConfig.deterministic): batch-invariant inference, see
         ``_decode_like`` and ``execute``. ``is_driver``: this rank samples and reports (rank 0);
         the others only run the model. ``draft``: the draft model and its KV cache, for
         speculative decoding with ``method: draft_model``. ``kv_groups``: which layers share a
         block table and which slot of ``kv_cache`` each layer's K/V takes (default: one group,
-        layer i in slot i)."""
+        layer i in slot i). ``kv_scales``: an int8 cache's scales, laid out as ``kv_cache`` without
+        its last dimension."""
         self.model = model
         # Batch invariance takes pagoda's CPU kernels (the paged kernel for every row, the
         # invariant GEMM); without them (CUDA, no compiler) the layout stays as it is.
@@ -69,7 +70,8 @@ class ModelRunner:
         groups = kv_groups or KVCacheGroups.single(len(layers))
         self.batch = InputBatch(max_model_len, block_size, num_kv_groups=groups.num_groups)
         for attn, group, slot in zip(layers, groups.layer_group, groups.layer_slot):
-            attn.bind_kv_cache(kv_cache[0, slot], kv_cache[1, slot], group)
+            scales = (kv_scales[0, slot], kv_scales[1, slot]) if kv_scales is not None else (None, None)
+            attn.bind_kv_cache(kv_cache[0, slot], kv_cache[1, slot], group, *scales)
         self.drafter = None
         if draft is not None:
             self.drafter = DraftModelProposer(draft[0], draft[1], self.batch, block_size, device,

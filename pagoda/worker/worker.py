@@ -24,7 +24,7 @@ from pagoda.loader.model_loader import load_model
 from pagoda.outputs import ModelRunnerOutput
 from pagoda.platform import available_memory_bytes, resident_memory_bytes
 from pagoda.core.kv_cache_groups import kv_groups_for
-from pagoda.worker.kv_cache import GiB, allocate_kv_cache, bytes_per_block
+from pagoda.worker.kv_cache import GiB, allocate_kv_cache, allocate_kv_scales, bytes_per_block
 from pagoda.worker.model_runner import ModelRunner
 
 logger = logging.getLogger(__name__)
@@ -71,8 +71,10 @@ class Worker:
         self.tp.wait_for_all()  # before any timed collective: ranks load at their own pace
         self.load_seconds = time.monotonic() - start
         self.kv_groups = kv_groups_for(self.model.config, config.speculative, config.cache.hybrid_kv_cache)  # which layers share a block table
+        self.kv_cache_dtype = config.cache.kv_cache_dtype or mc.dtype  # --kv-cache-dtype
         self.runner: ModelRunner | None = None
         self.kv_cache: torch.Tensor | None = None
+        self.kv_scales: torch.Tensor | None = None  # an int8 cache's scales
 
     def _load_draft(self) -> torch.nn.Module | None:
         """The draft model of speculative decoding (``method: draft_model``), whole, on the driver
@@ -92,8 +94,8 @@ class Worker:
     def _bytes_per_block(self, num_kv_heads: int) -> int:
         """One block of every layer's K/V for ``num_kv_heads`` of the target's heads, plus the
         draft model's block (all its heads: the draft is not sharded)."""
-        cfg, mc, bs = self.model.config, self.config.model, self.config.cache.block_size
-        size = bytes_per_block(self.kv_groups.slots_per_block, bs, num_kv_heads, cfg.head_dim, mc.dtype)
+        cfg, bs = self.model.config, self.config.cache.block_size
+        size = bytes_per_block(self.kv_groups.slots_per_block, bs, num_kv_heads, cfg.head_dim, self.kv_cache_dtype)
         if self.draft_model is not None:
             d = self.draft_model.config
             size += bytes_per_block(d.num_layers, bs, d.num_kv_heads, d.head_dim, self.config.speculative.draft.dtype)
@@ -131,9 +133,11 @@ class Worker:
         return int(num_blocks)
 
     def initialize_cache(self, num_blocks: int, max_model_len: int) -> None:
-        cfg, mc, cc = self.model.config, self.config.model, self.config.cache
-        self.kv_cache = allocate_kv_cache(self.kv_groups.slots_per_block, num_blocks, cc.block_size,
-                                          self.model.num_local_kv_heads, cfg.head_dim, mc.dtype, self.device)
+        cfg, cc = self.model.config, self.config.cache
+        slots, heads = self.kv_groups.slots_per_block, self.model.num_local_kv_heads
+        self.kv_cache = allocate_kv_cache(slots, num_blocks, cc.block_size, heads, cfg.head_dim, self.kv_cache_dtype,
+                                          self.device)
+        self.kv_scales = allocate_kv_scales(slots, num_blocks, cc.block_size, heads, self.kv_cache_dtype, self.device)
         draft = None
         if self.draft_model is not None:
             d = self.draft_model.config
@@ -144,7 +148,7 @@ class Worker:
             self.model, self.kv_cache, cc.block_size, self.device, max_model_len, generator,
             compile=self.config.compile, deterministic=self.config.deterministic,
             short_chunk=self.config.scheduler.short_chunk_tokens, speculative=self.config.speculative,
-            is_driver=self.tp.is_driver, draft=draft, kv_groups=self.kv_groups,
+            is_driver=self.tp.is_driver, draft=draft, kv_groups=self.kv_groups, kv_scales=self.kv_scales,
         )
 
     # -- steps ------------------------------------------------------------------------------
@@ -163,7 +167,7 @@ class Worker:
         """Release the cache and leave the tensor-parallel group (``wait_for_ranks``: every rank
         is shutting down too, so meet them first; see TensorParallelGroup.close)."""
         self.runner = None
-        self.kv_cache = None
+        self.kv_cache = self.kv_scales = None
         self.tp.close(wait_for_ranks)
 
 

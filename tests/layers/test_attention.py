@@ -70,3 +70,82 @@ def test_mixed_batch_matches_reference(use_kernel, dtype, heads):
         expected = _reference(q.float(), k.float(), v.float(), D**-0.5)
         torch.testing.assert_close(out[offset : offset + new].float(), expected, atol=tol, rtol=tol)
         offset += new
+
+
+@pytest.mark.parametrize("use_kernel", [True, False])
+@pytest.mark.parametrize("cache_dtype", [torch.bfloat16, torch.float16])
+def test_a_narrower_cache_is_read_as_the_rounded_values(use_kernel, cache_dtype):
+    """--kv-cache-dtype: fp32 queries over a bf16 / fp16 cache. Writing rounds K/V as ``.to``
+    does; attending reads them widened, so the result is the fp32 path's over a float cache
+    holding those rounded values (exactly, on the C++ kernels: the same float arithmetic)."""
+    if use_kernel and load_cpu_kernels() is None:
+        pytest.skip("no compiler for the CPU kernel here")
+    torch.manual_seed(1)
+    hq, hkv, D, BS, NB = 6, 2, 32, 4, 16
+    narrow, wide = PagedAttention(hq, hkv, D, scale=D**-0.5), PagedAttention(hq, hkv, D, scale=D**-0.5)
+    if not use_kernel:
+        narrow.backend = wide.backend = TorchBackend()
+    narrow.bind_kv_cache(torch.zeros(NB, hkv, BS, D, dtype=cache_dtype), torch.zeros(NB, hkv, BS, D, dtype=cache_dtype))
+    wide.bind_kv_cache(torch.zeros(NB, hkv, BS, D), torch.zeros(NB, hkv, BS, D))
+    # one sequence: a prefill of 9 tokens, then one decode (which reads the 9 from the cache)
+    blocks, T = [5, 2, 11], 10
+    k, v, q = torch.randn(T, hkv, D), torch.randn(T, hkv, D), torch.randn(T, hq, D)
+    slots = torch.tensor([blocks[p // BS] * BS + p % BS for p in range(T)])
+    prefill = AttentionMetadata(slot_mapping=slots[:9], block_size=BS, prefills=[PrefillSeq(0, 9, 0, torch.tensor(blocks))])
+    decode = AttentionMetadata(slot_mapping=slots[9:], num_decodes=1, decode_block_tables=torch.tensor([blocks]),
+                               decode_seq_lens=torch.tensor([T]), block_size=BS)
+    with set_attention_metadata(prefill):
+        narrow(q[:9], k[:9], v[:9])
+    assert torch.equal(narrow.k_cache[blocks[0]], k[:4].transpose(0, 1).to(cache_dtype))
+    # the wide cache holds the same rounded values
+    wide.k_cache.copy_(narrow.k_cache.float())
+    wide.v_cache.copy_(narrow.v_cache.float())
+    rounded = lambda x: x.to(cache_dtype).float()  # noqa: E731
+    with set_attention_metadata(decode):
+        got = narrow(q[9:], k[9:], v[9:])
+    with set_attention_metadata(decode):
+        want = wide(q[9:], rounded(k[9:]), rounded(v[9:]))
+    if use_kernel:
+        assert torch.equal(got, want)
+    else:
+        torch.testing.assert_close(got, want, atol=1e-6, rtol=1e-6)
+
+
+@pytest.mark.parametrize("use_kernel", [True, False])
+def test_an_int8_cache_holds_rows_and_their_scales(use_kernel):
+    """--kv-cache-dtype int8: each (token, head) row of K/V is stored as int8 with its scale
+    (largest magnitude / 127), the same on the C++ kernel and the torch path, and attention reads
+    values times scales: the fp32 path over a float cache holding those values."""
+    from pagoda.layers.backend import quantize_rows
+
+    if use_kernel and load_cpu_kernels() is None:
+        pytest.skip("no compiler for the CPU kernel here")
+    torch.manual_seed(2)
+    hq, hkv, D, BS, NB = 6, 2, 32, 4, 16
+    narrow, wide = PagedAttention(hq, hkv, D, scale=D**-0.5), PagedAttention(hq, hkv, D, scale=D**-0.5)
+    if not use_kernel:
+        narrow.backend = wide.backend = TorchBackend()
+    narrow.bind_kv_cache(torch.zeros(NB, hkv, BS, D, dtype=torch.int8), torch.zeros(NB, hkv, BS, D, dtype=torch.int8),
+                         0, torch.zeros(NB, hkv, BS), torch.zeros(NB, hkv, BS))
+    wide.bind_kv_cache(torch.zeros(NB, hkv, BS, D), torch.zeros(NB, hkv, BS, D))
+    blocks, T = [5, 2, 11], 10
+    k, v, q = torch.randn(T, hkv, D), torch.randn(T, hkv, D), torch.randn(T, hq, D)
+    k[3, 1] = 0.0  # a row of zeros: scale 0, values 0
+    slots = torch.tensor([blocks[p // BS] * BS + p % BS for p in range(T)])
+    prefill = AttentionMetadata(slot_mapping=slots[:9], block_size=BS, prefills=[PrefillSeq(0, 9, 0, torch.tensor(blocks))])
+    decode = AttentionMetadata(slot_mapping=slots[9:], num_decodes=1, decode_block_tables=torch.tensor([blocks]),
+                               decode_seq_lens=torch.tensor([T]), block_size=BS)
+    with set_attention_metadata(prefill):
+        narrow(q[:9], k[:9], v[:9])
+    values, scales = quantize_rows(k[:4])
+    assert torch.equal(narrow.k_cache[blocks[0]], values.transpose(0, 1))
+    assert torch.equal(narrow.k_scales[blocks[0]], scales.transpose(0, 1)) and narrow.k_scales[blocks[0], 1, 3] == 0
+    assert (k[:4] - values * scales.unsqueeze(-1)).abs().max() <= scales.max() / 2 + 1e-6  # half a step at most
+    wide.k_cache.copy_(narrow.k_cache.float() * narrow.k_scales.unsqueeze(-1))
+    wide.v_cache.copy_(narrow.v_cache.float() * narrow.v_scales.unsqueeze(-1))
+    dequantized = lambda x: (lambda qs: qs[0].float() * qs[1].unsqueeze(-1))(quantize_rows(x))  # noqa: E731
+    with set_attention_metadata(decode):
+        got = narrow(q[9:], k[9:], v[9:])
+    with set_attention_metadata(decode):
+        want = wide(q[9:], dequantized(k[9:]), dequantized(v[9:]))
+    torch.testing.assert_close(got, want, atol=1e-6, rtol=1e-6)
