@@ -100,7 +100,10 @@ def test_a_narrower_cache_is_read_as_the_rounded_values(use_kernel, cache_dtype)
     # the wide cache holds the same rounded values
     wide.k_cache.copy_(narrow.k_cache.float())
     wide.v_cache.copy_(narrow.v_cache.float())
-    rounded = lambda x: x.to(cache_dtype).float()  # noqa: E731
+
+    def rounded(x: torch.Tensor) -> torch.Tensor:
+        return x.to(cache_dtype).float()
+
     with set_attention_metadata(decode):
         got = narrow(q[9:], k[9:], v[9:])
     with set_attention_metadata(decode):
@@ -143,7 +146,11 @@ def test_an_int8_cache_holds_rows_and_their_scales(use_kernel):
     assert (k[:4] - values * scales.unsqueeze(-1)).abs().max() <= scales.max() / 2 + 1e-6  # half a step at most
     wide.k_cache.copy_(narrow.k_cache.float() * narrow.k_scales.unsqueeze(-1))
     wide.v_cache.copy_(narrow.v_cache.float() * narrow.v_scales.unsqueeze(-1))
-    dequantized = lambda x: (lambda qs: qs[0].float() * qs[1].unsqueeze(-1))(quantize_rows(x))  # noqa: E731
+
+    def dequantized(x: torch.Tensor) -> torch.Tensor:
+        values, scales = quantize_rows(x)
+        return values.float() * scales.unsqueeze(-1)
+
     with set_attention_metadata(decode):
         got = narrow(q[9:], k[9:], v[9:])
     with set_attention_metadata(decode):
