@@ -72,33 +72,46 @@ def test_mixed_batch_matches_reference(use_kernel, dtype, heads):
         offset += new
 
 
+HQ, HKV, D, BS, NB = 6, 2, 32, 4, 16
+BLOCKS, T = [5, 2, 11], 10  # one sequence: a prefill of 9 tokens, then a decode that reads them from the cache
+
+
+def _narrow_and_wide(use_kernel: bool, cache_dtype: torch.dtype) -> tuple[PagedAttention, PagedAttention]:
+    """A layer over a cache of ``cache_dtype`` (an int8 one with its scales) and one over fp32."""
+    if use_kernel and load_cpu_kernels() is None:
+        pytest.skip("no compiler for the CPU kernel here")
+    narrow, wide = PagedAttention(HQ, HKV, D, scale=D**-0.5), PagedAttention(HQ, HKV, D, scale=D**-0.5)
+    if not use_kernel:
+        narrow.backend = wide.backend = TorchBackend()
+    scales = (torch.zeros(NB, HKV, BS), torch.zeros(NB, HKV, BS)) if cache_dtype == torch.int8 else (None, None)
+    narrow.bind_kv_cache(torch.zeros(NB, HKV, BS, D, dtype=cache_dtype), torch.zeros(NB, HKV, BS, D, dtype=cache_dtype),
+                         0, *scales)
+    wide.bind_kv_cache(torch.zeros(NB, HKV, BS, D), torch.zeros(NB, HKV, BS, D))
+    return narrow, wide
+
+
+def _prefill_then_decode_metadata() -> tuple[AttentionMetadata, AttentionMetadata]:
+    slots = torch.tensor([BLOCKS[p // BS] * BS + p % BS for p in range(T)])
+    prefill = AttentionMetadata(slot_mapping=slots[:9], block_size=BS, prefills=[PrefillSeq(0, 9, 0, torch.tensor(BLOCKS))])
+    decode = AttentionMetadata(slot_mapping=slots[9:], num_decodes=1, decode_block_tables=torch.tensor([BLOCKS]),
+                               decode_seq_lens=torch.tensor([T]), block_size=BS)
+    return prefill, decode
+
+
 @pytest.mark.parametrize("use_kernel", [True, False])
 @pytest.mark.parametrize("cache_dtype", [torch.bfloat16, torch.float16])
 def test_a_narrower_cache_is_read_as_the_rounded_values(use_kernel, cache_dtype):
     """--kv-cache-dtype: fp32 queries over a bf16 / fp16 cache. Writing rounds K/V as ``.to``
     does; attending reads them widened, so the result is the fp32 path's over a float cache
     holding those rounded values (exactly, on the C++ kernels: the same float arithmetic)."""
-    if use_kernel and load_cpu_kernels() is None:
-        pytest.skip("no compiler for the CPU kernel here")
+    narrow, wide = _narrow_and_wide(use_kernel, cache_dtype)
     torch.manual_seed(1)
-    hq, hkv, D, BS, NB = 6, 2, 32, 4, 16
-    narrow, wide = PagedAttention(hq, hkv, D, scale=D**-0.5), PagedAttention(hq, hkv, D, scale=D**-0.5)
-    if not use_kernel:
-        narrow.backend = wide.backend = TorchBackend()
-    narrow.bind_kv_cache(torch.zeros(NB, hkv, BS, D, dtype=cache_dtype), torch.zeros(NB, hkv, BS, D, dtype=cache_dtype))
-    wide.bind_kv_cache(torch.zeros(NB, hkv, BS, D), torch.zeros(NB, hkv, BS, D))
-    # one sequence: a prefill of 9 tokens, then one decode (which reads the 9 from the cache)
-    blocks, T = [5, 2, 11], 10
-    k, v, q = torch.randn(T, hkv, D), torch.randn(T, hkv, D), torch.randn(T, hq, D)
-    slots = torch.tensor([blocks[p // BS] * BS + p % BS for p in range(T)])
-    prefill = AttentionMetadata(slot_mapping=slots[:9], block_size=BS, prefills=[PrefillSeq(0, 9, 0, torch.tensor(blocks))])
-    decode = AttentionMetadata(slot_mapping=slots[9:], num_decodes=1, decode_block_tables=torch.tensor([blocks]),
-                               decode_seq_lens=torch.tensor([T]), block_size=BS)
+    k, v, q = torch.randn(T, HKV, D), torch.randn(T, HKV, D), torch.randn(T, HQ, D)
+    prefill, decode = _prefill_then_decode_metadata()
     with set_attention_metadata(prefill):
         narrow(q[:9], k[:9], v[:9])
-    assert torch.equal(narrow.k_cache[blocks[0]], k[:4].transpose(0, 1).to(cache_dtype))
-    # the wide cache holds the same rounded values
-    wide.k_cache.copy_(narrow.k_cache.float())
+    assert torch.equal(narrow.k_cache[BLOCKS[0]], k[:4].transpose(0, 1).to(cache_dtype))
+    wide.k_cache.copy_(narrow.k_cache.float())  # the wide cache holds the same rounded values
     wide.v_cache.copy_(narrow.v_cache.float())
 
     def rounded(x: torch.Tensor) -> torch.Tensor:
@@ -121,28 +134,16 @@ def test_an_int8_cache_holds_rows_and_their_scales(use_kernel):
     values times scales: the fp32 path over a float cache holding those values."""
     from pagoda.layers.backend import quantize_rows
 
-    if use_kernel and load_cpu_kernels() is None:
-        pytest.skip("no compiler for the CPU kernel here")
+    narrow, wide = _narrow_and_wide(use_kernel, torch.int8)
     torch.manual_seed(2)
-    hq, hkv, D, BS, NB = 6, 2, 32, 4, 16
-    narrow, wide = PagedAttention(hq, hkv, D, scale=D**-0.5), PagedAttention(hq, hkv, D, scale=D**-0.5)
-    if not use_kernel:
-        narrow.backend = wide.backend = TorchBackend()
-    narrow.bind_kv_cache(torch.zeros(NB, hkv, BS, D, dtype=torch.int8), torch.zeros(NB, hkv, BS, D, dtype=torch.int8),
-                         0, torch.zeros(NB, hkv, BS), torch.zeros(NB, hkv, BS))
-    wide.bind_kv_cache(torch.zeros(NB, hkv, BS, D), torch.zeros(NB, hkv, BS, D))
-    blocks, T = [5, 2, 11], 10
-    k, v, q = torch.randn(T, hkv, D), torch.randn(T, hkv, D), torch.randn(T, hq, D)
+    k, v, q = torch.randn(T, HKV, D), torch.randn(T, HKV, D), torch.randn(T, HQ, D)
     k[3, 1] = 0.0  # a row of zeros: scale 0, values 0
-    slots = torch.tensor([blocks[p // BS] * BS + p % BS for p in range(T)])
-    prefill = AttentionMetadata(slot_mapping=slots[:9], block_size=BS, prefills=[PrefillSeq(0, 9, 0, torch.tensor(blocks))])
-    decode = AttentionMetadata(slot_mapping=slots[9:], num_decodes=1, decode_block_tables=torch.tensor([blocks]),
-                               decode_seq_lens=torch.tensor([T]), block_size=BS)
+    prefill, decode = _prefill_then_decode_metadata()
     with set_attention_metadata(prefill):
         narrow(q[:9], k[:9], v[:9])
     values, scales = quantize_rows(k[:4])
-    assert torch.equal(narrow.k_cache[blocks[0]], values.transpose(0, 1))
-    assert torch.equal(narrow.k_scales[blocks[0]], scales.transpose(0, 1)) and narrow.k_scales[blocks[0], 1, 3] == 0
+    assert torch.equal(narrow.k_cache[BLOCKS[0]], values.transpose(0, 1))
+    assert torch.equal(narrow.k_scales[BLOCKS[0]], scales.transpose(0, 1)) and narrow.k_scales[BLOCKS[0], 1, 3] == 0
     assert (k[:4] - values * scales.unsqueeze(-1)).abs().max() <= scales.max() / 2 + 1e-6  # half a step at most
     wide.k_cache.copy_(narrow.k_cache.float() * narrow.k_scales.unsqueeze(-1))
     wide.v_cache.copy_(narrow.v_cache.float() * narrow.v_scales.unsqueeze(-1))

@@ -12,7 +12,7 @@ import shutil
 import pytest
 import torch
 from tiny_models import TINY_WINDOW, make_tiny_hf_model
-from window_checks import assert_matches, prompt, reference, run
+from window_checks import assert_matches, prompt, reference, run, track_peak_blocks
 
 from pagoda import LLM, SamplingParams
 from pagoda.models.config import layer_windows
@@ -120,17 +120,7 @@ def test_local_layers_hold_only_their_window(gemma_dir, ref, long_expected, pref
     their window has passed: two 150-token requests run together in a 64-block cache (each would
     take 4 x 19 = 76 blocks with one table for every layer), without a preemption, and still give
     transformers' tokens. With the prefix cache, the tree keeps those blocks until the room is needed."""
-    from pagoda.core.block_pool import BlockPool
-
-    peak = [0]
-    allocate = BlockPool.allocate
-
-    def tracked(self, n):
-        blocks = allocate(self, n)
-        peak[0] = max(peak[0], self.num_used_blocks)
-        return blocks
-
-    monkeypatch.setattr(BlockPool, "allocate", tracked)
+    peak = track_peak_blocks(monkeypatch)
     llm = LLM(model=str(gemma_dir), dtype="float32", block_size=8, enable_prefix_caching=prefix_caching,
               max_num_batched_tokens=32, kv_cache_memory=64 * _bytes_per_block(gemma_dir, 8) / 2**30)
     core = llm.engine.core

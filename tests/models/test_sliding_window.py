@@ -8,7 +8,7 @@ import pytest
 import torch
 from test_decode_stack import count_stack_calls
 from tiny_models import TINY_WINDOW
-from window_checks import assert_matches, prompt, reference, run
+from window_checks import assert_matches, prompt, reference, run, track_peak_blocks
 
 from pagoda import LLM
 from pagoda.layers.cpu_kernels import load_cpu_kernels
@@ -98,17 +98,7 @@ def test_out_of_window_blocks_are_released_without_prefix_caching(mistral_dir, e
     """Every layer windowed and no prefix cache: a running request gives back the blocks wholly
     before its window, so two requests of 150 tokens run together in a 24-block cache (192
     tokens) and their outputs do not change; another request reuses the released blocks."""
-    from pagoda.core.block_pool import BlockPool
-
-    peak = [0]
-    allocate = BlockPool.allocate
-
-    def tracked(self, n):
-        blocks = allocate(self, n)
-        peak[0] = max(peak[0], self.num_used_blocks)
-        return blocks
-
-    monkeypatch.setattr(BlockPool, "allocate", tracked)
+    peak = track_peak_blocks(monkeypatch)
     per_block = 2 * 2 * 8 * 2 * 16 * 4  # K and V, 2 layers, 8 tokens, 2 kv heads of 16, fp32
     args = {"dtype": "float32", "block_size": 8, "kv_cache_memory": 24 * per_block / 2**30}
     prompts, n = [prompt(30, 21), prompt(31, 22)], 120

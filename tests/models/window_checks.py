@@ -40,3 +40,19 @@ def assert_matches(outs, expected, atol: float = 1e-4) -> None:
         assert got.token_ids == tokens, f"prompt of {len(out.prompt_token_ids)} tokens"
         ours = [pos[t].logprob for t, pos in zip(got.token_ids, got.logprobs)]
         assert max(abs(a - b) for a, b in zip(ours, logprobs)) < atol
+
+
+def track_peak_blocks(monkeypatch) -> list[int]:
+    """The most KV pool blocks in use at once from now on (``peak[0]``), seen at every allocation."""
+    from pagoda.core.block_pool import BlockPool
+
+    peak = [0]
+    allocate = BlockPool.allocate
+
+    def tracked(self, n):
+        blocks = allocate(self, n)
+        peak[0] = max(peak[0], self.num_used_blocks)
+        return blocks
+
+    monkeypatch.setattr(BlockPool, "allocate", tracked)
+    return peak
