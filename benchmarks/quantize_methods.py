@@ -2,9 +2,12 @@
 
     python benchmarks/quantize_methods.py --num-samples 128    # writes results/quantize-methods-<date>.json
 
-1. One process loads the model in fp32 (the catalog's Q4_1 GGUF, dequantized), runs the
-   calibration samples once (the default set, `--num-samples` of them) and writes one GGUF per
-   method and block type with pagoda/quantize (the same code as `pagoda quantize`), timing each.
+1. One process loads the model in fp32 (the catalog's Q4_1 GGUF, dequantized), draws the
+   calibration samples (the default set, `--num-samples` of them) and writes one GGUF per
+   method and block type with pagoda/quantize (the same code as `pagoda quantize`), timing each:
+   "calibration s" is the time awq / gptq spend running the samples through the layers one at
+   a time (each method does its own run, since each layer's inputs come from the layers before
+   it as that method quantized them), "quantize s" the method's own work.
 2. Each GGUF, and the fp32 model as the reference, is then scored by benchmarks/quality.py's
    measurements, each in its own process: perplexity of data/perplexity.txt (held-out: the
    calibration set shares no text with it) and greedy agreement with fp32. The GGUFs run in
@@ -41,26 +44,39 @@ def quantize_all(args: argparse.Namespace) -> list[dict]:
     start = time.perf_counter()
     llm = load_float_model(args.model)
     load_s = time.perf_counter() - start
-    start = time.perf_counter()
-    stats, samples = calibrate(llm, None, args.num_samples, args.max_sample_tokens)
-    calibration_s = time.perf_counter() - start
-    print(f"[quantize] calibration: {len(samples)} samples, {sum(map(len, samples))} tokens, {calibration_s:.1f} s",
+    samples = calibrate(llm, None, args.num_samples, args.max_sample_tokens)
+    print(f"[quantize] calibration: {len(samples)} samples, {sum(map(len, samples))} tokens",
           file=sys.stderr, flush=True)
     rows = []
     for qtype in args.qtypes.split(","):
         for method in args.methods.split(","):
             path = out_dir / f"smollm2-{method}-{qtype.lower()}.gguf"
-            r = write_quantized(llm, path, method, qtype, stats if method != "rtn" else None)
-            print(f"[quantize] {method} {qtype}: {r.quantize_s:.1f} s, output error {r.relative_error}",
-                  file=sys.stderr, flush=True)
+            r = write_quantized(llm, path, method, qtype, samples if method != "rtn" else None)
+            print(f"[quantize] {method} {qtype}: layers {r.calibration_s:.1f} s, method {r.quantize_s:.1f} s, "
+                  f"output error {r.relative_error}", file=sys.stderr, flush=True)
             rows.append({"name": f"{method}-{qtype}", "method": method, "qtype": qtype, "path": str(path),
                          "quantize_s": round(r.quantize_s, 1), "write_s": round(r.write_s, 1),
-                         "calibration_s": round(calibration_s, 1) if method != "rtn" else 0.0,
+                         "calibration_s": round(r.calibration_s, 1),
                          "relative_output_error": r.relative_error, "rtn_relative_output_error": r.rtn_relative_error,
                          "file_mib": path.stat().st_size / 2**20})
     llm.shutdown()
     for row in rows:
         row.update(samples=len(samples), tokens=sum(map(len, samples)), load_s=round(load_s, 1))
+    return rows
+
+
+def existing_files(args: argparse.Namespace) -> list[dict]:
+    """Rows for GGUFs an earlier run left in --out-dir (--reuse-files: score them again without
+    quantizing; the quantization times are then unknown here)."""
+    rows = []
+    for qtype in args.qtypes.split(","):
+        for method in args.methods.split(","):
+            path = Path(args.out_dir) / f"smollm2-{method}-{qtype.lower()}.gguf"
+            if not path.is_file():
+                raise ValueError(f"--reuse-files: {path} does not exist")
+            rows.append({"name": f"{method}-{qtype}", "method": method, "qtype": qtype, "path": str(path),
+                         "quantize_s": None, "write_s": None, "calibration_s": None, "relative_output_error": None,
+                         "rtn_relative_output_error": None, "file_mib": path.stat().st_size / 2**20})
     return rows
 
 
@@ -96,7 +112,8 @@ def _table(ref: dict, rows: list[dict]) -> str:
         q = r["quality"]
         err = "-" if r["relative_output_error"] is None else \
             f"{100 * r['relative_output_error']:.2f} % ({100 * r['rtn_relative_output_error']:.2f} %)"
-        lines.append(f"| {r['method']} | {r['qtype']} | {r['calibration_s']:.0f} | {r['quantize_s']:.0f} | {err} "
+        secs = lambda v: "?" if v is None else f"{v:.0f}"
+        lines.append(f"| {r['method']} | {r['qtype']} | {secs(r['calibration_s'])} | {secs(r['quantize_s'])} | {err} "
                      f"| {q['perplexity']:.3f} | {q['perplexity_change_pct']:+.2f} % | {q['mean_abs_logprob_diff']:.4f} "
                      f"| {100 * q['greedy_agreement']:.1f} % | {100 * q['greedy_prefix_agreement']:.1f} % |")
     return "\n".join(lines)
@@ -114,6 +131,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--out-dir", default=str(Path(tempfile.gettempdir()) / "pagoda-quantize-bench"))
     p.add_argument("--output", default=str(HERE / "results" / f"quantize-methods-{date.today().isoformat()}.json"))
+    p.add_argument("--reuse-files", action="store_true",
+                   help="score the GGUFs an earlier run wrote to --out-dir instead of quantizing again")
     p.add_argument("--eval", default=None, help=argparse.SUPPRESS)  # internal: score one model, in this process
     p.add_argument("--eval-model", default=None, help=argparse.SUPPRESS)
     p.add_argument("--run-output", default=None, help=argparse.SUPPRESS)
@@ -121,7 +140,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.eval:
         _run_eval(args)
         return 0
-    rows = quantize_all(args)
+    rows = quantize_all(args) if not args.reuse_files else existing_files(args)
     print("[quality] fp32 ...", file=sys.stderr, flush=True)
     ref = evaluate("fp32", None, args)
     for row in rows:

@@ -13,19 +13,27 @@ run time:
 - down: the up rows are divided by ``s`` (``act(gate) * up`` is linear in up).
 
 Per layer group, ``s = mean|x| ** α`` (normalized), with α from a grid of 20 in [0, 1) chosen to
-minimize the group's output error over the calibration tokens, measured exactly through the
-input's second moment ``H`` (statistics.py): ``Σ_rows Δw H Δwᵀ``. α = 0 is plain rounding, so the
-search never does worse than it on that measure. Then, as AWQ does, each block's range is
-clipped (ratios 1.0 … 0.55) where that lowers the block's output error (not for the q and k
-rows, whose errors the attention softmax amplifies). What is kept is the block grid's own codes
-and fp16 parameters (grid.py), so the file holds exactly what was searched.
+minimize the error, as the paper measures it: for q/k/v, on the output of the whole attention
+block (softmax and o_proj included) and for gate/up on the output of the whole MLP, both run on
+the first 4,096 or so calibration tokens (quantizer.AWQ_SEARCH_CHUNKS); for o and down, on the projection's
+own output, measured exactly over all calibration tokens through the input's second moment
+``H`` (statistics.py): ``Σ_rows Δw H Δwᵀ``. α = 0 is plain rounding, so the search never does
+worse than it on that measure. Then, as AWQ does, each block's range is clipped (ratios 1.0 …
+0.55) where that lowers the block's output error (not for the q and k rows, whose errors the
+attention softmax amplifies). What is kept is the block grid's own codes and fp16 parameters
+(grid.py), so the file holds exactly what was searched.
 
-Departures from the paper, for the sake of one pass: every layer's statistics come from the
-float model (no layer-by-layer re-run with the earlier layers already quantized), and the
-error is the projection's output error rather than the whole attention / MLP block's.
+The statistics are taken layer by layer (layerwise.py), with the earlier layers quantized.
+Departures from the paper: the next layer's inputs are this layer's *quantized* outputs (the
+reference passes the scaled float outputs on; GPTQ's reference passes the quantized ones, and
+pagoda does that for both methods); under grouped-query attention o's scales are shared by the
+query heads that read one v channel (the reference skips o there); the grid is ggml's Q4_0 /
+Q4_1 / Q8_0 blocks of 32 rather than the paper's groups of 128 with a zero point.
 """
 
 from __future__ import annotations
+
+from collections.abc import Callable
 
 import torch
 
@@ -43,11 +51,14 @@ def normalized_scales(mean_abs: torch.Tensor, alpha: float) -> torch.Tensor:
 
 
 def search_scales(weight: torch.Tensor, hessian: torch.Tensor, mean_abs: torch.Tensor, qtype: str,
-                  tie: torch.Tensor | None = None) -> torch.Tensor:
+                  tie: torch.Tensor | None = None, block_error: Callable[[torch.Tensor], float] | None = None
+                  ) -> torch.Tensor:
     """The per-input-channel scales [K] for ``weight`` [N, K] that minimize the output error.
 
     ``tie`` [K] maps each channel to a shared scale index (grouped-query o_proj); ``mean_abs`` is
-    then averaged within each group."""
+    then averaged within each group. ``block_error``, when given, measures a candidate (the
+    weight as quantized with those scales, in the original units) on the output of the whole
+    block the projection is in; otherwise the projection's own output error through ``hessian``."""
     if tie is not None:
         groups = int(tie.max()) + 1
         shared = torch.zeros(groups).index_add_(0, tie, mean_abs) / torch.bincount(tie, minlength=groups).float()
@@ -56,7 +67,7 @@ def search_scales(weight: torch.Tensor, hessian: torch.Tensor, mean_abs: torch.T
     for i in range(SCALE_GRID):
         s = normalized_scales(mean_abs, i / SCALE_GRID)
         approx = grid.quantize(weight * s, qtype).dequantize() / s
-        err = grid.output_error(weight - approx, hessian)
+        err = block_error(approx) if block_error is not None else grid.output_error(weight - approx, hessian)
         if best_err is None or err < best_err:
             best_s, best_err = s, err
     return best_s

@@ -12,8 +12,12 @@ Quantize a model's projections to 4- or 8-bit ggml blocks and write a GGUF that 
 
   rtn   round to nearest, as llama.cpp's quantizer (no calibration)
   awq   activation-aware scaling: per-channel scales searched on the calibration activations
-        and folded into the preceding norm or projection, then a per-block clipping search
+        (q/k/v's on the attention block's output, gate/up's on the MLP's) and folded into the
+        preceding norm or projection, then a per-block clipping search
   gptq  second-order error compensation with the calibration inputs' Hessian, block by block
+
+awq and gptq calibrate layer by layer: each layer's statistics are taken with the layers before
+it already quantized.
 
 --bits 4 writes Q4_0 (Q4_1 with --zero-point), --bits 8 Q8_0; the embedding / head are Q8_0.
 Without --calibration, the public-domain set shipped with pagoda is used.

@@ -2,8 +2,9 @@
 
 1. The model loads in float32 through pagoda's own engine (any `--model` form: a Hugging Face
    directory, a GGUF, which is dequantized, a store or catalog name).
-2. awq / gptq: the calibration samples run through it with every projection recording its
-   inputs (statistics.py).
+2. awq / gptq calibrate layer by layer (layerwise.py): the samples' hidden states go through
+   layer i with layers < i already quantized, layer i's projections record their inputs
+   (statistics.py), layer i is quantized, and its quantized output is layer i + 1's input.
 3. Each decoder layer's projections (merged q/k/v, o, merged gate/up, down) are quantized to the
    chosen block type: rtn.py, awq.py (scales folded into the norms, v and up rows first) or
    gptq.py. The embedding (and an untied output head) are Q8_0 by round to nearest, as pagoda's
@@ -16,7 +17,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -25,6 +26,7 @@ import torch
 
 from pagoda.quantize import awq, grid
 from pagoda.quantize.gptq import gptq
+from pagoda.quantize.layerwise import LayerInputs, LayerRunner
 from pagoda.quantize.rtn import rtn_blocks
 from pagoda.quantize.statistics import InputStatistics
 
@@ -32,6 +34,14 @@ logger = logging.getLogger(__name__)
 
 METHODS = ("rtn", "awq", "gptq")
 EMBEDDING_QTYPE = "Q8_0"
+# Layer i + 1's inputs are layer i's output as quantized (False: as float, so that every
+# layer's statistics are those of the float model; kept to reproduce the comparison in
+# benchmarks/README.md, "Calibrated quantization")
+SEQUENTIAL = True
+# AWQ's scale searches for qkv and gate/up run the attention / MLP block on the samples of
+# this many chunks (layerwise.CHUNK_TOKENS, 4,096 tokens, each); o's, down's and the clipping
+# searches use every token through the statistics
+AWQ_SEARCH_CHUNKS = 1
 
 
 @dataclass
@@ -104,18 +114,39 @@ def _rtn_approx(weight: torch.Tensor, qtype: str) -> torch.Tensor:
     return torch.from_numpy(gguf.quants.dequantize(blocks, gguf.GGMLQuantizationType[qtype]).copy())
 
 
-def _awq_layer(state: dict[str, torch.Tensor], layer: _Layer, stats: dict[str, InputStatistics], qtype: str
+def _block_error(param: torch.nn.Parameter, output: Callable[[], torch.Tensor]) -> Callable[[torch.Tensor], float]:
+    """A function of a candidate weight: the summed squared change of ``output()`` (a block of the
+    model run on captured inputs) when ``param`` holds that candidate instead of its own value."""
+    original = param.detach().clone()
+    reference = output()
+
+    def error(candidate: torch.Tensor) -> float:
+        param.data.copy_(candidate)
+        try:
+            return float(((output() - reference) ** 2).sum())
+        finally:
+            param.data.copy_(original)
+
+    return error
+
+
+def _awq_layer(state: dict[str, torch.Tensor], layer: _Layer, inputs: LayerInputs, qtype: str,
+               block_errors: dict[str, Callable[[torch.Tensor], float]] | None = None
                ) -> dict[str, tuple[grid.Quantized, torch.Tensor]]:
     """AWQ on one layer: scales searched and folded into ``state`` (norms, v and up rows), then
-    each projection quantized with the clipping search. Returns name → (codes, hessian of its
-    scaled inputs)."""
+    each projection quantized with the clipping search. ``block_errors``: by weight name, the
+    error on the output of the block (attention, MLP) the scale search of that weight measures.
+    Returns name → (codes, hessian of its scaled inputs)."""
+    stats = inputs.stats
+    block_errors = block_errors or {}
     qkv, o = layer.name("self_attn.qkv_proj.weight"), layer.name("self_attn.o_proj.weight")
     gate_up, down = layer.name("mlp.gate_up_proj.weight"), layer.name("mlp.down_proj.weight")
     hessians = {w: stats[w.removesuffix(".weight")].mean_hessian() for w in (qkv, o, gate_up, down)}
 
     def scale_inputs(weight_name: str, tie: torch.Tensor | None = None) -> torch.Tensor:
         s = awq.search_scales(state[weight_name], hessians[weight_name],
-                              stats[weight_name.removesuffix(".weight")].mean_abs(), qtype, tie)
+                              stats[weight_name.removesuffix(".weight")].mean_abs(), qtype, tie,
+                              block_errors.get(weight_name))
         state[weight_name] = state[weight_name] * s
         hessians[weight_name] = hessians[weight_name] / torch.outer(s, s)
         return s
@@ -138,35 +169,97 @@ def _awq_layer(state: dict[str, torch.Tensor], layer: _Layer, stats: dict[str, I
             for w in (qkv, o, gate_up, down)}
 
 
-def quantize_projections(model: torch.nn.Module, method: str, qtype: str,
-                         stats: dict[str, InputStatistics] | None) -> tuple[dict[str, torch.Tensor], dict, list[dict]]:
+def _quantize_layer(model: torch.nn.Module, runner: LayerRunner, index: int, state: dict[str, torch.Tensor],
+                    layer: _Layer, method: str, qtype: str, inputs: LayerInputs
+                    ) -> dict[str, tuple[grid.Quantized, torch.Tensor]]:
+    """awq or gptq on one layer (``inputs``: what its projections saw): name → (codes, the hessian
+    the codes were chosen against)."""
+    if method == "awq":
+        attn, mlp = model.layers[index].self_attn, model.layers[index].mlp
+        block_errors = {  # as the AWQ paper: q/k/v scales judged on the attention's output, gate/up on the MLP's
+            layer.name("self_attn.qkv_proj.weight"):
+                _block_error(attn.qkv_proj.weight, lambda: runner.attention_output(index, inputs)),
+            layer.name("mlp.gate_up_proj.weight"):
+                _block_error(mlp.gate_up_proj.weight, lambda: runner.mlp_output(index, inputs))}
+        return _awq_layer(state, layer, inputs, qtype, block_errors)
+    results = {}
+    for proj in PROJECTIONS:
+        w, h = layer.name(f"{proj}.weight"), inputs.stats[layer.name(proj)].mean_hessian()
+        results[w] = (gptq(state[w], h, qtype), h)
+    return results
+
+
+def _error_row(model: torch.nn.Module, layer: _Layer, results: dict, stats: dict[str, InputStatistics],
+               state: dict[str, torch.Tensor], qtype: str) -> dict:
+    """Each projection's output error over its calibration inputs: this method's, round to
+    nearest's, and the output's own size (all for the original weight and inputs)."""
+    row: dict = {"layer": layer.prefix}
+    for w, (q, h) in results.items():
+        err = float(grid.output_error(state[w] - q.dequantize(), h))  # AWQ: of the scaled weight and inputs
+        proj = w.removesuffix(".weight")
+        h0, w0 = stats[proj].mean_hessian(), model.get_parameter(w).detach().float()
+        row[proj.rsplit(".", 1)[1]] = {"error": err, "output": float(grid.output_error(w0, h0)),
+                                       "rtn_error": float(grid.output_error(w0 - _rtn_approx(w0, qtype), h0))}
+    return row
+
+
+def quantize_projections(model: torch.nn.Module, method: str, qtype: str, samples: Sequence[list[int]] | None,
+                         timings: dict[str, float] | None = None) -> tuple[dict[str, torch.Tensor], dict, list[dict]]:
     """(float parameters after any folding, quantized projections by parameter name, per-layer
-    error summary). Quantized values are ggml bytes (np.uint8) for rtn, ``grid.Quantized`` otherwise."""
+    error summary). Quantized values are ggml bytes (np.uint8) for rtn, ``grid.Quantized`` otherwise.
+
+    awq / gptq calibrate sequentially (layerwise.py): layer i's statistics come from the samples
+    run through layers < i as already quantized, and layer i's quantized output feeds layer i + 1.
+    The model's own parameters are changed while that runs and restored before returning."""
     state = {name: p.detach().float().clone() for name, p in model.named_parameters()}
     quantized: dict[str, grid.Quantized | np.ndarray] = {}
     summary = []
-    for layer in _layers(model):
-        row = {"layer": layer.prefix}
-        if method == "awq":
-            results = _awq_layer(state, layer, stats, qtype)
-        else:
-            results = {}
+    layers = _layers(model)
+    if method == "rtn":
+        for layer in layers:
             for proj in PROJECTIONS:
                 w = layer.name(f"{proj}.weight")
-                if method == "gptq":
-                    h = stats[layer.name(proj)].mean_hessian()
-                    results[w] = (gptq(state[w], h, qtype), h)
-                else:
-                    quantized[w] = rtn_blocks(state[w], qtype)
-        for w, (q, h) in results.items():
-            quantized[w] = q
-            err = float(grid.output_error(state[w] - q.dequantize(), h))  # AWQ: of the scaled weight and inputs
-            proj = w.removesuffix(".weight")
-            h0, w0 = stats[proj].mean_hessian(), model.get_parameter(w).detach().float()
-            row[proj.rsplit(".", 1)[1]] = {"error": err, "output": float(grid.output_error(w0, h0)),
-                                           "rtn_error": float(grid.output_error(w0 - _rtn_approx(w0, qtype), h0))}
-        summary.append(row)
+                quantized[w] = rtn_blocks(state[w], qtype)
+        return state, quantized, summary
+    if not samples:
+        raise ValueError(f"{method} needs calibration samples")
+    timings = {} if timings is None else timings
+    clock = time.perf_counter()
+    runner = LayerRunner(model, samples)
+    originals: dict[str, torch.Tensor] = {}
+    layers_s = time.perf_counter() - clock
+    try:
+        for i, layer in enumerate(layers):
+            clock = time.perf_counter()
+            inputs = runner.record(i, AWQ_SEARCH_CHUNKS if method == "awq" else 0)
+            layers_s += time.perf_counter() - clock
+            results = _quantize_layer(model, runner, i, state, layer, method, qtype, inputs)
+            summary.append(_error_row(model, layer, results, inputs.stats, state, qtype))
+            for w, (q, _) in results.items():
+                quantized[w] = q
+            if i + 1 < len(layers):
+                clock = time.perf_counter()
+                if SEQUENTIAL:
+                    _load_layer(model, layer, state, quantized, originals)
+                runner.advance(i)
+                layers_s += time.perf_counter() - clock
+    finally:
+        params = dict(model.named_parameters())
+        for name, value in originals.items():
+            params[name].data.copy_(value)
+        timings["layers_s"] = layers_s
     return state, quantized, summary
+
+
+def _load_layer(model: torch.nn.Module, layer: _Layer, state: dict[str, torch.Tensor], quantized: dict,
+                originals: dict[str, torch.Tensor]) -> None:
+    """Put ``layer``'s quantized projections (dequantized) and folded norms / biases into the model,
+    keeping the originals in ``originals``."""
+    for name, p in model.named_parameters():
+        if name.startswith(layer.prefix + "."):
+            originals.setdefault(name, p.detach().clone())
+            value = quantized[name].dequantize() if name in quantized else state[name]
+            p.data.copy_(value.to(p.dtype))
 
 
 def _split(name: str, value, layer_sizes: dict[str, list[int]]):
@@ -218,19 +311,17 @@ def load_float_model(model: str, kv_cache_memory: float = 1.0):
 
 
 def calibrate(llm, calibration: Path | str | None, num_samples: int, max_sample_tokens: int, seed: int = 0
-              ) -> tuple[dict[str, InputStatistics], list[list[int]]]:
-    """(each projection's input statistics, the samples that produced them)."""
+              ) -> list[list[int]]:
+    """The calibration samples (token ids) for ``llm``'s model, each within its context."""
     from pagoda.quantize.calibration import load_samples
-    from pagoda.quantize.statistics import collect_statistics
 
     limit = min(max_sample_tokens, llm.engine.core.config.model.max_model_len - 1)
-    samples = load_samples(calibration, llm.get_tokenizer(), num_samples, limit, seed)
-    return collect_statistics(llm, samples), samples
+    return load_samples(calibration, llm.get_tokenizer(), num_samples, limit, seed)
 
 
-def write_quantized(llm, out: Path | str, method: str, qtype: str, stats: dict[str, InputStatistics] | None,
+def write_quantized(llm, out: Path | str, method: str, qtype: str, samples: Sequence[list[int]] | None,
                     result: QuantizeResult | None = None) -> QuantizeResult:
-    """Quantize the model of ``llm`` with ``method`` (``stats``: from ``calibrate``; None for rtn)
+    """Quantize the model of ``llm`` with ``method`` (``samples``: from ``calibrate``; None for rtn)
     and write the GGUF ``out``; timings and errors into ``result``."""
     from pagoda.loader.gguf_writer import write_gguf
 
@@ -238,16 +329,21 @@ def write_quantized(llm, out: Path | str, method: str, qtype: str, stats: dict[s
         raise ValueError(f"unknown method {method!r}: choose from {', '.join(METHODS)}")
     if qtype not in grid.QTYPES:
         raise ValueError(f"unknown block type {qtype!r}: choose from {', '.join(grid.QTYPES)}")
-    if method != "rtn" and stats is None:
-        raise ValueError(f"{method} needs calibration statistics")
+    if method != "rtn" and not samples:
+        raise ValueError(f"{method} needs calibration samples")
     check_architecture(llm.engine.core.config.model.architecture)
     out = Path(out)
     result = result or QuantizeResult(out, method, qtype)
     net = llm.engine.core.model
     start = time.perf_counter()
     with torch.inference_mode():
-        state, quantized, result.layers = quantize_projections(net, method, qtype, stats if method != "rtn" else None)
-    result.quantize_s = time.perf_counter() - start
+        timings: dict[str, float] = {}
+        state, quantized, result.layers = quantize_projections(net, method, qtype, samples if method != "rtn" else None,
+                                                               timings)
+    result.calibration_s = timings.get("layers_s", 0.0)
+    result.quantize_s = time.perf_counter() - start - result.calibration_s
+    if samples and method != "rtn":
+        result.samples, result.tokens = len(samples), sum(map(len, samples))
     rows = [v for layer in result.layers for k, v in layer.items() if k != "layer"]
     if rows:
         total = sum(r["output"] for r in rows)
@@ -277,13 +373,7 @@ def quantize_model(model: str, out: Path | str, method: str = "awq", qtype: str 
     llm = load_float_model(model, kv_cache_memory)
     try:
         result.load_s = time.perf_counter() - start
-        stats = None
-        if method != "rtn":
-            start = time.perf_counter()
-            stats, samples = calibrate(llm, calibration, num_samples, max_sample_tokens, seed)
-            result.samples, result.tokens = len(samples), sum(map(len, samples))
-            result.calibration_s = time.perf_counter() - start
-            logger.info("calibration: %d samples, %d tokens, %.1f s", result.samples, result.tokens, result.calibration_s)
-        return write_quantized(llm, out, method, qtype, stats, result)
+        samples = calibrate(llm, calibration, num_samples, max_sample_tokens, seed) if method != "rtn" else None
+        return write_quantized(llm, out, method, qtype, samples, result)
     finally:
         llm.shutdown()

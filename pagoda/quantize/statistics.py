@@ -1,10 +1,8 @@
-"""Activation statistics of each projection's input, gathered by running the float model.
+"""Activation statistics of a projection's input, recorded while its layer runs.
 
-The calibration prompts run through pagoda's own engine in fp32 (prefill only: one output token
-each, prefix caching off so every token is computed). Before that, each projection
-(``qkv_proj``, ``o_proj``, ``gate_up_proj``, ``down_proj`` of every layer) is wrapped in a
-``RecordingLinear``, which computes the same output and adds its input rows to an
-``InputStatistics``:
+layerwise.py runs each decoder layer over the calibration tokens with its projections
+(``qkv_proj``, ``o_proj``, ``gate_up_proj``, ``down_proj``) wrapped in a ``RecordingLinear``,
+which computes the same output and adds its input rows to an ``InputStatistics``:
 
 - ``hessian``: the sum of ``x xᵀ`` over tokens. For a weight change ``ΔW`` the summed
   squared output error over the calibration tokens is ``Σ_rows Δw H Δwᵀ``, so one matrix gives
@@ -14,8 +12,7 @@ each, prefix caching off so every token is computed). Before that, each projecti
 
 from __future__ import annotations
 
-import logging
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 import torch
@@ -23,8 +20,6 @@ from torch import nn
 
 from pagoda.layers.linear import project
 from pagoda.layers.quantization import QUANTIZED_LINEARS
-
-logger = logging.getLogger(__name__)
 
 
 @dataclass
@@ -80,32 +75,3 @@ def projection_owners(model: nn.Module) -> Iterable[tuple[str, nn.Module, str]]:
             for attr in QUANTIZED_LINEARS:
                 if isinstance(getattr(parent, attr, None), nn.Linear):
                     yield f"layers.{i}.{parent_name}.{attr}", parent, attr
-
-
-def collect_statistics(llm, samples: Sequence[list[int]]) -> dict[str, InputStatistics]:
-    """Run ``samples`` (token ids) through ``llm`` (a float32 ``pagoda.LLM`` with prefix caching
-    off) and return each projection's input statistics, by its name (``layers.3.mlp.down_proj``)."""
-    from pagoda.sampling_params import SamplingParams
-
-    model = llm.engine.core.model
-    stats: dict[str, InputStatistics] = {}
-    originals = []
-    for name, parent, attr in projection_owners(model):
-        inner = getattr(parent, attr)
-        stats[name] = InputStatistics(inner.in_features)
-        setattr(parent, attr, RecordingLinear(inner, stats[name], model.backend))
-        originals.append((parent, attr, inner))
-    if not originals:
-        raise ValueError(f"{type(model).__name__} has no projections pagoda can calibrate")
-    try:
-        with torch.inference_mode():
-            llm.generate([{"prompt_token_ids": ids} for ids in samples],
-                         SamplingParams(max_tokens=1, temperature=0.0), use_tqdm=False)
-    finally:
-        for parent, attr, inner in originals:
-            setattr(parent, attr, inner)
-    expected = sum(len(ids) for ids in samples)
-    for name, s in stats.items():
-        if s.tokens != expected:  # a prefix-cache hit or a skipped chunk would leave tokens out
-            raise RuntimeError(f"calibration saw {s.tokens} tokens at {name}, expected {expected}")
-    return stats

@@ -4,8 +4,11 @@
   package's own dequantizer (llama.cpp's reference), equal the values AWQ / GPTQ measured.
 - ``output_error`` is the summed squared output error over the calibration inputs.
 - GPTQ equals the textbook algorithm (one column at a time, explicit inverse-Hessian updates in
-  float64) and never does worse than rounding to nearest on the calibration activations.
-- AWQ's scale and clipping searches never do worse than plain rounding, which they include.
+  float64) and GPTQ from its definition (each step's compensation solved afresh as a
+  least-squares problem over the input channels not yet fixed), and never does worse than
+  rounding to nearest on the calibration activations.
+- AWQ's scale and clipping searches never do worse than plain rounding, which they include, on
+  a projection's own output or on a whole block's.
 """
 
 from __future__ import annotations
@@ -118,6 +121,42 @@ def test_gptq_equals_the_textbook_algorithm(qtype, monkeypatch):
     assert rel(ours) == pytest.approx(rel(ref), rel=0.02)
 
 
+def _least_squares_gptq(w: torch.Tensor, hessian: torch.Tensor, qtype: str) -> torch.Tensor:
+    """GPTQ from its definition, with no inverse-Hessian bookkeeping (float64): round input
+    channel (column) j on its block's grid, then give every later column the float values that
+    minimize the output error ``δ H δᵀ`` with columns 0 … j fixed at their codes, solved afresh
+    as a least-squares problem: ``δ_F = -H_FF⁻¹ H_FC δ_C`` (F the free columns, C the fixed)."""
+    w0 = w.double()
+    h = hessian.double() + torch.eye(len(hessian), dtype=torch.float64) * DAMP * torch.diag(hessian).mean()
+    current, out = w0.clone(), torch.zeros_like(w0)
+    lo, hi = grid.code_range(qtype)
+    for col in range(w.shape[1]):
+        if col % 32 == 0:
+            d, m = grid.block_params(current[:, col : col + 32].float(), qtype)
+            d, m = d[:, 0].double(), (torch.zeros_like(d[:, 0]) if m is None else m[:, 0]).double()
+        out[:, col] = torch.round((current[:, col] - m) / d).clamp(lo, hi) * d + m
+        fixed, free = slice(0, col + 1), slice(col + 1, None)
+        delta_fixed = w0[:, fixed] - out[:, fixed]
+        delta_free = -torch.linalg.solve(h[free, free], h[free, fixed] @ delta_fixed.T).T
+        current[:, free] = w0[:, free] - delta_free
+    return out.float()
+
+
+@pytest.mark.parametrize("qtype", ["Q4_0", "Q4_1"])
+def test_gptq_equals_least_squares_compensation(qtype):
+    """The update runs along the right axis (input channels) with the right inverse: each step's
+    compensation is the least-squares optimum given the columns already fixed."""
+    w = _weight(6, 64, seed=3)
+    x = _activations(200, 64, seed=4)
+    hessian = x.T @ x / len(x)
+    ours = gptq(w, hessian, qtype).dequantize()
+    ref = _least_squares_gptq(w, hessian, qtype)
+    assert (ours == ref).float().mean() > 0.99
+    rel = lambda a: float(grid.output_error(w - a, hessian) / grid.output_error(w, hessian))
+    assert rel(ours) == pytest.approx(rel(ref), rel=0.02)
+    assert rel(ours) < 0.7 * rel(_rtn(w, qtype))
+
+
 @pytest.mark.parametrize("qtype", QTYPES)
 @pytest.mark.parametrize("act_order", [True, False])
 def test_gptq_error_is_at_most_round_to_nearest(qtype, act_order):
@@ -143,6 +182,25 @@ def test_awq_searches_never_do_worse_than_plain_rounding(qtype):
     assert s.shape == (128,) and s[7] == s.max()  # the salient channel is scaled up most
     clipped = grid.output_error(w * s - awq.quantize(w * s, scaled_h, qtype).dequantize(), scaled_h)
     assert clipped <= err * 1.0001  # the block-local clip search includes ratio 1
+
+
+def test_awq_scale_search_on_a_block_output():
+    """With ``block_error`` the search judges a candidate on the block's output (here a SwiGLU
+    MLP, as for gate/up): it never does worse there than plain rounding (α = 0), and given the
+    projection's own output error it is the plain search."""
+    gate_up, down = _weight(64, 128, seed=5), _weight(128, 32, seed=6)
+    x = _activations(256, 128)
+    x[:, 3] *= 20
+    hessian = x.T @ x / len(x)
+    mlp = lambda w: (torch.nn.functional.silu(x @ w[:32].T) * (x @ w[32:].T)) @ down.T
+    block_error = lambda approx: float(((mlp(approx) - mlp(gate_up)) ** 2).sum())
+    s = awq.search_scales(gate_up, hessian, x.abs().mean(0), "Q4_0", block_error=block_error)
+    plain = grid.quantize(gate_up, "Q4_0").dequantize()
+    assert block_error(grid.quantize(gate_up * s, "Q4_0").dequantize() / s) <= block_error(plain)
+    assert s[3] == s.max()
+    own = lambda approx: float(grid.output_error(gate_up - approx, hessian))
+    assert torch.equal(awq.search_scales(gate_up, hessian, x.abs().mean(0), "Q4_0", block_error=own),
+                       awq.search_scales(gate_up, hessian, x.abs().mean(0), "Q4_0"))
 
 
 def test_awq_scales_shared_across_query_heads():
