@@ -118,9 +118,11 @@ class KVCacheManager:
                 self._take_cached_extras(request, match.blocks)
         return request.num_computed_tokens
 
-    def _first_in_window(self, num_tokens: int) -> int:
-        """The first block a query at position ``num_tokens`` (or later) of a windowed layer reads."""
-        return max(0, num_tokens - self.local_window + 1) // self.block_size
+    def _first_in_window(self, num_tokens: int, window: int | None = None) -> int:
+        """The first block a query at position ``num_tokens`` (or later) reads in a layer with a
+        sliding ``window`` (default: the windowed groups')."""
+        window = self.local_window if window is None else window
+        return max(0, num_tokens - window + 1) // self.block_size
 
     def _usable_hit(self, blocks: list[int]) -> int:
         """How many of the matched blocks a request can start after: the most whose last window
@@ -252,8 +254,7 @@ class KVCacheManager:
         window) and returns to the pool; ``free`` skips it. Returns how many were released now."""
         if self.sliding_window is None:
             return 0
-        dead = min(len(request.block_ids),
-                   max(0, request.num_computed_tokens - self.sliding_window + 1) // self.block_size)
+        dead = min(len(request.block_ids), self._first_in_window(request.num_computed_tokens, self.sliding_window))
         done = self._released.get(request.request_id, 0)
         if dead <= done:
             return 0

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 import torch
 
 from pagoda.config import EngineConfig
-from pagoda.core.kv_cache_groups import KVCacheGroups, kv_groups_for
+from pagoda.core.kv_cache_groups import KVCacheGroups
 from pagoda.core.kv_cache_manager import KVCacheManager
 from pagoda.core.scheduler import Scheduler, SchedulerStats
 from pagoda.core.scheduler_output import SchedulerOutput
@@ -79,7 +79,7 @@ class EngineCore:
         self.load_seconds = time.monotonic() - start
         self.num_blocks = self.executor.determine_num_blocks()
         block_size = config.cache.block_size
-        kv_groups = kv_groups_for(self.model.config, config.speculative, config.cache.hybrid_kv_cache)
+        kv_groups = self.executor.driver_worker.kv_groups  # which layers share a block table, as the workers hold them
         capacity = _token_capacity(self.num_blocks, block_size, kv_groups, config.scheduler.max_num_batched_tokens)
         self.max_model_len = mc.max_model_len
         if capacity < self.max_model_len:
