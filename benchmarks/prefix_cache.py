@@ -1,6 +1,7 @@
 """Prefix caching: the same workloads with and without the cache, in one run.
 
     python benchmarks/prefix_cache.py
+    python benchmarks/prefix_cache.py --with-cache-only --quantization gguf   # one arm, the model's GGUF blocks
 
 1. Shared system prompt: 64 requests with one ~1,000-token system prompt and short distinct
    questions, all submitted at once; time to first token (p50 / p99) and total time.
@@ -10,6 +11,7 @@
 
 from __future__ import annotations
 
+import argparse
 import json
 import statistics
 import sys
@@ -64,13 +66,24 @@ def multi_turn(llm: LLM) -> dict:
 
 
 def main() -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--with-cache-only", action="store_true", help="skip the (slow) run without the cache")
+    ap.add_argument("--quantization", default=None)
+    ap.add_argument("--save", default=None)
+    args = ap.parse_args()
     results = {}
-    for caching in (True, False):
-        llm = LLM(model="smollm2-135m-instruct", kv_cache_memory=2, enable_prefix_caching=caching)
+    for caching in (True,) if args.with_cache_only else (True, False):
+        llm = LLM(model="smollm2-135m-instruct", kv_cache_memory=2, enable_prefix_caching=caching,
+                  quantization=args.quantization)
         name = "with cache" if caching else "without cache"
         results[name] = {"shared_prompt": shared_prompt(llm), "multi_turn": multi_turn(llm)}
         print(name, json.dumps(results[name]), file=sys.stderr)
         del llm
+    out = Path(args.save) if args.save else Path(__file__).parent / "results" / f"prefix-cache-{date.today().isoformat()}.json"
+    out.write_text(json.dumps({"date": date.today().isoformat(), "command": " ".join(sys.argv), "results": results}, indent=2))
+    print(f"saved {out}")
+    if args.with_cache_only:
+        return 0
     w, wo = results["with cache"], results["without cache"]
     print(f"\nshared ~{w['shared_prompt']['prompt_tokens_each']:.0f}-token prompt, 64 requests:")
     for k in ("ttft_p50_s", "ttft_p99_s", "total_s"):
@@ -80,9 +93,6 @@ def main() -> int:
     print(f"  with cache {w['multi_turn']['computed_prompt_tokens']}   without {wo['multi_turn']['computed_prompt_tokens']}   "
           f"(per turn with cache: {w['multi_turn']['computed_prompt_tokens_per_turn']}, "
           f"without: {wo['multi_turn']['computed_prompt_tokens_per_turn']})")
-    out = Path(__file__).parent / "results" / f"prefix-cache-{date.today().isoformat()}.json"
-    out.write_text(json.dumps({"date": date.today().isoformat(), "command": " ".join(sys.argv), "results": results}, indent=2))
-    print(f"saved {out}")
     return 0
 
 

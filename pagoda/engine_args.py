@@ -98,8 +98,9 @@ class EngineArgs:
         "seconds of waiting that raise a request's effective priority by one level; 0 disables aging"))
     admission_pressure_threshold: float = field(default=0.9, metadata=_option(
         "above this KV memory pressure a new request must leave a block of headroom per running request"))
-    short_chunk_tokens: int = field(default=32, metadata=_option(
-        "a prefill chunk of at most this many tokens over a cached prefix runs through the paged decode kernel"))
+    short_chunk_tokens: int = field(default=512, metadata=_option(
+        "a prefill chunk of at most this many tokens over a cached prefix runs through the paged decode kernel, "
+        "reading the prefix in place; a longer one gathers the prefix for one SDPA call"))
     tensor_parallel_size: int = field(default=1, metadata=_option(
         "number of ranks (GPUs) the model is sharded over", aliases=["-tp"]))
     distributed_executor_backend: str | None = field(default=None, metadata=_option(

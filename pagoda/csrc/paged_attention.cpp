@@ -89,19 +89,41 @@ inline void softmax(float* s, int64_t L) {
 }
 
 // Rows of the batch that belong to one sequence's chunk (consecutive rows with the same block
-// table, each seeing one position more than the one before) are attended together, TILE rows at a
-// time, so that each block of keys and values is read once for the whole tile. Tiling changes
-// only which sums are computed together, never how one is: for a query row,
+// table, each seeing one position more than the one before) are attended together, up to TILE
+// rows at a time (a "run"), so that each block of keys and values is read once for the whole run.
+// Runs whose block tables begin with the same blocks (requests that share a cached prefix, or the
+// tiles of one long chunk) are grouped into one work item that reads those shared blocks once for
+// all of its rows. Tiling and grouping change only which sums are computed together, never how
+// one is: for a query row,
 //   score[t] = q . k_t   a multiply-add chain over d = 0..D-1 (lanes hold keys, not d),
 //   softmax  over its own L scores (the order depends on L only),
 //   out[d]   = sum_t p[t] * v_t[d]   a multiply-add chain over t = 0..L-1 (lanes hold d),
 // so a token's attention output is the same whether it is a decode, one row of a prefill chunk,
 // or the tail of a prompt after a prefix-cache hit, and whatever else is in the batch.
 constexpr int64_t TILE = 16;
+// A work item keeps its rows' scores (one float per query head and position) until the softmax.
+// A run's stay within RUN_BUDGET floats (1 MiB, about the L2 cache; a long prefix makes runs
+// shorter); a group's within GROUP_BUDGET (4 MiB): measured on SmolLM2's shapes, sharing the
+// prefix's reads pays for scores that spill to the L3 cache.
+constexpr int64_t RUN_BUDGET = 256 * 1024;
+constexpr int64_t GROUP_BUDGET = 1024 * 1024;
+// Runs are grouped only when they share at least this many whole blocks.
+constexpr int64_t MIN_SHARED_BLOCKS = 4;
+
+struct Run {
+  int64_t row, rows;  // rows row .. row + rows - 1 of the batch: one sequence, lengths ascending
+};
 
 struct Item {
-  int64_t row, rows, h;  // rows row .. row + rows - 1 of the batch, kv head h
+  int64_t first, count;  // runs[first .. first + count) of the plan
+  int64_t shared;        // leading positions every row of every run sees in full, read once for all
+  int64_t h;             // kv head
   int64_t cost;          // positions its rows read (for ordering the queue)
+};
+
+struct Plan {
+  std::vector<Run> runs;
+  std::vector<Item> items;
 };
 
 // The first position row length `len` sees (0 without a window).
@@ -338,24 +360,104 @@ inline void widen_scaled(const int8_t* src, const float* scales, float* dst, int
   }
 }
 
-// Rows of the batch → work items: runs of rows of one sequence cut into tiles, times kv heads,
-// longest first (a queue that threads pull from, so a long prompt's last tiles do not end up on
-// one thread).
-std::vector<Item> plan(const int64_t* tables, const int64_t* lens, int64_t B, int64_t max_blocks, int64_t Hkv,
-                       int64_t window) {
-  std::vector<Item> items;
+// How many whole leading blocks two rows' tables share, up to `limit`.
+inline int64_t common_blocks(const int64_t* a, const int64_t* b, int64_t limit) {
+  int64_t n = 0;
+  while (n < limit && a[n] == b[n]) ++n;
+  return n;
+}
+
+// Padded score-row length of a row of length `len` whose scores start at `base`.
+inline int64_t score_width(int64_t len, int64_t base, int64_t BS) { return (len - base + BS - 1) / BS * BS; }
+
+// Rows of the batch → runs (rows of one sequence, cut to TILE rows and to the score budget) →
+// groups of runs that share leading blocks (without a window only) → work items, one per group
+// and kv head, longest first (a queue that threads pull from, so a long prompt's last items do not
+// end up on one thread).
+Plan plan(const int64_t* tables, const int64_t* lens, int64_t B, int64_t max_blocks, int64_t Hkv, int64_t G,
+          int64_t BS, int64_t window) {
+  Plan p;
   for (int64_t b = 0; b < B;) {
+    const int64_t base = window_start(lens[b], window) / BS * BS;
     int64_t e = b + 1;
     while (e < B && e - b < TILE && lens[e] == lens[e - 1] + 1 &&
+           (e - b + 1) * G * score_width(lens[e], base, BS) <= RUN_BUDGET &&
            std::equal(tables + e * max_blocks, tables + (e + 1) * max_blocks, tables + b * max_blocks))
       ++e;
-    const int64_t cost = lens[e - 1] - window_start(lens[b], window);
-    for (int64_t h = 0; h < Hkv; ++h) items.push_back({b, e - b, h, cost});
+    p.runs.push_back({b, e - b});
     b = e;
   }
-  std::stable_sort(items.begin(), items.end(), [](const Item& a, const Item& b) { return a.cost > b.cost; });
-  return items;
+  // Group runs by their first block (a run's first row is its shortest): each group's leader is
+  // its first run in that order, and a run joins while it shares MIN_SHARED_BLOCKS whole blocks
+  // with the leader and the group's scores fit the budget.
+  std::vector<int64_t> order(p.runs.size());
+  for (size_t i = 0; i < order.size(); ++i) order[i] = i;
+  if (window == 0)
+    std::stable_sort(order.begin(), order.end(), [&](int64_t x, int64_t y) {
+      return tables[p.runs[x].row * max_blocks] < tables[p.runs[y].row * max_blocks];
+    });
+  // at least two items per thread where there are enough runs, so that the queue can balance
+  const int64_t groups_wanted = std::max<int64_t>(1, (2 * at::get_num_threads() + Hkv - 1) / Hkv);
+  const int64_t max_runs = std::max<int64_t>(1, (static_cast<int64_t>(p.runs.size()) + groups_wanted - 1) / groups_wanted);
+  std::vector<Run> grouped;
+  grouped.reserve(p.runs.size());
+  for (size_t i = 0; i < order.size();) {
+    const Run lead = p.runs[order[i]];
+    const int64_t* lead_table = tables + lead.row * max_blocks;
+    int64_t shared = lens[lead.row] / BS;  // whole blocks every row of the group sees
+    int64_t last_len = lens[lead.row + lead.rows - 1];
+    int64_t floats = lead.rows * G * score_width(last_len, 0, BS);
+    int64_t cost = last_len;
+    size_t j = i + 1;
+    for (; window == 0 && j < order.size(); ++j) {
+      const Run r = p.runs[order[j]];
+      const int64_t common =
+          common_blocks(lead_table, tables + r.row * max_blocks, std::min(shared, lens[r.row] / BS));
+      const int64_t r_floats = r.rows * G * score_width(lens[r.row + r.rows - 1], 0, BS);
+      if (common < MIN_SHARED_BLOCKS || floats + r_floats > GROUP_BUDGET || static_cast<int64_t>(j - i) >= max_runs) break;
+      shared = common;
+      floats += r_floats;
+      cost += lens[r.row + r.rows - 1] - shared * BS;
+    }
+    const int64_t first = grouped.size();
+    for (size_t k = i; k < j; ++k) grouped.push_back(p.runs[order[k]]);
+    const int64_t count = j - i;
+    const int64_t base = window_start(lens[lead.row], window) / BS * BS;
+    const int64_t shared_positions = count > 1 ? shared * BS : base;  // alone, a run shares nothing
+    if (count == 1) cost = last_len - window_start(lens[lead.row], window);
+    for (int64_t h = 0; h < Hkv; ++h) p.items.push_back({first, count, shared_positions, h, cost});
+    i = j;
+  }
+  p.runs = std::move(grouped);
+  std::stable_sort(p.items.begin(), p.items.end(), [](const Item& a, const Item& b) { return a.cost > b.cost; });
+  return p;
 }
+
+// scalar_t: the queries' and the output's type; cache_t: the KV cache's (--kv-cache-dtype), which
+// may be narrower: keys and values are widened to float as they are read, so the arithmetic is the
+// same as over a float cache holding the same (rounded) values.
+// An int8 cache (cache_t int8_t) comes with k_scales / v_scales [num_blocks, Hkv, BS]: one float
+// per token and head, by which its values are multiplied as they are widened.
+// One kv head's keys or values of one block, as float: a float cache's rows are used in place;
+// a narrower one is widened into `buf` first.
+template <typename cache_t>
+struct BlockReader {
+  const cache_t* cache;
+  const float* scales;  // an int8 cache's, else nullptr
+  int64_t Hkv, BS, D;
+
+  const float* rows(int64_t block, int64_t h, int64_t n, float* buf) const {
+    const cache_t* src = cache + (block * Hkv + h) * BS * D;
+    if constexpr (std::is_same_v<cache_t, float>) {
+      return src;
+    } else if constexpr (std::is_same_v<cache_t, int8_t>) {
+      widen_scaled(src, scales + (block * Hkv + h) * BS, buf, n, D);
+    } else {
+      widen(src, buf, n * D);
+    }
+    return buf;
+  }
+};
 
 // scalar_t: the queries' and the output's type; cache_t: the KV cache's (--kv-cache-dtype), which
 // may be narrower: keys and values are widened to float as they are read, so the arithmetic is the
@@ -370,85 +472,110 @@ void decode_attention_impl(const scalar_t* __restrict__ q, const cache_t* __rest
                            int64_t max_blocks, float scale, int64_t window,
                            const float* k_scales = nullptr, const float* v_scales = nullptr) {
   const int64_t G = Hq / Hkv;
-  // Cache layout [num_blocks, Hkv, BS, D]: one head's tokens of a block are contiguous rows.
-  const int64_t head_stride = BS * D;
-  const int64_t block_stride = Hkv * head_stride;
   for (int64_t b = 0; b < B; ++b)
     TORCH_CHECK(lens[b] >= 1 && lens[b] <= max_blocks * BS, "paged_decode_attention: bad seq_len ", lens[b]);
-  const std::vector<Item> items = plan(tables, lens, B, max_blocks, Hkv, window);
+  const Plan work = plan(tables, lens, B, max_blocks, Hkv, G, BS, window);
+  const BlockReader<cache_t> keys{k_cache, k_scales, Hkv, BS, D}, values{v_cache, v_scales, Hkv, BS, D};
   std::atomic<int64_t> next{0};
-  const int64_t workers = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), items.size()));
+  const int64_t num_items = work.items.size();
+  const int64_t workers = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), num_items));
   at::parallel_for(0, workers, 1, [&](int64_t, int64_t) {
-    const int64_t NQ = TILE * G;
-    std::vector<float> qf(NQ * D), acc(NQ * D), kt(D * BS), vf(BS * D), scores;
-    for (int64_t it = next++; it < static_cast<int64_t>(items.size()); it = next++) {
-      const Item& item = items[it];
-      const int64_t h = item.h, nq = item.rows * G, Lmax = lens[item.row + item.rows - 1];
-      // Positions before `base` (whole blocks before the first row's window) are never read;
-      // a row of scores holds positions base .. Lmax - 1, padded to whole blocks.
-      const int64_t base = window_start(lens[item.row], window) / BS * BS;
-      const int64_t ld = (Lmax - base + BS - 1) / BS * BS;
-      const int64_t* table = tables + item.row * max_blocks;
-      scores.resize(nq * ld);
-      float* sc = scores.data();
-      for (int64_t r = 0; r < item.rows; ++r)
-        for (int64_t g = 0; g < G; ++g)
-          for (int64_t d = 0; d < D; ++d)
-            qf[(r * G + g) * D + d] = static_cast<float>(q[((item.row + r) * Hq + h * G + g) * D + d]) * scale;
-      // scores: a block of keys transposed once, against every query of the tile that sees it
-      for (int64_t t0 = base; t0 < Lmax; t0 += BS) {
-        const cache_t* kb = k_cache + table[t0 / BS] * block_stride + h * head_stride;
-        const int64_t n = std::min(BS, Lmax - t0);
-        if constexpr (std::is_same_v<cache_t, float>) {
-          transpose(kb, n, D, kt.data(), BS);
-        } else {  // widened first, so the float transpose's vector path serves
-          if constexpr (std::is_same_v<cache_t, int8_t>)
-            widen_scaled(kb, k_scales + (table[t0 / BS] * Hkv + h) * BS, vf.data(), n, D);
-          else
-            widen(kb, vf.data(), n * D);
-          transpose(vf.data(), n, D, kt.data(), BS);
-        }
-        int64_t r0 = 0;  // rows before r0 end before this block
-        while (lens[item.row + r0] <= t0) ++r0;
-        scores_block(qf.data() + r0 * G * D, nq - r0 * G, D, kt.data(), BS, n, sc + r0 * G * ld + (t0 - base), ld);
+    std::vector<float> qf, acc, kt(D * BS), buf(BS * D), scores;
+    std::vector<int64_t> q_off, sc_off, ld;  // per run of the item: first query vector, first score, row stride
+    for (int64_t it = next++; it < num_items; it = next++) {
+      const Item& item = work.items[it];
+      const Run* runs = work.runs.data() + item.first;
+      const int64_t h = item.h;
+      // Positions before `base` (whole blocks before the first row's window) are never read; a
+      // row of scores holds positions base .. its run's longest row, padded to whole blocks.
+      const int64_t base = window_start(lens[runs[0].row], window) / BS * BS;
+      q_off.assign(item.count + 1, 0);
+      sc_off.assign(item.count + 1, 0);
+      ld.assign(item.count, 0);
+      for (int64_t r = 0; r < item.count; ++r) {
+        ld[r] = score_width(lens[runs[r].row + runs[r].rows - 1], base, BS);
+        q_off[r + 1] = q_off[r] + runs[r].rows * G;
+        sc_off[r + 1] = sc_off[r] + runs[r].rows * G * ld[r];
       }
-      // softmax over each row's own window; the positions of its tile before that weigh exactly 0
-      for (int64_t r = 0; r < item.rows; ++r) {
-        const int64_t len = lens[item.row + r], first = window_start(len, window) - base;
-        for (int64_t g = 0; g < G; ++g) {
-          float* row_scores = sc + (r * G + g) * ld;
-          std::fill(row_scores, row_scores + first, 0.f);
-          softmax(row_scores + first, len - base - first);
+      const int64_t nq = q_off[item.count];
+      qf.resize(nq * D);
+      acc.assign(nq * D, 0.f);
+      scores.resize(sc_off[item.count]);
+      for (int64_t r = 0; r < item.count; ++r)
+        for (int64_t i = 0; i < runs[r].rows; ++i)
+          for (int64_t g = 0; g < G; ++g)
+            for (int64_t d = 0; d < D; ++d)
+              qf[(q_off[r] + i * G + g) * D + d] =
+                  static_cast<float>(q[((runs[r].row + i) * Hq + h * G + g) * D + d]) * scale;
+      // a block of keys transposed once, against every query of the run(s) that see it
+      auto transposed_keys = [&](const int64_t* table, int64_t t0, int64_t n) {
+        transpose(keys.rows(table[t0 / BS], h, n, buf.data()), n, D, kt.data(), BS);
+      };
+      // scores: the shared blocks once for every run, then each run's own blocks
+      const int64_t* lead_table = tables + runs[0].row * max_blocks;
+      for (int64_t t0 = base; t0 < item.shared; t0 += BS) {
+        transposed_keys(lead_table, t0, BS);
+        for (int64_t r = 0; r < item.count; ++r)
+          scores_block(qf.data() + q_off[r] * D, runs[r].rows * G, D, kt.data(), BS, BS,
+                       scores.data() + sc_off[r] + (t0 - base), ld[r]);
+      }
+      for (int64_t r = 0; r < item.count; ++r) {
+        const Run run = runs[r];
+        const int64_t* table = tables + run.row * max_blocks;
+        const int64_t Lmax = lens[run.row + run.rows - 1];
+        float* sc = scores.data() + sc_off[r];
+        for (int64_t t0 = std::max(base, item.shared); t0 < Lmax; t0 += BS) {
+          const int64_t n = std::min(BS, Lmax - t0);
+          transposed_keys(table, t0, n);
+          int64_t r0 = 0;  // rows before r0 end before this block
+          while (lens[run.row + r0] <= t0) ++r0;
+          scores_block(qf.data() + (q_off[r] + r0 * G) * D, (run.rows - r0) * G, D, kt.data(), BS, n,
+                       sc + r0 * G * ld[r] + (t0 - base), ld[r]);
+        }
+        // softmax over each row's own window; the positions of its run before that weigh exactly 0
+        for (int64_t i = 0; i < run.rows; ++i) {
+          const int64_t len = lens[run.row + i], first = window_start(len, window) - base;
+          for (int64_t g = 0; g < G; ++g) {
+            float* row_scores = sc + (i * G + g) * ld[r];
+            std::fill(row_scores, row_scores + first, 0.f);
+            softmax(row_scores + first, len - base - first);
+          }
         }
       }
-      // out: each query's values, a block at a time
-      std::fill(acc.begin(), acc.begin() + nq * D, 0.f);
-      for (int64_t t0 = base; t0 < Lmax; t0 += BS) {
-        const cache_t* vb = v_cache + table[t0 / BS] * block_stride + h * head_stride;
-        const int64_t n = std::min(BS, Lmax - t0);
-        const float* v = vf.data();
-        if constexpr (std::is_same_v<cache_t, float>) {
-          v = vb;
-        } else if constexpr (std::is_same_v<cache_t, int8_t>) {
-          widen_scaled(vb, v_scales + (table[t0 / BS] * Hkv + h) * BS, vf.data(), n, D);
-        } else {
-          widen(vb, vf.data(), n * D);
-        }
-        // rows that see all n keys of this block together, then the one or two that see fewer
-        int64_t r = 0;
-        while (r < item.rows && lens[item.row + r] - t0 <= 0) ++r;
-        int64_t full = r;
-        while (full < item.rows && lens[item.row + full] - t0 < n) ++full;
-        for (; r < full; ++r)
-          accumulate_vectors(G, acc.data() + r * G * D, sc + r * G * ld + (t0 - base), ld, v, lens[item.row + r] - t0, D);
-        if (full < item.rows)
-          accumulate_vectors((item.rows - full) * G, acc.data() + full * G * D, sc + full * G * ld + (t0 - base), ld, v,
-                             n, D);
+      // out: each query's values, a block at a time; the shared blocks once for every run
+      for (int64_t t0 = base; t0 < item.shared; t0 += BS) {
+        const float* v = values.rows(lead_table[t0 / BS], h, BS, buf.data());
+        for (int64_t r = 0; r < item.count; ++r)
+          accumulate_vectors(runs[r].rows * G, acc.data() + q_off[r] * D, scores.data() + sc_off[r] + (t0 - base), ld[r],
+                             v, BS, D);
       }
-      for (int64_t r = 0; r < item.rows; ++r)
-        for (int64_t g = 0; g < G; ++g)
-          for (int64_t d = 0; d < D; ++d)
-            out[((item.row + r) * Hq + h * G + g) * D + d] = static_cast<scalar_t>(acc[(r * G + g) * D + d]);
+      for (int64_t r = 0; r < item.count; ++r) {
+        const Run run = runs[r];
+        const int64_t* table = tables + run.row * max_blocks;
+        const int64_t Lmax = lens[run.row + run.rows - 1];
+        const float* sc = scores.data() + sc_off[r];
+        float* racc = acc.data() + q_off[r] * D;
+        for (int64_t t0 = std::max(base, item.shared); t0 < Lmax; t0 += BS) {
+          const int64_t n = std::min(BS, Lmax - t0);
+          const float* v = values.rows(table[t0 / BS], h, n, buf.data());
+          // rows that see all n keys of this block together, then the one or two that see fewer
+          int64_t i = 0;
+          while (i < run.rows && lens[run.row + i] - t0 <= 0) ++i;
+          int64_t full = i;
+          while (full < run.rows && lens[run.row + full] - t0 < n) ++full;
+          for (; i < full; ++i)
+            accumulate_vectors(G, racc + i * G * D, sc + i * G * ld[r] + (t0 - base), ld[r], v, lens[run.row + i] - t0, D);
+          if (full < run.rows)
+            accumulate_vectors((run.rows - full) * G, racc + full * G * D, sc + full * G * ld[r] + (t0 - base), ld[r], v,
+                               n, D);
+        }
+      }
+      for (int64_t r = 0; r < item.count; ++r)
+        for (int64_t i = 0; i < runs[r].rows; ++i)
+          for (int64_t g = 0; g < G; ++g)
+            for (int64_t d = 0; d < D; ++d)
+              out[((runs[r].row + i) * Hq + h * G + g) * D + d] =
+                  static_cast<scalar_t>(acc[(q_off[r] + i * G + g) * D + d]);
     }
   });
 }

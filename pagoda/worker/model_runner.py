@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 import torch
 
+from pagoda.config import SchedulerConfig
 from pagoda.core.kv_cache_groups import KVCacheGroups
 from pagoda.core.scheduler_output import SchedulerOutput
 from pagoda.forward_context import set_attention_metadata
@@ -33,7 +34,7 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 # A prefill chunk of at most this many tokens over a cached prefix runs as decode rows.
-DEFAULT_SHORT_CHUNK = 32
+DEFAULT_SHORT_CHUNK = SchedulerConfig.short_chunk_tokens
 
 
 class ModelRunner:

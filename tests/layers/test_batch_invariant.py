@@ -95,6 +95,66 @@ def test_paged_attention_rows_do_not_depend_on_tiling(bs, hq, hkv, d):
     torch.testing.assert_close(full, ref, rtol=1e-4, atol=1e-5)
 
 
+def test_rows_sharing_a_cached_prefix_read_it_together_with_the_same_bits():
+    """Many sequences whose tables begin with the same blocks (a shared system prompt): the kernel
+    groups their rows and reads those blocks once for all of them. Each row's bits are those it
+    gets alone, and those it gets when every sequence holds a private copy of the prefix (nothing
+    to share); the rows also match causal SDPA closely."""
+    ops = load_cpu_kernels()
+    g = torch.Generator().manual_seed(7)
+    bs, hq, hkv, d = 16, 9, 3, 64
+    prefix_blocks, own_blocks, num_seqs = 20, 3, 24
+    nb = prefix_blocks * (num_seqs + 1) + own_blocks * num_seqs
+    k_cache, v_cache = _cache(nb, hkv, bs, d, g)
+    order = torch.randperm(nb, generator=g)
+    shared = order[:prefix_blocks]
+    copies = order[prefix_blocks : prefix_blocks * (num_seqs + 1)].view(num_seqs, prefix_blocks)
+    own = order[prefix_blocks * (num_seqs + 1) :].view(num_seqs, own_blocks)
+    for c in copies:  # private copies hold the same keys and values
+        k_cache[c], v_cache[c] = k_cache[shared], v_cache[shared]
+    rows, shared_tables, private_tables, lens = [], [], [], []
+    for s in range(num_seqs):
+        length = prefix_blocks * bs + 1 + 5 * s % (own_blocks * bs - 1)
+        # even sequences decode one token; odd ones prefill a short tail of 1-6 rows
+        for r in range(1 if s % 2 == 0 else 1 + s % 6):
+            lens.append(length - r)
+            shared_tables.append(torch.cat([shared, own[s]]))
+            private_tables.append(torch.cat([copies[s], own[s]]))
+            rows.append(len(rows))
+    lens = torch.tensor(lens)
+    q = torch.randn(len(rows), hq, d, generator=g)
+    scale = d**-0.5
+    together = ops.paged_decode_attention(q, k_cache, v_cache, torch.stack(shared_tables), lens, scale)
+    private = ops.paged_decode_attention(q, k_cache, v_cache, torch.stack(private_tables), lens, scale)
+    assert torch.equal(together, private)
+    for i in (0, 1, 5, len(rows) - 1):
+        alone = ops.paged_decode_attention(q[i : i + 1], k_cache, v_cache, shared_tables[i].unsqueeze(0), lens[i : i + 1], scale)
+        assert torch.equal(alone[0], together[i]), i
+        table = shared_tables[i]
+        keys = k_cache[table].transpose(1, 2).reshape(-1, hkv, d)[: lens[i]]
+        values = v_cache[table].transpose(1, 2).reshape(-1, hkv, d)[: lens[i]]
+        ref = F.scaled_dot_product_attention(q[i].unsqueeze(1), keys.transpose(0, 1), values.transpose(0, 1),
+                                             scale=scale, enable_gqa=True).squeeze(1)
+        torch.testing.assert_close(together[i], ref, rtol=1e-4, atol=1e-5)
+
+
+def test_a_long_chunk_over_a_long_prefix_is_cut_into_shorter_runs_with_the_same_bits():
+    """Rows seeing ~6,000 positions: 16 rows' scores would pass the kernel's per-run budget, so it
+    cuts the chunk into shorter runs (and groups them over the shared prefix); rows keep their bits."""
+    ops = load_cpu_kernels()
+    g = torch.Generator().manual_seed(11)
+    bs, hq, hkv, d, L, chunk = 16, 9, 3, 64, 6000, 40
+    nb = -(-L // bs)
+    k_cache, v_cache = _cache(nb + 2, hkv, bs, d, g)
+    table = torch.randperm(nb + 2, generator=g)[:nb]
+    q = torch.randn(chunk, hq, d, generator=g)
+    lens = torch.arange(L - chunk + 1, L + 1)
+    full = ops.paged_decode_attention(q, k_cache, v_cache, table.expand(chunk, -1).contiguous(), lens, d**-0.5)
+    for i in (0, 15, 16, chunk - 1):
+        alone = ops.paged_decode_attention(q[i : i + 1], k_cache, v_cache, table.unsqueeze(0), lens[i : i + 1], d**-0.5)
+        assert torch.equal(alone[0], full[i]), i
+
+
 @pytest.mark.parametrize("block_type", [2, 8])  # Q4_0, Q8_0
 def test_block_matmul_rows_do_not_depend_on_the_batch(block_type):
     """Under batch invariance block_matmul keeps its integer kernel at any M (no switch to the
