@@ -154,6 +154,7 @@ class ModelPool:
         self._loading: dict[str, asyncio.Task] = {}
         self._room_lock = asyncio.Lock()  # one load (and its evictions) at a time
         self._released = asyncio.Condition()  # notified when a model's last request ends
+        self._background: set[asyncio.Task] = set()  # fire-and-forget tasks, held until they end
         self.on_fatal: Callable[[BaseException], None] | None = None  # DrainingServer's, given to each engine
         self._closed = False
 
@@ -197,7 +198,14 @@ class ModelPool:
         if model.in_flight > 0 or self.loaded.get(model.spec.name) is not model:
             return
         self._schedule_expiry(model)
-        asyncio.get_running_loop().create_task(self._notify_released())
+        self._spawn(self._notify_released())
+
+    def _spawn(self, coro) -> None:
+        """Run ``coro`` in the background. The loop keeps only a weak reference to a task, so an
+        unreferenced one may be collected before it runs to its end: the pool holds it until then."""
+        task = asyncio.get_running_loop().create_task(coro)
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
 
     async def _notify_released(self) -> None:
         async with self._released:
@@ -209,7 +217,7 @@ class ModelPool:
             return
         model.expires_at = time.time() + model.keep_alive
         loop = asyncio.get_running_loop()
-        model._timer = loop.call_later(model.keep_alive, lambda: loop.create_task(self._expire(model)))
+        model._timer = loop.call_later(model.keep_alive, lambda: self._spawn(self._expire(model)))
 
     async def _expire(self, model: LoadedModel) -> None:
         model._timer = None

@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from pagoda import SamplingParams
-from pagoda.quantize import grid
+from pagoda.quantize import grid, quantizer
 from pagoda.quantize.layerwise import LayerRunner
 from pagoda.quantize.quantizer import _layers, load_float_model, quantize_projections
 
@@ -71,8 +71,11 @@ def test_statistics_and_block_inputs(tiny_llama):
             assert torch.allclose(everything.stats[f"layers.1.{name}"].hessian, x.T @ x, rtol=1e-4, atol=1e-4)
         assert torch.equal(everything.stats["layers.1.mlp.down_proj"].hessian, inputs.stats["layers.1.mlp.down_proj"].hessian)
 
-def test_quantization_is_sequential_and_restores_the_model(tiny_llama):
-    """Layer 1's recorded inputs are the outputs of layer 0 as quantized."""
+@pytest.mark.parametrize("sequential", [True, False])
+def test_quantization_statistics_and_the_model_restored(tiny_llama, monkeypatch, sequential):
+    """Sequential: layer 1's recorded inputs are the outputs of layer 0 as quantized (awq's
+    default); one pass: those of the float model (gptq's default). The model is restored."""
+    monkeypatch.setitem(quantizer.SEQUENTIAL, "gptq", sequential)
     with load_float_model(str(tiny_llama), kv_cache_memory=0.02) as llm:
         model = llm.engine.core.model
         before = {n: p.detach().clone() for n, p in model.named_parameters()}
@@ -96,5 +99,6 @@ def test_quantization_is_sequential_and_restores_the_model(tiny_llama):
         down = "layers.1.mlp.down_proj"
         w = before[f"{down}.weight"]
         recorded = summary[1]["down_proj"]["output"]
-        assert recorded == pytest.approx(float(grid.output_error(w, quant_stats[down].mean_hessian())), rel=1e-5)
-        assert recorded != pytest.approx(float(grid.output_error(w, float_stats[down].mean_hessian())), rel=1e-3)
+        seen, other = (quant_stats, float_stats) if sequential else (float_stats, quant_stats)
+        assert recorded == pytest.approx(float(grid.output_error(w, seen[down].mean_hessian())), rel=1e-5)
+        assert recorded != pytest.approx(float(grid.output_error(w, other[down].mean_hessian())), rel=1e-3)
