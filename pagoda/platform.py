@@ -43,12 +43,6 @@ def benchmark_cpu_flags() -> list[str]:
     return sorted(f for f in cpu_flags() if f.startswith(BENCHMARK_FLAG_PREFIXES))
 
 
-def cpu_has_fast_bf16() -> bool:
-    """True where bf16 matmuls run on hardware (AMX tiles or AVX-512 BF16)."""
-    flags = cpu_flags()
-    return "amx_bf16" in flags or "avx512_bf16" in flags
-
-
 def default_device() -> torch.device:
     if torch.cuda.is_available() and os.environ.get("PAGODA_DEVICE", "") != "cpu":
         return torch.device("cuda")
@@ -88,7 +82,8 @@ def resolve_kv_cache_dtype(name: str, model_dtype: torch.dtype) -> torch.dtype:
 def resolve_dtype(dtype: str | torch.dtype, device: torch.device) -> torch.dtype:
     """Map a user dtype ('auto', 'float32', 'bfloat16', 'float16') to a torch dtype.
 
-    'auto' picks bf16 on CUDA and on CPUs with hardware bf16 (AMX / AVX-512 BF16), else fp32.
+    'auto' picks bf16 on CUDA; on a CPU, bf16 only where it measured faster than fp32 at one row
+    and at a batch (layers/dtype_choice.py), else fp32.
     """
     if isinstance(dtype, torch.dtype):
         if dtype not in (torch.float32, torch.bfloat16, torch.float16):
@@ -96,9 +91,11 @@ def resolve_dtype(dtype: str | torch.dtype, device: torch.device) -> torch.dtype
         return dtype
     name = str(dtype).lower()
     if name == "auto":
-        if device.type == "cuda" or cpu_has_fast_bf16():
+        if device.type == "cuda":
             return torch.bfloat16
-        return torch.float32
+        from pagoda.layers.dtype_choice import auto_cpu_dtype
+
+        return auto_cpu_dtype()
     if name not in _DTYPES:
         raise ValueError(f"dtype must be one of {SUPPORTED_DTYPES}, got {dtype!r}")
     return _DTYPES[name]

@@ -1,0 +1,103 @@
+"""`--dtype auto` on a CPU: float32 or bfloat16, whichever this CPU runs faster, measured.
+
+A CPU's flags do not say which is faster: on a Sapphire Rapids (AMX) bf16 matmuls are ~3x fp32's
+from 16 rows, but at one row (a single stream's decode) oneDNN's bf16 path is slower than
+pagoda's fp32 kernel; on an AVX2-only CPU bf16 is emulated and slower everywhere. So the first
+start on a CPU times the two at the shapes of a small model's projections, at 1 row (one
+stream's decode) and at 64 rows (a batch, a prefill chunk's slice), on one thread (threads that
+other processes preempt make timings noise), and chooses bf16 only where it is at least 10 %
+faster at both: fp32 stays the default wherever bf16 would slow one stream down, and it
+is the exact one (greedy output equal to transformers'). The measurement (about a second) is
+kept under ``$PAGODA_HOME/kernels/<cpu>/dtype-choice.json`` and reused by later starts.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+logger = logging.getLogger(__name__)
+
+ROWS = (1, 64)
+SHAPES = ((1536, 576), (576, 1536))  # (N, K): SmolLM2-sized MLP projections
+LAYERS = 8  # 8 layers of them: 57 MB of fp32 weights, more than a CPU's last-level cache, so that
+            # one row streams them from memory as a decode step does (where bf16's half bytes count)
+MARGIN = 1.1  # bf16 must be at least this much faster: a noisy tie keeps the exact fp32
+_VERSION = 1  # bump when the measurement changes, so that old choices are measured again
+
+
+def choice_path() -> Path:
+    """Beside this CPU's kernel build (one directory per kind of CPU)."""
+    from pagoda.layers.cpu_kernels import build_directory
+
+    return build_directory() / "dtype-choice.json"
+
+
+def _best_ms(fn, trials: int = 15) -> float:
+    """The fastest of several runs: the least disturbed by whatever else shares the CPU."""
+    fn()
+    best = float("inf")
+    for _ in range(trials):
+        start = time.perf_counter()
+        fn()
+        best = min(best, time.perf_counter() - start)
+    return best * 1e3
+
+
+def measure() -> dict:
+    """Milliseconds for the projection suite (LAYERS x SHAPES, each output the next input) at
+    each row count, fp32 (pagoda's CPU linear where its kernels load, else torch) and bf16
+    (torch, oneDNN); and the choice they give."""
+    from pagoda.layers.backend import select_backend
+
+    backend = select_backend("cpu")
+    g = torch.Generator().manual_seed(0)
+    weights = [torch.randn(n, k, generator=g) * 0.05 for _ in range(LAYERS) for n, k in SHAPES]
+    suites = {"float32": (weights, backend.linear), "bfloat16": ([w.to(torch.bfloat16) for w in weights], F.linear)}
+    timings: dict[str, dict[int, float]] = {"float32": {}, "bfloat16": {}}
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # per core: threads that other processes preempt make a timing noise
+    try:
+        for m in ROWS:
+            x0 = torch.randn(m, SHAPES[0][1], generator=g)
+            for dtype, (ws, linear) in suites.items():
+                def suite(ws=ws, linear=linear, x=x0.to(ws[0].dtype)):
+                    for w in ws:
+                        x = linear(x, w)
+                timings[dtype][m] = _best_ms(suite)
+    finally:
+        torch.set_num_threads(threads)
+    faster = all(timings["bfloat16"][m] * MARGIN < timings["float32"][m] for m in ROWS)
+    return {"version": _VERSION, "torch": torch.__version__, "threads": 1,
+            "ms": {d: {str(m): t for m, t in by_rows.items()} for d, by_rows in timings.items()},
+            "choice": "bfloat16" if faster else "float32"}
+
+
+def auto_cpu_dtype() -> torch.dtype:
+    """The dtype `--dtype auto` means on this CPU: measured once, then read from its file."""
+    path = choice_path()
+    record, measured = None, False
+    try:
+        record = json.loads(path.read_text())
+        if record.get("version") != _VERSION or record.get("torch") != torch.__version__:
+            record = None
+    except (OSError, ValueError):
+        pass
+    if record is None:
+        record, measured = measure(), True
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            path.write_text(json.dumps(record, indent=1))
+        except OSError as e:  # a read-only home: measure again next time
+            logger.warning("could not keep the dtype measurement in %s (%s)", path, e)
+    ms = record["ms"]
+    logger.info("--dtype auto on this CPU: %s (%s; ms per projection suite at %s rows: fp32 %s, bf16 %s)",
+                record["choice"], "measured now" if measured else f"measured before, {path}", "/".join(map(str, ROWS)),
+                "/".join(f"{ms['float32'][str(m)]:.3f}" for m in ROWS),
+                "/".join(f"{ms['bfloat16'][str(m)]:.3f}" for m in ROWS))
+    return torch.bfloat16 if record["choice"] == "bfloat16" else torch.float32
