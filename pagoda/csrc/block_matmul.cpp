@@ -513,10 +513,35 @@ at::Tensor block_matmul(const at::Tensor& x, const at::Tensor& weight, int64_t t
   return out;
 }
 
+// The library GEMM route's two inputs, for a caller that keeps the weight packed once (the model
+// loader's packed_weights.py: oneDNN's own layout, so that no step dequantizes or reorders it):
+// the weight dequantized as library_gemm dequantizes it, and the activations rounded as it rounds
+// them, or None where block_matmul would not take that route (fewer than GEMM_MIN_ROWS rows, batch
+// invariance, or a build whose GEMM is fp32). The GEMM on them gives library_gemm's bits.
+at::Tensor block_dequantize(const at::Tensor& weight, int64_t type, int64_t in_features) {
+  TORCH_CHECK(weight.dim() == 2 && weight.scalar_type() == at::kByte, "block_dequantize: weight must be uint8 [N, bytes]");
+  TORCH_CHECK(in_features % QK == 0 && weight.size(1) == in_features / QK * block_bytes(type),
+              "block_dequantize: rows of ", weight.size(1), " bytes do not hold ", in_features, " inputs");
+  const at::Tensor wc = weight.contiguous();
+  if (GEMM_IN_BF16) return dequantize_bf16(wc.data_ptr<uint8_t>(), type, weight.size(0), in_features);
+  return dequantize<float>(wc.data_ptr<uint8_t>(), type, weight.size(0), in_features);
+}
+
+std::optional<at::Tensor> block_gemm_activations(const at::Tensor& x) {
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.size(1) % QK == 0,
+              "block_gemm_activations: x must be float32 [M, K], K a multiple of 32");
+  const int64_t M = x.size(0), K = x.size(1);
+  if (!GEMM_IN_BF16 || M < GEMM_MIN_ROWS || pagoda::batch_invariant()) return std::nullopt;
+  const at::Tensor xc = x.contiguous();
+  return rounded_activations_bf16(quantize_rows(xc.data_ptr<float>(), M, K), M, K);
+}
+
 }  // namespace pagoda
 
 TORCH_LIBRARY_FRAGMENT(pagoda, m) {
   m.def("block_matmul(Tensor x, Tensor weight, int block_type) -> Tensor");
+  m.def("block_dequantize(Tensor weight, int block_type, int in_features) -> Tensor");
+  m.def("block_gemm_activations(Tensor x) -> Tensor?");
   // Which instruction set this build's integer dot products use: avx512-vnni, avx-vnni, avx2, scalar.
   m.def("block_matmul_isa() -> str", []() { return std::string(isa_path()); });
   // From how many rows (outside batch invariance) it dequantizes and runs a library GEMM, and in
@@ -526,4 +551,8 @@ TORCH_LIBRARY_FRAGMENT(pagoda, m) {
   });
 }
 
-TORCH_LIBRARY_IMPL(pagoda, CPU, m) { m.impl("block_matmul", &pagoda::block_matmul); }
+TORCH_LIBRARY_IMPL(pagoda, CPU, m) {
+  m.impl("block_matmul", &pagoda::block_matmul);
+  m.impl("block_dequantize", &pagoda::block_dequantize);
+  m.impl("block_gemm_activations", &pagoda::block_gemm_activations);
+}

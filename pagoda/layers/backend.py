@@ -65,7 +65,9 @@ class TorchBackend:
     def linear(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         return F.linear(x, weight)
 
-    def block_matmul(self, x: torch.Tensor, blocks: torch.Tensor, block_type: int) -> torch.Tensor:
+    def block_matmul(self, x: torch.Tensor, blocks: torch.Tensor, block_type: int,
+                     packed: torch.Tensor | None = None) -> torch.Tensor:
+        """``packed``: the CPU kernels' packed copy of the weight (layers/packed_weights.py), if any."""
         from pagoda.layers.ggml_blocks import dequantize_blocks
 
         return x.float() @ dequantize_blocks(blocks, block_type).T
@@ -177,8 +179,13 @@ class CpuKernelBackend(TorchBackend):
             return self.ops.linear(x, weight)
         return super().linear(x, weight)
 
-    def block_matmul(self, x, blocks, block_type):
+    def block_matmul(self, x, blocks, block_type, packed=None):
         if x.device.type == "cpu":
+            if packed is not None and not torch.compiler.is_compiling():
+                # the many-row route on the weight packed once; None: few rows or batch invariance
+                rounded = self.ops.block_gemm_activations(x.float())
+                if rounded is not None:
+                    return torch.ops.mkldnn._linear_pointwise(rounded, packed, None, "none", [], "").float()
             return self.ops.block_matmul(x.float(), blocks, block_type)
         return super().block_matmul(x, blocks, block_type)
 

@@ -115,6 +115,7 @@ class BlockLinear(nn.Module):
         self.in_features, self.out_features = in_features, blocks.shape[0]
         self.register_buffer("blocks", blocks.contiguous())
         self.register_buffer("bias", bias)
+        self.packed: torch.Tensor | None = None  # layers/packed_weights.py: for the many-row GEMM
 
     @classmethod
     def from_float(cls, weight: torch.Tensor, block_type: int, bias: torch.Tensor | None = None) -> BlockLinear:
@@ -125,8 +126,8 @@ class BlockLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.dim() == 2 and self.bias is None and x.dtype == torch.float32:  # the decode step's case, kept short
-            return self.backend.block_matmul(x, self.blocks, self.block_type)
-        y = self.backend.block_matmul(x.reshape(-1, self.in_features), self.blocks, self.block_type).to(x.dtype)
+            return self.backend.block_matmul(x, self.blocks, self.block_type, self.packed)
+        y = self.backend.block_matmul(x.reshape(-1, self.in_features), self.blocks, self.block_type, self.packed).to(x.dtype)
         if self.bias is not None:
             y = y + self.bias
         return y.reshape(*x.shape[:-1], self.out_features)

@@ -10,12 +10,14 @@ from torch import nn
 
 from pagoda.distributed.parallel_state import SINGLE, TensorParallelGroup
 from pagoda.distributed.parallel_state import building_with as building_tp
-from pagoda.layers.backend import TorchBackend, select_backend
+from pagoda.layers.backend import TorchBackend, current_backend, select_backend
 from pagoda.layers.backend import building_with as building_backend
+from pagoda.layers.packed_weights import pack_block_linears
 from pagoda.layers.quantization import check_quantization, quantize_linears
 from pagoda.layers.rotary import RotaryEmbedding
 from pagoda.loader.resolve import ModelFiles
 from pagoda.models.registry import resolve_architecture
+from pagoda.platform import available_memory_bytes
 
 logger = logging.getLogger(__name__)
 
@@ -50,6 +52,8 @@ def _load(files: ModelFiles, hf_config: dict, dtype: torch.dtype, device: torch.
         model.packed_weights = {}  # drop the stored blocks (views of the mapped file)
         logger.info("quantization=%s: %d projection layers quantized", quantization, count)
         _release_freed_memory()
+        if device.type == "cpu":
+            pack_block_linears(model, getattr(current_backend(), "ops", None), available_memory_bytes(device))
     return model
 
 

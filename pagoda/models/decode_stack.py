@@ -63,11 +63,20 @@ class DecodeStack:
         rotary = model.layers[0].self_attn.rotary
         if rotary.cos_cache.dtype != torch.float32:
             return None
-        return cls(ops, weights, types, k_caches, v_caches, rotary, cfg)
+        stack = cls(ops, weights, types, k_caches, v_caches, rotary, cfg)
+        if any(getattr(m, "packed", None) is not None for m in model.modules()):
+            # from this many rows the Python layers run the weights packed once (layers/packed_weights.py),
+            # where the stack's block_matmul would dequantize them on every call
+            stack.max_rows = ops.block_matmul_gemm()[0]
+        return stack
+
+    max_rows: int | None = None  # at most this many rows go through the stack (None: any)
 
     def applies(self, hidden: torch.Tensor, meta: AttentionMetadata) -> bool:
         """A batch of decode rows only (the caller keeps torch.compile away from the stack)."""
-        return not meta.prefills and meta.num_decodes == hidden.shape[0] and hidden.dtype == torch.float32
+        rows = hidden.shape[0]
+        return (not meta.prefills and meta.num_decodes == rows and hidden.dtype == torch.float32
+                and (self.max_rows is None or rows < self.max_rows))
 
     def __call__(self, hidden: torch.Tensor, residual: torch.Tensor, positions: torch.Tensor,
                  meta: AttentionMetadata) -> torch.Tensor:
