@@ -168,12 +168,13 @@ def engine_mode(args) -> dict:
 _ROW = re.compile(r"^\|\s*(\d+)\s*\|\s*(\d+)\s*\|\s*(\d+)\s*\|\s*(\d+)\s*\|\s*([\d.]+)\s*\|\s*([\d.]+)\s*\|\s*([\d.]+)\s*\|\s*([\d.]+)\s*\|")
 
 
-def llama_batched_bench(binary: str, gguf: str, npp: list[int], npl: list[int], ntg: int, threads: int) -> list[dict]:
+def llama_batched_bench(binary: str, gguf: str, npp: list[int], npl: list[int], ntg: int, threads: int,
+                        extra: list[str]) -> list[dict]:
     """llama.cpp's own sweep; each row: prompt tokens, decode tokens, parallel sequences, prefill
     time and decode time (all sequences' ntg steps)."""
     ctx = max(npl) * (max(npp) + ntg) + 64
     cmd = [binary, "-m", gguf, "-c", str(ctx), "-b", "2048", "-ub", "512", "-t", str(threads), "-ngl", "0",
-           "-npp", ",".join(map(str, npp)), "-ntg", str(ntg), "-npl", ",".join(map(str, npl))]
+           "-npp", ",".join(map(str, npp)), "-ntg", str(ntg), "-npl", ",".join(map(str, npl)), *extra]
     text = subprocess.run(cmd, capture_output=True, text=True, check=True).stdout
     rows = []
     for line in text.splitlines():
@@ -189,10 +190,12 @@ def llama_mode(args) -> dict:
     from pagoda.bench import baselines
 
     gguf = args.gguf or str(baselines.gguf_file(args.model))
-    by_context = llama_batched_bench(args.llama_batched_bench, gguf, args.contexts, [1], args.decode_steps, args.threads)
+    extra = args.llama_args.split()
+    by_context = llama_batched_bench(args.llama_batched_bench, gguf, args.contexts, [1], args.decode_steps, args.threads,
+                                     extra)
     by_batch = llama_batched_bench(args.llama_batched_bench, gguf, [args.batch_context], args.batches, args.decode_steps,
-                                   args.threads)
-    return {"gguf": gguf,
+                                   args.threads, extra)
+    return {"gguf": gguf, "extra_args": extra,
             "decode_vs_context": [{"context": r["prompt"], "itl_ms": r["itl_ms"]} for r in by_context],
             "prefill_vs_context": [{"context": r["prompt"], "prefill_s": r["prefill_s"]} for r in by_context],
             "decode_vs_batch": [{"batch": r["batch"], "context": r["prompt"], "itl_ms": r["itl_ms"],
@@ -236,6 +239,8 @@ def main() -> int:
     ap.add_argument("--batches", default="1,2,4,8,16,32,64,128", help="the batch sweep, at --batch-context")
     ap.add_argument("--llama-batched-bench", default=None, help="path of llama.cpp's llama-batched-bench")
     ap.add_argument("--gguf", default=None, help="the GGUF file for llama.cpp (default: the model's)")
+    ap.add_argument("--llama-args", default="", help="more llama-batched-bench arguments, e.g. --no-repack "
+                    "(where the CPU reports AMX but the kernel does not grant it, llama.cpp's AMX path faults)")
     ap.add_argument("--save", default=None)
     args = ap.parse_args()
     args.contexts = [int(x) for x in args.contexts.split(",")]

@@ -11,7 +11,10 @@ sampling) is timed separately. Configurations:
   int8/int4 kernels), as on a machine without a compiler;
 - kernels, python layers: the C++ kernels (attention, block matmul, fused ops), the decoder
   layers still called from Python;
-- kernels + stack: decode-only steps run the whole decoder stack in one C++ call (the default).
+- kernels + stack: decode-only steps run the whole decoder stack in one C++ call (the default);
+- weights not packed: PAGODA_PACK_WEIGHTS=0, block weights not packed at load for the GEMM from 16
+  rows (layers/packed_weights.py), so each call dequantizes them.
+"fp32" rows pass dtype=float32 (``--dtype auto`` may choose bf16 on some CPUs).
 """
 
 from __future__ import annotations
@@ -36,6 +39,8 @@ CONFIGS = [  # (label, quantization, environment, decode stack on)
     ("kernels + stack", "gguf", {}, True),
     ("kernels + stack", "int8", {}, True),
     ("kernels + stack", "int4", {}, True),
+    ("kernels + stack, weights not packed", "gguf", {"PAGODA_PACK_WEIGHTS": "0"}, True),
+    ("kernels + stack, weights not packed", "int8", {"PAGODA_PACK_WEIGHTS": "0"}, True),
 ]
 
 
@@ -48,7 +53,7 @@ def measure(quantization: str | None, stack: bool, batches: list[int], steps: in
     torch.set_num_threads(threads)
     if not stack:
         DecodeStack.build = classmethod(lambda cls, model, ops: None)
-    llm = LLM(model="smollm2-135m-instruct", kv_cache_memory=1.0, quantization=quantization)
+    llm = LLM(model="smollm2-135m-instruct", kv_cache_memory=1.0, quantization=quantization, dtype="float32")
     engine, runner = llm.engine, llm.engine.core.runner
     forward, forward_times = runner.forward, []
 
@@ -81,6 +86,8 @@ def main() -> int:
     p.add_argument("--batches", default="1,64")
     p.add_argument("--steps", type=int, default=32)
     p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--only", default=None, help="run the configurations whose label contains this")
+    p.add_argument("--save", default=None, help="JSON path (default: results/decode-step-<date>.json)")
     p.add_argument("--one", default=None, help=argparse.SUPPRESS)  # internal: run one configuration
     args = p.parse_args()
     batches = [int(b) for b in args.batches.split(",")]
@@ -90,6 +97,8 @@ def main() -> int:
         return 0
     rows = []
     for label, quantization, env, stack in CONFIGS:
+        if args.only and args.only not in label:
+            continue
         out = subprocess.run([sys.executable, __file__, "--batches", args.batches, "--steps", str(args.steps),
                               "--threads", str(args.threads), "--one", json.dumps([quantization, stack])],
                              env={**os.environ, **env}, capture_output=True, text=True, check=True)
@@ -99,7 +108,7 @@ def main() -> int:
         print(" | ".join([label, row["weights"]] + [f"b={b}: step {result[str(b)]['step_ms']:.1f} ms, forward "
                                                     f"{result[str(b)]['forward_ms']:.1f} ms" for b in batches]),
               flush=True)
-    path = HERE / "results" / f"decode-step-{date.today().isoformat()}.json"
+    path = Path(args.save) if args.save else HERE / "results" / f"decode-step-{date.today().isoformat()}.json"
     path.write_text(json.dumps({"date": date.today().isoformat(), "command": " ".join(sys.argv), "threads": args.threads,
                                 "steps": args.steps, "rows": rows, "loadavg": os.getloadavg()}, indent=2) + "\n")
     print(f"wrote {path}")

@@ -13,12 +13,13 @@ blocks stay for the rows below 16 (the integer kernel, memory-bound, reads the f
 
 The copy costs 2 bytes a weight (SmolLM2: ~270 MB beside ~90 MB of Q4_1 blocks), so it is made
 only where the build's GEMM is bf16, oneDNN is there, and the copies take at most a quarter of
-the memory available when the model has loaded.
+the memory available when the model has loaded (and not with ``PAGODA_PACK_WEIGHTS=0``).
 """
 
 from __future__ import annotations
 
 import logging
+import os
 
 import torch
 from torch import nn
@@ -50,6 +51,9 @@ def pack_block_linears(model: nn.Module, ops, available_bytes: int) -> int:
     """Give every BlockLinear of ``model`` its packed copy where it pays and fits; returns the
     bytes packed (0 when none was)."""
     if not packing_applies(ops):
+        return 0
+    if os.environ.get("PAGODA_PACK_WEIGHTS", "1") == "0":
+        logger.info("block weights not packed (PAGODA_PACK_WEIGHTS=0)")
         return 0
     total = packed_bytes(model)
     if total == 0:
