@@ -64,6 +64,12 @@ class SchedulerConfig:
     aging_seconds: float = 30.0  # waiting this long raises a request's effective priority by one level; 0: off
     admission_pressure_threshold: float = 0.9  # KV pressure above which admission keeps a block per running request
     short_chunk_tokens: int = 512  # a prefill chunk this short over a cached prefix runs through the paged decode kernel
+    # vLLM's chunking knobs (core/prefill_chunks.py): a prefill's tokens per step (0: the budget's),
+    # how many requests may be mid-prefill at once, and how many of those may be long
+    long_prefill_token_threshold: int = 0
+    max_num_partial_prefills: int = 1
+    max_long_partial_prefills: int = 1
+    policy: str = "priority"  # "priority": priorities and aging order the queues; "fcfs": arrival only
 
 
 @dataclass(frozen=True)
@@ -201,14 +207,28 @@ def create_engine_config(args: EngineArgs) -> EngineConfig:
         cache=CacheConfig(args.block_size, args.kv_cache_memory, args.gpu_memory_utilization, args.enable_prefix_caching,
                           args.session_kv_fraction, args.max_session_kv_tokens,
                           not args.disable_hybrid_kv_cache_manager, resolve_kv_cache_dtype(args.kv_cache_dtype, dtype)),
-        scheduler=SchedulerConfig(args.max_num_seqs, args.max_num_batched_tokens, args.aging_seconds,
-                                  args.admission_pressure_threshold, args.short_chunk_tokens),
+        scheduler=_scheduler_config(args, args.max_model_len or model_max),
         parallel=parallel,
         seed=args.seed,
         enforce_eager=args.enforce_eager,
         compile=args.compile and not args.enforce_eager,
         deterministic=deterministic,
         speculative=_speculative_config(args, model_config),
+    )
+
+
+def _scheduler_config(args: EngineArgs, max_model_len: int) -> SchedulerConfig:
+    """The scheduler's knobs; with several partial prefills and no threshold, vLLM's default
+    threshold (4 % of the context)."""
+    from pagoda.core.prefill_chunks import resolve_long_prefill_threshold
+
+    threshold = resolve_long_prefill_threshold(args.long_prefill_token_threshold, args.max_num_partial_prefills,
+                                               max_model_len)
+    return SchedulerConfig(
+        args.max_num_seqs, args.max_num_batched_tokens, args.aging_seconds, args.admission_pressure_threshold,
+        args.short_chunk_tokens, long_prefill_token_threshold=threshold,
+        max_num_partial_prefills=args.max_num_partial_prefills,
+        max_long_partial_prefills=args.max_long_partial_prefills, policy=args.scheduling_policy,
     )
 
 

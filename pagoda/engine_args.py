@@ -25,6 +25,7 @@ KV_CACHE_DTYPES = ("auto", "float32", "fp32", "bfloat16", "bf16", "float16", "fp
 QUANTIZATIONS = ("none", "int8", "int4", "gguf")
 DISTRIBUTED_BACKENDS = ("mp", "ray", "uni")
 BLOCK_SIZES = (8, 16, 32, 64, 128)
+SCHEDULING_POLICIES = ("fcfs", "priority")  # how the scheduler orders its queues (pagoda/core/scheduler.py)
 
 
 def _option(help: str | None = None, **argparse_kwargs: Any) -> dict[str, Any]:
@@ -101,6 +102,18 @@ class EngineArgs:
     short_chunk_tokens: int = field(default=512, metadata=_option(
         "a prefill chunk of at most this many tokens over a cached prefix runs through the paged decode kernel, "
         "reading the prefix in place; a longer one gathers the prefix for one SDPA call"))
+    long_prefill_token_threshold: int = field(default=0, metadata=_option(
+        "a prefill takes at most this many tokens per step, and a prompt longer than this is long "
+        "(0: no limit but the step's budget; with --max-num-partial-prefills above 1, 0 means 4%% of "
+        "the context, as in vLLM)"))
+    max_num_partial_prefills: int = field(default=1, metadata=_option(
+        "how many requests may be mid-prefill at once (a prompt that finishes within a step does not count)"))
+    max_long_partial_prefills: int = field(default=1, metadata=_option(
+        "how many of those may be long (above --long-prefill-token-threshold); fewer than "
+        "--max-num-partial-prefills lets short prompts pass long ones"))
+    scheduling_policy: str = field(default="priority", metadata=_option(
+        "priority: requests' priorities (with --aging-seconds) order the queue and may preempt; "
+        "fcfs: arrival order only, priorities ignored", choices=SCHEDULING_POLICIES))
     tensor_parallel_size: int = field(default=1, metadata=_option(
         "number of ranks (GPUs) the model is sharded over", aliases=["-tp"]))
     distributed_executor_backend: str | None = field(default=None, metadata=_option(
@@ -162,6 +175,12 @@ class EngineArgs:
             (self.aging_seconds >= 0, "aging_seconds", "must be >= 0"),
             (0 < self.admission_pressure_threshold <= 1, "admission_pressure_threshold", "must be in (0, 1]"),
             (self.short_chunk_tokens >= 1, "short_chunk_tokens", "must be >= 1"),
+            (self.long_prefill_token_threshold >= 0, "long_prefill_token_threshold", "must be >= 0 (0: no limit)"),
+            (self.max_num_partial_prefills >= 1, "max_num_partial_prefills", "must be >= 1"),
+            (1 <= self.max_long_partial_prefills <= max(1, self.max_num_partial_prefills), "max_long_partial_prefills",
+             f"must be >= 1 and <= max_num_partial_prefills ({self.max_num_partial_prefills})"),
+            (self.scheduling_policy in SCHEDULING_POLICIES, "scheduling_policy",
+             f"must be one of {', '.join(SCHEDULING_POLICIES)}"),
             (tp >= 1, "tensor_parallel_size", "must be >= 1"),
             (self.distributed_executor_backend in (None, *DISTRIBUTED_BACKENDS), "distributed_executor_backend",
              f"must be one of {', '.join(DISTRIBUTED_BACKENDS)}"),

@@ -1,9 +1,11 @@
 """Continuous batching with chunked prefill, priority order and preemption by recomputation.
 
-Requests are ordered by *effective* priority (higher first), then arrival. The effective
-priority is the request's `priority` plus one level for every `aging_seconds` it has spent
-since arrival: the starvation guard. A low-priority request overtakes newer high-priority ones
-once it has waited long enough, so a steady stream of VIP traffic delays it but cannot stall it.
+With ``policy="priority"`` (the default) requests are ordered by *effective* priority (higher
+first), then arrival. The effective priority is the request's `priority` plus one level for every
+`aging_seconds` it has spent since arrival: the starvation guard. A low-priority request overtakes
+newer high-priority ones once it has waited long enough, so a steady stream of VIP traffic delays
+it but cannot stall it. ``policy="fcfs"`` ignores priorities: arrival order only, and so no
+priority preemption.
 
 Each step the scheduler hands out a token budget (`max_num_batched_tokens`):
 1. priority preemption: while the first waiting request outranks the lowest running one and
@@ -11,13 +13,17 @@ Each step the scheduler hands out a token budget (`max_num_batched_tokens`):
    preempted: a high-priority arrival takes blocks from low-priority running work;
 2. running requests, highest first; each gets the tokens it has not computed (1 for a decode,
    the rest of its prompt for a prefill, capped by what is left of the budget, which is how long
-   prompts are chunked and mixed with decodes). When the KV cache has no block for one, the
+   prompts are chunked and mixed with decodes; `long_prefill_token_threshold` caps a prefill's
+   chunk further, see prefill_chunks.py). When the KV cache has no block for one, the
    lowest, latest-arrived running request is preempted: its blocks are freed (its full blocks
    stay in the prefix cache) and it is recomputed later, keeping its generated tokens;
 3. waiting requests in order while the budget, `max_num_seqs` and KV blocks allow. None is
    admitted in a step whose running requests had to preempt, and none (except one that preempted
    for priority) while memory pressure is above `admission_pressure_threshold` unless a block of
-   headroom per running request remains: a new prefill must not force running work out.
+   headroom per running request remains: a new prefill must not force running work out. A
+   request that would be left mid-prefill is admitted only while `max_num_partial_prefills`
+   (and `max_long_partial_prefills`) allow; one that does not fit is passed over for later ones
+   whose prompt finishes in this step.
 
 The scheduler never touches tensors; it sees KV memory only through KVCacheManager. It is the
 only writer of ``Request``: the workers get a plain ``SchedulerOutput`` each step (the deltas since
@@ -31,7 +37,9 @@ import time
 from dataclasses import dataclass, field
 
 from pagoda.core.kv_cache_manager import KVCacheManager
+from pagoda.core.prefill_chunks import PrefillChunking, PrefillSlots
 from pagoda.core.scheduler_output import CachedRequestData, NewRequestData, SchedulerOutput
+from pagoda.engine_args import SCHEDULING_POLICIES
 from pagoda.outputs import ModelRunnerOutput
 from pagoda.request import Request, RequestStatus
 
@@ -124,13 +132,21 @@ class Scheduler:
         admission_pressure_threshold: float = 0.9,
         spec_disable_by_batch_size: int | None = None,
         spec_lookahead: int = 0,
+        policy: str = "priority",
+        chunking: PrefillChunking | None = None,
     ) -> None:
         """``spec_lookahead``: KV slots to allocate, where free, after the tokens of a request
-        that samples this step, for the drafts a draft model writes when it proposes."""
+        that samples this step, for the drafts a draft model writes when it proposes.
+        ``policy``: "priority" (priorities and aging order the queues) or "fcfs" (arrival only).
+        ``chunking``: the prefill chunk limits (default: none beyond the budget)."""
         if max_num_seqs < 1:
             raise ValueError(f"max_num_seqs must be >= 1, got {max_num_seqs}")
         if max_num_batched_tokens < 1:
             raise ValueError(f"max_num_batched_tokens must be >= 1, got {max_num_batched_tokens}")
+        if policy not in SCHEDULING_POLICIES:
+            raise ValueError(f"scheduling_policy must be one of {', '.join(SCHEDULING_POLICIES)}, got {policy!r}")
+        self.policy = policy
+        self.chunking = chunking or PrefillChunking()
         self.kv = kv_cache_manager
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
@@ -153,6 +169,8 @@ class Scheduler:
 
     # -- ordering ---------------------------------------------------------------------------
     def effective_priority(self, request: Request, now: float) -> int:
+        if self.policy == "fcfs":
+            return 0  # everyone equal: arrival decides, and nobody outranks anybody
         if self.aging_seconds <= 0:
             return request.priority
         return request.priority + int(max(0.0, now - request.arrival_time) / self.aging_seconds)
@@ -196,7 +214,7 @@ class Scheduler:
         i = 0
         while i < len(self.running) and budget > 0:
             request = self.running[i]
-            num_new = min(request.num_tokens - request.num_computed_tokens, budget)
+            num_new = self.chunking.chunk(request.num_tokens - request.num_computed_tokens, budget)
             if num_new <= 0:
                 i += 1
                 continue
@@ -214,7 +232,7 @@ class Scheduler:
             i += 1
 
         if not growth_preempted:
-            self._admit_waiting(out, budget, favored)
+            self._admit_waiting(out, budget, favored, self._partial_slots(out))
         self._allocate_lookahead(out)
         return self._message(out)
 
@@ -278,8 +296,18 @@ class Scheduler:
         return out
 
     def _blocks_to_admit(self, request: Request) -> int:
-        first_chunk = min(request.num_tokens, self.max_num_batched_tokens)
+        first_chunk = self.chunking.chunk(request.num_tokens, self.max_num_batched_tokens)
         return self.kv.blocks_for_tokens(first_chunk)
+
+    def _partial_slots(self, step: "_Step") -> PrefillSlots:
+        """The partial-prefill slots left for new requests: the running requests that this step
+        leaves mid-prefill (scheduled a chunk short of their prompt, or not reached) hold theirs."""
+        slots = self.chunking.slots()
+        scheduled = {request.request_id: num_new for request, num_new in step.scheduled}
+        for request in self.running:
+            remaining = request.num_tokens - request.num_computed_tokens
+            slots.hold(remaining, remaining - scheduled.get(request.request_id, 0))
+        return slots
 
     def _preempt_for_priority(self, now: float, out: "_Step") -> Request | None:
         """Preempt low-priority running work that stands in the way of the first waiting request."""
@@ -334,17 +362,25 @@ class Scheduler:
             return False
         return self.kv.num_free_blocks - extra_blocks < len(self.running) * self.kv.num_groups
 
-    def _admit_waiting(self, out: "_Step", budget: int, favored: Request | None) -> None:
-        while budget > 0 and len(self.running) < self.max_num_seqs:
-            request = self._first_admissible()
-            if request is None:
+    def _admit_waiting(self, out: "_Step", budget: int, favored: Request | None, slots: PrefillSlots) -> None:
+        """Admit waiting requests in order. One that this step would leave mid-prefill needs a
+        partial-prefill slot; without one it is passed over (it keeps its place in the queue)
+        and later requests whose prompt fits whole may go. Anything else that does not fit
+        (KV blocks, memory pressure) ends admission for this step."""
+        for request in list(self._waiting):
+            if budget <= 0 or len(self.running) >= self.max_num_seqs:
                 return
+            if request.waiting_for_grammar:
+                continue
             cached = self.kv.match_prefix(request)
-            num_new = min(request.num_tokens - request.num_computed_tokens, budget)
+            remaining = request.num_tokens - request.num_computed_tokens
+            num_new = self.chunking.chunk(remaining, budget)
+            if not slots.take(remaining, remaining - num_new):
+                self._give_back_prefix(request)
+                continue
             if (request is not favored and self._under_pressure(self.kv.blocks_needed(request, num_new))) \
                     or not self.kv.allocate_slots(request, num_new):
-                self.kv.free(request)  # give back the matched prefix; it stays cached
-                request.num_computed_tokens = 0
+                self._give_back_prefix(request)
                 return
             self._waiting.remove(request)
             self.kv.record_prefix_query(request, cached)  # here, not per attempt: a waiting request retries every step
@@ -356,6 +392,11 @@ class Scheduler:
             self.running.append(request)
             out.scheduled.append((request, num_new))
             budget -= num_new
+
+    def _give_back_prefix(self, request: Request) -> None:
+        """Undo ``match_prefix`` for a request that stays waiting; its prefix stays cached."""
+        self.kv.free(request)
+        request.num_computed_tokens = 0
 
     # -- after the model ran ----------------------------------------------------------------
     def update(self, out: SchedulerOutput, result: ModelRunnerOutput) -> list[Request]:

@@ -14,6 +14,7 @@ import torch
 from pagoda.config import EngineConfig
 from pagoda.core.kv_cache_groups import KVCacheGroups
 from pagoda.core.kv_cache_manager import KVCacheManager
+from pagoda.core.prefill_chunks import PrefillChunking
 from pagoda.core.scheduler import Scheduler, SchedulerStats
 from pagoda.core.scheduler_output import SchedulerOutput
 from pagoda.engine.step_trace import StepTrace, radix_snapshot
@@ -105,7 +106,9 @@ class EngineCore:
             max_model_len=self.max_model_len, aging_seconds=sc.aging_seconds,
             admission_pressure_threshold=sc.admission_pressure_threshold,
             spec_disable_by_batch_size=config.speculative.disable_by_batch_size if config.speculative else None,
-            spec_lookahead=_spec_lookahead(config.speculative),
+            spec_lookahead=_spec_lookahead(config.speculative), policy=sc.policy,
+            chunking=PrefillChunking(sc.long_prefill_token_threshold, sc.max_num_partial_prefills,
+                                     sc.max_long_partial_prefills),
         )
         self.num_steps = 0
         self.vocab_size = self.model.config.vocab_size
