@@ -23,6 +23,7 @@ from pagoda.security import encrypt_command  # argparse only; cryptography loads
 from pagoda.security import keys_command, options as access_options  # argparse only (keys, roles, audit)
 from pagoda.security import moderation, tls  # their serve options; pyahocorasick loads when a list is read
 from pagoda.store import commands as store_commands  # argparse only; each verb imports what it needs
+from pagoda.threads import configure_server_openmp  # os.environ only
 
 LOG_LEVELS = ["debug", "info", "warning", "error"]
 DEFAULT_LOG_LEVEL = "warning"
@@ -191,6 +192,9 @@ def cmd_serve(ns: argparse.Namespace) -> int:
     if served_models.serves_several(ns) and (ns.data_parallel_size != 1 or ns.data_parallel_rank is not None):
         raise ValueError("--data-parallel-size serves one model: give one --model (several models are served by "
                          "one process, loaded on first use)")
+    # Before torch loads (replicas and a spawned engine process inherit it): OpenMP workers that
+    # give the cores back to the event loop and the client between steps (pagoda/threads.py).
+    configure_server_openmp()
     if ns.data_parallel_rank is not None:  # one replica of `--data-parallel-size N`
         from pagoda.router.data_parallel import pin_replica
 

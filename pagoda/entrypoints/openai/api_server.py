@@ -6,6 +6,7 @@ import gc
 import logging
 import os
 
+import torch
 import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -28,6 +29,7 @@ from pagoda.entrypoints.openai.protocol import (
 from pagoda.entrypoints.openai.serving import OpenAIError, Serving, bad_value
 from pagoda.entrypoints.openai.sessions import SessionStore
 from pagoda.security.context import request_context
+from pagoda.threads import openmp_settings
 
 logger = logging.getLogger("pagoda.server")
 
@@ -301,8 +303,8 @@ def _one_model_app(args, engine_args, api_key: str | None) -> tuple[FastAPI, Asy
     print(f"pagoda {__version__}: loaded {args.model} ({cfg.architecture}, {str(cfg.dtype).removeprefix('torch.')}, "
           f"{cfg.device.type}, max_model_len={engine.max_model_len}, KV blocks={async_engine.limits.num_blocks}, "
           f"tensor_parallel_size={engine.config.parallel.tensor_parallel_size}, "
-          f"engine in a {'process' if args.engine_process else 'thread'}) "
-          f"as {', '.join(names)}", flush=True)
+          f"engine in a {'process' if args.engine_process else 'thread'}, {torch.get_num_threads()} threads, "
+          f"{openmp_settings()}) as {', '.join(names)}", flush=True)
     if app.state.serving.moderation.base is not None:  # --moderation-words
         word_filter = app.state.serving.moderation.base.filter
         print(f"pagoda: content filter: {word_filter.num_terms} terms in {', '.join(word_filter.names)} "

@@ -1,0 +1,51 @@
+"""How long torch's OpenMP worker threads spin after their work, set for `pagoda serve`.
+
+torch's CPU kernels and pagoda's run on libgomp's thread team. When a parallel region ends, its
+threads spin for GOMP_SPINCOUNT iterations of `pause` before they sleep: 300,000 by default, which
+is ~15-20 ms on a CPU whose `pause` is slow (~140 cycles on Sapphire Rapids), so while a model
+decodes they never sleep. libgomp cuts the spin to 100 iterations by itself when a process has
+more OpenMP threads than CPUs, which is why the engine on a thread of the server (the default: the
+event loop's thread and the engine thread each lead a team) never spun. A process whose main
+thread is the only team leader (`--engine-process`, `--data-parallel-size` replicas, LLM.generate)
+gets the full spin, and on cores shared with the event loop, the client and other programs a
+spinning thread holds a core that the thread it waits for needs: one stream through
+`--engine-process` fell to 2.8 tok/s where the engine thread gave 19.9 (2 cores, load average ~9,
+benchmarks/README.md, "One stream through every path"). A spin of a few hundred iterations
+still bridges the microseconds between two kernels of a step, then gives the core back.
+
+libgomp reads these variables once, when it is loaded (with torch), so `configure_server_openmp`
+must run before torch is imported; spawned engine processes and replicas inherit them. A waiting
+policy the user set (GOMP_SPINCOUNT or OMP_WAIT_POLICY) is kept.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import sys
+
+logger = logging.getLogger(__name__)
+
+# Iterations of `pause` a thread spins before it sleeps (benchmarks/one_stream.py measured 500 against
+# 0 (OMP_WAIT_POLICY=PASSIVE), 2,000, 20,000 and the default).
+SERVER_SPIN_COUNT = 500
+# Variables that already decide the waiting policy: with any of them set, the user's choice stands.
+WAIT_POLICY_VARIABLES = ("GOMP_SPINCOUNT", "OMP_WAIT_POLICY")
+
+
+def configure_server_openmp() -> dict[str, str]:
+    """Set GOMP_SPINCOUNT for a server process unless the user chose a waiting policy; returns
+    what was set (empty when nothing was). Must run before torch is imported."""
+    if any(name in os.environ for name in WAIT_POLICY_VARIABLES):
+        return {}
+    if "torch" in sys.modules:
+        logger.warning("torch is already loaded: its OpenMP threads keep their default waiting policy")
+        return {}
+    os.environ["GOMP_SPINCOUNT"] = str(SERVER_SPIN_COUNT)
+    return {"GOMP_SPINCOUNT": os.environ["GOMP_SPINCOUNT"]}
+
+
+def openmp_settings() -> str:
+    """The waiting policy in effect, for the start-up line: what the environment says, else libgomp's default."""
+    chosen = [f"{name}={os.environ[name]}" for name in WAIT_POLICY_VARIABLES if name in os.environ]
+    return ", ".join(chosen) or "libgomp's default spin"
