@@ -13,9 +13,9 @@
    of the same keys and values (every row reads its own). Same arithmetic, same bits.
 
 ``engine`` (the real SmolLM2, ``--quantization gguf`` by default, prefix caching off):
-1. Decode ITL at batch 1 for contexts 512 → 8,192 (the median step once every request decodes).
+1. Decode ITL at batch 1 for contexts (prompts) of 512 → 8,000 tokens (the median step once every request decodes).
 2. Decode ITL and tok/s at context 512 for batches 1 → 128.
-3. Prefill time (TTFT of one request) for prompts of 512 → 8,192 tokens (the requests of 1.).
+3. Prefill time (TTFT of one request) for prompts of 512 → 8,000 tokens (the requests of 1.).
 With ``--llama-batched-bench``, llama.cpp's ``llama-batched-bench`` runs the same points on the
 same GGUF file (``-npp`` / ``-npl`` sweeps, ``-ntg`` decode steps), and the plot puts both side by side.
 """
@@ -145,7 +145,7 @@ def engine_mode(args) -> dict:
     from pagoda import LLM
 
     llm = LLM(model=args.model, quantization=args.quantization, kv_cache_memory=args.kv_cache_memory,
-              enable_prefix_caching=False, max_model_len=max(args.contexts) + 64)
+              enable_prefix_caching=False)
     engine = llm.engine
     vocab = engine.tokenizer.vocab_size if hasattr(engine.tokenizer, "vocab_size") else 32000
     g = torch.Generator().manual_seed(0)
@@ -157,8 +157,12 @@ def engine_mode(args) -> dict:
         out["prefill_vs_context"].append({"context": L, "prefill_s": ttfts[0]})
         out["decode_vs_context"].append({"context": L, "itl_ms": statistics.median(steps) * 1e3})
         print(f"context {L:5d}: prefill {ttfts[0]:.3f} s, decode ITL {statistics.median(steps) * 1e3:.2f} ms", flush=True)
+    budget = engine.config.scheduler.max_num_batched_tokens
     for B in args.batches:
-        _, steps = _run_requests(engine, [prompt(args.batch_context) for _ in range(B)], args.decode_steps + 1)
+        # enough tokens that the first requests still decode when the last one's prefill ends
+        prefill_steps = -(-B * args.batch_context // budget)
+        _, steps = _run_requests(engine, [prompt(args.batch_context) for _ in range(B)],
+                                 args.decode_steps + 1 + prefill_steps)
         itl = statistics.median(steps)
         out["decode_vs_batch"].append({"batch": B, "context": args.batch_context, "itl_ms": itl * 1e3, "tok_s": B / itl})
         print(f"batch {B:3d} at context {args.batch_context}: ITL {itl * 1e3:.2f} ms, {B / itl:.1f} tok/s", flush=True)
@@ -235,7 +239,8 @@ def main() -> int:
     ap.add_argument("--kv-cache-memory", type=float, default=4.0)
     ap.add_argument("--decode-steps", type=int, default=32)
     ap.add_argument("--batch-context", type=int, default=512)
-    ap.add_argument("--contexts", default="512,1024,2048,4096,8192", help="the context sweep, at batch 1")
+    ap.add_argument("--contexts", default="512,1024,2048,4096,8000",
+                    help="the context sweep, at batch 1 (prompt tokens; with the decode steps within the model's context)")
     ap.add_argument("--batches", default="1,2,4,8,16,32,64,128", help="the batch sweep, at --batch-context")
     ap.add_argument("--llama-batched-bench", default=None, help="path of llama.cpp's llama-batched-bench")
     ap.add_argument("--gguf", default=None, help="the GGUF file for llama.cpp (default: the model's)")

@@ -22,6 +22,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import statistics
 import subprocess
 import sys
@@ -86,7 +87,8 @@ def main() -> int:
     p.add_argument("--batches", default="1,64")
     p.add_argument("--steps", type=int, default=32)
     p.add_argument("--threads", type=int, default=2)
-    p.add_argument("--only", default=None, help="run the configurations whose label contains this")
+    p.add_argument("--only", default=None, help="a regular expression: run the configurations whose "
+                   "'label weights' it matches (e.g. 'stack.*gguf')")
     p.add_argument("--save", default=None, help="JSON path (default: results/decode-step-<date>.json)")
     p.add_argument("--one", default=None, help=argparse.SUPPRESS)  # internal: run one configuration
     args = p.parse_args()
@@ -97,7 +99,7 @@ def main() -> int:
         return 0
     rows = []
     for label, quantization, env, stack in CONFIGS:
-        if args.only and args.only not in label:
+        if args.only and not re.search(args.only, f"{label} {quantization or 'fp32'}"):
             continue
         out = subprocess.run([sys.executable, __file__, "--batches", args.batches, "--steps", str(args.steps),
                               "--threads", str(args.threads), "--one", json.dumps([quantization, stack])],

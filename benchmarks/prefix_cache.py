@@ -69,12 +69,13 @@ def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--with-cache-only", action="store_true", help="skip the (slow) run without the cache")
     ap.add_argument("--quantization", default=None)
+    ap.add_argument("--dtype", default="float32", help="float32 (the default here, exact) or auto / bfloat16")
     ap.add_argument("--save", default=None)
     args = ap.parse_args()
     results = {}
     for caching in (True,) if args.with_cache_only else (True, False):
         llm = LLM(model="smollm2-135m-instruct", kv_cache_memory=2, enable_prefix_caching=caching,
-                  quantization=args.quantization)
+                  quantization=args.quantization, dtype=args.dtype)
         name = "with cache" if caching else "without cache"
         results[name] = {"shared_prompt": shared_prompt(llm), "multi_turn": multi_turn(llm)}
         print(name, json.dumps(results[name]), file=sys.stderr)
