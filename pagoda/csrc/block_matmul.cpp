@@ -454,6 +454,10 @@ at::Tensor library_gemm(const QuantizedActivations& a, const uint8_t* w, int64_t
   return out;
 }
 
+// Whether M rows take the library GEMM route (under batch invariance every row count keeps the
+// integer kernel, whose rows do not depend on M).
+inline bool takes_library_gemm(int64_t M) { return M >= GEMM_MIN_ROWS && !pagoda::batch_invariant(); }
+
 // Up to 4 activation rows (T) against the weight rows n_begin .. n_end - 1: pairs of rows with
 // 64-byte vectors where the build has AVX512-VNNI, else (and for an odd last row) one at a time.
 struct Tile {
@@ -494,7 +498,7 @@ at::Tensor block_matmul(const at::Tensor& x, const at::Tensor& weight, int64_t t
   if (M == 0 || N == 0) return out;
   const QuantizedActivations a = quantize_rows(xc.data_ptr<float>(), M, K);
   const uint8_t* w = wc.data_ptr<uint8_t>();
-  if (M >= GEMM_MIN_ROWS && !pagoda::batch_invariant()) return library_gemm(a, w, type, M, N, K);
+  if (takes_library_gemm(M)) return library_gemm(a, w, type, M, N, K);
   float* y = out.data_ptr<float>();
   at::parallel_for(0, (N + ROW_CHUNK - 1) / ROW_CHUNK, 1, [&](int64_t begin, int64_t end) {
     for (int64_t chunk = begin; chunk < end; ++chunk) {
@@ -531,7 +535,7 @@ std::optional<at::Tensor> block_gemm_activations(const at::Tensor& x) {
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.size(1) % QK == 0,
               "block_gemm_activations: x must be float32 [M, K], K a multiple of 32");
   const int64_t M = x.size(0), K = x.size(1);
-  if (!GEMM_IN_BF16 || M < GEMM_MIN_ROWS || pagoda::batch_invariant()) return std::nullopt;
+  if (!GEMM_IN_BF16 || !takes_library_gemm(M)) return std::nullopt;
   const at::Tensor xc = x.contiguous();
   return rounded_activations_bf16(quantize_rows(xc.data_ptr<float>(), M, K), M, K);
 }

@@ -104,30 +104,37 @@ at::Tensor silu_and_mul(const at::Tensor& x) {
   return out;
 }
 
-// k/v [T, Hkv, D] → the paged caches [blocks, Hkv, BS, D] at slot_mapping[t] = block * BS + offset
+// k/v [T, Hkv, D] → the paged caches [blocks, Hkv, BS, D] at slot_mapping[t] = block * BS + offset.
+// fn(t, h, cell) for every (token, head) row, cell = (block * Hkv + h) * BS + offset: the row's
+// index in the cache (times D for its first element, as-is for an int8 cache's scale).
+template <typename F>
+void for_each_cache_row(int64_t T, int64_t H, const at::Tensor& cache, const int64_t* slots, F fn) {
+  const int64_t BS = cache.size(2), blocks = cache.size(0);
+  for (int64_t t = 0; t < T; ++t) {
+    const int64_t block = slots[t] / BS, offset = slots[t] % BS;
+    TORCH_CHECK(block >= 0 && block < blocks, "slot ", slots[t], " out of range");
+    for (int64_t h = 0; h < H; ++h) fn(t, h, (block * H + h) * BS + offset);
+  }
+}
+
 // k, v [T, heads, D] rounded to a narrower cache (--kv-cache-dtype): as tensor.to(dtype) rounds
 // (to nearest, ties to even), one (token, head) row at a time.
 template <typename src_t, typename dst_t>
 void write_converted(const at::Tensor& k, const at::Tensor& v, at::Tensor& k_cache, at::Tensor& v_cache,
                      const int64_t* slots) {
-  const int64_t T = k.size(0), H = k.size(1), D = k.size(2), BS = k_cache.size(2), blocks = k_cache.size(0);
+  const int64_t D = k.size(2);
   const src_t* ks = k.data_ptr<src_t>();
   const src_t* vs = v.data_ptr<src_t>();
   dst_t* kd = k_cache.data_ptr<dst_t>();
   dst_t* vd = v_cache.data_ptr<dst_t>();
-  for (int64_t t = 0; t < T; ++t) {
-    const int64_t block = slots[t] / BS, offset = slots[t] % BS;
-    TORCH_CHECK(block >= 0 && block < blocks, "slot ", slots[t], " out of range");
-    for (int64_t h = 0; h < H; ++h) {
-      const int64_t dst = ((block * H + h) * BS + offset) * D;
-      const src_t* kr = ks + t * k.stride(0) + h * D;
-      const src_t* vr = vs + t * v.stride(0) + h * D;
-      for (int64_t d = 0; d < D; ++d) {
-        kd[dst + d] = static_cast<dst_t>(static_cast<float>(kr[d]));
-        vd[dst + d] = static_cast<dst_t>(static_cast<float>(vr[d]));
-      }
+  for_each_cache_row(k.size(0), k.size(1), k_cache, slots, [&](int64_t t, int64_t h, int64_t cell) {
+    const src_t* kr = ks + t * k.stride(0) + h * D;
+    const src_t* vr = vs + t * v.stride(0) + h * D;
+    for (int64_t d = 0; d < D; ++d) {
+      kd[cell * D + d] = static_cast<dst_t>(static_cast<float>(kr[d]));
+      vd[cell * D + d] = static_cast<dst_t>(static_cast<float>(vr[d]));
     }
-  }
+  });
 }
 
 // k, v [T, heads, D] into an int8 cache: each (token, head) row scaled by its largest magnitude
@@ -135,25 +142,20 @@ void write_converted(const at::Tensor& k, const at::Tensor& v, at::Tensor& k_cac
 // llama.cpp's q8_0 with one scale per row.
 template <typename src_t>
 void write_int8(const at::Tensor& x, at::Tensor& cache, at::Tensor& scales, const int64_t* slots) {
-  const int64_t T = x.size(0), H = x.size(1), D = x.size(2), BS = cache.size(2), blocks = cache.size(0);
+  const int64_t D = x.size(2);
   const src_t* xs = x.data_ptr<src_t>();
   int8_t* qd = cache.data_ptr<int8_t>();
   float* sd = scales.data_ptr<float>();
-  for (int64_t t = 0; t < T; ++t) {
-    const int64_t block = slots[t] / BS, offset = slots[t] % BS;
-    TORCH_CHECK(block >= 0 && block < blocks, "slot ", slots[t], " out of range");
-    for (int64_t h = 0; h < H; ++h) {
-      const src_t* row = xs + t * x.stride(0) + h * D;
-      float amax = 0.f;
-      for (int64_t d = 0; d < D; ++d) amax = std::max(amax, std::fabs(static_cast<float>(row[d])));
-      const float scale = amax / 127.f;
-      const float divisor = scale > 0.f ? scale : 1.f;
-      const int64_t cell = (block * H + h) * BS + offset;
-      sd[cell] = scale;
-      for (int64_t d = 0; d < D; ++d)
-        qd[cell * D + d] = static_cast<int8_t>(std::nearbyint(static_cast<float>(row[d]) / divisor));
-    }
-  }
+  for_each_cache_row(x.size(0), x.size(1), cache, slots, [&](int64_t t, int64_t h, int64_t cell) {
+    const src_t* row = xs + t * x.stride(0) + h * D;
+    float amax = 0.f;
+    for (int64_t d = 0; d < D; ++d) amax = std::max(amax, std::fabs(static_cast<float>(row[d])));
+    const float scale = amax / 127.f;
+    const float divisor = scale > 0.f ? scale : 1.f;
+    sd[cell] = scale;
+    for (int64_t d = 0; d < D; ++d)
+      qd[cell * D + d] = static_cast<int8_t>(std::nearbyint(static_cast<float>(row[d]) / divisor));
+  });
 }
 
 void write_kv_cache(const at::Tensor& k, const at::Tensor& v, at::Tensor k_cache, at::Tensor v_cache,
@@ -184,25 +186,17 @@ void write_kv_cache(const at::Tensor& k, const at::Tensor& v, at::Tensor k_cache
     });
     return;
   }
-  const at::Tensor& kc = k;
-  const at::Tensor& vc = v;
   const int64_t k_row = k.stride(0) * k.element_size(), v_row = v.stride(0) * v.element_size();
-  const int64_t T = kc.size(0), H = kc.size(1), D = kc.size(2), BS = k_cache.size(2), blocks = k_cache.size(0);
-  const int64_t row = D * kc.element_size();
-  const int64_t* slots = slot_mapping.data_ptr<int64_t>();
+  const int64_t row = k.size(2) * k.element_size();
   auto* kd = static_cast<uint8_t*>(k_cache.data_ptr());
   auto* vd = static_cast<uint8_t*>(v_cache.data_ptr());
-  const auto* ks = static_cast<const uint8_t*>(kc.data_ptr());
-  const auto* vs = static_cast<const uint8_t*>(vc.data_ptr());
-  for (int64_t t = 0; t < T; ++t) {
-    const int64_t block = slots[t] / BS, offset = slots[t] % BS;
-    TORCH_CHECK(block >= 0 && block < blocks, "slot ", slots[t], " out of range");
-    for (int64_t h = 0; h < H; ++h) {
-      const int64_t dst = ((block * H + h) * BS + offset) * row;
-      std::memcpy(kd + dst, ks + t * k_row + h * row, row);
-      std::memcpy(vd + dst, vs + t * v_row + h * row, row);
-    }
-  }
+  const auto* ks = static_cast<const uint8_t*>(k.data_ptr());
+  const auto* vs = static_cast<const uint8_t*>(v.data_ptr());
+  for_each_cache_row(k.size(0), k.size(1), k_cache, slot_mapping.data_ptr<int64_t>(),
+                     [&](int64_t t, int64_t h, int64_t cell) {
+                       std::memcpy(kd + cell * row, ks + t * k_row + h * row, row);
+                       std::memcpy(vd + cell * row, vs + t * v_row + h * row, row);
+                     });
 }
 
 }  // namespace pagoda

@@ -6,9 +6,10 @@
 // the weighted sum run over the window alone.
 //
 // Reads each sequence's K/V straight from the block pool through its block table: no gather
-// copy, no padding to the longest sequence. One work item per (tile of up to 8 consecutive rows
-// of one sequence, kv head) handles the whole GQA group of query heads that share that kv head.
-// Softmax in fp32. A row's result does not depend on the batch (see TILE below).
+// copy, no padding to the longest sequence. One work item per (group of runs of rows, kv head)
+// handles the whole GQA group of query heads that share that kv head; a group's runs share
+// leading blocks, read once for all of them (see TILE and plan() below). Softmax in fp32. A
+// row's result does not depend on the batch.
 // Registered as torch.ops.pagoda.paged_decode_attention (no pybind11: it compiles faster).
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
