@@ -11,8 +11,10 @@ what makes a prefix-cache hit a hit for the draft too. A block the scheduler han
 
 A request whose drafts the target keeps rejecting gets fewer, or none (``adaptive``): the j-th
 draft of a run pays off when the chance that it and all before it are accepted, alpha^j, is at
-least what it costs, a draft pass over a target step (both measured as the engine runs; alpha
-from the request's own verifications, a decaying count of accepted drafts and of rejections).
+least what it costs, a draft pass over a target decode step (both measured as the engine runs;
+alpha from the request's own verifications, a decaying count of accepted drafts and of
+rejections, which starts at one accepted draft: that prior decays too, so a request whose drafts
+are always rejected sees alpha fall towards zero and stops drafting whatever the cost).
 A request drafting nothing tries one draft every ``PROBE_EVERY`` steps to measure again.
 
 Each proposal runs k forward passes of the draft: the first over every token the draft has not
@@ -68,21 +70,22 @@ class DraftModelProposer:
     def record_verification(self, rid: str, num_drafts: int, num_accepted: int) -> None:
         """The target verified ``num_drafts`` of the request's drafts and accepted the first
         ``num_accepted``: successes, and one failure unless all held."""
-        counts = self.acceptance.setdefault(rid, [0.0, 0.0])
+        counts = self.acceptance.setdefault(rid, [1.0, 0.0])  # the prior: one accepted draft
         counts[0] = DECAY * counts[0] + num_accepted
         counts[1] = DECAY * counts[1] + (num_accepted < num_drafts)
 
     def record_step(self, seconds: float) -> None:
-        """The target's last step took ``seconds`` (the unit a draft's cost is measured in)."""
+        """The target's last decode step took ``seconds`` (the unit a draft's cost is measured
+        in; a step with prefill rows is not one: it would make drafts look cheap)."""
         self.step_seconds = seconds if not self.step_seconds else (1 - TIMING) * self.step_seconds + TIMING * seconds
 
     def draft_length(self, rid: str) -> int:
         """Drafts worth proposing for the request: the j-th while alpha^j >= draft pass / target
-        step (alpha: accepted / (accepted + rejections), with one accepted draft assumed up front)."""
+        step (alpha: accepted / (accepted + rejections), both decaying from one accepted draft)."""
         if not self.adaptive or not self.step_seconds:
             return self.k
-        accepted, rejected = self.acceptance.get(rid, (0.0, 0.0))
-        alpha = (accepted + 1) / (accepted + rejected + 1)
+        accepted, rejected = self.acceptance.get(rid, (1.0, 0.0))
+        alpha = accepted / (accepted + rejected)
         cost = self.pass_seconds / self.step_seconds
         length = 0
         while length < self.k and alpha ** (length + 1) >= cost:

@@ -131,7 +131,8 @@ class ModelRunner:
         limit = self.speculative.disable_by_batch_size if self.speculative is not None else None
         if self.speculative is not None and self.is_driver and (limit is None or len(lay.req_ids) <= limit):
             proposing = time.perf_counter()
-            self._propose(out)  # (the scheduler would not verify drafts in a bigger batch)
+            self._propose(out, decode_step=lay.num_decode_like == len(lay.req_ids))  # (the scheduler
+            # would not verify drafts in a bigger batch)
             out.spec_draft_seconds = time.perf_counter() - proposing
         return out
 
@@ -178,7 +179,7 @@ class ModelRunner:
                 out.logprobs[rid] = token_logprobs(raw_logprobs[at : at + len(tokens)], tokens, k)
             at += n
 
-    def _propose(self, out: ModelRunnerOutput) -> None:
+    def _propose(self, out: ModelRunnerOutput, decode_step: bool) -> None:
         """Drafts for the next step (n-gram prompt lookup or the draft model) for every request
         that sampled, unless it opted out (``SamplingParams.speculative``): verification applies
         each request's sampling in full (``_verify``)."""
@@ -186,7 +187,8 @@ class ModelRunner:
         wanted = {rid: tokens for rid, tokens in out.sampled_token_ids.items()
                   if b.states[rid].sampling_params.speculative}  # a request may opt out
         if self.drafter is not None:
-            self.drafter.record_step(time.perf_counter() - self._step_started)
+            if decode_step:  # the unit of a draft's cost: a step without prefill rows
+                self.drafter.record_step(time.perf_counter() - self._step_started)
             out.spec_token_ids.update(self.drafter.propose(wanted))
             return
         for rid, tokens in wanted.items():
