@@ -24,33 +24,12 @@
 #include <limits>
 #include <vector>
 
-#if defined(__AVX2__) && defined(__FMA__)
-#include <immintrin.h>
-#define PAGODA_AVX2 1
-#endif
+#include "vec_math.h"
 
 namespace {
 
 #ifdef PAGODA_AVX2
-// exp of 8 floats (Cephes' expf: a degree-6 polynomial on the remainder after n * ln 2, then 2^n
-// through the exponent bits; within 2 ulp). std::exp one value at a time was most of a batch-64
-// attention call: 3 query heads x ~160 positions per (sequence, kv head).
-inline __m256 exp256(__m256 x) {
-  x = _mm256_max_ps(_mm256_min_ps(x, _mm256_set1_ps(88.3762626647949f)), _mm256_set1_ps(-87.3365478515625f));
-  const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
-                                   _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
-  r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);
-  __m256 y = _mm256_set1_ps(1.9875691500E-4f);
-  y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(1.3981999507E-3f));
-  y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(8.3334519073E-3f));
-  y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(4.1665795894E-2f));
-  y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(1.6666665459E-1f));
-  y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(5.0000001201E-1f));
-  y = _mm256_fmadd_ps(y, _mm256_mul_ps(r, r), _mm256_add_ps(r, _mm256_set1_ps(1.f)));
-  const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
-  return _mm256_mul_ps(y, _mm256_castsi256_ps(e));
-}
+using pagoda::exp256;
 #endif
 
 // p[t] = exp(s[t] - max) / sum, in place.
@@ -216,11 +195,68 @@ inline void scores_block(const float* q, int64_t nq, int64_t D, const float* kt,
     }
 }
 
+// One kv head's rows (keys or values) of one block, read in the cache's own type and widened to
+// float as they are loaded: bf16 is the high half of a float (a shift), fp16 widens with F16C, an
+// int8 row is multiplied by its token's scale (as write_kv_cache quantized it). Exact but for
+// that one multiplication, so the arithmetic is the same as over a float cache holding the same
+// values; widening in registers spares a narrow cache a pass through a float buffer.
+template <typename cache_t>
+struct Rows {
+  const cache_t* p;      // row t at p + t * D
+  const float* scales;   // an int8 cache's, one per row; else nullptr
+  int64_t D;
+
+  float at(int64_t t, int64_t d) const {
+    if constexpr (std::is_same_v<cache_t, int8_t>) return static_cast<float>(p[t * D + d]) * scales[t];
+    else return static_cast<float>(p[t * D + d]);
+  }
+#ifdef PAGODA_AVX2
+  __m256 load8(int64_t t, int64_t d) const {
+    const cache_t* src = p + t * D + d;
+    if constexpr (std::is_same_v<cache_t, float>) {
+      return _mm256_loadu_ps(src);
+    } else if constexpr (std::is_same_v<cache_t, int8_t>) {
+      const __m256i w = _mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(src)));
+      return _mm256_mul_ps(_mm256_cvtepi32_ps(w), _mm256_set1_ps(scales[t]));
+    } else if constexpr (std::is_same_v<cache_t, c10::BFloat16>) {
+      const __m256i w = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(src)));
+      return _mm256_castsi256_ps(_mm256_slli_epi32(w, 16));
+    } else if constexpr (std::is_same_v<cache_t, c10::Half>) {
+      return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(src)));
+    } else {  // another type (a double model's cache): one element at a time
+      alignas(32) float lanes[8];
+      for (int i = 0; i < 8; ++i) lanes[i] = at(t, d + i);
+      return _mm256_load_ps(lanes);
+    }
+  }
+#endif
+#if defined(__AVX512F__)
+  __m512 load16(int64_t t, int64_t d) const {
+    const cache_t* src = p + t * D + d;
+    if constexpr (std::is_same_v<cache_t, float>) {
+      return _mm512_loadu_ps(src);
+    } else if constexpr (std::is_same_v<cache_t, int8_t>) {
+      const __m512i w = _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(src)));
+      return _mm512_mul_ps(_mm512_cvtepi32_ps(w), _mm512_set1_ps(scales[t]));
+    } else if constexpr (std::is_same_v<cache_t, c10::BFloat16>) {
+      const __m512i w = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(src)));
+      return _mm512_castsi512_ps(_mm512_slli_epi32(w, 16));
+    } else if constexpr (std::is_same_v<cache_t, c10::Half>) {
+      return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(src)));
+    } else {
+      alignas(64) float lanes[16];
+      for (int i = 0; i < 16; ++i) lanes[i] = at(t, d + i);
+      return _mm512_load_ps(lanes);
+    }
+  }
+#endif
+};
+
 // acc_i[0..D) += p_i[t] * v[t][0..D) for t = 0..n-1 in order (a fma per element), for NV query
 // vectors i (acc_i = acc + i * D, p_i = p + i * ldp) that share the values: each value vector is
 // loaded once for all of them, and their independent chains keep the FMA units busy.
-template <int NV>
-inline void accumulate_block(float* acc, const float* p, int64_t ldp, const float* v, int64_t n, int64_t D) {
+template <int NV, typename cache_t>
+inline void accumulate_block(float* acc, const float* p, int64_t ldp, const Rows<cache_t>& v, int64_t n, int64_t D) {
   int64_t d = 0;
 #if defined(__AVX512F__)
   for (; d + 64 <= D; d += 64) {
@@ -228,9 +264,8 @@ inline void accumulate_block(float* acc, const float* p, int64_t ldp, const floa
     for (int i = 0; i < NV; ++i)
       for (int c = 0; c < 4; ++c) a[i][c] = _mm512_loadu_ps(acc + i * D + d + 16 * c);
     for (int64_t t = 0; t < n; ++t) {
-      const float* vt = v + t * D + d;
-      const __m512 v0 = _mm512_loadu_ps(vt), v1 = _mm512_loadu_ps(vt + 16);
-      const __m512 v2 = _mm512_loadu_ps(vt + 32), v3 = _mm512_loadu_ps(vt + 48);
+      const __m512 v0 = v.load16(t, d), v1 = v.load16(t, d + 16);
+      const __m512 v2 = v.load16(t, d + 32), v3 = v.load16(t, d + 48);
       for (int i = 0; i < NV; ++i) {
         const __m512 pv = _mm512_set1_ps(p[i * ldp + t]);
         a[i][0] = _mm512_fmadd_ps(pv, v0, a[i][0]);
@@ -249,7 +284,7 @@ inline void accumulate_block(float* acc, const float* p, int64_t ldp, const floa
     for (int i = 0; i < NV; ++i)
       for (int c = 0; c < 2; ++c) a[i][c] = _mm256_loadu_ps(acc + i * D + d + 8 * c);
     for (int64_t t = 0; t < n; ++t) {
-      const __m256 v0 = _mm256_loadu_ps(v + t * D + d), v1 = _mm256_loadu_ps(v + t * D + d + 8);
+      const __m256 v0 = v.load8(t, d), v1 = v.load8(t, d + 8);
       for (int i = 0; i < NV; ++i) {
         const __m256 pv = _mm256_set1_ps(p[i * ldp + t]);
         a[i][0] = _mm256_fmadd_ps(pv, v0, a[i][0]);
@@ -262,20 +297,22 @@ inline void accumulate_block(float* acc, const float* p, int64_t ldp, const floa
   for (; d + 8 <= D; d += 8)
     for (int i = 0; i < NV; ++i) {
       __m256 a = _mm256_loadu_ps(acc + i * D + d);
-      for (int64_t t = 0; t < n; ++t) a = _mm256_fmadd_ps(_mm256_set1_ps(p[i * ldp + t]), _mm256_loadu_ps(v + t * D + d), a);
+      for (int64_t t = 0; t < n; ++t) a = _mm256_fmadd_ps(_mm256_set1_ps(p[i * ldp + t]), v.load8(t, d), a);
       _mm256_storeu_ps(acc + i * D + d, a);
     }
 #endif
   for (; d < D; ++d)
     for (int i = 0; i < NV; ++i) {
       float a = acc[i * D + d];
-      for (int64_t t = 0; t < n; ++t) a = madd(p[i * ldp + t], v[t * D + d], a);
+      for (int64_t t = 0; t < n; ++t) a = madd(p[i * ldp + t], v.at(t, d), a);
       acc[i * D + d] = a;
     }
 }
 
 // accumulate_block for any number of vectors, up to 4 at a time
-inline void accumulate_vectors(int64_t nv, float* acc, const float* p, int64_t ldp, const float* v, int64_t n, int64_t D) {
+template <typename cache_t>
+inline void accumulate_vectors(int64_t nv, float* acc, const float* p, int64_t ldp, const Rows<cache_t>& v, int64_t n,
+                               int64_t D) {
   for (; nv >= 4; nv -= 4, acc += 4 * D, p += 4 * ldp) accumulate_block<4>(acc, p, ldp, v, n, D);
   switch (nv) {
     case 3: accumulate_block<3>(acc, p, ldp, v, n, D); break;
@@ -286,10 +323,11 @@ inline void accumulate_vectors(int64_t nv, float* acc, const float* p, int64_t l
 }
 
 #ifdef PAGODA_AVX2
-// dst[c * ldd + r] = src[r * lds + c] for an 8 x 8 block
-inline void transpose8x8(const float* src, int64_t lds, float* dst, int64_t ldd) {
+// dst[c * ldd + r] = row j0 + r, column d0 + c of `rows`, for an 8 x 8 block
+template <typename cache_t>
+inline void transpose8x8(const Rows<cache_t>& rows, int64_t j0, int64_t d0, float* dst, int64_t ldd) {
   __m256 r[8], t[8];
-  for (int i = 0; i < 8; ++i) r[i] = _mm256_loadu_ps(src + i * lds);
+  for (int i = 0; i < 8; ++i) r[i] = rows.load8(j0 + i, d0);
   for (int i = 0; i < 8; i += 2) {
     t[i] = _mm256_unpacklo_ps(r[i], r[i + 1]);
     t[i + 1] = _mm256_unpackhi_ps(r[i], r[i + 1]);
@@ -307,58 +345,17 @@ inline void transpose8x8(const float* src, int64_t lds, float* dst, int64_t ldd)
 }
 #endif
 
-// kt[d * ldk + j] = k[j][d] as float, for keys j < n (copies: no arithmetic)
-template <typename scalar_t>
-inline void transpose(const scalar_t* k, int64_t n, int64_t D, float* kt, int64_t ldk) {
+// kt[d * ldk + j] = k[j][d] as float, for keys j < n
+template <typename cache_t>
+inline void transpose(const Rows<cache_t>& k, int64_t n, int64_t D, float* kt, int64_t ldk) {
   int64_t j0 = 0;
 #ifdef PAGODA_AVX2
-  if constexpr (std::is_same_v<scalar_t, float>) {
-    if (D % 8 == 0)
-      for (; j0 + 8 <= n; j0 += 8)
-        for (int64_t d = 0; d < D; d += 8) transpose8x8(k + j0 * D + d, D, kt + d * ldk + j0, ldk);
-  }
+  if (D % 8 == 0)
+    for (; j0 + 8 <= n; j0 += 8)
+      for (int64_t d = 0; d < D; d += 8) transpose8x8(k, j0, d, kt + d * ldk + j0, ldk);
 #endif
   for (int64_t j = j0; j < n; ++j)
-    for (int64_t d = 0; d < D; ++d) kt[d * ldk + j] = static_cast<float>(k[j * D + d]);
-}
-
-// dst[i] = src[i] as float, for a block of a bf16 / fp16 cache (--kv-cache-dtype): bf16 is the
-// high half of a float (a shift), fp16 widens with F16C; exact either way.
-template <typename cache_t>
-inline void widen(const cache_t* src, float* dst, int64_t n) {
-  int64_t i = 0;
-#ifdef PAGODA_AVX2
-  if constexpr (std::is_same_v<cache_t, c10::BFloat16>) {
-    for (; i + 8 <= n; i += 8) {
-      const __m256i w = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(src + i)));
-      _mm256_storeu_ps(dst + i, _mm256_castsi256_ps(_mm256_slli_epi32(w, 16)));
-    }
-  }
-#ifdef __F16C__
-  if constexpr (std::is_same_v<cache_t, c10::Half>) {
-    for (; i + 8 <= n; i += 8) _mm256_storeu_ps(dst + i, _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(src + i))));
-  }
-#endif
-#endif
-  for (; i < n; ++i) dst[i] = static_cast<float>(src[i]);
-}
-
-// dst[j * D + d] = src[j * D + d] * scales[j]: a block of an int8 cache, one scale per token
-// (of this head), as write_kv_cache quantized it.
-inline void widen_scaled(const int8_t* src, const float* scales, float* dst, int64_t n, int64_t D) {
-  for (int64_t j = 0; j < n; ++j) {
-    const int8_t* row = src + j * D;
-    float* out = dst + j * D;
-    int64_t d = 0;
-#ifdef PAGODA_AVX2
-    const __m256 s = _mm256_set1_ps(scales[j]);
-    for (; d + 8 <= D; d += 8) {
-      const __m256i w = _mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(row + d)));
-      _mm256_storeu_ps(out + d, _mm256_mul_ps(_mm256_cvtepi32_ps(w), s));
-    }
-#endif
-    for (; d < D; ++d) out[d] = static_cast<float>(row[d]) * scales[j];
-  }
+    for (int64_t d = 0; d < D; ++d) kt[d * ldk + j] = k.at(j, d);
 }
 
 // How many whole leading blocks two rows' tables share, up to `limit`.
@@ -434,29 +431,41 @@ Plan plan(const int64_t* tables, const int64_t* lens, int64_t B, int64_t max_blo
   return p;
 }
 
-// scalar_t: the queries' and the output's type; cache_t: the KV cache's (--kv-cache-dtype), which
-// may be narrower: keys and values are widened to float as they are read, so the arithmetic is the
-// same as over a float cache holding the same (rounded) values.
-// An int8 cache (cache_t int8_t) comes with k_scales / v_scales [num_blocks, Hkv, BS]: one float
-// per token and head, by which its values are multiplied as they are widened.
-// One kv head's keys or values of one block, as float: a float cache's rows are used in place;
-// a narrower one is widened into `buf` first.
+// Blocks of keys or values asked for ahead of their use.
+constexpr int64_t PREFETCH_AHEAD = 2;
+
+// One kv head's keys or values of one block of the pool.
 template <typename cache_t>
 struct BlockReader {
   const cache_t* cache;
   const float* scales;  // an int8 cache's, else nullptr
   int64_t Hkv, BS, D;
 
-  const float* rows(int64_t block, int64_t h, int64_t n, float* buf) const {
-    const cache_t* src = cache + (block * Hkv + h) * BS * D;
-    if constexpr (std::is_same_v<cache_t, float>) {
-      return src;
-    } else if constexpr (std::is_same_v<cache_t, int8_t>) {
-      widen_scaled(src, scales + (block * Hkv + h) * BS, buf, n, D);
-    } else {
-      widen(src, buf, n * D);
+  Rows<cache_t> rows(int64_t block, int64_t h) const {
+    const int64_t first = (block * Hkv + h) * BS;
+    return {cache + first * D, scales != nullptr ? scales + first : nullptr, D};
+  }
+
+  // Ask for a block's rows ahead of use: blocks lie anywhere in the pool, and the hardware
+  // prefetcher does not cross into the next one, so each would otherwise start with a DRAM wait.
+  void prefetch(int64_t block, int64_t h, int64_t n) const {
+#ifdef PAGODA_AVX2
+    const char* src = reinterpret_cast<const char*>(cache + (block * Hkv + h) * BS * D);
+    const int64_t bytes = n * D * static_cast<int64_t>(sizeof(cache_t));
+    for (int64_t at = 0; at < bytes; at += 64) _mm_prefetch(src + at, _MM_HINT_T0);
+    if (scales != nullptr) _mm_prefetch(reinterpret_cast<const char*>(scales + (block * Hkv + h) * BS), _MM_HINT_T0);
+#else
+    (void)block, (void)h, (void)n;
+#endif
+  }
+
+  // Before the block at position t0 of a chain ending at Lmax: the block PREFETCH_AHEAD blocks on
+  // (and, at the chain's first, the ones before that too), for kv head h.
+  void prefetch_ahead(const int64_t* table, int64_t h, int64_t t0, int64_t Lmax, bool first) const {
+    for (int64_t a = first ? 0 : PREFETCH_AHEAD; a <= PREFETCH_AHEAD; ++a) {
+      const int64_t at = t0 + a * BS;
+      if (at < Lmax) prefetch(table[at / BS], h, std::min(BS, Lmax - at));
     }
-    return buf;
   }
 };
 
@@ -481,7 +490,7 @@ void decode_attention_impl(const scalar_t* __restrict__ q, const cache_t* __rest
   const int64_t num_items = work.items.size();
   const int64_t workers = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), num_items));
   at::parallel_for(0, workers, 1, [&](int64_t, int64_t) {
-    std::vector<float> qf, acc, kt(D * BS), buf(BS * D), scores;
+    std::vector<float> qf, acc, kt(D * BS), scores;
     std::vector<int64_t> q_off, sc_off, ld;  // per run of the item: first query vector, first score, row stride
     for (int64_t it = next++; it < num_items; it = next++) {
       const Item& item = work.items[it];
@@ -510,7 +519,7 @@ void decode_attention_impl(const scalar_t* __restrict__ q, const cache_t* __rest
                   static_cast<float>(q[((runs[r].row + i) * Hq + h * G + g) * D + d]) * scale;
       // a block of keys transposed once, against every query of the run(s) that see it
       auto transposed_keys = [&](const int64_t* table, int64_t t0, int64_t n) {
-        transpose(keys.rows(table[t0 / BS], h, n, buf.data()), n, D, kt.data(), BS);
+        transpose(keys.rows(table[t0 / BS], h), n, D, kt.data(), BS);
       };
       // scores: the shared blocks once for every run, then each run's own blocks
       const int64_t* lead_table = tables + runs[0].row * max_blocks;
@@ -527,6 +536,7 @@ void decode_attention_impl(const scalar_t* __restrict__ q, const cache_t* __rest
         float* sc = scores.data() + sc_off[r];
         for (int64_t t0 = std::max(base, item.shared); t0 < Lmax; t0 += BS) {
           const int64_t n = std::min(BS, Lmax - t0);
+          keys.prefetch_ahead(table, h, t0, Lmax, t0 == std::max(base, item.shared));
           transposed_keys(table, t0, n);
           int64_t r0 = 0;  // rows before r0 end before this block
           while (lens[run.row + r0] <= t0) ++r0;
@@ -545,7 +555,7 @@ void decode_attention_impl(const scalar_t* __restrict__ q, const cache_t* __rest
       }
       // out: each query's values, a block at a time; the shared blocks once for every run
       for (int64_t t0 = base; t0 < item.shared; t0 += BS) {
-        const float* v = values.rows(lead_table[t0 / BS], h, BS, buf.data());
+        const Rows<cache_t> v = values.rows(lead_table[t0 / BS], h);
         for (int64_t r = 0; r < item.count; ++r)
           accumulate_vectors(runs[r].rows * G, acc.data() + q_off[r] * D, scores.data() + sc_off[r] + (t0 - base), ld[r],
                              v, BS, D);
@@ -558,7 +568,8 @@ void decode_attention_impl(const scalar_t* __restrict__ q, const cache_t* __rest
         float* racc = acc.data() + q_off[r] * D;
         for (int64_t t0 = std::max(base, item.shared); t0 < Lmax; t0 += BS) {
           const int64_t n = std::min(BS, Lmax - t0);
-          const float* v = values.rows(table[t0 / BS], h, n, buf.data());
+          values.prefetch_ahead(table, h, t0, Lmax, t0 == std::max(base, item.shared));
+          const Rows<cache_t> v = values.rows(table[t0 / BS], h);
           // rows that see all n keys of this block together, then the one or two that see fewer
           int64_t i = 0;
           while (i < run.rows && lens[run.row + i] - t0 <= 0) ++i;

@@ -56,6 +56,10 @@ class TorchBackend:
         gate, up = gate_up.chunk(2, dim=-1)
         return F.silu(gate) * up
 
+    def argmax_rows(self, x: torch.Tensor) -> torch.Tensor:
+        """Each row's argmax (greedy sampling): the first of equal maxima, NaN counting as the largest."""
+        return x.argmax(dim=-1)
+
     def gelu_tanh_and_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
         """GeGLU with the tanh approximation (Gemma's ``gelu_pytorch_tanh``); torch on every backend."""
         gate, up = gate_up.chunk(2, dim=-1)
@@ -173,6 +177,11 @@ class CpuKernelBackend(TorchBackend):
         if self._fast(gate_up):
             return self.ops.silu_and_mul(gate_up)
         return super().silu_and_mul(gate_up)
+
+    def argmax_rows(self, x):
+        if x.device.type == "cpu" and x.dtype == torch.float32 and x.dim() == 2 and x.shape[1] > 0:
+            return self.ops.argmax_rows(x)
+        return super().argmax_rows(x)
 
     def linear(self, x, weight):
         if self._fast(x) and x.dim() == 2 and weight.dtype == torch.float32 and weight.is_contiguous():

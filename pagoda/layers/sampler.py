@@ -9,6 +9,7 @@ Logprobs are those of the model's raw distribution (before any of the above).
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -53,15 +54,17 @@ class SamplerOutput:
 
 
 class Sampler:
-    def __init__(self, generator: torch.Generator | None = None) -> None:
+    def __init__(self, generator: torch.Generator | None = None,
+                 argmax_rows: Callable[[torch.Tensor], torch.Tensor] | None = None) -> None:
         self.generator = generator
+        self.argmax_rows = argmax_rows or (lambda x: x.argmax(dim=-1))  # the backend's, where it has one
 
     def __call__(self, logits: torch.Tensor, md: SamplingMetadata) -> SamplerOutput:
         logits = logits.float()
         raw_logprobs = torch.log_softmax(logits, dim=-1) if md.max_num_logprobs is not None else None
         logits = self._apply_masks_and_bias(logits, md)
         logits = apply_penalties(logits, md)
-        greedy_tokens = logits.argmax(dim=-1)
+        greedy_tokens = self.argmax_rows(logits)
         if md.all_greedy:
             tokens = greedy_tokens
         else:

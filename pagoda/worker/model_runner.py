@@ -66,7 +66,7 @@ class ModelRunner:
         self.is_driver = is_driver
         self.speculative = speculative
         self.vocab_size = model.config.vocab_size
-        self.sampler = Sampler(generator)
+        self.sampler = Sampler(generator, self.backend.argmax_rows)
         layers = model.attention_layers()
         groups = kv_groups or KVCacheGroups.single(len(layers))
         self.batch = InputBatch(max_model_len, block_size, num_kv_groups=groups.num_groups)
@@ -155,7 +155,7 @@ class ModelRunner:
         md = self.sampling_metadata(owners, sched, steps)  # each row: its request's parameters at that place
         logits = logits.float().cpu()
         processed = self.sampler.processed_logits(logits, md)
-        choices = processed.argmax(dim=-1).tolist()
+        choices = self.sampler.argmax_rows(processed).tolist()
         probs = None if md.all_greedy else sampling_probabilities(processed, md)
         raw_logprobs = torch.log_softmax(logits, dim=-1) if md.max_num_logprobs is not None else None
         at = 0

@@ -43,10 +43,27 @@ def test_rotary_in_place_on_strided_rows():
         rotary(torch.tensor([0, 1, 2, 3, 64]), q, k)
 
 
-def test_silu_and_mul():
-    x = torch.randn(6, 2 * 48) * 4
-    gate, up = x.split(48, dim=-1)
+@pytest.mark.parametrize("width", [48, 51])  # 8-lane vectors only, and a scalar tail
+def test_silu_and_mul(width):
+    x = torch.randn(6, 2 * width) * 4
+    x[0, :4] = torch.tensor([-100.0, 100.0, -87.5, 0.0])  # where exp is clamped, and zero
+    gate, up = x.split(width, dim=-1)
     torch.testing.assert_close(load_cpu_kernels().silu_and_mul(x), F.silu(gate) * up, rtol=1e-6, atol=1e-6)
+
+
+def test_argmax_rows_as_torch():
+    """The first of equal maxima, a NaN as the largest, rows of -inf, vector-width tails, strided input."""
+    ops = load_cpu_kernels()
+    x = torch.randn(6, 1003)
+    x[0, 5] = x[0, 900] = 100.0  # a tie: the first wins
+    x[1, 3] = x[1, 700] = float("nan")
+    x[2] = float("-inf")
+    x[3, 1002] = float("inf")  # in the scalar tail
+    x[4, 17] = x[4, 1001] = 50.0
+    for t in (x, torch.randn(2000, 8).t(), torch.randn(64, 49152), torch.randn(3, 7)):
+        assert torch.equal(ops.argmax_rows(t), t.argmax(dim=-1))
+    with pytest.raises(RuntimeError, match="argmax_rows"):
+        ops.argmax_rows(torch.randn(3, 4).double())
 
 
 def test_write_kv_cache():

@@ -1,0 +1,34 @@
+// Vector math shared by the kernels: exp of 8 floats at a time where AVX2 + FMA are built in
+// (PAGODA_AVX2). std::exp one value at a time does not vectorize, and was most of the time of
+// the softmax in a batch-64 attention call and of silu_and_mul.
+#pragma once
+
+#if defined(__AVX2__) && defined(__FMA__)
+#include <immintrin.h>
+#define PAGODA_AVX2 1
+#endif
+
+namespace pagoda {
+
+#ifdef PAGODA_AVX2
+// exp of 8 floats (Cephes' expf: a degree-6 polynomial on the remainder after n * ln 2, then 2^n
+// through the exponent bits; within 2 ulp; inputs clamped to [-87.3, 88.4]).
+inline __m256 exp256(__m256 x) {
+  x = _mm256_max_ps(_mm256_min_ps(x, _mm256_set1_ps(88.3762626647949f)), _mm256_set1_ps(-87.3365478515625f));
+  const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
+                                   _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
+  r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);
+  __m256 y = _mm256_set1_ps(1.9875691500E-4f);
+  y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(1.3981999507E-3f));
+  y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(8.3334519073E-3f));
+  y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(4.1665795894E-2f));
+  y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(1.6666665459E-1f));
+  y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(5.0000001201E-1f));
+  y = _mm256_fmadd_ps(y, _mm256_mul_ps(r, r), _mm256_add_ps(r, _mm256_set1_ps(1.f)));
+  const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+  return _mm256_mul_ps(y, _mm256_castsi256_ps(e));
+}
+#endif
+
+}  // namespace pagoda
