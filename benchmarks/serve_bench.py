@@ -10,6 +10,11 @@ prints the seed's columns (throughput, TTFT, ITL, the largest concurrency meetin
 --plot-dir gets the sweeps drawn together. To measure a server that is already running, use
 `pagoda bench serve --base-url URL --sweep-concurrency ...` directly.
 
+--rounds N repeats the whole pass N times, the systems alternating (a fresh server each time, so
+no round sees another's prefix cache), and prints each level's median over the rounds with the
+ratio of every system's to the last one's: on a shared machine whose speed drifts by 15 % from one
+minute to the next, one run of each is not a comparison.
+
 Systems:
   pagoda          pagoda serve (engine core on a thread, the default)
   pagoda-process  pagoda serve --engine-process
@@ -23,6 +28,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import statistics
 import sys
 from datetime import date
 from pathlib import Path
@@ -61,6 +67,48 @@ def command_for(system: str, ns: argparse.Namespace, port: int, levels: list[int
             "-c", str(n_ctx * slots), "-t", threads, "-tb", threads, "--alias", ns.model, "--no-webui"], {}
 
 
+def run_system(system: str, ns: argparse.Namespace, tokenizer, slos) -> dict | str:
+    """One system's sweep on a server of its own; the reason instead where it cannot run here."""
+    levels = sweep.parse_levels(ns.slow_concurrency if system in ("hf", "llamacpp") else ns.concurrency)
+    port = servers.free_port()
+    try:
+        cmd, extra_body = command_for(system, ns, port, levels)
+    except baselines.Unavailable as e:
+        print(f"skipping {system}: {e}", file=sys.stderr)
+        return str(e)
+    print(f"{system}: {' '.join(cmd)}", file=sys.stderr, flush=True)
+    with servers.running(cmd, port) as base:
+        cfg = serve.ServeConfig(base_url=base, model=ns.model, extra_body=extra_body, probe_path=ns.probe,
+                                seed=ns.seed)
+
+        def make(level: int) -> list[datasets.SampleRequest]:
+            return datasets.random_requests(level, ns.input_len, ns.output_len, tokenizer=tokenizer, seed=ns.seed)
+
+        record = sweep.run_sweep(cfg, levels, make, tokenizer=tokenizer, slos=slos, attainment=ns.slo_attainment,
+                                 percentiles=(50, 90, 99), label=LABELS[system])
+    record["system"], record["command"] = system, cmd
+    return record
+
+
+def median_table(records: list[dict], systems: list[str]) -> str:
+    """Each system's median output tok/s and TTFT p99 per concurrency over the rounds, and its
+    throughput over the last system's (the baseline, e.g. llama-server) at the same level."""
+    runs: dict[tuple[str, int], list[dict]] = {}
+    for record in records:
+        for level in record["levels"]:
+            runs.setdefault((record["system"], level["max_concurrency"]), []).append(level)
+    baseline = systems[-1]
+    lines = ["medians over the rounds", " system            conc  rounds  out tok/s   TTFT p99   vs " + baseline]
+    for (system, conc), levels in sorted(runs.items(), key=lambda kv: (kv[0][1], systems.index(kv[0][0]))):
+        tok = statistics.median(x["output_throughput"] for x in levels)
+        ttft = statistics.median(x["p99_ttft_ms"] for x in levels) / 1000
+        base = runs.get((baseline, conc))
+        ratio = tok / statistics.median(x["output_throughput"] for x in base) if base else float("nan")
+        each = ", ".join(f"{x['output_throughput']:.1f}" for x in levels)
+        lines.append(f" {system:<17} {conc:>4}  {len(levels):>6}  {tok:>9.1f}  {ttft:>8.2f}s   {ratio:.2f}x   (each: {each})")
+    return "\n".join(lines)
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--systems", default="pagoda,hf", help=f"comma-separated, of {', '.join(SYSTEMS)}")
@@ -79,6 +127,7 @@ def main() -> int:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--save", default=None, help="JSON path (default: benchmarks/results/serve-<date>.json)")
     ap.add_argument("--plot-dir", default=None, help="draw the sweeps here")
+    ap.add_argument("--rounds", type=int, default=1, help="passes over the systems, alternating; medians printed")
     ns = ap.parse_args()
 
     systems = [s.strip() for s in ns.systems.split(",") if s.strip()]
@@ -88,28 +137,19 @@ def main() -> int:
     slos = parse_slos(ns.goodput)
     tokenizer = datasets.load_tokenizer(ns.model)
     records, skipped = [], {}
-    for system in systems:
-        levels = sweep.parse_levels(ns.slow_concurrency if system in ("hf", "llamacpp") else ns.concurrency)
-        port = servers.free_port()
-        try:
-            cmd, extra_body = command_for(system, ns, port, levels)
-        except baselines.Unavailable as e:
-            skipped[system] = str(e)
-            print(f"skipping {system}: {e}", file=sys.stderr)
-            continue
-        print(f"{system}: {' '.join(cmd)}", file=sys.stderr, flush=True)
-        with servers.running(cmd, port) as base:
-            cfg = serve.ServeConfig(base_url=base, model=ns.model, extra_body=extra_body, probe_path=ns.probe,
-                                    seed=ns.seed)
-
-            def make(level: int) -> list[datasets.SampleRequest]:
-                return datasets.random_requests(level, ns.input_len, ns.output_len, tokenizer=tokenizer, seed=ns.seed)
-
-            record = sweep.run_sweep(cfg, levels, make, tokenizer=tokenizer, slos=slos, attainment=ns.slo_attainment,
-                                     percentiles=(50, 90, 99), label=LABELS[system])
-        record["system"], record["command"] = system, cmd
-        records.append(record)
-        print(sweep.format_table(record), flush=True)
+    for round_index in range(ns.rounds):
+        for system in systems:
+            if system in skipped:
+                continue
+            record = run_system(system, ns, tokenizer, slos)
+            if isinstance(record, str):
+                skipped[system] = record
+                continue
+            record["round"] = round_index
+            records.append(record)
+            print(sweep.format_table(record), flush=True)
+    if ns.rounds > 1:
+        print(median_table(records, systems))
 
     save = Path(ns.save) if ns.save else HERE / "results" / f"serve-{date.today().isoformat()}.json"
     save.parent.mkdir(parents=True, exist_ok=True)
