@@ -15,6 +15,7 @@ from dataclasses import Field, dataclass, field, fields
 from types import NoneType, UnionType
 from typing import TYPE_CHECKING, Any
 
+from pagoda.core.prefill_chunks import check_prefill_chunking
 from pagoda.loader.catalog import DEFAULT_MODEL
 
 if TYPE_CHECKING:
@@ -175,10 +176,6 @@ class EngineArgs:
             (self.aging_seconds >= 0, "aging_seconds", "must be >= 0"),
             (0 < self.admission_pressure_threshold <= 1, "admission_pressure_threshold", "must be in (0, 1]"),
             (self.short_chunk_tokens >= 1, "short_chunk_tokens", "must be >= 1"),
-            (self.long_prefill_token_threshold >= 0, "long_prefill_token_threshold", "must be >= 0 (0: no limit)"),
-            (self.max_num_partial_prefills >= 1, "max_num_partial_prefills", "must be >= 1"),
-            (1 <= self.max_long_partial_prefills <= max(1, self.max_num_partial_prefills), "max_long_partial_prefills",
-             f"must be >= 1 and <= max_num_partial_prefills ({self.max_num_partial_prefills})"),
             (self.scheduling_policy in SCHEDULING_POLICIES, "scheduling_policy",
              f"must be one of {', '.join(SCHEDULING_POLICIES)}"),
             (tp >= 1, "tensor_parallel_size", "must be >= 1"),
@@ -197,6 +194,8 @@ class EngineArgs:
         for ok, name, message in checks:
             if not ok:
                 raise ValueError(f"{name} {message}, got {getattr(self, name)!r}")
+        check_prefill_chunking(self.long_prefill_token_threshold, self.max_num_partial_prefills,
+                               self.max_long_partial_prefills)
 
 
 def _option_fields(cls: type) -> list[Field]:

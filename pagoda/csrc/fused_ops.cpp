@@ -132,9 +132,7 @@ static int64_t row_argmax(const float* p, int64_t n) {
     unordered = _mm256_or_ps(unordered, _mm256_cmp_ps(v, v, _CMP_UNORD_Q));
     mv = _mm256_max_ps(mv, v);
   }
-  alignas(32) float lanes[8];
-  _mm256_store_ps(lanes, mv);
-  for (float lane : lanes) m = std::max(m, lane);
+  m = hmax256(mv, m);
   nan = _mm256_movemask_ps(unordered) != 0;
 #endif
   for (; i < n; ++i) {

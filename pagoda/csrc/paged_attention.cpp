@@ -30,6 +30,7 @@ namespace {
 
 #ifdef PAGODA_AVX2
 using pagoda::exp256;
+using pagoda::hmax256;
 #endif
 
 // p[t] = exp(s[t] - max) / sum, in place.
@@ -40,9 +41,7 @@ inline void softmax(float* s, int64_t L) {
   {  // the max is exact in any order: 8 lanes at a time
     __m256 mv = _mm256_set1_ps(m);
     for (; t + 8 <= L; t += 8) mv = _mm256_max_ps(mv, _mm256_loadu_ps(s + t));
-    alignas(32) float lanes[8];
-    _mm256_store_ps(lanes, mv);
-    for (float lane : lanes) m = std::max(m, lane);
+    m = hmax256(mv, m);
   }
 #endif
   for (; t < L; ++t) m = std::max(m, s[t]);

@@ -29,6 +29,14 @@ inline __m256 exp256(__m256 x) {
   const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
   return _mm256_mul_ps(y, _mm256_castsi256_ps(e));
 }
+
+// The largest of 8 lanes, folded into m (a max is exact in any order).
+inline float hmax256(__m256 v, float m) {
+  alignas(32) float lanes[8];
+  _mm256_store_ps(lanes, v);
+  for (float lane : lanes) m = m > lane ? m : lane;
+  return m;
+}
 #endif
 
 }  // namespace pagoda

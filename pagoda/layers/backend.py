@@ -56,7 +56,8 @@ class TorchBackend:
         gate, up = gate_up.chunk(2, dim=-1)
         return F.silu(gate) * up
 
-    def argmax_rows(self, x: torch.Tensor) -> torch.Tensor:
+    @staticmethod
+    def argmax_rows(x: torch.Tensor) -> torch.Tensor:
         """Each row's argmax (greedy sampling): the first of equal maxima, NaN counting as the largest."""
         return x.argmax(dim=-1)
 

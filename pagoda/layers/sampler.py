@@ -14,6 +14,8 @@ from dataclasses import dataclass
 
 import torch
 
+from pagoda.layers.backend import TorchBackend
+
 _NEG_INF = float("-inf")
 
 
@@ -57,7 +59,7 @@ class Sampler:
     def __init__(self, generator: torch.Generator | None = None,
                  argmax_rows: Callable[[torch.Tensor], torch.Tensor] | None = None) -> None:
         self.generator = generator
-        self.argmax_rows = argmax_rows or (lambda x: x.argmax(dim=-1))  # the backend's, where it has one
+        self.argmax_rows = argmax_rows or TorchBackend.argmax_rows  # the model's backend's, where it has one
 
     def __call__(self, logits: torch.Tensor, md: SamplingMetadata) -> SamplerOutput:
         logits = logits.float()

@@ -131,8 +131,8 @@ class ModelRunner:
         limit = self.speculative.disable_by_batch_size if self.speculative is not None else None
         if self.speculative is not None and self.is_driver and (limit is None or len(lay.req_ids) <= limit):
             proposing = time.perf_counter()
-            self._propose(out, decode_step=lay.num_decode_like == len(lay.req_ids))  # (the scheduler
-            # would not verify drafts in a bigger batch)
+            # (the scheduler would not verify drafts in a bigger batch)
+            self._propose(out, decode_step=lay.num_decode_like == len(lay.req_ids))
             out.spec_draft_seconds = time.perf_counter() - proposing
         return out
 

@@ -35,6 +35,23 @@ def fake_step(sched: Scheduler, trace: list | None = None):
     return out, sched.update(out, ModelRunnerOutput(sampled_token_ids=sampled))
 
 
+def churn(sched: Scheduler, rng: random.Random, arrivals: int, max_tokens: int):
+    """Random arrivals (1-50 prompt tokens of the same token, so prefixes are shared; priorities
+    0-2), an abort now and then, and a step most of the time: yields each step's SchedulerOutput."""
+    live: list[Request] = []
+    for added in range(arrivals):
+        r = req(f"r{added}", rng.randint(1, 50), max_tokens=rng.randint(1, max_tokens), priority=rng.randint(0, 2),
+                t=added)
+        sched.add_request(r)
+        live.append(r)
+        if rng.random() < 0.05:
+            sched.finish_request(rng.choice(live).request_id)
+        if rng.random() < 0.7:
+            out, _ = fake_step(sched)
+            yield out
+        live = [r for r in live if not r.status.finished]
+
+
 def run_to_completion(sched: Scheduler, max_steps=10_000, trace=None) -> list[Request]:
     finished = []
     for _ in range(max_steps):
@@ -217,17 +234,8 @@ def test_no_leaked_block_with_prefix_caching_under_churn():
     accounted for, and once the cache is dropped every block is free again."""
     rng = random.Random(1)
     sched = make_scheduler(num_blocks=40, block_size=4, max_num_seqs=12, budget=40, max_model_len=128, caching=True)
-    live: list[Request] = []
-    for added in range(600):
-        r = req(f"r{added}", rng.randint(1, 50), max_tokens=rng.randint(1, 16), priority=rng.randint(0, 2), t=added)
-        sched.add_request(r)
-        live.append(r)
-        if rng.random() < 0.05:
-            sched.finish_request(rng.choice(live).request_id)
-        if rng.random() < 0.7:
-            out, _ = fake_step(sched)
-            assert out.total_num_scheduled_tokens <= 40
-        live = [r for r in live if not r.status.finished]
+    for out in churn(sched, rng, arrivals=600, max_tokens=16):
+        assert out.total_num_scheduled_tokens <= 40
     run_to_completion(sched)
     kv = sched.kv
     assert kv.prefix_hit_tokens > 0

@@ -16,7 +16,7 @@ from pagoda.engine_args import EngineArgs
 from pagoda.request import Request
 from pagoda.sampling_params import SamplingParams
 
-from test_scheduler import fake_step, req, run_to_completion
+from test_scheduler import churn, fake_step, req, run_to_completion
 
 
 def make(budget=32, threshold=0, partial=1, long=1, policy="priority", num_blocks=64, block_size=4,
@@ -83,25 +83,16 @@ def test_the_limits_hold_every_step_under_churn(knobs, caching):
     sched = make(budget=24, num_blocks=24, block_size=4, max_num_seqs=12, caching=caching, **knobs)
     chunking = sched.chunking
     threshold = chunking.long_prefill_token_threshold
-    live: list[Request] = []
-    for added in range(400):
-        r = req(f"r{added}", rng.randint(1, 50), max_tokens=rng.randint(1, 12), priority=rng.randint(0, 2), t=added)
-        sched.add_request(r)
-        live.append(r)
-        if rng.random() < 0.05:
-            sched.finish_request(rng.choice(live).request_id)
-        if rng.random() < 0.7:
-            out, _ = fake_step(sched)
-            assert out.total_num_scheduled_tokens <= 24
-            if threshold:
-                assert all(n <= threshold for n in out.num_scheduled_tokens.values())
-            mid = [r for r in sched.running if r.num_tokens - r.num_computed_tokens > 1]
-            assert len(mid) <= chunking.max_num_partial_prefills
-            # long as the scheduler saw it: the tokens it had left when scheduled, after any prefix hit
-            left_when_scheduled = [r.num_tokens - r.num_computed_tokens + out.num_scheduled_tokens.get(r.request_id, 0)
-                                   for r in mid]
-            assert sum(map(chunking.is_long, left_when_scheduled)) <= chunking.max_long_partial_prefills
-        live = [r for r in live if not r.status.finished]
+    for out in churn(sched, rng, arrivals=400, max_tokens=12):
+        assert out.total_num_scheduled_tokens <= 24
+        if threshold:
+            assert all(n <= threshold for n in out.num_scheduled_tokens.values())
+        mid = [r for r in sched.running if r.num_tokens - r.num_computed_tokens > 1]
+        assert len(mid) <= chunking.max_num_partial_prefills
+        # long as the scheduler saw it: the tokens it had left when scheduled, after any prefix hit
+        left_when_scheduled = [r.num_tokens - r.num_computed_tokens + out.num_scheduled_tokens.get(r.request_id, 0)
+                               for r in mid]
+        assert sum(map(chunking.is_long, left_when_scheduled)) <= chunking.max_long_partial_prefills
     finished = run_to_completion(sched)
     assert all(r.num_output_tokens == r.sampling_params.max_tokens for r in finished)
     assert sched.num_preemptions_total > 0 and sched.kv.num_free_blocks == 24
