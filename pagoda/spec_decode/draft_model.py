@@ -11,8 +11,8 @@ what makes a prefix-cache hit a hit for the draft too. A block the scheduler han
 
 A request whose drafts the target keeps rejecting gets fewer, or none (``adaptive``): the j-th
 draft of a run pays off when the chance that it and all before it are accepted, alpha^j, is at
-least what it costs, a draft pass over a target decode step (both measured as the engine runs;
-alpha from the request's own verifications, a decaying count of accepted drafts and of
+least what it costs, a draft pass over a target decode step (both medians of recent times
+measured as the engine runs, and the cost never under ``MIN_COST``; alpha from the request's own verifications, a decaying count of accepted drafts and of
 rejections, which starts at one accepted draft: that prior decays too, so a request whose drafts
 are always rejected sees alpha fall towards zero and stops drafting whatever the cost).
 A request drafting nothing tries one draft every ``PROBE_EVERY`` steps to measure again.
@@ -28,7 +28,9 @@ which is exact whatever chose it.
 
 from __future__ import annotations
 
+import statistics
 import time
+from collections import deque
 
 import numpy as np
 import torch
@@ -42,7 +44,11 @@ from pagoda.worker.input_batch import InputBatch
 SHORT_CHUNK = 32
 PROBE_EVERY = 16  # steps a request drafting nothing waits before it tries one draft again
 DECAY = 0.8  # weight of the past in a request's acceptance counts (recent verifications count most)
-TIMING = 0.1  # weight of each new measurement in the running draft-pass and target-step times
+# The least a draft is taken to cost, as a share of a target step, whatever the timings say: its
+# verification row and bookkeeping are not free, and a pass timed as nearly free (a tiny draft, or a
+# target step slowed by a busy host) must not keep a request with hopeless drafts drafting.
+MIN_COST = 0.15
+TIMING_WINDOW = 9  # the draft-pass and target-step times are medians of this many recent measurements
 
 
 class DraftModelProposer:
@@ -63,8 +69,13 @@ class DraftModelProposer:
         self.adaptive = adaptive
         self.acceptance: dict[str, list[float]] = {}  # request → [accepted drafts, rejections], decaying
         self.idle_steps: dict[str, int] = {}  # request → steps it has drafted nothing
-        self.pass_seconds = 0.0  # running time of one draft pass
-        self.step_seconds = 0.0  # ... and of one target step
+        # the median time of one draft pass and of one target decode step, over recent ones: a
+        # median, because one slow step (the first, a page fault, a busy host) must not make
+        # drafts look cheap or dear for long
+        self._pass_times: deque[float] = deque(maxlen=TIMING_WINDOW)
+        self._step_times: deque[float] = deque(maxlen=TIMING_WINDOW)
+        self.pass_seconds = 0.0
+        self.step_seconds = 0.0
 
     # -- how many drafts a request gets -----------------------------------------------------
     def record_verification(self, rid: str, num_drafts: int, num_accepted: int) -> None:
@@ -77,7 +88,8 @@ class DraftModelProposer:
     def record_step(self, seconds: float) -> None:
         """The target's last decode step took ``seconds`` (the unit a draft's cost is measured
         in; a step with prefill rows is not one: it would make drafts look cheap)."""
-        self.step_seconds = seconds if not self.step_seconds else (1 - TIMING) * self.step_seconds + TIMING * seconds
+        self._step_times.append(seconds)
+        self.step_seconds = statistics.median(self._step_times)
 
     def draft_length(self, rid: str) -> int:
         """Drafts worth proposing for the request: the j-th while alpha^j >= draft pass / target
@@ -86,7 +98,7 @@ class DraftModelProposer:
             return self.k
         accepted, rejected = self.acceptance.get(rid, (1.0, 0.0))
         alpha = accepted / (accepted + rejected)
-        cost = self.pass_seconds / self.step_seconds
+        cost = max(MIN_COST, self.pass_seconds / self.step_seconds)
         length = 0
         while length < self.k and alpha ** (length + 1) >= cost:
             length += 1
@@ -204,6 +216,6 @@ class DraftModelProposer:
             logits = self.model.compute_logits(hidden[last.to(self.device)])
         tokens = logits.argmax(dim=-1).tolist()
         if lay.num_decode_like == len(lay.req_ids):  # a pass of decode rows, the usual one (catch-ups vary)
-            seconds = time.perf_counter() - started
-            self.pass_seconds = seconds if not self.pass_seconds else (1 - TIMING) * self.pass_seconds + TIMING * seconds
+            self._pass_times.append(time.perf_counter() - started)
+            self.pass_seconds = statistics.median(self._pass_times)
         return tokens

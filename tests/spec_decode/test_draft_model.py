@@ -9,6 +9,7 @@ import random
 
 import numpy as np
 import pytest
+import torch
 
 from pagoda import LLM, SamplingParams
 from tiny_models import make_tiny_hf_model
@@ -175,6 +176,31 @@ def test_draft_length_follows_acceptance_and_cost():
     assert [proposer.draft_length("r") for _ in range(PROBE_EVERY)] == [0] * (PROBE_EVERY - 1) + [1]
     proposer.adaptive = False
     assert proposer.draft_length("r") == 5
+
+
+def test_the_cost_is_a_median_with_a_floor():
+    """One slow step does not move the measured cost; a pass timed as nearly free still costs
+    MIN_COST, so a request whose drafts keep failing stops even on a host that skews timings."""
+    from pagoda.spec_decode.draft_model import MIN_COST, DraftModelProposer
+
+    proposer = DraftModelProposer(_NoModel(), torch.zeros(2, 0, 4), None, 16, torch.device("cpu"), 4)
+    for seconds in (0.020, 0.021, 2.0, 0.019, 0.020):  # the third step waited for the host
+        proposer.record_step(seconds)
+    assert proposer.step_seconds == pytest.approx(0.020)
+    proposer.pass_seconds = 0.0001  # timed as all but free
+    proposer.record_verification("r", 4, 0)
+    while proposer.acceptance["r"][0] / sum(proposer.acceptance["r"]) >= MIN_COST:
+        assert proposer.draft_length("r") >= 1
+        proposer.record_verification("r", 1, 0)
+    assert proposer.draft_length("r") == 0
+
+
+class _NoModel:
+    """What the proposer's constructor reads of a draft model with no layers."""
+    backend = None
+
+    def attention_layers(self):
+        return []
 
 
 def test_prefix_cache_hits_are_hits_for_the_draft_too(tiny_llama, plain):
