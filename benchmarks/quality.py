@@ -50,6 +50,8 @@ MODES: dict[str, dict] = {
     "kv-bf16": {"dtype": "float32", "kv_cache_dtype": "bfloat16", "max_num_batched_tokens": 64},
     "kv-fp16": {"dtype": "float32", "kv_cache_dtype": "float16", "max_num_batched_tokens": 64},
     "kv-int8": {"dtype": "float32", "kv_cache_dtype": "int8", "max_num_batched_tokens": 64},
+    "kv-fp8": {"dtype": "float32", "kv_cache_dtype": "fp8", "max_num_batched_tokens": 64},
+    "kv-fp8-e5m2": {"dtype": "float32", "kv_cache_dtype": "fp8_e5m2", "max_num_batched_tokens": 64},
     "int8-floathead": {"dtype": "float32", "quantization": "int8", "head": False},
     "int4-floathead": {"dtype": "float32", "quantization": "int4", "head": False},
 }

@@ -22,7 +22,8 @@ if TYPE_CHECKING:
     from pagoda.config import EngineConfig
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
-KV_CACHE_DTYPES = ("auto", "float32", "fp32", "bfloat16", "bf16", "float16", "fp16", "int8")
+KV_CACHE_DTYPES = ("auto", "float32", "fp32", "bfloat16", "bf16", "float16", "fp16", "int8", "fp8", "fp8_e4m3",
+                   "fp8_e5m2")
 QUANTIZATIONS = ("none", "int8", "int4", "gguf")
 DISTRIBUTED_BACKENDS = ("mp", "ray", "uni")
 BLOCK_SIZES = (8, 16, 32, 64, 128)
@@ -57,7 +58,8 @@ class EngineArgs:
     kv_cache_dtype: str = field(default="auto", metadata=_option(
         "the KV cache's dtype: auto (the model's: exact), or a narrower one: bfloat16 / float16 halve "
         "an fp32 model's cache (twice the tokens fit in --kv-cache-memory), int8 (one scale per token "
-        "and head, llama.cpp's q8_0 way) takes about a quarter", choices=KV_CACHE_DTYPES))
+        "and head, llama.cpp's q8_0 way) takes about a quarter, as does fp8 (= fp8_e4m3; or fp8_e5m2: "
+        "float codes, one scale per token and head)", choices=KV_CACHE_DTYPES))
     gpu_memory_utilization: float = field(default=0.9, metadata=_option())
     seed: int = field(default=0, metadata=_option())
     chat_template: str | None = field(default=None, metadata=_option("a chat template, or a file holding one"))

@@ -60,20 +60,23 @@ _DTYPES = {
     "half": torch.float16,
 }
 
+_SCALED_KV = {"int8": torch.int8, "fp8": torch.float8_e4m3fn, "fp8_e4m3": torch.float8_e4m3fn,
+              "fp8_e5m2": torch.float8_e5m2}
+
 SUPPORTED_DTYPES = ("auto", "float32", "bfloat16", "float16")
 
 
 def resolve_kv_cache_dtype(name: str, model_dtype: torch.dtype) -> torch.dtype:
     """``--kv-cache-dtype``: 'auto' keeps the model's dtype (exact); bf16 / fp16 halve the cache
-    of an fp32 model, its K/V rounded to nearest as they are written; int8 quantizes them per
-    (token, head) with a float scale beside them."""
+    of an fp32 model, its K/V rounded to nearest as they are written; int8 and fp8 (e4m3, the
+    default fp8 as in vLLM, or e5m2) store codes per (token, head) with a float scale beside them."""
     from pagoda.engine_args import KV_CACHE_DTYPES
 
     key = str(name).lower()
     if key == "auto":
         return model_dtype
-    if key == "int8":
-        return torch.int8
+    if key in _SCALED_KV:
+        return _SCALED_KV[key]
     if key not in KV_CACHE_DTYPES:
         raise ValueError(f"kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPES)}, got {name!r}")
     return _DTYPES[key]

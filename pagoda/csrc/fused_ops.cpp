@@ -7,6 +7,7 @@
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
+#include "kv_codes.h"
 #include "ops.h"
 #include "vec_math.h"
 
@@ -203,24 +204,23 @@ void write_converted(const at::Tensor& k, const at::Tensor& v, at::Tensor& k_cac
   });
 }
 
-// k, v [T, heads, D] into an int8 cache: each (token, head) row scaled by its largest magnitude
-// over 127 (the scale stored beside it, 0 for a row of zeros), divided and rounded to nearest even:
-// llama.cpp's q8_0 with one scale per row.
-template <typename src_t>
-void write_int8(const at::Tensor& x, at::Tensor& cache, at::Tensor& scales, const int64_t* slots) {
+// x [T, heads, D] into an int8 or fp8 cache (kv_codes.h): each (token, head) row scaled by its
+// largest magnitude over the code's largest (the scale stored beside it, 0 for a row of zeros),
+// divided and rounded to nearest even: llama.cpp's q8_0 with one scale per row, or its fp8 twin.
+template <typename src_t, typename code_t>
+void write_scaled(const at::Tensor& x, at::Tensor& cache, at::Tensor& scales, const int64_t* slots) {
   const int64_t D = x.size(2);
   const src_t* xs = x.data_ptr<src_t>();
-  int8_t* qd = cache.data_ptr<int8_t>();
+  code_t* qd = cache.data_ptr<code_t>();
   float* sd = scales.data_ptr<float>();
   for_each_cache_row(x.size(0), x.size(1), cache, slots, [&](int64_t t, int64_t h, int64_t cell) {
     const src_t* row = xs + t * x.stride(0) + h * D;
     float amax = 0.f;
     for (int64_t d = 0; d < D; ++d) amax = std::max(amax, std::fabs(static_cast<float>(row[d])));
-    const float scale = amax / 127.f;
+    const float scale = amax / largest_code<code_t>();
     const float divisor = scale > 0.f ? scale : 1.f;
     sd[cell] = scale;
-    for (int64_t d = 0; d < D; ++d)
-      qd[cell * D + d] = static_cast<int8_t>(std::nearbyint(static_cast<float>(row[d]) / divisor));
+    for (int64_t d = 0; d < D; ++d) qd[cell * D + d] = encode<code_t>(static_cast<float>(row[d]) / divisor);
   });
 }
 
@@ -231,14 +231,17 @@ void write_kv_cache(const at::Tensor& k, const at::Tensor& v, at::Tensor k_cache
   TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous() && slot_mapping.is_contiguous(), "caches must be contiguous");
   for (const at::Tensor* t : {&k, &v})
     TORCH_CHECK(t->dim() == 3 && t->stride(2) == 1 && t->stride(1) == t->size(2), "k and v must be [T, heads, D] with contiguous heads");
-  if (k_cache.scalar_type() == at::kChar) {
+  if (is_scaled_code(k_cache.scalar_type())) {
     TORCH_CHECK(k_scales && v_scales && k_scales->scalar_type() == at::kFloat && v_scales->scalar_type() == at::kFloat &&
                     k_scales->is_contiguous() && v_scales->is_contiguous(),
-                "an int8 KV cache needs its float scales [num_blocks, kv_heads, block_size]");
+                "an int8 or fp8 KV cache needs its float scales [num_blocks, kv_heads, block_size]");
     at::Tensor ks = *k_scales, vs = *v_scales;
-    AT_DISPATCH_FLOATING_TYPES_AND2(at::ScalarType::BFloat16, at::ScalarType::Half, k.scalar_type(), "write_kv_cache_int8", [&] {
-      write_int8<scalar_t>(k, k_cache, ks, slot_mapping.data_ptr<int64_t>());
-      write_int8<scalar_t>(v, v_cache, vs, slot_mapping.data_ptr<int64_t>());
+    dispatch_scaled_code(k_cache.scalar_type(), "write_kv_cache", [&](auto code) {
+      using code_t = decltype(code);
+      AT_DISPATCH_FLOATING_TYPES_AND2(at::ScalarType::BFloat16, at::ScalarType::Half, k.scalar_type(), "write_kv_cache_scaled", [&] {
+        write_scaled<scalar_t, code_t>(k, k_cache, ks, slot_mapping.data_ptr<int64_t>());
+        write_scaled<scalar_t, code_t>(v, v_cache, vs, slot_mapping.data_ptr<int64_t>());
+      });
     });
     return;
   }

@@ -24,6 +24,7 @@
 #include <limits>
 #include <vector>
 
+#include "kv_codes.h"
 #include "vec_math.h"
 
 namespace {
@@ -196,17 +197,18 @@ inline void scores_block(const float* q, int64_t nq, int64_t D, const float* kt,
 
 // One kv head's rows (keys or values) of one block, read in the cache's own type and widened to
 // float as they are loaded: bf16 is the high half of a float (a shift), fp16 widens with F16C, an
-// int8 row is multiplied by its token's scale (as write_kv_cache quantized it). Exact but for
-// that one multiplication, so the arithmetic is the same as over a float cache holding the same
-// values; widening in registers spares a narrow cache a pass through a float buffer.
+// int8 or fp8 row's codes are widened and multiplied by its token's scale (kv_codes.h, as
+// write_kv_cache encoded them). Exact but for that one multiplication, so the arithmetic is the
+// same as over a float cache holding the same values; widening in registers spares a narrow cache
+// a pass through a float buffer.
 template <typename cache_t>
 struct Rows {
   const cache_t* p;      // row t at p + t * D
-  const float* scales;   // an int8 cache's, one per row; else nullptr
+  const float* scales;   // a scaled cache's (int8, fp8), one per row; else nullptr
   int64_t D;
 
   float at(int64_t t, int64_t d) const {
-    if constexpr (std::is_same_v<cache_t, int8_t>) return static_cast<float>(p[t * D + d]) * scales[t];
+    if constexpr (pagoda::is_scaled_code_v<cache_t>) return static_cast<float>(p[t * D + d]) * scales[t];
     else return static_cast<float>(p[t * D + d]);
   }
 #ifdef PAGODA_AVX2
@@ -214,9 +216,8 @@ struct Rows {
     const cache_t* src = p + t * D + d;
     if constexpr (std::is_same_v<cache_t, float>) {
       return _mm256_loadu_ps(src);
-    } else if constexpr (std::is_same_v<cache_t, int8_t>) {
-      const __m256i w = _mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(src)));
-      return _mm256_mul_ps(_mm256_cvtepi32_ps(w), _mm256_set1_ps(scales[t]));
+    } else if constexpr (pagoda::is_scaled_code_v<cache_t>) {
+      return pagoda::widen8(src, scales[t]);
     } else if constexpr (std::is_same_v<cache_t, c10::BFloat16>) {
       const __m256i w = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(src)));
       return _mm256_castsi256_ps(_mm256_slli_epi32(w, 16));
@@ -234,9 +235,8 @@ struct Rows {
     const cache_t* src = p + t * D + d;
     if constexpr (std::is_same_v<cache_t, float>) {
       return _mm512_loadu_ps(src);
-    } else if constexpr (std::is_same_v<cache_t, int8_t>) {
-      const __m512i w = _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(src)));
-      return _mm512_mul_ps(_mm512_cvtepi32_ps(w), _mm512_set1_ps(scales[t]));
+    } else if constexpr (pagoda::is_scaled_code_v<cache_t>) {
+      return pagoda::widen16(src, scales[t]);
     } else if constexpr (std::is_same_v<cache_t, c10::BFloat16>) {
       const __m512i w = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(src)));
       return _mm512_castsi512_ps(_mm512_slli_epi32(w, 16));
@@ -437,7 +437,7 @@ constexpr int64_t PREFETCH_AHEAD = 2;
 template <typename cache_t>
 struct BlockReader {
   const cache_t* cache;
-  const float* scales;  // an int8 cache's, else nullptr
+  const float* scales;  // a scaled cache's (int8, fp8), else nullptr
   int64_t Hkv, BS, D;
 
   Rows<cache_t> rows(int64_t block, int64_t h) const {
@@ -471,8 +471,8 @@ struct BlockReader {
 // scalar_t: the queries' and the output's type; cache_t: the KV cache's (--kv-cache-dtype), which
 // may be narrower: keys and values are widened to float as they are read, so the arithmetic is the
 // same as over a float cache holding the same (rounded) values.
-// An int8 cache (cache_t int8_t) comes with k_scales / v_scales [num_blocks, Hkv, BS]: one float
-// per token and head, by which its values are multiplied as they are widened.
+// An int8 or fp8 cache (kv_codes.h) comes with k_scales / v_scales [num_blocks, Hkv, BS]: one
+// float per token and head, by which its codes are multiplied as they are widened.
 template <typename scalar_t, typename cache_t>
 void decode_attention_impl(const scalar_t* __restrict__ q, const cache_t* __restrict__ k_cache,
                            const cache_t* __restrict__ v_cache, const int64_t* __restrict__ tables,
@@ -615,15 +615,18 @@ at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& k_cache
   TORCH_CHECK(k_cache.size(3) == D && Hq % Hkv == 0, "head shapes do not match");
   TORCH_CHECK(window >= 0, "paged_decode_attention: bad window ", window);
   auto out = at::empty_like(qc);
-  if (k_cache.scalar_type() == at::kChar) {
+  if (pagoda::is_scaled_code(k_cache.scalar_type())) {
     TORCH_CHECK(k_scales && v_scales && k_scales->scalar_type() == at::kFloat && v_scales->scalar_type() == at::kFloat &&
                     k_scales->is_contiguous() && v_scales->is_contiguous() && k_scales->numel() == k_cache.numel() / D,
-                "an int8 KV cache needs its float scales [num_blocks, kv_heads, block_size]");
-    AT_DISPATCH_FLOATING_TYPES_AND2(at::ScalarType::BFloat16, at::ScalarType::Half, q.scalar_type(), "paged_decode_attention", [&] {
-      decode_attention_impl<scalar_t, int8_t>(qc.data_ptr<scalar_t>(), k_cache.data_ptr<int8_t>(), v_cache.data_ptr<int8_t>(),
-                                              tables.data_ptr<int64_t>(), lens.data_ptr<int64_t>(), out.data_ptr<scalar_t>(),
-                                              B, Hq, Hkv, D, BS, tables.size(1), static_cast<float>(scale), window,
-                                              k_scales->data_ptr<float>(), v_scales->data_ptr<float>());
+                "an int8 or fp8 KV cache needs its float scales [num_blocks, kv_heads, block_size]");
+    pagoda::dispatch_scaled_code(k_cache.scalar_type(), "paged_decode_attention", [&](auto code) {
+      using code_t = decltype(code);
+      AT_DISPATCH_FLOATING_TYPES_AND2(at::ScalarType::BFloat16, at::ScalarType::Half, q.scalar_type(), "paged_decode_attention", [&] {
+        decode_attention_impl<scalar_t, code_t>(qc.data_ptr<scalar_t>(), k_cache.data_ptr<code_t>(), v_cache.data_ptr<code_t>(),
+                                                tables.data_ptr<int64_t>(), lens.data_ptr<int64_t>(), out.data_ptr<scalar_t>(),
+                                                B, Hq, Hkv, D, BS, tables.size(1), static_cast<float>(scale), window,
+                                                k_scales->data_ptr<float>(), v_scales->data_ptr<float>());
+      });
     });
     return out;
   }

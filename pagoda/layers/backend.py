@@ -24,6 +24,7 @@ import torch.nn.functional as F
 
 from pagoda.forward_context import AttentionMetadata, PrefillSeq
 from pagoda.scoped import Scoped
+from pagoda.worker.kv_cache import SCALED_KV_DTYPES
 
 logger = logging.getLogger(__name__)
 
@@ -107,11 +108,11 @@ class TorchBackend:
     def write_kv(self, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta,
                  k_scales: torch.Tensor | None = None, v_scales: torch.Tensor | None = None) -> None:
         """K/V of the step's tokens into their slots: rounded where --kv-cache-dtype is narrower,
-        quantized per (token, head) with the scales beside them for an int8 cache."""
+        quantized per (token, head) with the scales beside them for an int8 or fp8 cache."""
         blocks, offsets = meta.slot_blocks_and_offsets()
-        if k_cache.dtype == torch.int8:
+        if k_cache.dtype in SCALED_KV_DTYPES:
             for x, cache, scales in ((k, k_cache, k_scales), (v, v_cache, v_scales)):
-                values, row_scales = quantize_rows(x)
+                values, row_scales = quantize_rows(x, k_cache.dtype)
                 cache[blocks, :, offsets] = values
                 scales[blocks, :, offsets] = row_scales
             return
@@ -272,7 +273,7 @@ def gather_blocks(cache: torch.Tensor, block_table: torch.Tensor) -> torch.Tenso
 
 def read_blocks(cache: torch.Tensor, scales: torch.Tensor | None, block_table: torch.Tensor,
                 dtype: torch.dtype) -> torch.Tensor:
-    """``gather_blocks`` widened to ``dtype``: an int8 cache times its per-(token, head) scales."""
+    """``gather_blocks`` widened to ``dtype``: an int8 or fp8 cache times its per-(token, head) scales."""
     x = gather_blocks(cache, block_table)
     if scales is None:
         return x.to(dtype)
@@ -280,13 +281,18 @@ def read_blocks(cache: torch.Tensor, scales: torch.Tensor | None, block_table: t
     return (x.float() * row_scales.unsqueeze(-1)).to(dtype)
 
 
-def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """[..., D] → int8 values and one float scale per row (its largest magnitude / 127; 0 for a
-    row of zeros), rounded to nearest even: what the C++ write_kv_cache stores for an int8 cache."""
+def quantize_rows(x: torch.Tensor, dtype: torch.dtype = torch.int8) -> tuple[torch.Tensor, torch.Tensor]:
+    """[..., D] → codes of ``dtype`` (int8, fp8 e4m3 / e5m2) and one float scale per row (its
+    largest magnitude over the code's largest value, ``SCALED_KV_DTYPES``; 0 for a row of zeros),
+    divided and rounded to nearest even: what the C++ write_kv_cache stores for such a cache."""
+    largest = SCALED_KV_DTYPES[dtype]
     x = x.float()
-    scales = x.abs().amax(dim=-1) / 127.0
+    scales = x.abs().amax(dim=-1) / largest
     divisor = torch.where(scales > 0, scales, torch.ones_like(scales))
-    return torch.round(x / divisor.unsqueeze(-1)).to(torch.int8), scales
+    scaled = x / divisor.unsqueeze(-1)
+    if dtype == torch.int8:
+        return torch.round(scaled).to(torch.int8), scales
+    return scaled.clamp_(-largest, largest).to(dtype), scales
 
 
 def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

@@ -6,12 +6,22 @@ import torch
 
 GiB = 1 << 30
 
+# Caches that store each (token, head) row of K or V as narrow codes and one float scale (the
+# row's largest magnitude over the code's largest value): int8 as llama.cpp's q8_0 with a row for
+# a block; fp8 (e4m3, e5m2) as vLLM's fp8 caches, with a scale per row instead of per tensor, so
+# no calibration is needed and a row of small values keeps its precision.
+SCALED_KV_DTYPES: dict[torch.dtype, float] = {
+    torch.int8: 127.0,
+    torch.float8_e4m3fn: 448.0,
+    torch.float8_e5m2: 57344.0,
+}
+
 
 def bytes_per_block(num_slots: int, block_size: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype) -> int:
     """A block's K and V for ``num_slots`` layers (every layer, or a KV cache group's slots:
     core/kv_cache_groups.py)."""
     element = torch.empty((), dtype=dtype).element_size()
-    scale = 4 if dtype == torch.int8 else 0  # an int8 cache's float scale per token and head
+    scale = 4 if dtype in SCALED_KV_DTYPES else 0  # a float scale per token and head
     return 2 * num_slots * block_size * num_kv_heads * (head_dim * element + scale)
 
 
@@ -37,8 +47,8 @@ def allocate_kv_cache(
 
 def allocate_kv_scales(num_slots: int, num_blocks: int, block_size: int, num_kv_heads: int,
                        dtype: torch.dtype, device: torch.device) -> torch.Tensor | None:
-    """An int8 cache's scales, [2, slots, blocks, kv_heads, block_size] float32 (one per token and
-    head, for K and V); None for a float cache."""
-    if dtype != torch.int8:
+    """An int8 or fp8 cache's scales, [2, slots, blocks, kv_heads, block_size] float32 (one per
+    token and head, for K and V); None for a float cache."""
+    if dtype not in SCALED_KV_DTYPES:
         return None
     return torch.zeros(2, num_slots, num_blocks, num_kv_heads, block_size, dtype=torch.float32, device=device)

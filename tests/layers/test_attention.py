@@ -10,6 +10,7 @@ from pagoda.forward_context import AttentionMetadata, PrefillSeq, set_attention_
 from pagoda.layers.attention import PagedAttention
 from pagoda.layers.backend import TorchBackend
 from pagoda.layers.cpu_kernels import load_cpu_kernels
+from pagoda.worker.kv_cache import SCALED_KV_DTYPES
 
 
 def _reference(q, k, v, scale):
@@ -77,13 +78,14 @@ BLOCKS, T = [5, 2, 11], 10  # one sequence: a prefill of 9 tokens, then a decode
 
 
 def _narrow_and_wide(use_kernel: bool, cache_dtype: torch.dtype) -> tuple[PagedAttention, PagedAttention]:
-    """A layer over a cache of ``cache_dtype`` (an int8 one with its scales) and one over fp32."""
+    """A layer over a cache of ``cache_dtype`` (an int8 or fp8 one with its scales) and one over fp32."""
     if use_kernel and load_cpu_kernels() is None:
         pytest.skip("no compiler for the CPU kernel here")
     narrow, wide = PagedAttention(HQ, HKV, D, scale=D**-0.5), PagedAttention(HQ, HKV, D, scale=D**-0.5)
     if not use_kernel:
         narrow.backend = wide.backend = TorchBackend()
-    scales = (torch.zeros(NB, HKV, BS), torch.zeros(NB, HKV, BS)) if cache_dtype == torch.int8 else (None, None)
+    scaled = cache_dtype in SCALED_KV_DTYPES
+    scales = (torch.zeros(NB, HKV, BS), torch.zeros(NB, HKV, BS)) if scaled else (None, None)
     narrow.bind_kv_cache(torch.zeros(NB, HKV, BS, D, dtype=cache_dtype), torch.zeros(NB, HKV, BS, D, dtype=cache_dtype),
                          0, *scales)
     wide.bind_kv_cache(torch.zeros(NB, HKV, BS, D), torch.zeros(NB, HKV, BS, D))
@@ -127,29 +129,40 @@ def test_a_narrower_cache_is_read_as_the_rounded_values(use_kernel, cache_dtype)
         torch.testing.assert_close(got, want, atol=1e-6, rtol=1e-6)
 
 
+# a code's rounding error, at most: a share of the value (half a step of its mantissa) or a share
+# of the row's scale (half the smallest step: int8's 1, the fp8 formats' least subnormal)
+ROUNDING = {torch.int8: (0.0, 0.5), torch.float8_e4m3fn: (2.0**-4, 2.0**-10), torch.float8_e5m2: (2.0**-3, 2.0**-17)}
+
+
 @pytest.mark.parametrize("use_kernel", [True, False])
-def test_an_int8_cache_holds_rows_and_their_scales(use_kernel):
-    """--kv-cache-dtype int8: each (token, head) row of K/V is stored as int8 with its scale
-    (largest magnitude / 127), the same on the C++ kernel and the torch path, and attention reads
-    values times scales: the fp32 path over a float cache holding those values."""
+@pytest.mark.parametrize("cache_dtype", list(ROUNDING), ids=str)
+def test_a_scaled_cache_holds_rows_and_their_scales(use_kernel, cache_dtype):
+    """--kv-cache-dtype int8 / fp8_e4m3 / fp8_e5m2: each (token, head) row of K/V is stored as
+    codes with its scale (largest magnitude / the largest code), the same on the C++ kernel and
+    the torch path, and attention reads codes times scales: the fp32 path over a float cache
+    holding those values."""
     from pagoda.layers.backend import quantize_rows
 
-    narrow, wide = _narrow_and_wide(use_kernel, torch.int8)
+    narrow, wide = _narrow_and_wide(use_kernel, cache_dtype)
     torch.manual_seed(2)
     k, v, q = torch.randn(T, HKV, D), torch.randn(T, HKV, D), torch.randn(T, HQ, D)
     k[3, 1] = 0.0  # a row of zeros: scale 0, values 0
+    k[2, 0, :4] = torch.tensor([1e-4, -3e-3, 40.0, 1e-6])  # small values beside a large one: fp8's subnormals
     prefill, decode = _prefill_then_decode_metadata()
     with set_attention_metadata(prefill):
         narrow(q[:9], k[:9], v[:9])
-    values, scales = quantize_rows(k[:4])
-    assert torch.equal(narrow.k_cache[BLOCKS[0]], values.transpose(0, 1))
+    values, scales = quantize_rows(k[:4], cache_dtype)
+    assert values.dtype == cache_dtype
+    assert torch.equal(narrow.k_cache[BLOCKS[0]].view(torch.uint8), values.transpose(0, 1).view(torch.uint8))
     assert torch.equal(narrow.k_scales[BLOCKS[0]], scales.transpose(0, 1)) and narrow.k_scales[BLOCKS[0], 1, 3] == 0
-    assert (k[:4] - values * scales.unsqueeze(-1)).abs().max() <= scales.max() / 2 + 1e-6  # half a step at most
+    relative, absolute = ROUNDING[cache_dtype]
+    error = (k[:4] - values.float() * scales.unsqueeze(-1)).abs()
+    assert (error <= relative * k[:4].abs() + absolute * scales.unsqueeze(-1) + 1e-7).all()
     wide.k_cache.copy_(narrow.k_cache.float() * narrow.k_scales.unsqueeze(-1))
     wide.v_cache.copy_(narrow.v_cache.float() * narrow.v_scales.unsqueeze(-1))
 
     def dequantized(x: torch.Tensor) -> torch.Tensor:
-        values, scales = quantize_rows(x)
+        values, scales = quantize_rows(x, cache_dtype)
         return values.float() * scales.unsqueeze(-1)
 
     with set_attention_metadata(decode):
@@ -157,3 +170,25 @@ def test_an_int8_cache_holds_rows_and_their_scales(use_kernel):
     with set_attention_metadata(decode):
         want = wide(q[9:], dequantized(k[9:]), dequantized(v[9:]))
     torch.testing.assert_close(got, want, atol=1e-6, rtol=1e-6)
+
+
+@pytest.mark.parametrize("cache_dtype", [torch.float8_e4m3fn, torch.float8_e5m2], ids=str)
+def test_the_kernel_widens_every_fp8_code_as_torch_does(cache_dtype):
+    """Every finite fp8 code (normal, subnormal, both zeros), read by the paged kernel from a
+    cache's values at a row of one position (the output is that row times its scale), equals
+    torch's own conversion: the kernel's fp16 route (kv_codes.h) is exact, in its vector paths
+    and the scalar tail alike (D = 272: 17 vectors of 16)."""
+    ops = load_cpu_kernels()
+    if ops is None:
+        pytest.skip("no compiler for the CPU kernel here")
+    codes = torch.arange(256, dtype=torch.uint8).view(cache_dtype)
+    codes = codes[codes.float().isfinite()]
+    d = 272
+    row = torch.cat([codes, codes[: d - len(codes)]]) if len(codes) < d else codes[:d]
+    v_cache = torch.zeros(1, 1, BS, d, dtype=cache_dtype)
+    v_cache[0, 0, 0] = row
+    scale = 0.375
+    k_scales, v_scales = torch.ones(1, 1, BS), torch.full((1, 1, BS), scale)
+    out = ops.paged_decode_attention(torch.randn(1, 1, d), torch.zeros_like(v_cache), v_cache, torch.tensor([[0]]),
+                                     torch.tensor([1]), 1.0, 0, k_scales, v_scales)
+    assert torch.equal(out[0, 0], row.float() * scale)

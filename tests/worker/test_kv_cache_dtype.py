@@ -1,5 +1,5 @@
 """--kv-cache-dtype: an fp32 model over a bf16 / fp16 KV cache holds twice the blocks in the same
-budget, over an int8 one (a scale per token and head) about 3.5 times, and stays close to the
+budget, over an int8 or fp8 one (a scale per token and head) about 3.5 times, and stays close to the
 fp32 cache's answers (its K/V rounded once, as they are written), through the C++ kernels (the
 one-call decoder stack included, for bf16 / fp16) and the pure-torch fallback."""
 
@@ -19,10 +19,10 @@ def answers(model, kv_cache_dtype: str) -> tuple[int, list]:
     return llm.engine.core.num_blocks, [o.outputs[0] for o in outs]
 
 
-def assert_close_to(reference: list, outs: list, atol: float = 0.02, exact: bool = True) -> None:
+def assert_close_to(reference: list, outs: list, atol: float = 0.02, exact: bool = True, agree: float = 0.75) -> None:
     """The same greedy tokens, each chosen with a logprob within ``atol`` of the fp32 cache's. Not
     ``exact``: a continuation may part from the reference after a near tie (the random tiny
-    model has many), but not before three quarters of the tokens overall, and the logprobs up
+    model has many), but not before a share ``agree`` of the tokens overall, and the logprobs up
     to where they part stay within ``atol``."""
     same = total = 0
     for ref, out in zip(reference, outs, strict=True):
@@ -32,7 +32,7 @@ def assert_close_to(reference: list, outs: list, atol: float = 0.02, exact: bool
         same, total = same + parted, total + len(ref.token_ids)
         for a, b, token in zip(ref.logprobs[:parted], out.logprobs[:parted], ref.token_ids[:parted]):
             assert abs(a[token].logprob - b[token].logprob) < atol
-    assert same >= 0.75 * total
+    assert same >= agree * total
 
 
 @pytest.fixture(scope="module")
@@ -51,17 +51,23 @@ def test_narrower_cache_holds_twice_the_blocks_and_the_same_answers(tiny_llama, 
 def test_narrower_cache_on_the_torch_fallback(tiny_llama, fp32_cache, torch_kernels_only):
     assert_close_to(fp32_cache[1], answers(tiny_llama, "bf16")[1])
     assert_close_to(fp32_cache[1], answers(tiny_llama, "int8")[1], atol=0.05, exact=False)
+    assert_close_to(fp32_cache[1], answers(tiny_llama, "fp8")[1], atol=0.05, exact=False)
 
 
-def test_int8_cache(tiny_llama, fp32_cache):
+@pytest.mark.parametrize("kv_cache_dtype, atol, agree", [("int8", 0.05, 0.75), ("fp8", 0.05, 0.75), ("fp8_e5m2", 0.1, 0.3)])
+def test_scaled_cache(tiny_llama, fp32_cache, kv_cache_dtype, atol, agree):
+    """int8, fp8 (e4m3) and fp8_e5m2: a byte a value and a 4-byte scale a row. e5m2 keeps two
+    mantissa bits (a value within 12.5 %), e4m3 three: on the random tiny model, whose choices
+    are near ties, e5m2's continuations part from fp32's early (about 40 % of the tokens held
+    here), so its bounds are looser; benchmarks/README.md has SmolLM2's figures."""
     import json
 
     blocks, reference = fp32_cache
     config = json.loads((tiny_llama / "config.json").read_text())
     head_dim = config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"]
-    int8_blocks, outs = answers(tiny_llama, "int8")
-    assert abs(int8_blocks / blocks - 4 * head_dim / (head_dim + 4)) < 1e-3  # 1 byte a value, a 4-byte scale a row
-    assert_close_to(reference, outs, atol=0.05, exact=False)
+    scaled_blocks, outs = answers(tiny_llama, kv_cache_dtype)
+    assert abs(scaled_blocks / blocks - 4 * head_dim / (head_dim + 4)) < 1e-3  # 1 byte a value, a 4-byte scale a row
+    assert_close_to(reference, outs, atol=atol, exact=False, agree=agree)
 
 
 def test_unknown_kv_cache_dtype_is_refused(tiny_llama):
