@@ -1,11 +1,12 @@
 """How much of a batch-64 decode step is Python: issue 13's "Python time per step under 2 %".
 
     python benchmarks/step_python_share.py                     # gguf and fp32, writes results/step-python-share-<date>.json
-    python benchmarks/step_python_share.py --profile gguf      # and a cProfile of the steps' Python, top 25
+    python benchmarks/step_python_share.py --profile gguf      # and a cProfile of the steps' Python, top 40
 
 In process, through ``LLMEngine.step`` (the loop ``LLM.generate`` runs): SmolLM2-135M-Instruct,
 ``--batch`` requests of 128 prompt tokens decoding greedily, ``--steps`` decode steps after the
-prefill. Timers (``time.perf_counter``, wrapped around the engine's own objects) split each step:
+prefill, each request's output handed out as deltas (what the server's streams take; CUMULATIVE
+would rebuild every request's whole text and token list each step, which no caller asks for). Timers (``time.perf_counter``, wrapped around the engine's own objects) split each step:
 
 - model: the model's forward (the C++ decoder stack / torch ops), ``compute_logits`` (the head's
   GEMM) and the sampler (argmax / softmax over the vocabulary): torch and C++ time;
@@ -44,19 +45,26 @@ class Timers:
     """Wraps callables so that each call's wall time is added to a named bucket."""
 
     def __init__(self) -> None:
+        self.profiler: cProfile.Profile | None = None  # paused inside the model's buckets
         self.totals: dict[str, float] = defaultdict(float)
         self.per_step: dict[str, list[float]] = defaultdict(list)
         self._step: dict[str, float] = defaultdict(float)
 
-    def wrap(self, owner: object, name: str, bucket: str) -> None:
+    def wrap(self, owner: object, name: str, bucket: str, model: bool = False) -> None:
+        """``model``: the bucket is torch / C++ time, left out of the profile of the Python."""
         inner = getattr(owner, name)
 
         def timed(*args, **kwargs):
+            pause = model and self.profiler is not None
+            if pause:
+                self.profiler.disable()
             start = time.perf_counter()
             try:
                 return inner(*args, **kwargs)
             finally:
                 self._step[bucket] += time.perf_counter() - start
+                if pause:
+                    self.profiler.enable()
 
         setattr(owner, name, timed)
 
@@ -72,28 +80,30 @@ def measure(quantization: str | None, batch: int, steps: int, profile: bool) -> 
     import torch
 
     from pagoda import LLM, SamplingParams
+    from pagoda.sampling_params import RequestOutputKind
 
     llm = LLM(model="smollm2-135m-instruct", kv_cache_memory=1.0, quantization=quantization)
     engine = llm.engine
     core = engine.core
     runner = core.runner
     timers = Timers()
-    timers.wrap(runner, "forward", "model forward")
-    timers.wrap(runner.model, "compute_logits", "head (logits)")
-    timers.wrap(runner, "sampler", "sampler")
+    timers.wrap(runner, "forward", "model forward", model=True)
+    timers.wrap(runner.model, "compute_logits", "head (logits)", model=True)
+    timers.wrap(runner, "sampler", "sampler", model=True)
     timers.wrap(core.scheduler, "schedule", "scheduler.schedule")
     timers.wrap(core.scheduler, "update", "scheduler.update")
     timers.wrap(core.executor, "execute_model", "runner.execute")
     timers.wrap(engine.output_processor, "process_outputs", "output processor")
     for i in range(batch):
         engine.add_request(f"r{i}", {"prompt_token_ids": [1 + (i * 7 + j) % 500 for j in range(PROMPT_LEN)]},
-                           SamplingParams(temperature=0, max_tokens=steps + 3, ignore_eos=True))
+                           SamplingParams(temperature=0, max_tokens=steps + 3, ignore_eos=True,
+                                          output_kind=RequestOutputKind.DELTA))
     while any(r.num_computed_tokens < r.num_prompt_tokens for r in core.scheduler.requests.values()):
         engine.step()  # the prefill
         timers.end_step(keep=False)
     engine.step()  # one decode step to warm up
     timers.end_step(keep=False)
-    profiler = cProfile.Profile() if profile else None
+    profiler = timers.profiler = cProfile.Profile() if profile else None
     step_times = []
     for _ in range(steps):
         if len(core.scheduler.running) != batch:
@@ -123,7 +133,7 @@ def measure(quantization: str | None, batch: int, steps: int, profile: bool) -> 
     }
     if profiler:
         text = io.StringIO()
-        pstats.Stats(profiler, stream=text).sort_stats("tottime").print_stats(25)
+        pstats.Stats(profiler, stream=text).sort_stats(os.environ.get("PROFILE_SORT", "tottime")).print_stats(40)
         result["profile_top"] = text.getvalue()
     llm.shutdown()
     return result

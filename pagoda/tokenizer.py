@@ -83,6 +83,11 @@ class Tokenizer:
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
         return self._tok.decode(ids, skip_special_tokens=skip_special_tokens)
 
+    @property
+    def backend(self) -> HFTokenizer:
+        """The tokenizers library's object (its ``DecodeStream`` decodes through it)."""
+        return self._tok
+
     def convert_ids_to_tokens(self, ids: list[int]) -> list[str]:
         return [self._tok.id_to_token(i) or "" for i in ids]
 

@@ -178,6 +178,8 @@ class KVCacheManager:
         evicting unused cached ones.
         """
         need = self.blocks_needed(request, num_new_tokens)
+        if need == 0:
+            return True  # most decode steps: the last block has room
         if need > self.num_free_blocks and self.sessions:
             self.sessions.release_for(need, lambda: self.num_free_blocks)
         if need > self.num_free_blocks:
@@ -185,14 +187,13 @@ class KVCacheManager:
         short = need - self.pool.num_free_blocks
         if short > 0:
             self.pool.free(self.cache.evict(short))
-        if need:
-            per_group = need // self.num_groups
-            request.block_ids.extend(self.pool.allocate(per_group))
-            if self.num_groups > 1:
-                if not request.group_block_ids:
-                    request.group_block_ids = [[] for _ in range(self.num_groups - 1)]
-                for ids in request.group_block_ids:
-                    ids.extend(self.pool.allocate(per_group))
+        per_group = need // self.num_groups
+        request.block_ids.extend(self.pool.allocate(per_group))
+        if self.num_groups > 1:
+            if not request.group_block_ids:
+                request.group_block_ids = [[] for _ in range(self.num_groups - 1)]
+            for ids in request.group_block_ids:
+                ids.extend(self.pool.allocate(per_group))
         return True
 
     def cache_computed_blocks(self, request: Request) -> None:

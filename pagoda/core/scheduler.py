@@ -33,6 +33,7 @@ the last one, see scheduler_output.py) and answer with a ``ModelRunnerOutput``.
 from __future__ import annotations
 
 import logging
+import operator
 import time
 from dataclasses import dataclass, field
 
@@ -42,6 +43,8 @@ from pagoda.core.scheduler_output import CachedRequestData, NewRequestData, Sche
 from pagoda.engine_args import SCHEDULING_POLICIES
 from pagoda.outputs import ModelRunnerOutput
 from pagoda.request import Request, RequestStatus
+
+_ARRIVAL = operator.attrgetter("arrival_time", "arrival_seq")  # the fcfs order
 
 logger = logging.getLogger(__name__)
 
@@ -176,6 +179,8 @@ class Scheduler:
         return request.priority + int(max(0.0, now - request.arrival_time) / self.aging_seconds)
 
     def _key(self, now: float):
+        if self.policy == "fcfs":
+            return _ARRIVAL  # everyone's priority is 0: the same order, without a Python call a request
         return lambda r: (-self.effective_priority(r, now), r.arrival_time, r.arrival_seq)
 
     # -- queue management -------------------------------------------------------------------

@@ -4,10 +4,15 @@ Decoding token by token breaks characters that span tokens (Chinese, emoji, byte
 pieces) and loses leading spaces that some decoders strip at the start of a string. The usual
 remedy (vLLM, TGI): decode a short window of the previous tokens together with the new ones and
 emit only the text past the window's old end, and hold back text that ends in an incomplete
-character (U+FFFD) until the next token completes it.
+character (U+FFFD) until the next token completes it. tokenizers' ``DecodeStream`` does exactly
+that in Rust, one call a token (two ``decode`` calls and their list slices in Python cost ~5x
+more: at 64 streams that was most of the output processor's time a step); at the end, text
+still held back is decoded here, broken character and all, so nothing is lost.
 """
 
 from __future__ import annotations
+
+from tokenizers.decoders import DecodeStream
 
 from pagoda.tokenizer import Tokenizer
 
@@ -18,36 +23,44 @@ class IncrementalDetokenizer:
     def __init__(self, tokenizer: Tokenizer, prompt_token_ids: list[int], skip_special_tokens: bool = True) -> None:
         self.tokenizer = tokenizer
         self.skip_special_tokens = skip_special_tokens
-        self.tokens: list[int] = list(prompt_token_ids[-_INITIAL_WINDOW:])
-        self.prefix_offset = 0
-        self.read_offset = len(self.tokens)
+        window = list(prompt_token_ids[-_INITIAL_WINDOW:])
+        self._stream = DecodeStream(window, skip_special_tokens=skip_special_tokens)
+        self._context = window  # the last tokens whose text was emitted (the window for flush)
+        self._pending: list[int] = []  # tokens whose text is held back (an incomplete character)
         self.output_text = ""
-
-    def _decode(self, ids: list[int]) -> str:
-        return self.tokenizer.decode(ids, skip_special_tokens=self.skip_special_tokens)
 
     def step(self, new_token_ids: list[int]) -> str:
         """Add tokens; return the newly completed text (may be '' while a character is split)."""
         delta_parts = []
         for token in new_token_ids:
-            self.tokens.append(token)
-            prefix = self._decode(self.tokens[self.prefix_offset : self.read_offset])
-            full = self._decode(self.tokens[self.prefix_offset :])
-            if len(full) > len(prefix) and not full.endswith("\ufffd"):
-                delta_parts.append(full[len(prefix) :])
-                self.prefix_offset = self.read_offset
-                self.read_offset = len(self.tokens)
+            self._pending.append(token)
+            try:
+                chunk = self._stream.step(self.tokenizer.backend, token)
+            except Exception:  # the window's text changed as tokens came (InvalidPrefix): decode it here
+                chunk = self._decode_pending(final=False)
+                self._stream = DecodeStream(self._context + self._pending, skip_special_tokens=self.skip_special_tokens)
+            if chunk is not None:
+                delta_parts.append(chunk)
+                self._context = (self._context + self._pending)[-_INITIAL_WINDOW:]
+                self._pending = []
         delta = "".join(delta_parts)
         self.output_text += delta
         return delta
 
     def flush(self) -> str:
         """At the end of generation, emit whatever is still held back (even a broken char)."""
-        if self.read_offset < len(self.tokens):
-            prefix = self._decode(self.tokens[self.prefix_offset : self.read_offset])
-            full = self._decode(self.tokens[self.prefix_offset :])
-            delta = full[len(prefix) :] if full.startswith(prefix) else ""
-            self.read_offset = len(self.tokens)
-            self.output_text += delta
-            return delta
-        return ""
+        if not self._pending:
+            return ""
+        delta = self._decode_pending(final=True) or ""
+        self._context, self._pending = (self._context + self._pending)[-_INITIAL_WINDOW:], []
+        self.output_text += delta
+        return delta
+
+    def _decode_pending(self, final: bool) -> str | None:
+        """The held-back tokens' text (the window with them, less the window alone), or None
+        while it ends in an incomplete character, unless ``final``."""
+        prefix = self.tokenizer.decode(self._context, skip_special_tokens=self.skip_special_tokens)
+        full = self.tokenizer.decode(self._context + self._pending, skip_special_tokens=self.skip_special_tokens)
+        if not final and (len(full) <= len(prefix) or full.endswith("\ufffd")):
+            return None
+        return full[len(prefix) :]

@@ -55,6 +55,8 @@ class RequestState:
 
     @property
     def finished(self) -> bool:
+        if len(self.samples) == 1:  # most requests: no generator for one sample
+            return self.samples[0].finish_reason is not None
         return all(s.finish_reason is not None for s in self.samples)
 
 

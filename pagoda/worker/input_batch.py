@@ -38,6 +38,10 @@ class InputBatch:
         self.max_blocks = -(-max_model_len // block_size)
         self.index: dict[str, int] = {}  # request id → row
         self.states: dict[str, RequestState] = {}
+        self.prompt_logprob_ids: set[str] = set()  # requests that asked for prompt logprobs
+        # requests whose sampling needs a look at their parameters one by one: a seed, logit
+        # bias, min_tokens or logprobs (the rest of a batch is gathered from the arrays)
+        self.special_ids: set[str] = set()
         self._free_rows: list[int] = []
         self._capacity = 0
         self._grow(capacity)
@@ -72,8 +76,7 @@ class InputBatch:
             self.remove(rid)
         for new in sched.new_requests:
             self.add(new)
-        for cached in sched.cached_requests:
-            self.update(cached)
+        self._update_all(sched.cached_requests)
         for req_id, drafts in sched.scheduled_spec_tokens.items():
             # inputs after the last token, for this step only: the next message's new tokens
             # (what was accepted) overwrite them
@@ -89,6 +92,10 @@ class InputBatch:
         p = new.sampling_params
         generator = torch.Generator().manual_seed(p.seed) if p.seed is not None else None
         self.states[new.req_id] = RequestState(new.req_id, p, generator)
+        if p.prompt_logprobs is not None:
+            self.prompt_logprob_ids.add(new.req_id)
+        if generator is not None or p.logit_bias or p.min_tokens or p.logprobs is not None:
+            self.special_ids.add(new.req_id)
         tokens = new.prompt_token_ids + new.output_token_ids
         self.token_ids[row, : len(tokens)] = tokens
         self.num_tokens[row] = len(tokens)
@@ -97,6 +104,28 @@ class InputBatch:
         self.num_blocks[row] = 0
         self._append_blocks(row, new.block_ids, new.group_block_ids)
         self._set_sampling(row, p)
+
+    def _update_all(self, cached: list[CachedRequestData]) -> None:
+        """``update`` for each, with the usual decode step's deltas (one new token, no resume)
+        written for all rows at once: a numpy call per field, not per request."""
+        if len(cached) < 8:
+            for c in cached:
+                self.update(c)
+            return
+        one_token = [c for c in cached if len(c.new_token_ids) == 1 and not c.resumed_from_preemption]
+        for c in cached:
+            if len(c.new_token_ids) != 1 or c.resumed_from_preemption:
+                self.update(c)
+        if not one_token:
+            return
+        rows = self.rows([c.req_id for c in one_token])
+        n = self.num_tokens[rows]
+        self.token_ids[rows, n] = [c.new_token_ids[0] for c in one_token]
+        self.num_tokens[rows] = n + 1
+        self.num_computed[rows] = [c.num_computed_tokens for c in one_token]
+        for row, c in zip(rows.tolist(), one_token):
+            if c.new_block_ids or any(c.new_group_block_ids):
+                self._append_blocks(row, c.new_block_ids, c.new_group_block_ids)
 
     def update(self, cached: CachedRequestData) -> None:
         row = self.index[cached.req_id]
@@ -112,6 +141,8 @@ class InputBatch:
         row = self.index.pop(req_id, None)
         if row is not None:
             self.states.pop(req_id, None)
+            self.prompt_logprob_ids.discard(req_id)
+            self.special_ids.discard(req_id)
             self._free_rows.append(row)
 
     def _append_blocks(self, row: int, block_ids: list[int], group_block_ids: list[list[int]]) -> None:

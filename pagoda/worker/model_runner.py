@@ -116,8 +116,8 @@ class ModelRunner:
             with set_attention_metadata(meta):
                 hidden = self.forward(input_ids.to(self.device), positions.to(self.device))
             if sample_idx:
-                flat = [int(lay.offsets[i] + lay.counts[i] - 1) for i in sample_idx]
-                logits = self.model.compute_logits(hidden[flat])
+                flat = torch.from_numpy((lay.offsets + lay.counts - 1)[sample_idx])  # each one's last row
+                logits = self.model.compute_logits(hidden[flat.to(hidden.device)])
                 if self.is_driver:
                     self._sample(logits.float().cpu(), [lay.req_ids[i] for i in sample_idx], sched, out)
             if verify_idx:
@@ -202,24 +202,27 @@ class ModelRunner:
         """Which requests sample (they complete their tokens this step), which verify drafts
         (every row of theirs), and which flat rows need logits for prompt logprobs."""
         b = self.batch
-        sample_idx: list[int] = []
+        complete = lay.starts + lay.counts == b.num_tokens[lay.rows]  # its last token runs this step
         verify_idx: list[int] = []
+        if sched.scheduled_spec_tokens:
+            verifying = np.fromiter((rid in sched.scheduled_spec_tokens for rid in lay.req_ids), dtype=bool,
+                                    count=len(lay.req_ids))
+            verify_idx = np.flatnonzero(verifying).tolist()
+            complete &= ~verifying
+        sample_idx: list[int] = np.flatnonzero(complete).tolist()
         prompt_rows = []
-        for i, rid in enumerate(lay.req_ids):
+        for i, rid in enumerate(lay.req_ids if b.prompt_logprob_ids else ()):
+            if rid not in b.prompt_logprob_ids:
+                continue
             row, start, n, offset = int(lay.rows[i]), int(lay.starts[i]), int(lay.counts[i]), int(lay.offsets[i])
-            if rid in sched.scheduled_spec_tokens:
-                verify_idx.append(i)
-            elif start + n == b.num_tokens[row]:
-                sample_idx.append(i)
             state = b.states[rid]
             k = state.sampling_params.prompt_logprobs
-            if k is not None:
-                begin = max(start, state.num_prompt_logprobs_done)
-                end = min(start + n, int(b.num_prompt[row]) - 1)
-                if end > begin:
-                    rows = list(range(offset + begin - start, offset + end - start))
-                    prompt_rows.append((rid, rows, b.token_ids[row, begin + 1 : end + 1].tolist(), k))
-                    state.num_prompt_logprobs_done = end
+            begin = max(start, state.num_prompt_logprobs_done)
+            end = min(start + n, int(b.num_prompt[row]) - 1)
+            if end > begin:
+                rows = list(range(offset + begin - start, offset + end - start))
+                prompt_rows.append((rid, rows, b.token_ids[row, begin + 1 : end + 1].tolist(), k))
+                state.num_prompt_logprobs_done = end
         return sample_idx, verify_idx, prompt_rows
 
     def _sample(self, logits: torch.Tensor, req_ids: list[str], sched: SchedulerOutput,
@@ -244,7 +247,8 @@ class ModelRunner:
         b, vocab = self.batch, self.vocab_size
         rows = b.rows(req_ids)
         ends = b.num_tokens[rows] + (steps if steps is not None else 0)  # each row's tokens so far
-        states = [b.states[r] for r in req_ids]
+        # (row, state) of the rows whose parameters are looked at one by one (InputBatch.special_ids)
+        special = [(i, b.states[r]) for i, r in enumerate(req_ids) if r in b.special_ids] if b.special_ids else []
         greedy = b.greedy[rows]
         top_k, top_p, min_p = b.top_k[rows], b.top_p[rows], b.min_p[rows]
         md = SamplingMetadata(
@@ -254,12 +258,12 @@ class ModelRunner:
             top_k=torch.from_numpy(np.where(top_k > 0, top_k, vocab)) if (top_k > 0).any() else None,
             top_p=torch.from_numpy(top_p) if (top_p < 1.0).any() else None,
             min_p=torch.from_numpy(min_p) if (min_p > 0.0).any() else None,
-            generators={i: s.generator for i, s in enumerate(states) if s.generator is not None and not greedy[i]},
+            generators={i: s.generator for i, s in special if s.generator is not None and not greedy[i]},
         )
         self._add_penalties(md, rows, ends)
-        _add_sparse(md, states, ends - b.num_prompt[rows], vocab)
+        _add_sparse(md, special, ends - b.num_prompt[rows], vocab)
         self._add_grammar_mask(md, req_ids, sched, steps)
-        wanted = [s.sampling_params.logprobs for s in states if s.sampling_params.logprobs is not None]
+        wanted = [s.sampling_params.logprobs for _, s in special if s.sampling_params.logprobs is not None]
         md.max_num_logprobs = max(wanted) if wanted else None
         return md
 
@@ -337,16 +341,17 @@ def _prompt_logprobs(logits: torch.Tensor, targets: list[int], k: int) -> list[T
     return token_logprobs(torch.log_softmax(logits, dim=-1), targets, k)
 
 
-def _add_sparse(md: SamplingMetadata, states, num_output: np.ndarray, vocab_size: int) -> None:
-    """Logit bias and the min_tokens ban of stop tokens: (row, token) pairs, rare, so per request."""
-    bias = [(i, t, v) for i, s in enumerate(states) for t, v in (s.sampling_params.logit_bias or {}).items()
+def _add_sparse(md: SamplingMetadata, special: list, num_output: np.ndarray, vocab_size: int) -> None:
+    """Logit bias and the min_tokens ban of stop tokens: (row, token) pairs, rare, so per request
+    (``special``: (row, state) of the requests that may have them)."""
+    bias = [(i, t, v) for i, s in special for t, v in (s.sampling_params.logit_bias or {}).items()
             if t < vocab_size]
     if bias:
         rows, toks, vals = zip(*bias)
         md.bias_rows, md.bias_tokens = torch.tensor(rows), torch.tensor(toks)
         md.bias_values = torch.tensor(vals, dtype=torch.float32)
     banned = []
-    for i, s in enumerate(states):
+    for i, s in special:
         p = s.sampling_params
         if num_output[i] < p.min_tokens:
             stop_ids = set(p.stop_token_ids) | (set() if p.ignore_eos else p.all_stop_token_ids)

@@ -43,6 +43,25 @@ def test_broken_character_at_the_end_is_flushed(tokenizer):
     assert tail.endswith("\ufffd")  # what is left is shown, not lost
 
 
+def test_a_stream_error_falls_back_to_decoding_the_window(tokenizer):
+    """tokenizers' DecodeStream refuses a window whose text changed as tokens came (InvalidPrefix,
+    which no tokenizer here provokes): the detokenizer then decodes the window itself and starts
+    a new stream, and the text comes out whole."""
+    text = "mixed ascii 和中文 with numbers"
+    ids = tokenizer.encode(text)
+    detok = IncrementalDetokenizer(tokenizer, [])
+
+    class Refusing:
+        def step(self, tokenizer, token):
+            raise Exception("Invalid prefix encountered")
+
+    deltas = [detok.step([ids[0]])]
+    detok._stream = Refusing()
+    deltas += [detok.step([t]) for t in ids[1:4]]
+    deltas += [detok.step([t]) for t in ids[4:]] + [detok.flush()]
+    assert "".join(deltas) == text
+
+
 def test_special_tokens_skipped_or_kept(tokenizer):
     ids = tokenizer.encode("<|im_start|>hi<|im_end|>", add_special_tokens=False)
     skip = IncrementalDetokenizer(tokenizer, [], skip_special_tokens=True)
