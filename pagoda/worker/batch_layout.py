@@ -20,10 +20,16 @@ class BatchLayout:
 
     def __init__(self, req_ids: list[str], rows: np.ndarray, counts: np.ndarray, starts: np.ndarray,
                  decode_like: np.ndarray) -> None:
+        self.num_decode_like = int(decode_like.sum())
+        if self.num_decode_like == len(req_ids) and int(counts.sum()) == len(req_ids):
+            # a decode step: one token a request, in the order given
+            self.req_ids, self.rows, self.counts, self.starts = req_ids, rows, counts, starts
+            self.offsets = np.arange(len(req_ids))
+            self.token_rows, self.positions = rows, starts.copy()
+            return
         order = np.argsort(~decode_like, kind="stable")
         self.req_ids = [req_ids[i] for i in order]
         self.rows, self.counts, self.starts = rows[order], counts[order], starts[order]
-        self.num_decode_like = int(decode_like.sum())
         self.offsets = np.cumsum(self.counts) - self.counts  # first flat row of each request
         self.token_rows = np.repeat(self.rows, self.counts)  # batch row of each flat token
         self.positions = np.repeat(self.starts - self.offsets, self.counts) + np.arange(int(self.counts.sum()))

@@ -42,6 +42,7 @@ class InputBatch:
         # requests whose sampling needs a look at their parameters one by one: a seed, logit
         # bias, min_tokens or logprobs (the rest of a batch is gathered from the arrays)
         self.special_ids: set[str] = set()
+        self.version = 0  # bumped when a request is added or removed (what caches of the rows key on)
         self._free_rows: list[int] = []
         self._capacity = 0
         self._grow(capacity)
@@ -87,6 +88,7 @@ class InputBatch:
     def add(self, new: NewRequestData) -> None:
         if new.req_id in self.index:
             self.remove(new.req_id)
+        self.version += 1
         row = self._take_row()
         self.index[new.req_id] = row
         p = new.sampling_params
@@ -140,6 +142,7 @@ class InputBatch:
     def remove(self, req_id: str) -> None:
         row = self.index.pop(req_id, None)
         if row is not None:
+            self.version += 1
             self.states.pop(req_id, None)
             self.prompt_logprob_ids.discard(req_id)
             self.special_ids.discard(req_id)

@@ -70,6 +70,7 @@ class ModelRunner:
         layers = model.attention_layers()
         groups = kv_groups or KVCacheGroups.single(len(layers))
         self.batch = InputBatch(max_model_len, block_size, num_kv_groups=groups.num_groups)
+        self._last_metadata: tuple[int, list[str], SamplingMetadata] | None = None  # see sampling_metadata
         for attn, group, slot in zip(layers, groups.layer_group, groups.layer_slot):
             scales = (kv_scales[0, slot], kv_scales[1, slot]) if kv_scales is not None else (None, None)
             attn.bind_kv_cache(kv_cache[0, slot], kv_cache[1, slot], group, *scales)
@@ -243,8 +244,16 @@ class ModelRunner:
                           steps: np.ndarray | None = None) -> SamplingMetadata:
         """Row i samples for ``req_ids[i]``; ``steps[i]`` (verification) is how many of its
         request's drafts precede that row, counted as outputs (penalties, min_tokens) and as
-        grammar positions."""
+        grammar positions.
+
+        A decode step whose requests are those of the last one, in the same order, with nothing
+        that changes from step to step (penalties over the outputs, min_tokens, logit bias, seeds,
+        logprobs, a grammar, verification rows), gets the last step's metadata again."""
         b, vocab = self.batch, self.vocab_size
+        reusable = steps is None and sched.grammar_bitmask is None and not b.special_ids
+        last = self._last_metadata
+        if reusable and last is not None and last[0] == b.version and last[1] == req_ids:
+            return last[2]
         rows = b.rows(req_ids)
         ends = b.num_tokens[rows] + (steps if steps is not None else 0)  # each row's tokens so far
         # (row, state) of the rows whose parameters are looked at one by one (InputBatch.special_ids)
@@ -265,6 +274,7 @@ class ModelRunner:
         self._add_grammar_mask(md, req_ids, sched, steps)
         wanted = [s.sampling_params.logprobs for _, s in special if s.sampling_params.logprobs is not None]
         md.max_num_logprobs = max(wanted) if wanted else None
+        self._last_metadata = (b.version, list(req_ids), md) if reusable and md.output_tokens is None else None
         return md
 
     def _add_penalties(self, md: SamplingMetadata, rows: np.ndarray, ends: np.ndarray) -> None:

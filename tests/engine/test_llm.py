@@ -176,3 +176,38 @@ def test_priority_runs_first_when_slots_are_scarce(tiny_llama):
     while engine.has_unfinished_requests():
         order += [o.request_id for o in engine.step() if o.finished]
     assert order == ["high", "low"]
+
+
+def test_a_steady_decode_batch_reuses_its_sampling_metadata(tiny_llama):
+    """Decode steps over the same requests get the last step's sampling metadata again (issue
+    13: Python per step); a request joining or leaving, or parameters that change as tokens come
+    (a repetition penalty), build it afresh, and the tokens are those of a fresh build."""
+    llm = LLM(model=str(tiny_llama), dtype="float32", kv_cache_memory=0.02)
+    engine, runner = llm.engine, llm.engine.core.runner
+    seen = []
+    sample = runner.sampler
+
+    def recording(logits, md):
+        seen.append((md, md.temperature.tolist()))
+        return sample(logits, md)
+
+    runner.sampler = recording
+    short = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
+    hot = SamplingParams(temperature=0.7, top_k=1, max_tokens=12, ignore_eos=True)  # top_k 1: still greedy
+    engine.add_request("a", {"prompt": PROMPTS[0]}, short)
+    engine.add_request("b", {"prompt": PROMPTS[1]}, SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True))
+    outs = {}
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            outs[out.request_id] = out
+        if "a" in outs and "c" not in engine.output_processor.requests and "c" not in outs:
+            engine.add_request("c", {"prompt": PROMPTS[2]}, hot)  # joins as "a" leaves
+    reused = [later is earlier for (earlier, _), (later, _) in zip(seen, seen[1:])]
+    assert any(reused)  # steady steps shared one object
+    assert any(abs(x - 0.7) < 1e-6 for _, t in seen for x in t)  # c's own temperature, in a fresh build
+    alone = _tokens(llm.generate([PROMPTS[2]], SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True), use_tqdm=False))
+    assert outs["c"].outputs[0].token_ids == alone[0]
+    penalized = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True, repetition_penalty=1.3)
+    seen.clear()
+    llm.generate(PROMPTS[:2], penalized, use_tqdm=False)
+    assert not any(later is earlier for (earlier, _), (later, _) in zip(seen, seen[1:]))
