@@ -220,6 +220,12 @@ class KVCacheManager:
         released = self._released_local.get(request.request_id, 0)
         return [[ids[i] if i >= released else None for ids in request.group_block_ids] for i in range(num_blocks)]
 
+    @property
+    def releases_out_of_window(self) -> bool:
+        """Whether ``release_out_of_window`` can ever let a block go (a window, on every layer
+        or on a group's)."""
+        return self.sliding_window is not None or self.local_window is not None
+
     def release_out_of_window(self, request: Request) -> int:
         """After a step: give back the request's blocks no query of its can see again (see
         ``_release_group_blocks`` and ``_release_every_layer``); returns how many it let go now."""

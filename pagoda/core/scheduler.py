@@ -409,25 +409,31 @@ class Scheduler:
         finished = []
         self.spec.draft_seconds += result.spec_draft_seconds
         self.spec.verify_seconds += result.spec_verify_seconds
+        # (looked up once: this loop runs for every request every step)
+        requests, sampled, spec_tokens = self.requests, result.sampled_token_ids, out.scheduled_spec_tokens
+        prompt_logprobs, proposed, kv = result.prompt_logprobs, result.spec_token_ids, self.kv
+        releases = kv.releases_out_of_window
         for rid, num_new in out.num_scheduled_tokens.items():
-            request = self.requests.get(rid)
+            request = requests.get(rid)
             if request is None or request.status.finished:
                 continue  # aborted while the step ran
-            tokens = result.sampled_token_ids.get(rid, [])
-            drafts = out.scheduled_spec_tokens.get(rid, ())
+            tokens = sampled.get(rid, [])
+            drafts = spec_tokens.get(rid, ())
             # KV is valid for the last token and the accepted drafts; the rejected ones' slots
             # are written again later (the one num_computed_tokens rule rolls them back)
             rejected = len(drafts) - (len(tokens) - 1) if drafts else 0
             request.num_computed_tokens += num_new - rejected
-            request.num_prompt_logprobs_done += len(result.prompt_logprobs.get(rid, ()))
+            if prompt_logprobs:
+                request.num_prompt_logprobs_done += len(prompt_logprobs.get(rid, ()))
             if drafts:
                 self.spec.count(len(drafts), len(tokens) - 1)
-            request.spec_token_ids = result.spec_token_ids.get(rid, [])
+            request.spec_token_ids = proposed.get(rid, []) if proposed else []
             stopped = self._append(request, tokens)
             if drafts:  # a stop inside an accepted run leaves computed drafts that were never appended
                 request.num_computed_tokens = min(request.num_computed_tokens, request.num_tokens - 1)
-            self.kv.cache_computed_blocks(request)
-            self.kv.release_out_of_window(request)
+            kv.cache_computed_blocks(request)
+            if releases:
+                kv.release_out_of_window(request)
             if stopped:
                 self._finish(request)
                 finished.append(request)

@@ -230,14 +230,15 @@ class EngineCore:
         self._attach_grammar_bitmask(sched)
         self.trace.begin_step(sched, self.scheduler.requests)
         result = self.executor.execute_model(sched)
-        before = {rid: r.num_output_tokens for rid in sched.num_scheduled_tokens
-                  if (r := self.scheduler.requests.get(rid)) is not None}
+        requests = self.scheduler.requests
+        before = {rid: len(r.output_token_ids) for rid in sched.num_scheduled_tokens
+                  if (r := requests.get(rid)) is not None}
         finished = {r.request_id: r for r in self.scheduler.update(sched, result)}
         self.num_steps += 1
         outputs = failed
         generated = 0
         for rid in sched.num_scheduled_tokens:
-            request = finished.get(rid) or self.scheduler.requests.get(rid)
+            request = finished.get(rid) or requests.get(rid)
             if request is None:
                 continue  # aborted while the step ran
             # what the scheduler appended: the sampled tokens, cut where a stop condition ended the run

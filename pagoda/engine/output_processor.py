@@ -106,8 +106,9 @@ class OutputProcessor:
         now = time.monotonic()
         touched: dict[str, RequestState] = {}
         to_stop: list[str] = []
+        by_core_id = self._by_core_id.get  # (once: the loop runs for every request every step)
         for out in outputs:
-            entry = self._by_core_id.get(out.request_id)
+            entry = by_core_id(out.request_id)
             if entry is None:
                 continue  # aborted meanwhile
             state, sample = entry
