@@ -58,15 +58,15 @@ constexpr float fp16_rescale() {
 }
 
 #ifdef PAGODA_AVX2
-// 8 fp8 codes (as 16-bit lanes holding the byte) → their fp16 bit patterns (see fp16_rescale).
+// 8 fp8 codes → their fp16 bit patterns (see fp16_rescale). e4m3: the codes sign-extended to 16
+// bits and shifted left by 7 hold the exponent and mantissa at fp16's bits 7..13 and the sign at
+// bits 14 and 15; clearing bit 14 leaves the fp16 (one shift and one and).
 template <typename code_t>
-inline __m128i fp8_to_fp16_bits(__m128i bytes) {
+inline __m128i fp8_to_fp16_bits(__m128i raw) {
   if constexpr (std::is_same_v<code_t, c10::Float8_e5m2>) {
-    return _mm_slli_epi16(bytes, 8);
+    return _mm_slli_epi16(_mm_cvtepu8_epi16(raw), 8);
   } else {
-    const __m128i magnitude = _mm_and_si128(_mm_slli_epi16(bytes, 7), _mm_set1_epi16(0x3f80));
-    const __m128i sign = _mm_and_si128(_mm_slli_epi16(bytes, 8), _mm_set1_epi16(static_cast<int16_t>(0x8000)));
-    return _mm_or_si128(magnitude, sign);
+    return _mm_and_si128(_mm_slli_epi16(_mm_cvtepi8_epi16(raw), 7), _mm_set1_epi16(static_cast<int16_t>(0xbf80)));
   }
 }
 
@@ -77,21 +77,21 @@ inline __m256 widen8(const code_t* src, float scale) {
   if constexpr (std::is_same_v<code_t, int8_t>) {
     return _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(raw)), _mm256_set1_ps(scale));
   } else {
-    const __m256 h = _mm256_cvtph_ps(fp8_to_fp16_bits<code_t>(_mm_cvtepu8_epi16(raw)));
+    const __m256 h = _mm256_cvtph_ps(fp8_to_fp16_bits<code_t>(raw));
     return _mm256_mul_ps(h, _mm256_set1_ps(scale * fp16_rescale<code_t>()));
   }
 }
 #endif
 
 #if defined(__AVX512F__)
+// 16 fp8 codes → their fp16 bit patterns, as above.
 template <typename code_t>
-inline __m256i fp8_to_fp16_bits(__m256i bytes) {
+inline __m256i fp8_to_fp16_bits_x16(__m128i raw) {
   if constexpr (std::is_same_v<code_t, c10::Float8_e5m2>) {
-    return _mm256_slli_epi16(bytes, 8);
+    return _mm256_slli_epi16(_mm256_cvtepu8_epi16(raw), 8);
   } else {
-    const __m256i magnitude = _mm256_and_si256(_mm256_slli_epi16(bytes, 7), _mm256_set1_epi16(0x3f80));
-    const __m256i sign = _mm256_and_si256(_mm256_slli_epi16(bytes, 8), _mm256_set1_epi16(static_cast<int16_t>(0x8000)));
-    return _mm256_or_si256(magnitude, sign);
+    return _mm256_and_si256(_mm256_slli_epi16(_mm256_cvtepi8_epi16(raw), 7),
+                            _mm256_set1_epi16(static_cast<int16_t>(0xbf80)));
   }
 }
 
@@ -102,7 +102,7 @@ inline __m512 widen16(const code_t* src, float scale) {
   if constexpr (std::is_same_v<code_t, int8_t>) {
     return _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(raw)), _mm512_set1_ps(scale));
   } else {
-    const __m512 h = _mm512_cvtph_ps(fp8_to_fp16_bits<code_t>(_mm256_cvtepu8_epi16(raw)));
+    const __m512 h = _mm512_cvtph_ps(fp8_to_fp16_bits_x16<code_t>(raw));
     return _mm512_mul_ps(h, _mm512_set1_ps(scale * fp16_rescale<code_t>()));
   }
 }

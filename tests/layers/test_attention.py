@@ -177,14 +177,14 @@ def test_the_kernel_widens_every_fp8_code_as_torch_does(cache_dtype):
     """Every finite fp8 code (normal, subnormal, both zeros), read by the paged kernel from a
     cache's values at a row of one position (the output is that row times its scale), equals
     torch's own conversion: the kernel's fp16 route (kv_codes.h) is exact, in its vector paths
-    and the scalar tail alike (D = 272: 17 vectors of 16)."""
+    and the scalar tail alike (D = 283: four 64-wide AVX-512 chunks, 16 and 8 by AVX2, 3 scalar)."""
     ops = load_cpu_kernels()
     if ops is None:
         pytest.skip("no compiler for the CPU kernel here")
     codes = torch.arange(256, dtype=torch.uint8).view(cache_dtype)
     codes = codes[codes.float().isfinite()]
-    d = 272
-    row = torch.cat([codes, codes[: d - len(codes)]]) if len(codes) < d else codes[:d]
+    d = 283
+    row = torch.cat([codes, codes[: d - len(codes)]])
     v_cache = torch.zeros(1, 1, BS, d, dtype=cache_dtype)
     v_cache[0, 0, 0] = row
     scale = 0.375
