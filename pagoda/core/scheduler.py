@@ -178,9 +178,12 @@ class Scheduler:
             return request.priority
         return request.priority + int(max(0.0, now - request.arrival_time) / self.aging_seconds)
 
-    def _key(self, now: float):
-        if self.policy == "fcfs":
-            return _ARRIVAL  # everyone's priority is 0: the same order, without a Python call a request
+    def _key(self, now: float, requests: list[Request] | None = None):
+        """The sort key at ``now``. Under fcfs, or among ``requests`` of one priority (aging
+        adds the same function of age to each, so the oldest stays first), that is arrival
+        order, compared without a Python call a request."""
+        if self.policy == "fcfs" or (requests is not None and len({r.priority for r in requests}) <= 1):
+            return _ARRIVAL
         return lambda r: (-self.effective_priority(r, now), r.arrival_time, r.arrival_seq)
 
     # -- queue management -------------------------------------------------------------------
@@ -209,9 +212,9 @@ class Scheduler:
         """Choose this step's work; the message for the workers describes it."""
         out = _Step()
         now = time.monotonic()
-        key = self._key(now)
-        self._waiting = sorted((r for r in self._waiting if not r.status.finished), key=key)
-        self.running.sort(key=key)
+        self._waiting = [r for r in self._waiting if not r.status.finished]
+        self._waiting.sort(key=self._key(now, self._waiting))
+        self.running.sort(key=self._key(now, self.running))
         favored = self._preempt_for_priority(now, out)
 
         budget = self.max_num_batched_tokens
@@ -279,25 +282,28 @@ class Scheduler:
         out = SchedulerOutput(preempted_req_ids=step.preempted, finished_req_ids=self._finished_ids,
                               scheduled_spec_tokens=step.spec_tokens)
         self._finished_ids = set()
+        sent_tokens, sent_blocks_of, resumed_ids = self._sent_tokens, self._sent_blocks, self._resumed
         for request, num_new in step.scheduled:
             rid = request.request_id
             out.num_scheduled_tokens[rid] = num_new
-            if rid not in self._sent_tokens:
+            if rid not in sent_tokens:
                 out.new_requests.append(NewRequestData(
                     rid, list(request.prompt_token_ids), request.sampling_params, list(request.block_ids),
                     request.num_computed_tokens, list(request.output_token_ids),
                     [list(ids) for ids in request.group_block_ids],
                 ))
             else:
-                resumed = rid in self._resumed
-                sent_blocks = 0 if resumed else self._sent_blocks[rid]
+                resumed = rid in resumed_ids
+                sent_blocks = 0 if resumed else sent_blocks_of[rid]
+                groups = [ids[sent_blocks:] for ids in request.group_block_ids] if request.group_block_ids else []
                 out.cached_requests.append(CachedRequestData(
-                    rid, request.all_token_ids[self._sent_tokens[rid]:], request.block_ids[sent_blocks:],
-                    request.num_computed_tokens, resumed, [ids[sent_blocks:] for ids in request.group_block_ids],
+                    rid, request.all_token_ids[sent_tokens[rid]:], request.block_ids[sent_blocks:],
+                    request.num_computed_tokens, resumed, groups,
                 ))
-            self._resumed.discard(rid)
-            self._sent_tokens[rid] = request.num_tokens
-            self._sent_blocks[rid] = len(request.block_ids)
+            if resumed_ids:
+                resumed_ids.discard(rid)
+            sent_tokens[rid] = len(request.all_token_ids)
+            sent_blocks_of[rid] = len(request.block_ids)
         return out
 
     def _blocks_to_admit(self, request: Request) -> int:
