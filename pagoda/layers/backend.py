@@ -228,7 +228,8 @@ class CpuKernelBackend(TorchBackend):
         try:
             yield True
         finally:
-            self.ops.set_batch_invariant(previous)
+            if previous != enabled:  # (a call a step saved where the switch stays as it was)
+                self.ops.set_batch_invariant(previous)
 
 
 def select_backend(device: torch.device | str) -> TorchBackend:

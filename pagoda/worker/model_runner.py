@@ -117,8 +117,12 @@ class ModelRunner:
             with set_attention_metadata(meta):
                 hidden = self.forward(input_ids.to(self.device), positions.to(self.device))
             if sample_idx:
-                flat = torch.from_numpy((lay.offsets + lay.counts - 1)[sample_idx])  # each one's last row
-                logits = self.model.compute_logits(hidden[flat.to(hidden.device)])
+                if len(sample_idx) == hidden.shape[0]:
+                    last_rows = hidden  # every row is a sampling request's one row (a decode step)
+                else:
+                    flat = torch.from_numpy((lay.offsets + lay.counts - 1)[sample_idx])  # each one's last row
+                    last_rows = hidden[flat.to(hidden.device)]
+                logits = self.model.compute_logits(last_rows)
                 if self.is_driver:
                     self._sample(logits.float().cpu(), [lay.req_ids[i] for i in sample_idx], sched, out)
             if verify_idx:
