@@ -51,15 +51,17 @@ def test_narrower_cache_holds_twice_the_blocks_and_the_same_answers(tiny_llama, 
 def test_narrower_cache_on_the_torch_fallback(tiny_llama, fp32_cache, torch_kernels_only):
     assert_close_to(fp32_cache[1], answers(tiny_llama, "bf16")[1])
     assert_close_to(fp32_cache[1], answers(tiny_llama, "int8")[1], atol=0.05, exact=False)
-    assert_close_to(fp32_cache[1], answers(tiny_llama, "fp8")[1], atol=0.05, exact=False)
+    assert_close_to(fp32_cache[1], answers(tiny_llama, "fp8")[1], atol=0.1, exact=False, agree=0.6)
 
 
-@pytest.mark.parametrize("kv_cache_dtype, atol, agree", [("int8", 0.05, 0.75), ("fp8", 0.05, 0.75), ("fp8_e5m2", 0.1, 0.3)])
+@pytest.mark.parametrize("kv_cache_dtype, atol, agree", [("int8", 0.05, 0.75), ("fp8", 0.1, 0.6), ("fp8_e5m2", 0.2, 0.25)])
 def test_scaled_cache(tiny_llama, fp32_cache, kv_cache_dtype, atol, agree):
-    """int8, fp8 (e4m3) and fp8_e5m2: a byte a value and a 4-byte scale a row. e5m2 keeps two
-    mantissa bits (a value within 12.5 %), e4m3 three: on the random tiny model, whose choices
-    are near ties, e5m2's continuations part from fp32's early (about 40 % of the tokens held
-    here), so its bounds are looser; benchmarks/README.md has SmolLM2's figures."""
+    """int8, fp8 (e4m3) and fp8_e5m2: a byte a value and a 4-byte scale a row. int8 keeps ~7 bits
+    of a row's largest value, e4m3 three mantissa bits (a value within 6.25 %), e5m2 two (12.5 %):
+    on the random tiny model, whose choices are near ties, measured on a Sapphire Rapids (kernels
+    and torch fallback alike) int8 / e4m3 / e5m2 held 89 / 83 / 39 % of the tokens with logprobs
+    within 0.011 / 0.046 / 0.072; the bounds leave about twice that room for other CPUs' roundings.
+    benchmarks/README.md has SmolLM2's figures."""
     import json
 
     blocks, reference = fp32_cache
