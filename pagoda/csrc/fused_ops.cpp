@@ -232,9 +232,7 @@ void write_kv_cache(const at::Tensor& k, const at::Tensor& v, at::Tensor k_cache
   for (const at::Tensor* t : {&k, &v})
     TORCH_CHECK(t->dim() == 3 && t->stride(2) == 1 && t->stride(1) == t->size(2), "k and v must be [T, heads, D] with contiguous heads");
   if (is_scaled_code(k_cache.scalar_type())) {
-    TORCH_CHECK(k_scales && v_scales && k_scales->scalar_type() == at::kFloat && v_scales->scalar_type() == at::kFloat &&
-                    k_scales->is_contiguous() && v_scales->is_contiguous(),
-                "an int8 or fp8 KV cache needs its float scales [num_blocks, kv_heads, block_size]");
+    check_kv_scales(k_scales, v_scales, k_cache, k.size(2));
     at::Tensor ks = *k_scales, vs = *v_scales;
     dispatch_scaled_code(k_cache.scalar_type(), "write_kv_cache", [&](auto code) {
       using code_t = decltype(code);

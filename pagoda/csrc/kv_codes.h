@@ -16,6 +16,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <optional>
 #include <type_traits>
 
 #include "vec_math.h"  // PAGODA_AVX2
@@ -121,6 +122,15 @@ void dispatch_scaled_code(at::ScalarType type, const char* name, F&& fn) {
 
 inline bool is_scaled_code(at::ScalarType type) {
   return type == at::kChar || type == at::kFloat8_e4m3fn || type == at::kFloat8_e5m2;
+}
+
+// A scaled cache's scales, as both ops take them: float, contiguous, one per row of D codes.
+inline void check_kv_scales(const std::optional<at::Tensor>& k_scales, const std::optional<at::Tensor>& v_scales,
+                            const at::Tensor& cache, int64_t D) {
+  TORCH_CHECK(k_scales && v_scales && k_scales->scalar_type() == at::kFloat && v_scales->scalar_type() == at::kFloat &&
+                  k_scales->is_contiguous() && v_scales->is_contiguous() && k_scales->numel() == cache.numel() / D &&
+                  v_scales->numel() == cache.numel() / D,
+              "an int8 or fp8 KV cache needs its float scales [num_blocks, kv_heads, block_size]");
 }
 
 }  // namespace pagoda

@@ -616,9 +616,7 @@ at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& k_cache
   TORCH_CHECK(window >= 0, "paged_decode_attention: bad window ", window);
   auto out = at::empty_like(qc);
   if (pagoda::is_scaled_code(k_cache.scalar_type())) {
-    TORCH_CHECK(k_scales && v_scales && k_scales->scalar_type() == at::kFloat && v_scales->scalar_type() == at::kFloat &&
-                    k_scales->is_contiguous() && v_scales->is_contiguous() && k_scales->numel() == k_cache.numel() / D,
-                "an int8 or fp8 KV cache needs its float scales [num_blocks, kv_heads, block_size]");
+    pagoda::check_kv_scales(k_scales, v_scales, k_cache, D);
     pagoda::dispatch_scaled_code(k_cache.scalar_type(), "paged_decode_attention", [&](auto code) {
       using code_t = decltype(code);
       AT_DISPATCH_FLOATING_TYPES_AND2(at::ScalarType::BFloat16, at::ScalarType::Half, q.scalar_type(), "paged_decode_attention", [&] {

@@ -41,8 +41,7 @@ class IncrementalDetokenizer:
                 self._stream = DecodeStream(self._context + self._pending, skip_special_tokens=self.skip_special_tokens)
             if chunk is not None:
                 delta_parts.append(chunk)
-                self._context = (self._context + self._pending)[-_INITIAL_WINDOW:]
-                self._pending = []
+                self._emitted()
         delta = "".join(delta_parts)
         self.output_text += delta
         return delta
@@ -52,9 +51,13 @@ class IncrementalDetokenizer:
         if not self._pending:
             return ""
         delta = self._decode_pending(final=True) or ""
-        self._context, self._pending = (self._context + self._pending)[-_INITIAL_WINDOW:], []
+        self._emitted()
         self.output_text += delta
         return delta
+
+    def _emitted(self) -> None:
+        """The held-back tokens' text went out: they join the window."""
+        self._context, self._pending = (self._context + self._pending)[-_INITIAL_WINDOW:], []
 
     def _decode_pending(self, final: bool) -> str | None:
         """The held-back tokens' text (the window with them, less the window alone), or None

@@ -12,9 +12,10 @@ what makes a prefix-cache hit a hit for the draft too. A block the scheduler han
 A request whose drafts the target keeps rejecting gets fewer, or none (``adaptive``): the j-th
 draft of a run pays off when the chance that it and all before it are accepted, alpha^j, is at
 least what it costs, a draft pass over a target decode step (both medians of recent times
-measured as the engine runs, and the cost never under ``MIN_COST``; alpha from the request's own verifications, a decaying count of accepted drafts and of
-rejections, which starts at one accepted draft: that prior decays too, so a request whose drafts
-are always rejected sees alpha fall towards zero and stops drafting whatever the cost).
+measured as the engine runs, and the cost never under ``MIN_COST``; alpha from the request's own
+verifications, a decaying count of accepted drafts and of rejections, which starts at one
+accepted draft: that prior decays too, so a request whose drafts are always rejected sees alpha
+fall towards zero and stops drafting whatever the cost).
 A request drafting nothing tries one draft every ``PROBE_EVERY`` steps to measure again.
 
 Each proposal runs k forward passes of the draft: the first over every token the draft has not

@@ -110,13 +110,11 @@ class InputBatch:
     def _update_all(self, cached: list[CachedRequestData]) -> None:
         """``update`` for each, with the usual decode step's deltas (one new token, no resume)
         written for all rows at once: a numpy call per field, not per request."""
-        if len(cached) < 8:
-            for c in cached:
-                self.update(c)
-            return
-        one_token = [c for c in cached if len(c.new_token_ids) == 1 and not c.resumed_from_preemption]
+        one_token = []
         for c in cached:
-            if len(c.new_token_ids) != 1 or c.resumed_from_preemption:
+            if len(c.new_token_ids) == 1 and not c.resumed_from_preemption:
+                one_token.append(c)
+            else:
                 self.update(c)
         if not one_token:
             return
