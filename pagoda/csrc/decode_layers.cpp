@@ -20,8 +20,9 @@ namespace {
 constexpr int64_t WEIGHTS_PER_LAYER = 6;      // input norm, qkv, o, post-attention norm, gate_up, down
 constexpr int64_t PROJECTIONS_PER_LAYER = 4;  // qkv, o, gate_up, down: their block types (-1 = float)
 
-at::Tensor project(const at::Tensor& x, const at::Tensor& weight, int64_t block_type) {
-  return block_type < 0 ? pagoda::linear(x, weight) : pagoda::block_matmul(x, weight, block_type);
+at::Tensor project(const at::Tensor& x, const at::Tensor& weight, int64_t block_type,
+                   const std::optional<at::Tensor>& packed) {
+  return block_type < 0 ? pagoda::linear(x, weight, packed) : pagoda::block_matmul(x, weight, block_type);
 }
 
 }  // namespace
@@ -31,7 +32,8 @@ namespace pagoda {
 // hidden [T, H] (the embeddings) and residual [T, H] (zeros) are updated in place as the layers
 // go; returns the last layer's MLP output. The caller applies the final norm, as in Python.
 at::Tensor decode_layers(at::Tensor hidden, at::Tensor residual, const at::Tensor& positions,
-                         at::TensorList weights, at::IntArrayRef block_types, at::TensorList k_caches,
+                         at::TensorList weights, at::IntArrayRef block_types,
+                         const c10::List<std::optional<at::Tensor>>& packed, at::TensorList k_caches,
                          at::TensorList v_caches, const at::Tensor& cos_cache, const at::Tensor& sin_cache,
                          const at::Tensor& slot_mapping, const at::Tensor& block_tables, const at::Tensor& seq_lens,
                          int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, double eps, double scale,
@@ -41,13 +43,19 @@ at::Tensor decode_layers(at::Tensor hidden, at::Tensor residual, const at::Tenso
               L * WEIGHTS_PER_LAYER, " weights, got ", weights.size());
   TORCH_CHECK(static_cast<int64_t>(block_types.size()) == L * PROJECTIONS_PER_LAYER, "decode_layers: bad block_types");
   TORCH_CHECK(windows.empty() || static_cast<int64_t>(windows.size()) == L, "decode_layers: one window per layer");
+  TORCH_CHECK(packed.empty() || static_cast<int64_t>(packed.size()) == L * PROJECTIONS_PER_LAYER,
+              "decode_layers: packed holds one entry per projection, or none");
   const int64_t T = hidden.size(0), q_size = num_heads * head_dim, kv_size = num_kv_heads * head_dim;
   at::Tensor x = hidden;
   for (int64_t l = 0; l < L; ++l) {
     const at::Tensor* w = weights.data() + l * WEIGHTS_PER_LAYER;
     const int64_t* types = block_types.data() + l * PROJECTIONS_PER_LAYER;
+    // a float projection's weight packed for oneDNN (layers/packed_weights.py), used from pagoda::linear's many rows
+    const auto pack = [&](int64_t i) -> std::optional<at::Tensor> {
+      return packed.empty() ? std::nullopt : packed.get(l * PROJECTIONS_PER_LAYER + i);
+    };
     fused_add_rms_norm(x, residual, w[0], eps);
-    const at::Tensor qkv = project(x, w[1], types[0]);
+    const at::Tensor qkv = project(x, w[1], types[0], pack(0));
     at::Tensor q = qkv.narrow(1, 0, q_size).view({T, num_heads, head_dim});
     at::Tensor k = qkv.narrow(1, q_size, kv_size).view({T, num_kv_heads, head_dim});
     const at::Tensor v = qkv.narrow(1, q_size + kv_size, kv_size).view({T, num_kv_heads, head_dim});
@@ -55,9 +63,9 @@ at::Tensor decode_layers(at::Tensor hidden, at::Tensor residual, const at::Tenso
     write_kv_cache(k, v, k_caches[l], v_caches[l], slot_mapping);
     const int64_t window = windows.empty() ? 0 : windows[l];
     const at::Tensor attn = paged_decode_attention(q, k_caches[l], v_caches[l], block_tables, seq_lens, scale, window);
-    at::Tensor o = project(attn.view({T, q_size}), w[2], types[1]);
+    at::Tensor o = project(attn.view({T, q_size}), w[2], types[1], pack(1));
     fused_add_rms_norm(o, residual, w[3], eps);
-    x = project(silu_and_mul(project(o, w[4], types[2])), w[5], types[3]);
+    x = project(silu_and_mul(project(o, w[4], types[2], pack(2))), w[5], types[3], pack(3));
   }
   return x;
 }
@@ -67,9 +75,12 @@ at::Tensor decode_layers(at::Tensor hidden, at::Tensor residual, const at::Tenso
 TORCH_LIBRARY_FRAGMENT(pagoda, m) {
   m.def(
       "decode_layers(Tensor(a!) hidden, Tensor(b!) residual, Tensor positions, Tensor[] weights, int[] block_types, "
+      "Tensor?[] packed, "
       "Tensor[] k_caches, Tensor[] v_caches, Tensor cos_cache, Tensor sin_cache, Tensor slot_mapping, "
       "Tensor block_tables, Tensor seq_lens, int num_heads, int num_kv_heads, int head_dim, float eps, "
       "float scale, int[] windows=[]) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(pagoda, CPU, m) { m.impl("decode_layers", &pagoda::decode_layers); }
+// with float32 weights packed by oneDNN (Mkldnn tensors) in `packed`
+TORCH_LIBRARY_IMPL(pagoda, MkldnnCPU, m) { m.impl("decode_layers", &pagoda::decode_layers); }

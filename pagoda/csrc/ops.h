@@ -8,7 +8,8 @@
 
 namespace pagoda {
 
-at::Tensor linear(const at::Tensor& x, const at::Tensor& weight);  // small_matmul.cpp
+at::Tensor linear(const at::Tensor& x, const at::Tensor& weight,  // small_matmul.cpp
+                  const std::optional<at::Tensor>& packed = std::nullopt);
 bool batch_invariant();  // small_matmul.cpp: deterministic inference asked (see set_batch_invariant)
 bool set_batch_invariant(bool enabled);
 at::Tensor block_matmul(const at::Tensor& x, const at::Tensor& weight, int64_t type);

@@ -18,6 +18,7 @@
 // inputs go to at::linear).
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
+#include <ATen/core/dispatch/Dispatcher.h>
 #include <torch/library.h>
 
 #include "ops.h"
@@ -202,15 +203,29 @@ bool batch_invariant() { return g_batch_invariant.load(std::memory_order_relaxed
 // hand large M (a prefill) to MKL's GEMM, whose per-row sums depend on M. Returns the old value.
 bool set_batch_invariant(bool enabled) { return g_batch_invariant.exchange(enabled); }
 
-// Rows from which MKL is used when batch invariance is off (it is faster there; below, this
-// kernel is: MKL's sgemm took twice as long at 2-8 rows as at 1).
+// Rows from which a library GEMM is used when batch invariance is off (it is faster there; below,
+// this kernel is: MKL's sgemm took twice as long at 2-8 rows as at 1).
 constexpr int64_t SMALL_M_MAX = 32;
 
-at::Tensor linear(const at::Tensor& x, const at::Tensor& weight) {
-  const bool ours = x.dim() == 2 && x.scalar_type() == at::kFloat && weight.scalar_type() == at::kFloat &&
-                    x.is_contiguous() && weight.is_contiguous() && x.device().is_cpu() && weight.dim() == 2 &&
-                    weight.size(1) == x.size(1) && (x.size(0) <= SMALL_M_MAX || batch_invariant());
-  return ours ? invariant_matmul(x, weight) : at::linear(x, weight);
+// oneDNN's GEMM on a weight reordered once into its blocked layout
+// (torch.ops.mkldnn._reorder_linear_weight, layers/packed_weights.py), called through the
+// dispatcher: torch's own op, boxed so that no C++ signature of it is copied here.
+at::Tensor onednn_linear(const at::Tensor& x, const at::Tensor& packed) {
+  static const c10::OperatorHandle op = c10::Dispatcher::singleton().findSchemaOrThrow("mkldnn::_linear_pointwise", "");
+  std::vector<c10::IValue> stack{x, packed, c10::IValue(), c10::IValue(std::string("none")),
+                                 c10::IValue(c10::List<std::optional<at::Scalar>>()), c10::IValue()};
+  op.callBoxed(&stack);
+  return stack[0].toTensor();
+}
+
+at::Tensor linear(const at::Tensor& x, const at::Tensor& weight, const std::optional<at::Tensor>& packed) {
+  const bool floats = x.dim() == 2 && x.scalar_type() == at::kFloat && weight.scalar_type() == at::kFloat &&
+                      x.is_contiguous() && weight.is_contiguous() && x.device().is_cpu() && weight.dim() == 2 &&
+                      weight.size(1) == x.size(1);
+  if (floats && (x.size(0) <= SMALL_M_MAX || batch_invariant())) return invariant_matmul(x, weight);
+  // Many rows: oneDNN on the packed copy where one was made (it measured faster than MKL there), else MKL.
+  if (floats && packed.has_value() && packed->defined()) return onednn_linear(x, *packed);
+  return at::linear(x, weight);
 }
 
 }  // namespace pagoda
@@ -218,8 +233,10 @@ at::Tensor linear(const at::Tensor& x, const at::Tensor& weight) {
 static bool set_batch_invariant_op(bool enabled) { return pagoda::set_batch_invariant(enabled); }
 
 TORCH_LIBRARY_FRAGMENT(pagoda, m) {
-  m.def("linear(Tensor x, Tensor weight) -> Tensor");
+  m.def("linear(Tensor x, Tensor weight, Tensor? packed=None) -> Tensor");
   m.def("set_batch_invariant(bool enabled) -> bool", &set_batch_invariant_op);  // no tensor: one kernel for all
 }
 
 TORCH_LIBRARY_IMPL(pagoda, CPU, m) { m.impl("linear", &pagoda::linear); }
+// A float32 weight reordered by oneDNN is an Mkldnn tensor, whose dispatch key selects the kernel
+TORCH_LIBRARY_IMPL(pagoda, MkldnnCPU, m) { m.impl("linear", &pagoda::linear); }

@@ -68,7 +68,9 @@ class TorchBackend:
         return F.gelu(gate, approximate="tanh") * up
 
     # -- matmuls ----------------------------------------------------------------------------
-    def linear(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    def linear(self, x: torch.Tensor, weight: torch.Tensor, packed: torch.Tensor | None = None) -> torch.Tensor:
+        """``x @ weight.T``; ``packed``: the weight reordered for oneDNN at load (layers/packed_weights.py),
+        which only the C++ backend uses."""
         return F.linear(x, weight)
 
     def block_matmul(self, x: torch.Tensor, blocks: torch.Tensor, block_type: int,
@@ -185,9 +187,9 @@ class CpuKernelBackend(TorchBackend):
             return self.ops.argmax_rows(x)
         return super().argmax_rows(x)
 
-    def linear(self, x, weight):
+    def linear(self, x, weight, packed=None):
         if self._fast(x) and x.dim() == 2 and weight.dtype == torch.float32 and weight.is_contiguous():
-            return self.ops.linear(x, weight)
+            return self.ops.linear(x, weight, packed)
         return super().linear(x, weight)
 
     def block_matmul(self, x, blocks, block_type, packed=None):

@@ -28,7 +28,7 @@ SHAPES = ((1536, 576), (576, 1536))  # (N, K): SmolLM2-sized MLP projections
 LAYERS = 8  # 8 layers of them: 57 MB of fp32 weights, more than a CPU's last-level cache, so that
             # one row streams them from memory as a decode step does (where bf16's half bytes count)
 MARGIN = 1.1  # bf16 must be at least this much faster: a noisy tie keeps the exact fp32
-_VERSION = 1  # bump when the measurement changes, so that old choices are measured again
+_VERSION = 2  # bump when the measurement changes (2: fp32 on packed copies where they pay), so that old choices are measured again
 
 
 def choice_path() -> Path:
@@ -51,14 +51,23 @@ def _best_ms(fn, trials: int = 15) -> float:
 
 def measure() -> dict:
     """Milliseconds for the projection suite (LAYERS x SHAPES, each output the next input) at
-    each row count, fp32 (pagoda's CPU linear where its kernels load, else torch) and bf16
-    (torch, oneDNN); and the choice they give."""
+    each row count, fp32 (pagoda's CPU linear where its kernels load, with the packed copies
+    where they pay, else torch) and bf16 (torch, oneDNN); and the choice they give."""
     from pagoda.layers.backend import select_backend
+
+    from pagoda.layers.packed_weights import BATCH_HINT, float_packing_pays
 
     backend = select_backend("cpu")
     g = torch.Generator().manual_seed(0)
     weights = [torch.randn(n, k, generator=g) * 0.05 for _ in range(LAYERS) for n, k in SHAPES]
-    suites = {"float32": (weights, backend.linear), "bfloat16": ([w.to(torch.bfloat16) for w in weights], F.linear)}
+    # fp32 as the engine would run it: from 33 rows on copies packed for oneDNN where that measured faster
+    packed = {id(w): torch.ops.mkldnn._reorder_linear_weight(w, BATCH_HINT) for w in weights} \
+        if getattr(backend, "ops", None) is not None and float_packing_pays() else {}
+
+    def fp32_linear(x, w):
+        return backend.linear(x, w, packed.get(id(w)))
+
+    suites = {"float32": (weights, fp32_linear), "bfloat16": ([w.to(torch.bfloat16) for w in weights], F.linear)}
     timings: dict[str, dict[int, float]] = {"float32": {}, "bfloat16": {}}
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # per core: threads that other processes preempt make a timing noise

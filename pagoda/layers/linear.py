@@ -1,8 +1,9 @@
 """Projections through the backend: a bias-free float32 ``nn.Linear`` goes through
 ``backend.linear`` (on the C++ backend ``torch.ops.pagoda.linear``, csrc/small_matmul.cpp, a
 register-tiled GEMM whose row results do not depend on how many rows share the call; it serves up
-to 32 rows, and every M under deterministic inference, else ``at::linear``). The Python layers and
-the one-call decoder stack both multiply through it, so they agree exactly."""
+to 32 rows, and every M under deterministic inference; from 33 rows oneDNN on the weight packed at
+load where that measured faster (layers/packed_weights.py), else ``at::linear``). The Python layers
+and the one-call decoder stack both multiply through it, so they agree exactly."""
 
 from __future__ import annotations
 
@@ -10,10 +11,11 @@ import torch
 from torch import nn
 
 from pagoda.layers.backend import TorchBackend
+from pagoda.layers.packed_weights import packed_of
 
 
 def project(layer: nn.Module, x: torch.Tensor, backend: TorchBackend) -> torch.Tensor:
     """``layer(x)``; a bias-free ``nn.Linear`` through ``backend.linear``."""
     if type(layer) is nn.Linear and layer.bias is None:
-        return backend.linear(x, layer.weight)
+        return backend.linear(x, layer.weight, packed_of(layer))
     return layer(x)

@@ -14,14 +14,26 @@ blocks stay for the rows below 16 (the integer kernel, memory-bound, reads the f
 The copy costs 2 bytes a weight (SmolLM2: ~270 MB beside ~90 MB of Q4_1 blocks), so it is made
 only where the build's GEMM is bf16, oneDNN is there, and the copies take at most a quarter of
 the memory available when the model has loaded (and not with ``PAGODA_PACK_WEIGHTS=0``).
+
+Float32 weights get the same treatment where it measures faster (``pack_float_linears``): from 33
+rows ``pagoda::linear`` hands a GEMM to a library, by default MKL's sgemm, which on AMD CPUs runs
+its AVX2 code (measured on an AVX-512 EPYC: ~95 GFLOP/s a thread at SmolLM2's shapes, against
+oneDNN's ~230 on the same fp32 weights reordered once). Whether oneDNN wins is measured on the
+first start on a kind of CPU (``float_packing_pays``, kept beside the kernel build), not read from
+the vendor: on a Sapphire Rapids the two were within ~10 %. The copy costs 4 bytes a weight, under
+the same memory rule; rows up to 32, and every row count under deterministic inference, keep
+``pagoda::linear``'s own kernel on the plain weight, so one stream's decode is unchanged.
 """
 
 from __future__ import annotations
 
+import json
 import logging
 import os
+import time
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from pagoda.layers.ggml_blocks import BlockLinear
@@ -71,4 +83,110 @@ def pack_block_linears(model: nn.Module, ops, available_bytes: int) -> int:
                 seen[key] = torch.ops.mkldnn._reorder_linear_weight(weight, BATCH_HINT)
             module.packed = seen[key]
     logger.info("block weights packed once for the many-row GEMM (oneDNN bf16 layout): %.0f MiB", total / 2**20)
+    return total
+
+
+# -- float32 weights -------------------------------------------------------------------------
+
+FLOAT_SHAPES = ((1536, 576), (576, 1536))  # (N, K): SmolLM2-sized MLP projections, as layers/dtype_choice.py
+FLOAT_ROWS = 64  # a batch's decode step, a prefill chunk's slice
+FLOAT_MARGIN = 1.1  # oneDNN must be at least this much faster than at::linear: a noisy tie keeps one copy
+_FLOAT_VERSION = 1  # bump when the measurement changes
+
+
+def packed_of(module: nn.Module) -> torch.Tensor | None:
+    """A float module's packed copy, or None. Read from the instance dict: ``nn.Module.__getattr__``
+    (what ``getattr`` falls back to for a missing name) costs a microsecond per projection per step."""
+    return module.__dict__.get("packed")
+
+
+def float_choice_path():
+    from pagoda.layers.cpu_kernels import build_directory
+
+    return build_directory() / "float-gemm-choice.json"
+
+
+def _best_ms(fn, trials: int = 12) -> float:
+    fn()
+    best = float("inf")
+    for _ in range(trials):
+        start = time.perf_counter()
+        fn()
+        best = min(best, time.perf_counter() - start)
+    return best * 1e3
+
+
+def measure_float_gemm() -> dict:
+    """Milliseconds for the two projections at ``FLOAT_ROWS`` rows on one thread: at::linear (the
+    plain weight) and oneDNN on the weight reordered once; and whether the copy pays."""
+    g = torch.Generator().manual_seed(0)
+    weights = [torch.randn(n, k, generator=g) * 0.05 for n, k in FLOAT_SHAPES]
+    packed = [torch.ops.mkldnn._reorder_linear_weight(w, BATCH_HINT) for w in weights]
+    xs = [torch.randn(FLOAT_ROWS, w.shape[1], generator=g) for w in weights]
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # per core: threads that other processes preempt make a timing noise
+    try:
+        library = _best_ms(lambda: [F.linear(x, w) for x, w in zip(xs, weights)])
+        onednn = _best_ms(lambda: [torch.ops.mkldnn._linear_pointwise(x, p, None, "none", [], "")
+                                   for x, p in zip(xs, packed)])
+    finally:
+        torch.set_num_threads(threads)
+    return {"version": _FLOAT_VERSION, "torch": torch.__version__, "threads": 1, "rows": FLOAT_ROWS,
+            "ms": {"at::linear": library, "onednn_packed": onednn}, "pack": onednn * FLOAT_MARGIN < library}
+
+
+def float_packing_pays() -> bool:
+    """Whether oneDNN on packed fp32 weights beats at::linear on this CPU: measured once (well
+    under a second), then read from its file."""
+    path = float_choice_path()
+    record = None
+    try:
+        record = json.loads(path.read_text())
+        if record.get("version") != _FLOAT_VERSION or record.get("torch") != torch.__version__:
+            record = None
+    except (OSError, ValueError):
+        pass
+    if record is None:
+        record = measure_float_gemm()
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            path.write_text(json.dumps(record, indent=1))
+        except OSError as e:  # a read-only home: measure again next time
+            logger.warning("could not keep the float GEMM measurement in %s (%s)", path, e)
+    ms = record["ms"]
+    logger.info("float32 GEMM from 33 rows on this CPU: %s (ms for the suite at %d rows: at::linear %.3f, "
+                "oneDNN packed %.3f)", "oneDNN on weights packed at load" if record["pack"] else "at::linear",
+                record["rows"], ms["at::linear"], ms["onednn_packed"])
+    return bool(record["pack"])
+
+
+def _float_weights(model: nn.Module) -> list[tuple[nn.Module, torch.Tensor]]:
+    """The float32 weights ``pagoda::linear`` multiplies: every bias-free ``nn.Linear``'s (as
+    layers/linear.py routes them) and a tied output head's embedding."""
+    found = [(m, m.weight) for m in model.modules() if type(m) is nn.Linear and m.bias is None]
+    embed = getattr(model, "embed_tokens", None)
+    if getattr(model, "lm_head", False) is None and isinstance(embed, nn.Embedding):  # tied (models/llama.py)
+        found.append((embed, embed.weight))
+    return [(m, w) for m, w in found if w.dtype == torch.float32 and w.dim() == 2 and w.is_contiguous()
+            and w.device.type == "cpu"]
+
+
+def pack_float_linears(model: nn.Module, ops, available_bytes: int) -> int:
+    """Give ``model``'s float32 projections (and a tied head) oneDNN-packed copies where that
+    measured faster on this CPU and fits; returns the bytes packed (0 when none was)."""
+    if ops is None or not torch.backends.mkldnn.is_available() or not hasattr(torch.ops.mkldnn, "_reorder_linear_weight"):
+        return 0
+    if os.environ.get("PAGODA_PACK_WEIGHTS", "1") == "0":
+        return 0
+    found = _float_weights(model)
+    total = sum(4 * w.numel() for _, w in found)
+    if total == 0 or not float_packing_pays():
+        return 0
+    if total > MEMORY_SHARE * available_bytes:
+        logger.info("float weights not packed for oneDNN: %.0f MiB would pass %d %% of the %.0f MiB available",
+                    total / 2**20, MEMORY_SHARE * 100, available_bytes / 2**20)
+        return 0
+    for module, weight in found:
+        module.packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach(), BATCH_HINT)
+    logger.info("float32 weights packed once for oneDNN's GEMM (from 33 rows): %.0f MiB", total / 2**20)
     return total

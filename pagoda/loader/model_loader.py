@@ -12,7 +12,7 @@ from pagoda.distributed.parallel_state import SINGLE, TensorParallelGroup
 from pagoda.distributed.parallel_state import building_with as building_tp
 from pagoda.layers.backend import TorchBackend, current_backend, select_backend
 from pagoda.layers.backend import building_with as building_backend
-from pagoda.layers.packed_weights import pack_block_linears
+from pagoda.layers.packed_weights import pack_block_linears, pack_float_linears
 from pagoda.layers.quantization import check_quantization, quantize_linears
 from pagoda.layers.rotary import RotaryEmbedding
 from pagoda.loader.resolve import ModelFiles
@@ -54,6 +54,8 @@ def _load(files: ModelFiles, hf_config: dict, dtype: torch.dtype, device: torch.
         _release_freed_memory()
         if device.type == "cpu":
             pack_block_linears(model, getattr(current_backend(), "ops", None), available_memory_bytes(device))
+    if device.type == "cpu" and dtype == torch.float32:
+        pack_float_linears(model, getattr(current_backend(), "ops", None), available_memory_bytes(device))
     return model
 
 

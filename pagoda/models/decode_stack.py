@@ -16,24 +16,28 @@ from torch import nn
 
 from pagoda.forward_context import AttentionMetadata
 from pagoda.layers.ggml_blocks import BlockLinear
+from pagoda.layers.packed_weights import packed_of
 
 _FLOAT = -1  # block type of a float projection
 _CACHE_DTYPES = (torch.float32, torch.bfloat16, torch.float16)  # the ops widen a narrower cache as they read it
 
 
-def _projection(module: nn.Module) -> tuple[torch.Tensor, int] | None:
+def _projection(module: nn.Module) -> tuple[torch.Tensor, int, torch.Tensor | None] | None:
+    """(weight or blocks, block type, the float weight's oneDNN-packed copy or None)."""
     if isinstance(module, BlockLinear) and module.bias is None:
-        return module.blocks, module.block_type
+        return module.blocks, module.block_type, None
     if type(module) is nn.Linear and module.bias is None and module.weight.dtype == torch.float32:
-        return module.weight, _FLOAT
+        return module.weight, _FLOAT, packed_of(module)
     return None
 
 
 class DecodeStack:
     def __init__(self, ops, weights: list[torch.Tensor], block_types: list[int], k_caches: list[torch.Tensor],
-                 v_caches: list[torch.Tensor], rotary, cfg) -> None:
+                 v_caches: list[torch.Tensor], rotary, cfg, packed: list[torch.Tensor | None] | None = None) -> None:
         self.ops = ops  # torch.ops.pagoda
         self.weights, self.block_types = weights, block_types
+        # float projections' oneDNN copies, one entry per projection ([] when there are none)
+        self.packed = packed if packed and any(p is not None for p in packed) else []
         self.k_caches, self.v_caches = k_caches, v_caches
         self.rotary, self.cfg = rotary, cfg
 
@@ -44,7 +48,7 @@ class DecodeStack:
         cfg = model.config
         if cfg.qk_norm or cfg.hidden_act not in ("silu", "swish") or not model.layers:
             return None
-        weights, types, k_caches, v_caches = [], [], [], []
+        weights, types, packed, k_caches, v_caches = [], [], [], [], []
         for layer in model.layers:
             attn, mlp = layer.self_attn, layer.mlp
             projections = [_projection(m) for m in (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)]
@@ -55,16 +59,17 @@ class DecodeStack:
             if None in projections or cache is None or cache.dtype not in _CACHE_DTYPES or cache.device.type != "cpu" \
                     or any(n.dtype != torch.float32 for n in norms):
                 return None
-            (qkv, t0), (o, t1), (gate_up, t2), (down, t3) = projections
+            (qkv, t0, p0), (o, t1, p1), (gate_up, t2, p2), (down, t3, p3) = projections
             weights += [norms[0], qkv, o, norms[1], gate_up, down]
             types += [t0, t1, t2, t3]
+            packed += [p0, p1, p2, p3]
             k_caches.append(cache)
             v_caches.append(attn.attn.v_cache)
         rotary = model.layers[0].self_attn.rotary
         if rotary.cos_cache.dtype != torch.float32:
             return None
-        stack = cls(ops, weights, types, k_caches, v_caches, rotary, cfg)
-        if any(getattr(m, "packed", None) is not None for m in model.modules()):
+        stack = cls(ops, weights, types, k_caches, v_caches, rotary, cfg, packed)
+        if any(isinstance(m, BlockLinear) and m.packed is not None for m in model.modules()):
             # from this many rows the Python layers run the weights packed once (layers/packed_weights.py),
             # where the stack's block_matmul would dequantize them on every call
             stack.max_rows = ops.block_matmul_gemm()[0]
@@ -82,7 +87,7 @@ class DecodeStack:
                  meta: AttentionMetadata) -> torch.Tensor:
         cfg = self.cfg
         return self.ops.decode_layers(
-            hidden, residual, positions, self.weights, self.block_types, self.k_caches, self.v_caches,
+            hidden, residual, positions, self.weights, self.block_types, self.packed, self.k_caches, self.v_caches,
             self.rotary.cos_cache, self.rotary.sin_cache, meta.slot_mapping, meta.decode_block_tables,
             meta.decode_seq_lens, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.rms_norm_eps,
             cfg.head_dim ** -0.5, [w or 0 for w in cfg.sliding_windows],

@@ -21,6 +21,7 @@ from pagoda.layers.attention import PagedAttention
 from pagoda.layers.backend import current_backend
 from pagoda.layers.linear import project
 from pagoda.layers.norm import RMSNorm
+from pagoda.layers.packed_weights import packed_of
 from pagoda.layers.quantization import QUANTIZED_LINEARS, PackedWeight, keeps_packed
 from pagoda.layers.rotary import RotaryEmbedding
 from pagoda.models.config import TransformerConfig
@@ -184,7 +185,7 @@ class LlamaForCausalLM(nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         if self.lm_head is None:  # tied
-            logits = self.backend.linear(hidden, self.embed_tokens.weight)
+            logits = self.backend.linear(hidden, self.embed_tokens.weight, packed_of(self.embed_tokens))
         else:
             logits = project(self.lm_head, hidden, self.backend)
         if self.tp.is_parallel:  # each rank has its part of the vocabulary (the last one padded)

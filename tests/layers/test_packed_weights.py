@@ -74,3 +74,4 @@ def test_the_engine_packs_at_load_and_answers_as_without(tiny_llama):
     model._stack_key = None  # the stack is built again: no row limit now
     plain = [o.outputs[0].token_ids for o in llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)]
     assert packed == plain
+
