@@ -4,9 +4,11 @@ torch's CPU kernels and pagoda's run on libgomp's thread team. When a parallel r
 threads spin for GOMP_SPINCOUNT iterations of `pause` before they sleep: 300,000 by default, which
 is ~15-20 ms on a CPU whose `pause` is slow (~140 cycles on Sapphire Rapids), so while a model
 decodes they never sleep. libgomp cuts the spin to 100 iterations by itself when a process has
-more OpenMP threads than CPUs, which is why the engine on a thread of the server (the default: the
-event loop's thread and the engine thread each lead a team) never spun. A process whose main
-thread is the only team leader (`--engine-process`, `--data-parallel-size` replicas, LLM.generate)
+more OpenMP threads than CPUs: so it was while the server loaded the model on its main thread and
+ran it on the engine thread (two teams), and every parallel region of a step ended in a sleep and
+a wake-up (one stream 87 tok/s against 136 once the engine thread builds its own core, quiet AVX-512
+EPYC: engine/core_client.py). A process with one team leader (the server, whose engine thread
+builds and runs the model; `--engine-process`, `--data-parallel-size` replicas, LLM.generate)
 gets the full spin, and on cores shared with the event loop, the client and other programs a
 spinning thread holds a core that the thread it waits for needs: one stream through
 `--engine-process` fell to 2.8 tok/s where the engine thread gave 19.9 (2 cores, load average ~9,

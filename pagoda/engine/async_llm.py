@@ -46,7 +46,8 @@ class AsyncLLM:
     def __init__(self, engine: LLMEngine, *, engine_process: bool = False, max_engine_restarts: int = 0) -> None:
         """engine_process=True runs the core in its own process (`engine` must then be built
         with build_core=False), restarted up to max_engine_restarts times if it dies; otherwise
-        it runs on a thread of this process."""
+        it runs on a thread of this process, built there if `engine` has none yet (the server's
+        way: see ThreadCoreClient)."""
         self.engine = engine
         self.output_processor = engine.output_processor  # used on the event loop only
         self._streams: dict[str, asyncio.Queue] = {}
@@ -60,9 +61,10 @@ class AsyncLLM:
             self.client = ProcessCoreClient(engine.config, self._from_core, self._core_failed,
                                             max_restarts=max_engine_restarts, on_answer=self._debug_answered)
             engine.limits = self.client.limits
-        else:
-            self.client = ThreadCoreClient(engine.core, self._from_core, self._core_failed,
+        else:  # an engine built without its core has it built on the engine's thread (ThreadCoreClient)
+            self.client = ThreadCoreClient(engine.core if engine.core is not None else engine.config, self._from_core, self._core_failed,
                                            on_answer=self._debug_answered)
+            engine.core, engine.limits = self.client.core, self.client.limits
 
     @property
     def healthy(self) -> bool:

@@ -285,7 +285,7 @@ def _model_app(args, config, names: list[str], api_key: str | None, metric_famil
     """One model's engine and app, from serve's options (`args.model` and its engine flags)."""
     from pagoda.engine.llm_engine import LLMEngine
 
-    engine = LLMEngine(config, build_core=not args.engine_process)
+    engine = LLMEngine(config, build_core=False)  # the core is built where it runs: its thread or its process
     async_engine = AsyncLLM(engine, engine_process=args.engine_process, max_engine_restarts=args.max_engine_restarts)
     app = build_app(async_engine, names, api_key=api_key, max_queue_len=args.max_queue_len, model_root=args.model,
                     request_timeout=args.request_timeout, session_ttl=args.session_ttl, max_sessions=args.max_sessions,
