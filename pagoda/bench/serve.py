@@ -30,16 +30,21 @@ from pagoda.bench.metrics import (DEFAULT_PERCENTILES, RequestResult, format_sum
 from pagoda.bench.servers import scrape_spec_decode
 
 if TYPE_CHECKING:
-    import httpx
+    import aiohttp
 
 
-def _httpx():
-    """httpx, imported on use so that `pagoda --help` works without the bench extra."""
+def _aiohttp():
+    """aiohttp, imported on use so that `pagoda --help` works without the bench extra.
+
+    The load generator shares the machine with the server it measures, so its own CPU counts:
+    measured against pagoda serve on 2 cores, httpx's streaming (h11, a pure-Python HTTP parser,
+    under anyio) took 1.7 ms of CPU a chunk at one stream and 0.11 ms at 64, aiohttp's (a C
+    parser) 0.3 and 0.035 ms (benchmarks/README.md, "The load generator's own cost")."""
     try:
-        import httpx
+        import aiohttp
     except ImportError:
-        raise RuntimeError("pagoda bench serve needs httpx: pip install 'pagoda[bench]'") from None
-    return httpx
+        raise RuntimeError("pagoda bench serve needs aiohttp: pip install 'pagoda[bench]'") from None
+    return aiohttp
 
 
 @dataclass
@@ -88,10 +93,10 @@ def _chunk_text(chunk: dict, chat: bool) -> str:
     return choices[0].get("text") or ""
 
 
-async def send_request(client: httpx.AsyncClient, cfg: ServeConfig, req: datasets.SampleRequest,
+async def send_request(client: aiohttp.ClientSession, cfg: ServeConfig, req: datasets.SampleRequest,
                        tokenizer=None) -> RequestResult:
     """One streamed request, timed chunk by chunk."""
-    httpx = _httpx()
+    aiohttp = _aiohttp()
     result = RequestResult(prompt_len=req.prompt_len)
     body = _payload(cfg, req)
     stamps: list[float] = []
@@ -99,15 +104,15 @@ async def send_request(client: httpx.AsyncClient, cfg: ServeConfig, req: dataset
     usage: dict | None = None
     result.start_time = start = time.perf_counter()
     try:
-        async with client.stream("POST", cfg.endpoint, json=body) as r:
-            if r.status_code != 200:
-                result.error = f"HTTP {r.status_code}: {(await r.aread()).decode(errors='replace')[:300]}"
+        async with client.post(cfg.base_url + cfg.endpoint, json=body) as r:
+            if r.status != 200:
+                result.error = f"HTTP {r.status}: {(await r.read()).decode(errors='replace')[:300]}"
                 return result
-            async for line in r.aiter_lines():
-                if not line.startswith("data:"):
+            async for line in r.content:  # SSE lines, as bytes
+                if not line.startswith(b"data:"):
                     continue
                 data = line[5:].strip()
-                if data == "[DONE]":
+                if data == b"[DONE]":
                     break
                 chunk = json.loads(data)
                 if "error" in chunk:
@@ -119,7 +124,7 @@ async def send_request(client: httpx.AsyncClient, cfg: ServeConfig, req: dataset
                 if text:
                     stamps.append(time.perf_counter())
                     parts.append(text)
-    except (httpx.HTTPError, ValueError) as e:
+    except (aiohttp.ClientError, asyncio.TimeoutError, ValueError) as e:
         result.error = f"{type(e).__name__}: {e}"[:300]
         return result
     if not stamps:
@@ -148,31 +153,33 @@ async def _arrivals(n: int, rate: float, rng: random.Random):
             await asyncio.sleep(rng.expovariate(rate))
 
 
-async def _probe(client: httpx.AsyncClient, path: str, done: asyncio.Event, out: list[float]) -> None:
-    httpx = _httpx()
+async def _probe(client: aiohttp.ClientSession, url: str, done: asyncio.Event, out: list[float]) -> None:
+    aiohttp = _aiohttp()
     while not done.is_set():
         t0 = time.perf_counter()
         try:
-            await client.get(path)
+            async with client.get(url) as r:
+                await r.read()
             out.append(time.perf_counter() - t0)
-        except httpx.HTTPError:
+        except (aiohttp.ClientError, asyncio.TimeoutError):
             pass
         await asyncio.sleep(0.1)
 
 
-def _client(cfg: ServeConfig, concurrency: int) -> httpx.AsyncClient:
-    httpx = _httpx()
+def _client(cfg: ServeConfig, concurrency: int) -> aiohttp.ClientSession:
+    aiohttp = _aiohttp()
     headers = {"Authorization": f"Bearer {cfg.api_key}"} if cfg.api_key else {}
     conns = max(16, concurrency + 8)  # the load, a probe and some slack
-    limits = httpx.Limits(max_connections=conns, max_keepalive_connections=conns)
-    return httpx.AsyncClient(base_url=cfg.base_url, headers=headers, timeout=httpx.Timeout(cfg.timeout_s), limits=limits)
+    # read_bufsize bounds one SSE line (a chunk with many logprobs can pass aiohttp's default 64 KiB)
+    return aiohttp.ClientSession(headers=headers, read_bufsize=1 << 22,
+                                 timeout=aiohttp.ClientTimeout(total=cfg.timeout_s),
+                                 connector=aiohttp.TCPConnector(limit=conns))
 
 
 async def resolve_model_name(cfg: ServeConfig) -> str:
-    async with _client(cfg, 1) as client:
-        r = await client.get("/v1/models")
+    async with _client(cfg, 1) as client, client.get(cfg.base_url + "/v1/models") as r:
         r.raise_for_status()
-        return r.json()["data"][0]["id"]
+        return (await r.json())["data"][0]["id"]
 
 
 async def benchmark(cfg: ServeConfig, requests: list[datasets.SampleRequest], *, tokenizer=None,
@@ -197,7 +204,8 @@ async def benchmark(cfg: ServeConfig, requests: list[datasets.SampleRequest], *,
 
         probes: list[float] = []
         done = asyncio.Event()
-        prober = asyncio.create_task(_probe(client, cfg.probe_path, done, probes)) if cfg.probe_path else None
+        prober = asyncio.create_task(_probe(client, cfg.base_url + cfg.probe_path, done, probes)) \
+            if cfg.probe_path else None
         rng = random.Random(cfg.seed)
         start = time.perf_counter()
         tasks = []

@@ -2,8 +2,9 @@
 the config file the tuner wrote (`pagoda serve --config`), meets the SLOs it was tuned for.
 
 The SLOs are loose for a noisy shared 2-core machine (a trial must stay within half of them: 50 %
-headroom) but not loose enough for every load: ITL p99 passes 50 ms somewhere below 64 clients, so
-some levels miss them and the choice matters (asserted, so the test can fail).
+headroom) but not loose enough for every load: ITL p99 passes 50 ms somewhere up to 256 clients (at
+64 it stayed under 30 ms on an AVX-512 EPYC), so some levels miss them and the choice matters
+(asserted, so the test can fail).
 """
 
 from __future__ import annotations
@@ -32,7 +33,7 @@ def tuned(tiny_llama, tmp_path_factory):
             "--slo-ttft-p99", f"{TTFT_SLO_MS:g}ms", "--slo-itl-p99", f"{ITL_SLO_MS / 1000:g}s", "--slo-headroom", "0.5",
             "--input-len", str(INPUT_LEN), "--output-len", str(OUTPUT_LEN),
             "--knobs", "quantization,max-num-seqs", "--budget-trials", "3",
-            "--start-concurrency", "8", "--max-concurrency", "64",
+            "--start-concurrency", "8", "--max-concurrency", "256",
             "-o", str(out / "best.yaml"), "--plot", str(out / "trials.png"), "--save-result", str(out / "trials.json")]
     assert cli.main(argv) == 0
     return out
