@@ -442,14 +442,22 @@ at::Tensor rounded_activations_bf16(const QuantizedActivations& a, int64_t M, in
 // projection would be 32 MiB, written and read back from memory (measured 2-3x slower).
 at::Tensor library_gemm(const QuantizedActivations& a, const uint8_t* w, int64_t type, int64_t M, int64_t N, int64_t K) {
   if (!GEMM_IN_BF16) return at::linear(rounded_activations<float>(a, M, K), dequantize<float>(w, type, N, K));
+  // oneDNN's bf16 GEMM, in row tiles so that it caches few primitives (in_row_tiles, ops.h)
+  const auto gemm = [](const at::Tensor& weight) {
+    return [&weight](const at::Tensor& rows) { return at::linear(rows, weight); };
+  };
   const at::Tensor x = rounded_activations_bf16(a, M, K);
   const int64_t tile = std::max<int64_t>(64, (int64_t{2} << 20) / (2 * K) / 16 * 16);
-  if (N <= tile) return at::linear(x, dequantize_bf16(w, type, N, K)).to(at::kFloat);
+  if (N <= tile) {
+    const at::Tensor weight = dequantize_bf16(w, type, N, K);
+    return pagoda::in_row_tiles(x, gemm(weight)).to(at::kFloat);
+  }
   at::Tensor out = at::empty({M, N}, at::kFloat);
   const int64_t row_bytes = K / QK * block_bytes(type);
   for (int64_t n = 0; n < N; n += tile) {
     const int64_t rows = std::min(tile, N - n);
-    out.narrow(1, n, rows).copy_(at::linear(x, dequantize_bf16(w + n * row_bytes, type, rows, K)));
+    const at::Tensor weight = dequantize_bf16(w + n * row_bytes, type, rows, K);
+    out.narrow(1, n, rows).copy_(pagoda::in_row_tiles(x, gemm(weight)));
   }
   return out;
 }

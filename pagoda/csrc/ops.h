@@ -4,12 +4,15 @@
 
 #include <ATen/ATen.h>
 
+#include <algorithm>
 #include <optional>
+#include <vector>
 
 namespace pagoda {
 
 at::Tensor linear(const at::Tensor& x, const at::Tensor& weight,  // small_matmul.cpp
                   const std::optional<at::Tensor>& packed = std::nullopt);
+at::Tensor onednn_linear(const at::Tensor& x, const at::Tensor& packed);  // small_matmul.cpp
 bool batch_invariant();  // small_matmul.cpp: deterministic inference asked (see set_batch_invariant)
 bool set_batch_invariant(bool enabled);
 at::Tensor block_matmul(const at::Tensor& x, const at::Tensor& weight, int64_t type);
@@ -24,5 +27,29 @@ at::Tensor silu_and_mul(const at::Tensor& x);
 void write_kv_cache(const at::Tensor& k, const at::Tensor& v, at::Tensor k_cache, at::Tensor v_cache,
                     const at::Tensor& slot_mapping, const std::optional<at::Tensor>& k_scales = std::nullopt,
                     const std::optional<at::Tensor>& v_scales = std::nullopt);
+
+// oneDNN caches one primitive (~0.6 MiB of generated code and descriptors, measured) for every
+// row count it has multiplied a weight shape by, up to 1,024 of them: a server whose batches take
+// every size from 16 to 2,048 rows grew by hundreds of MiB. So the library GEMMs see few row
+// counts: rows go in tiles of LIBRARY_TILE_ROWS, the last one padded with zero rows up to a
+// multiple of LIBRARY_ROW_STEP (at most 16 row counts per weight shape); rows are independent,
+// so the padding changes no result. `gemm` maps a tile [rows, K] to its product [rows, N].
+constexpr int64_t LIBRARY_TILE_ROWS = 256;
+constexpr int64_t LIBRARY_ROW_STEP = 16;
+
+template <typename Gemm>
+at::Tensor in_row_tiles(const at::Tensor& x, const Gemm& gemm) {
+  const int64_t M = x.size(0);
+  std::vector<at::Tensor> parts;
+  for (int64_t m = 0; m < M; m += LIBRARY_TILE_ROWS) {
+    const int64_t rows = std::min(LIBRARY_TILE_ROWS, M - m);
+    const int64_t padded = (rows + LIBRARY_ROW_STEP - 1) / LIBRARY_ROW_STEP * LIBRARY_ROW_STEP;
+    at::Tensor tile = x.narrow(0, m, rows);
+    if (padded != rows) tile = at::constant_pad_nd(tile, {0, 0, 0, padded - rows});
+    at::Tensor y = gemm(tile.contiguous());
+    parts.push_back(padded != rows ? y.narrow(0, 0, rows) : y);
+  }
+  return parts.size() == 1 ? parts[0].contiguous() : at::cat(parts);
+}
 
 }  // namespace pagoda

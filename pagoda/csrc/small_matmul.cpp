@@ -210,12 +210,15 @@ constexpr int64_t SMALL_M_MAX = 32;
 // oneDNN's GEMM on a weight reordered once into its blocked layout
 // (torch.ops.mkldnn._reorder_linear_weight, layers/packed_weights.py), called through the
 // dispatcher: torch's own op, boxed so that no C++ signature of it is copied here.
+// In row tiles (in_row_tiles, ops.h), so that oneDNN's cache holds a few primitives per weight.
 at::Tensor onednn_linear(const at::Tensor& x, const at::Tensor& packed) {
   static const c10::OperatorHandle op = c10::Dispatcher::singleton().findSchemaOrThrow("mkldnn::_linear_pointwise", "");
-  std::vector<c10::IValue> stack{x, packed, c10::IValue(), c10::IValue(std::string("none")),
-                                 c10::IValue(c10::List<std::optional<at::Scalar>>()), c10::IValue()};
-  op.callBoxed(&stack);
-  return stack[0].toTensor();
+  return in_row_tiles(x, [&](const at::Tensor& tile) {
+    std::vector<c10::IValue> stack{tile, packed, c10::IValue(), c10::IValue(std::string("none")),
+                                   c10::IValue(c10::List<std::optional<at::Scalar>>()), c10::IValue()};
+    op.callBoxed(&stack);
+    return stack[0].toTensor();
+  });
 }
 
 at::Tensor linear(const at::Tensor& x, const at::Tensor& weight, const std::optional<at::Tensor>& packed) {
@@ -234,9 +237,16 @@ static bool set_batch_invariant_op(bool enabled) { return pagoda::set_batch_inva
 
 TORCH_LIBRARY_FRAGMENT(pagoda, m) {
   m.def("linear(Tensor x, Tensor weight, Tensor? packed=None) -> Tensor");
+  m.def("onednn_linear(Tensor x, Tensor packed) -> Tensor");
   m.def("set_batch_invariant(bool enabled) -> bool", &set_batch_invariant_op);  // no tensor: one kernel for all
 }
 
-TORCH_LIBRARY_IMPL(pagoda, CPU, m) { m.impl("linear", &pagoda::linear); }
+TORCH_LIBRARY_IMPL(pagoda, CPU, m) {
+  m.impl("linear", &pagoda::linear);
+  m.impl("onednn_linear", &pagoda::onednn_linear);
+}
 // A float32 weight reordered by oneDNN is an Mkldnn tensor, whose dispatch key selects the kernel
-TORCH_LIBRARY_IMPL(pagoda, MkldnnCPU, m) { m.impl("linear", &pagoda::linear); }
+TORCH_LIBRARY_IMPL(pagoda, MkldnnCPU, m) {
+  m.impl("linear", &pagoda::linear);
+  m.impl("onednn_linear", &pagoda::onednn_linear);
+}

@@ -198,7 +198,7 @@ class CpuKernelBackend(TorchBackend):
                 # the many-row route on the weight packed once; None: few rows or batch invariance
                 rounded = self.ops.block_gemm_activations(x.float())
                 if rounded is not None:
-                    return torch.ops.mkldnn._linear_pointwise(rounded, packed, None, "none", [], "").float()
+                    return self.ops.onednn_linear(rounded, packed).float()  # in row tiles (csrc/ops.h)
             return self.ops.block_matmul(x.float(), blocks, block_type)
         return super().block_matmul(x, blocks, block_type)
 

@@ -190,3 +190,15 @@ def pack_float_linears(model: nn.Module, ops, available_bytes: int) -> int:
         module.packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach(), BATCH_HINT)
     logger.info("float32 weights packed once for oneDNN's GEMM (from 33 rows): %.0f MiB", total / 2**20)
     return total
+
+
+def drop_packed_copies(model: nn.Module) -> None:
+    """Forget every packed copy of ``model``'s weights, block and float, for code that is about to
+    write the weights in place (the quantizer's calibration): a copy would keep the old values.
+    The model's one-call stack is built again on its next step, without them."""
+    for module in model.modules():
+        if isinstance(module, BlockLinear):
+            module.packed = None
+        module.__dict__.pop("packed", None)
+    if hasattr(model, "_stack_key"):
+        model._stack_key = None

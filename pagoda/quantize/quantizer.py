@@ -24,6 +24,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from pagoda.layers.packed_weights import drop_packed_copies
 from pagoda.quantize import awq, grid
 from pagoda.quantize.gptq import gptq
 from pagoda.quantize.layerwise import LayerInputs, LayerRunner
@@ -211,7 +212,9 @@ def quantize_projections(model: torch.nn.Module, method: str, qtype: str, sample
 
     awq / gptq calibrate sequentially (layerwise.py): layer i's statistics come from the samples
     run through layers < i as already quantized, and layer i's quantized output feeds layer i + 1.
-    The model's own parameters are changed while that runs and restored before returning."""
+    The model's own parameters are changed while that runs and restored before returning (so
+    their copies packed at load are dropped first: they would keep the old values)."""
+    drop_packed_copies(model)
     state = {name: p.detach().float().clone() for name, p in model.named_parameters()}
     quantized: dict[str, grid.Quantized | np.ndarray] = {}
     summary = []

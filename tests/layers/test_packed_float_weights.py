@@ -90,3 +90,32 @@ def test_the_engine_with_packed_float_weights_answers_as_without(tiny_llama, mon
     model._stack_key = None  # the stack is built again, without the copies
     plain = [o.outputs[0].token_ids for o in llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)]
     assert packed == plain
+
+
+@needs_kernels
+@pytest.mark.parametrize("m", [1, 17, 255, 256, 257, 600])
+def test_onednn_rows_go_in_padded_tiles_and_come_back_whole(m):
+    """csrc/ops.h in_row_tiles: tiles of 256 rows, the last padded to a multiple of 16."""
+    g = torch.Generator().manual_seed(m)
+    weight = torch.randn(80, 64, generator=g)
+    x = torch.randn(m, 64, generator=g)
+    y = ops.onednn_linear(x, torch.ops.mkldnn._reorder_linear_weight(weight, 64))
+    assert y.shape == (m, 80) and y.is_contiguous()
+    torch.testing.assert_close(y, x @ weight.T, rtol=1e-4, atol=1e-4)
+
+
+@needs_kernels
+def test_dropped_copies_let_weights_written_in_place_count(monkeypatch):
+    monkeypatch.setattr(packed_weights, "float_packing_pays", lambda: True)
+    lin = nn.Linear(64, 48, bias=False)
+    model = nn.Sequential(lin)
+    assert pack_float_linears(model, ops, available_bytes=1 << 40) > 0
+    x = torch.randn(40, 64)  # past 32 rows: the packed copy's route
+    backend = select_backend("cpu")
+    with torch.no_grad():
+        lin.weight.data.mul_(2)
+    stale = backend.linear(x, lin.weight, packed_of(lin))
+    torch.testing.assert_close(stale * 2, x @ lin.weight.T, rtol=1e-4, atol=1e-4)  # the copy kept the old values
+    packed_weights.drop_packed_copies(model)
+    assert packed_of(lin) is None
+    torch.testing.assert_close(backend.linear(x, lin.weight, packed_of(lin)), x @ lin.weight.T, rtol=1e-4, atol=1e-4)
