@@ -13,13 +13,13 @@ kept under ``$PAGODA_HOME/kernels/<cpu>/dtype-choice.json`` and reused by later 
 
 from __future__ import annotations
 
-import json
 import logging
-import time
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
+
+from pagoda.layers.cpu_timing import best_ms, kept_record
 
 logger = logging.getLogger(__name__)
 
@@ -31,22 +31,13 @@ MARGIN = 1.1  # bf16 must be at least this much faster: a noisy tie keeps the ex
 _VERSION = 2  # bump when the measurement changes (2: fp32 on packed copies where they pay), so that old choices are measured again
 
 
+CHOICE_FILE = "dtype-choice.json"  # beside this CPU's kernel build (one directory per kind of CPU)
+
+
 def choice_path() -> Path:
-    """Beside this CPU's kernel build (one directory per kind of CPU)."""
     from pagoda.layers.cpu_kernels import build_directory
 
-    return build_directory() / "dtype-choice.json"
-
-
-def _best_ms(fn, trials: int = 15) -> float:
-    """The fastest of several runs: the least disturbed by whatever else shares the CPU."""
-    fn()
-    best = float("inf")
-    for _ in range(trials):
-        start = time.perf_counter()
-        fn()
-        best = min(best, time.perf_counter() - start)
-    return best * 1e3
+    return build_directory() / CHOICE_FILE
 
 
 def measure() -> dict:
@@ -78,7 +69,7 @@ def measure() -> dict:
                 def suite(ws=ws, linear=linear, x=x0.to(ws[0].dtype)):
                     for w in ws:
                         x = linear(x, w)
-                timings[dtype][m] = _best_ms(suite)
+                timings[dtype][m] = best_ms(suite)
     finally:
         torch.set_num_threads(threads)
     faster = all(timings["bfloat16"][m] * MARGIN < timings["float32"][m] for m in ROWS)
@@ -89,21 +80,7 @@ def measure() -> dict:
 
 def auto_cpu_dtype() -> torch.dtype:
     """The dtype `--dtype auto` means on this CPU: measured once, then read from its file."""
-    path = choice_path()
-    record, measured = None, False
-    try:
-        record = json.loads(path.read_text())
-        if record.get("version") != _VERSION or record.get("torch") != torch.__version__:
-            record = None
-    except (OSError, ValueError):
-        pass
-    if record is None:
-        record, measured = measure(), True
-        try:
-            path.parent.mkdir(parents=True, exist_ok=True)
-            path.write_text(json.dumps(record, indent=1))
-        except OSError as e:  # a read-only home: measure again next time
-            logger.warning("could not keep the dtype measurement in %s (%s)", path, e)
+    record, measured, path = kept_record(CHOICE_FILE, _VERSION, measure)
     ms = record["ms"]
     logger.info("--dtype auto on this CPU: %s (%s; ms per projection suite at %s rows: fp32 %s, bf16 %s)",
                 record["choice"], "measured now" if measured else f"measured before, {path}", "/".join(map(str, ROWS)),

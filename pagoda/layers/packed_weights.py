@@ -27,15 +27,14 @@ the same memory rule; rows up to 32, and every row count under deterministic inf
 
 from __future__ import annotations
 
-import json
 import logging
 import os
-import time
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from pagoda.layers.cpu_timing import best_ms, kept_record
 from pagoda.layers.ggml_blocks import BlockLinear
 
 logger = logging.getLogger(__name__)
@@ -100,20 +99,13 @@ def packed_of(module: nn.Module) -> torch.Tensor | None:
     return module.__dict__.get("packed")
 
 
+FLOAT_CHOICE_FILE = "float-gemm-choice.json"  # beside this CPU's kernel build (layers/cpu_timing.py)
+
+
 def float_choice_path():
     from pagoda.layers.cpu_kernels import build_directory
 
-    return build_directory() / "float-gemm-choice.json"
-
-
-def _best_ms(fn, trials: int = 12) -> float:
-    fn()
-    best = float("inf")
-    for _ in range(trials):
-        start = time.perf_counter()
-        fn()
-        best = min(best, time.perf_counter() - start)
-    return best * 1e3
+    return build_directory() / FLOAT_CHOICE_FILE
 
 
 def measure_float_gemm() -> dict:
@@ -126,9 +118,9 @@ def measure_float_gemm() -> dict:
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # per core: threads that other processes preempt make a timing noise
     try:
-        library = _best_ms(lambda: [F.linear(x, w) for x, w in zip(xs, weights)])
-        onednn = _best_ms(lambda: [torch.ops.mkldnn._linear_pointwise(x, p, None, "none", [], "")
-                                   for x, p in zip(xs, packed)])
+        library = best_ms(lambda: [F.linear(x, w) for x, w in zip(xs, weights)], trials=12)
+        onednn = best_ms(lambda: [torch.ops.mkldnn._linear_pointwise(x, p, None, "none", [], "")
+                                  for x, p in zip(xs, packed)], trials=12)
     finally:
         torch.set_num_threads(threads)
     return {"version": _FLOAT_VERSION, "torch": torch.__version__, "threads": 1, "rows": FLOAT_ROWS,
@@ -138,21 +130,7 @@ def measure_float_gemm() -> dict:
 def float_packing_pays() -> bool:
     """Whether oneDNN on packed fp32 weights beats at::linear on this CPU: measured once (well
     under a second), then read from its file."""
-    path = float_choice_path()
-    record = None
-    try:
-        record = json.loads(path.read_text())
-        if record.get("version") != _FLOAT_VERSION or record.get("torch") != torch.__version__:
-            record = None
-    except (OSError, ValueError):
-        pass
-    if record is None:
-        record = measure_float_gemm()
-        try:
-            path.parent.mkdir(parents=True, exist_ok=True)
-            path.write_text(json.dumps(record, indent=1))
-        except OSError as e:  # a read-only home: measure again next time
-            logger.warning("could not keep the float GEMM measurement in %s (%s)", path, e)
+    record, _, _ = kept_record(FLOAT_CHOICE_FILE, _FLOAT_VERSION, measure_float_gemm)
     ms = record["ms"]
     logger.info("float32 GEMM from 33 rows on this CPU: %s (ms for the suite at %d rows: at::linear %.3f, "
                 "oneDNN packed %.3f)", "oneDNN on weights packed at load" if record["pack"] else "at::linear",
