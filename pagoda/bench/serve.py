@@ -34,7 +34,7 @@ if TYPE_CHECKING:
 
 
 def _aiohttp():
-    """aiohttp, imported on use so that `pagoda --help` works without the bench extra.
+    """aiohttp, imported on use (it is one of pagoda's dependencies; `pagoda --help` need not load it).
 
     The load generator shares the machine with the server it measures, so its own CPU counts:
     measured against pagoda serve on 2 cores, httpx's streaming (h11, a pure-Python HTTP parser,
@@ -43,7 +43,7 @@ def _aiohttp():
     try:
         import aiohttp
     except ImportError:
-        raise RuntimeError("pagoda bench serve needs aiohttp: pip install 'pagoda[bench]'") from None
+        raise RuntimeError("pagoda bench serve needs aiohttp: pip install aiohttp") from None
     return aiohttp
 
 
