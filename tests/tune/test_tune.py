@@ -1,10 +1,13 @@
 """`pagoda tune` on the tiny model: real servers, real load; the chosen setting, started afresh from
 the config file the tuner wrote (`pagoda serve --config`), meets the SLOs it was tuned for.
 
-The SLOs are loose for a noisy shared 2-core machine (a trial must stay within half of them: 50 %
-headroom) but not loose enough for every load: ITL p99 passes 50 ms somewhere up to 256 clients (at
-64 it stayed under 30 ms on an AVX-512 EPYC), so some levels miss them and the choice matters
-(asserted, so the test can fail).
+The ITL SLO is set from this machine's own speed, measured first (one server at 8 clients): the
+machines differ by 2-5x (at 64 clients ITL p99 was 29 ms on an AVX-512 EPYC, over 50 ms on the
+Sapphire Rapids), so a fixed SLO either excluded no level on a fast machine or every level on a
+slow one. At ITL_FACTOR times the 8-client ITL p99, with 50 % headroom (a trial must stay within
+half of it), it holds at low concurrency and is passed somewhere below 64 clients (ITL grows
+~5x from 8 to 64 clients), so some levels miss it and the choice matters (asserted, so the test
+can fail); the chosen level still has 2x room in the fresh run.
 """
 
 from __future__ import annotations
@@ -22,24 +25,45 @@ from pagoda.tune.search import Budget, Search
 from pagoda.tune.setting import Setting
 from pagoda.tune.trial import Level, Slos, Trial, search_load
 
-TTFT_SLO_MS, ITL_SLO_MS = 1000.0, 100.0
+TTFT_SLO_MS = 1000.0
+ITL_FACTOR = 4.0  # the ITL SLO, in units of this machine's ITL p99 at 8 clients
+MIN_ITL_SLO_MS = 20.0
 INPUT_LEN, OUTPUT_LEN = 32, 16
 
 
+def _load(url: str, model_dir, concurrency: int) -> dict:
+    """`pagoda bench serve`'s summary of 2 x concurrency requests at ``concurrency`` clients."""
+    tokenizer = datasets.load_tokenizer(str(model_dir))
+    requests = datasets.random_requests(max(4, 2 * concurrency), INPUT_LEN, OUTPUT_LEN, tokenizer=tokenizer)
+    cfg = serve.ServeConfig(base_url=url, max_concurrency=concurrency, request_rate=math.inf)
+    summary, _ = asyncio.run(serve.benchmark(cfg, requests, tokenizer=tokenizer, percentiles=(99.0,)))
+    assert summary["failed"] == 0 and summary["completed"] == len(requests)
+    return summary
+
+
 @pytest.fixture(scope="module")
-def tuned(tiny_llama, tmp_path_factory):
+def itl_slo_ms(tiny_llama) -> float:
+    port = servers.free_port()
+    cmd = [sys.executable, "-m", "pagoda.entrypoints.cli", "serve", "--model", str(tiny_llama), "--dtype", "float32",
+           "--kv-cache-memory", "0.02", "--port", str(port), "--log-level", "warning"]
+    with servers.running(cmd, port) as url:
+        return max(MIN_ITL_SLO_MS, ITL_FACTOR * _load(url, tiny_llama, 8)["p99_itl_ms"])
+
+
+@pytest.fixture(scope="module")
+def tuned(tiny_llama, tmp_path_factory, itl_slo_ms):
     out = tmp_path_factory.mktemp("tune")
     argv = ["tune", "--model", str(tiny_llama), "--dtype", "float32", "--kv-cache-memory", "0.02",
-            "--slo-ttft-p99", f"{TTFT_SLO_MS:g}ms", "--slo-itl-p99", f"{ITL_SLO_MS / 1000:g}s", "--slo-headroom", "0.5",
+            "--slo-ttft-p99", f"{TTFT_SLO_MS:g}ms", "--slo-itl-p99", f"{itl_slo_ms:.1f}ms", "--slo-headroom", "0.5",
             "--input-len", str(INPUT_LEN), "--output-len", str(OUTPUT_LEN),
             "--knobs", "quantization,max-num-seqs", "--budget-trials", "3",
-            "--start-concurrency", "8", "--max-concurrency", "256",
+            "--start-concurrency", "8", "--max-concurrency", "64",
             "-o", str(out / "best.yaml"), "--plot", str(out / "trials.png"), "--save-result", str(out / "trials.json")]
     assert cli.main(argv) == 0
     return out
 
 
-def test_the_chosen_setting_meets_the_slos_in_a_fresh_run(tuned, tiny_llama):
+def test_the_chosen_setting_meets_the_slos_in_a_fresh_run(tuned, tiny_llama, itl_slo_ms):
     record = json.loads((tuned / "trials.json").read_text())
     levels = [lv for t in record["trials"] for lv in t["levels"]]
     assert any(lv["missed"] for lv in levels), "the SLOs excluded no load level: they test nothing"
@@ -51,13 +75,9 @@ def test_the_chosen_setting_meets_the_slos_in_a_fresh_run(tuned, tiny_llama):
     cmd = [sys.executable, "-m", "pagoda.entrypoints.cli", "serve", "--config", str(tuned / "best.yaml"),
            "--port", str(port), "--log-level", "warning"]
     with servers.running(cmd, port) as url:
-        tokenizer = datasets.load_tokenizer(str(tiny_llama))
-        requests = datasets.random_requests(max(4, 2 * concurrency), INPUT_LEN, OUTPUT_LEN, tokenizer=tokenizer)
-        cfg = serve.ServeConfig(base_url=url, max_concurrency=concurrency, request_rate=math.inf)
-        summary, _ = asyncio.run(serve.benchmark(cfg, requests, tokenizer=tokenizer, percentiles=(99.0,)))
-    assert summary["failed"] == 0 and summary["completed"] == len(requests)
+        summary = _load(url, tiny_llama, concurrency)
     assert summary["p99_ttft_ms"] <= TTFT_SLO_MS, summary
-    assert summary["p99_itl_ms"] <= ITL_SLO_MS, summary
+    assert summary["p99_itl_ms"] <= itl_slo_ms, summary
 
 
 def test_the_config_file_plot_and_table_are_written(tuned, tiny_llama):
