@@ -176,7 +176,8 @@ def drop_packed_copies(model: nn.Module) -> None:
     The model's one-call stack is built again on its next step, without them."""
     for module in model.modules():
         if isinstance(module, BlockLinear):
-            module.packed = None
-        module.__dict__.pop("packed", None)
+            module.packed = None  # its attribute (read on every call), kept
+        else:
+            module.__dict__.pop("packed", None)
     if hasattr(model, "_stack_key"):
         model._stack_key = None

@@ -6,6 +6,7 @@ import pytest
 import torch
 from torch import nn
 
+from pagoda.layers import packed_weights
 from pagoda.layers.backend import select_backend
 from pagoda.layers.cpu_kernels import load_cpu_kernels
 from pagoda.layers.ggml_blocks import Q4_0, Q4_1, Q8_0, BlockLinear, quantize_q8_0
@@ -75,3 +76,15 @@ def test_the_engine_packs_at_load_and_answers_as_without(tiny_llama):
     plain = [o.outputs[0].token_ids for o in llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)]
     assert packed == plain
 
+
+
+def test_dropped_copies_leave_the_blocks_serving():
+    """drop_packed_copies (the quantizer's, before it writes weights in place) forgets a block
+    copy, and the layer goes on through block_matmul as without one."""
+    lin = _linear(Q8_0, 96, 64, seed=7)
+    x = torch.randn(20, 64, generator=torch.Generator().manual_seed(7))
+    plain = lin(x)
+    assert pack_block_linears(nn.Sequential(lin), ops, available_bytes=1 << 40) > 0
+    packed_weights.drop_packed_copies(nn.Sequential(lin))
+    assert lin.packed is None
+    assert torch.equal(lin(x), plain)
