@@ -62,7 +62,8 @@ class AsyncLLM:
                                             max_restarts=max_engine_restarts, on_answer=self._debug_answered)
             engine.limits = self.client.limits
         else:  # an engine built without its core has it built on the engine's thread (ThreadCoreClient)
-            self.client = ThreadCoreClient(engine.core if engine.core is not None else engine.config, self._from_core, self._core_failed,
+            core_or_config = engine.core if engine.core is not None else engine.config
+            self.client = ThreadCoreClient(core_or_config, self._from_core, self._core_failed,
                                            on_answer=self._debug_answered)
             engine.core, engine.limits = self.client.core, self.client.limits
 

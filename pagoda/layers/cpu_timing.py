@@ -19,6 +19,8 @@ import torch
 
 logger = logging.getLogger(__name__)
 
+PROJECTION_SHAPES = ((1536, 576), (576, 1536))  # (N, K): SmolLM2-sized MLP projections, the suites' shapes
+
 
 def best_ms(fn: Callable[[], object], trials: int = 15) -> float:
     """The fastest of several runs, in ms: the least disturbed by whatever else shares the CPU."""
@@ -31,12 +33,17 @@ def best_ms(fn: Callable[[], object], trials: int = 15) -> float:
     return best * 1e3
 
 
+def record_path(name: str) -> Path:
+    """This CPU's file ``name``, beside its kernel build (one directory per kind of CPU)."""
+    from pagoda.layers.cpu_kernels import build_directory
+
+    return build_directory() / name
+
+
 def kept_record(name: str, version: int, measure: Callable[[], dict]) -> tuple[dict, bool, Path]:
     """The record in this CPU's file ``name``, or a new one from ``measure()`` (which must set
     "version" and "torch"), written there; returns (record, whether measured now, the file)."""
-    from pagoda.layers.cpu_kernels import build_directory
-
-    path = build_directory() / name
+    path = record_path(name)
     try:
         record = json.loads(path.read_text())
         if record.get("version") == version and record.get("torch") == torch.__version__:

@@ -19,29 +19,27 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from pagoda.layers.cpu_timing import best_ms, kept_record
+from pagoda.layers.cpu_timing import PROJECTION_SHAPES, best_ms, kept_record, record_path
 
 logger = logging.getLogger(__name__)
 
 ROWS = (1, 64)
-SHAPES = ((1536, 576), (576, 1536))  # (N, K): SmolLM2-sized MLP projections
-LAYERS = 8  # 8 layers of them: 57 MB of fp32 weights, more than a CPU's last-level cache, so that
+LAYERS = 8  # 8 layers of PROJECTION_SHAPES: 57 MB of fp32 weights, more than a CPU's last-level cache, so that
             # one row streams them from memory as a decode step does (where bf16's half bytes count)
 MARGIN = 1.1  # bf16 must be at least this much faster: a noisy tie keeps the exact fp32
-_VERSION = 2  # bump when the measurement changes (2: fp32 on packed copies where they pay), so that old choices are measured again
+_VERSION = 2  # bump when the measurement changes, so that old choices are measured again
+              # (2: fp32 on the packed copies where they pay)
 
 
 CHOICE_FILE = "dtype-choice.json"  # beside this CPU's kernel build (one directory per kind of CPU)
 
 
 def choice_path() -> Path:
-    from pagoda.layers.cpu_kernels import build_directory
-
-    return build_directory() / CHOICE_FILE
+    return record_path(CHOICE_FILE)
 
 
 def measure() -> dict:
-    """Milliseconds for the projection suite (LAYERS x SHAPES, each output the next input) at
+    """Milliseconds for the projection suite (LAYERS x PROJECTION_SHAPES, each output the next input) at
     each row count, fp32 (pagoda's CPU linear where its kernels load, with the packed copies
     where they pay, else torch) and bf16 (torch, oneDNN); and the choice they give."""
     from pagoda.layers.backend import select_backend
@@ -50,7 +48,7 @@ def measure() -> dict:
 
     backend = select_backend("cpu")
     g = torch.Generator().manual_seed(0)
-    weights = [torch.randn(n, k, generator=g) * 0.05 for _ in range(LAYERS) for n, k in SHAPES]
+    weights = [torch.randn(n, k, generator=g) * 0.05 for _ in range(LAYERS) for n, k in PROJECTION_SHAPES]
     # fp32 as the engine would run it: from 33 rows on copies packed for oneDNN where that measured faster
     packed = {id(w): torch.ops.mkldnn._reorder_linear_weight(w, BATCH_HINT) for w in weights} \
         if getattr(backend, "ops", None) is not None and float_packing_pays() else {}
@@ -64,7 +62,7 @@ def measure() -> dict:
     torch.set_num_threads(1)  # per core: threads that other processes preempt make a timing noise
     try:
         for m in ROWS:
-            x0 = torch.randn(m, SHAPES[0][1], generator=g)
+            x0 = torch.randn(m, PROJECTION_SHAPES[0][1], generator=g)
             for dtype, (ws, linear) in suites.items():
                 def suite(ws=ws, linear=linear, x=x0.to(ws[0].dtype)):
                     for w in ws:

@@ -29,12 +29,13 @@ from __future__ import annotations
 
 import logging
 import os
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from pagoda.layers.cpu_timing import best_ms, kept_record
+from pagoda.layers.cpu_timing import PROJECTION_SHAPES, best_ms, kept_record, record_path
 from pagoda.layers.ggml_blocks import BlockLinear
 
 logger = logging.getLogger(__name__)
@@ -43,9 +44,31 @@ MEMORY_SHARE = 0.25  # packed copies may take this share of the available memory
 BATCH_HINT = 64  # the row count oneDNN chooses its layout for (any row count runs on it)
 
 
+def _can_reorder(ops) -> bool:
+    """The kernels and torch's oneDNN weight reordering are both there."""
+    return ops is not None and torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")
+
+
+def _switched_off(what: str) -> bool:
+    """PAGODA_PACK_WEIGHTS=0 turns every packed copy off."""
+    if os.environ.get("PAGODA_PACK_WEIGHTS", "1") == "0":
+        logger.info("%s not packed (PAGODA_PACK_WEIGHTS=0)", what)
+        return True
+    return False
+
+
+def _fits(what: str, total: int, available_bytes: int) -> bool:
+    """The copies may take at most MEMORY_SHARE of the memory available once the model has loaded."""
+    if total > MEMORY_SHARE * available_bytes:
+        logger.info("%s not packed: %.0f MiB would pass %d %% of the %.0f MiB available", what, total / 2**20,
+                    MEMORY_SHARE * 100, available_bytes / 2**20)
+        return False
+    return True
+
+
 def packing_applies(ops) -> bool:
     """Whether this build's many-row route is a bf16 GEMM that packed weights can serve."""
-    if ops is None or not torch.backends.mkldnn.is_available() or not hasattr(torch.ops.mkldnn, "_reorder_linear_weight"):
+    if not _can_reorder(ops):
         return False
     try:
         _, dtype = ops.block_matmul_gemm()
@@ -63,15 +86,8 @@ def pack_block_linears(model: nn.Module, ops, available_bytes: int) -> int:
     bytes packed (0 when none was)."""
     if not packing_applies(ops):
         return 0
-    if os.environ.get("PAGODA_PACK_WEIGHTS", "1") == "0":
-        logger.info("block weights not packed (PAGODA_PACK_WEIGHTS=0)")
-        return 0
     total = packed_bytes(model)
-    if total == 0:
-        return 0
-    if total > MEMORY_SHARE * available_bytes:
-        logger.info("block weights not packed for the many-row GEMM: %.0f MiB would pass %d %% of the %.0f MiB "
-                    "available", total / 2**20, MEMORY_SHARE * 100, available_bytes / 2**20)
+    if total == 0 or _switched_off("block weights") or not _fits("block weights", total, available_bytes):
         return 0
     seen: dict[int, torch.Tensor] = {}  # a tied head shares the embedding's blocks
     for module in model.modules():
@@ -87,7 +103,6 @@ def pack_block_linears(model: nn.Module, ops, available_bytes: int) -> int:
 
 # -- float32 weights -------------------------------------------------------------------------
 
-FLOAT_SHAPES = ((1536, 576), (576, 1536))  # (N, K): SmolLM2-sized MLP projections, as layers/dtype_choice.py
 FLOAT_ROWS = 64  # a batch's decode step, a prefill chunk's slice
 FLOAT_MARGIN = 1.1  # oneDNN must be at least this much faster than at::linear: a noisy tie keeps one copy
 _FLOAT_VERSION = 1  # bump when the measurement changes
@@ -102,17 +117,15 @@ def packed_of(module: nn.Module) -> torch.Tensor | None:
 FLOAT_CHOICE_FILE = "float-gemm-choice.json"  # beside this CPU's kernel build (layers/cpu_timing.py)
 
 
-def float_choice_path():
-    from pagoda.layers.cpu_kernels import build_directory
-
-    return build_directory() / FLOAT_CHOICE_FILE
+def float_choice_path() -> Path:
+    return record_path(FLOAT_CHOICE_FILE)
 
 
 def measure_float_gemm() -> dict:
     """Milliseconds for the two projections at ``FLOAT_ROWS`` rows on one thread: at::linear (the
     plain weight) and oneDNN on the weight reordered once; and whether the copy pays."""
     g = torch.Generator().manual_seed(0)
-    weights = [torch.randn(n, k, generator=g) * 0.05 for n, k in FLOAT_SHAPES]
+    weights = [torch.randn(n, k, generator=g) * 0.05 for n, k in PROJECTION_SHAPES]
     packed = [torch.ops.mkldnn._reorder_linear_weight(w, BATCH_HINT) for w in weights]
     xs = [torch.randn(FLOAT_ROWS, w.shape[1], generator=g) for w in weights]
     threads = torch.get_num_threads()
@@ -152,17 +165,12 @@ def _float_weights(model: nn.Module) -> list[tuple[nn.Module, torch.Tensor]]:
 def pack_float_linears(model: nn.Module, ops, available_bytes: int) -> int:
     """Give ``model``'s float32 projections (and a tied head) oneDNN-packed copies where that
     measured faster on this CPU and fits; returns the bytes packed (0 when none was)."""
-    if ops is None or not torch.backends.mkldnn.is_available() or not hasattr(torch.ops.mkldnn, "_reorder_linear_weight"):
-        return 0
-    if os.environ.get("PAGODA_PACK_WEIGHTS", "1") == "0":
+    if not _can_reorder(ops):
         return 0
     found = _float_weights(model)
     total = sum(4 * w.numel() for _, w in found)
-    if total == 0 or not float_packing_pays():
-        return 0
-    if total > MEMORY_SHARE * available_bytes:
-        logger.info("float weights not packed for oneDNN: %.0f MiB would pass %d %% of the %.0f MiB available",
-                    total / 2**20, MEMORY_SHARE * 100, available_bytes / 2**20)
+    if total == 0 or _switched_off("float32 weights") or not float_packing_pays() \
+            or not _fits("float32 weights", total, available_bytes):
         return 0
     for module, weight in found:
         module.packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach(), BATCH_HINT)
