@@ -65,14 +65,10 @@ def _best_ms(f, repeats: int) -> float:
     """The fastest of ``repeats`` calls of ``f()``, in ms (after one warm-up call)."""
     import torch
 
+    from pagoda.layers.cpu_timing import best_ms
+
     with torch.inference_mode():
-        f()
-        best = float("inf")
-        for _ in range(repeats):
-            start = time.perf_counter()
-            f()
-            best = min(best, time.perf_counter() - start)
-    return round(best * 1e3, 3)
+        return round(best_ms(f, trials=repeats), 3)
 
 
 def _layers(w, modes: list[str]) -> dict:
