@@ -8,7 +8,8 @@
 //   norm(x + residual) → qkv → rotary → KV write → paged attention → o → norm(x + residual)
 //   → gate_up → silu * up → down
 // so its outputs are those of the Python path bit for bit. Float32 on the CPU; each projection
-// is either a float weight (pagoda::linear, as the Python layers call it) or ggml blocks (block_matmul).
+// is either a float weight (pagoda::linear, as the Python layers call it) or ggml blocks
+// (block_matmul, or from its many-row threshold oneDNN on the blocks' packed bf16 copy).
 // `windows` holds each layer's sliding window (0: none; empty: none anywhere), as in Mistral.
 #include <ATen/ATen.h>
 #include <torch/library.h>
@@ -20,9 +21,17 @@ namespace {
 constexpr int64_t WEIGHTS_PER_LAYER = 6;      // input norm, qkv, o, post-attention norm, gate_up, down
 constexpr int64_t PROJECTIONS_PER_LAYER = 4;  // qkv, o, gate_up, down: their block types (-1 = float)
 
+// As the Python layers project (layers/linear.py, CpuKernelBackend.block_matmul): a float weight
+// through pagoda::linear; ggml blocks with a packed copy (layers/packed_weights.py) through oneDNN's
+// bf16 GEMM on it where block_matmul would take its library route (enough rows, no batch
+// invariance), else through block_matmul.
 at::Tensor project(const at::Tensor& x, const at::Tensor& weight, int64_t block_type,
                    const std::optional<at::Tensor>& packed) {
-  return block_type < 0 ? pagoda::linear(x, weight, packed) : pagoda::block_matmul(x, weight, block_type);
+  if (block_type < 0) return pagoda::linear(x, weight, packed);
+  if (packed.has_value() && packed->defined())
+    if (const std::optional<at::Tensor> rounded = pagoda::block_gemm_activations(x))
+      return pagoda::onednn_linear(*rounded, *packed).to(at::kFloat);
+  return pagoda::block_matmul(x, weight, block_type);
 }
 
 }  // namespace
@@ -50,7 +59,7 @@ at::Tensor decode_layers(at::Tensor hidden, at::Tensor residual, const at::Tenso
   for (int64_t l = 0; l < L; ++l) {
     const at::Tensor* w = weights.data() + l * WEIGHTS_PER_LAYER;
     const int64_t* types = block_types.data() + l * PROJECTIONS_PER_LAYER;
-    // a float projection's weight packed for oneDNN (layers/packed_weights.py), used from pagoda::linear's many rows
+    // a projection's weight packed for oneDNN (layers/packed_weights.py), used from the many-row thresholds
     const auto pack = [&](int64_t i) -> std::optional<at::Tensor> {
       return packed.empty() ? std::nullopt : packed.get(l * PROJECTIONS_PER_LAYER + i);
     };

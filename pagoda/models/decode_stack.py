@@ -4,7 +4,9 @@ under deterministic inference every prefill chunk too (each token a row of the p
 
 The call runs the same ops in the same order as the Python modules, so outputs do not change;
 what goes away is the Python between them (~40 torch calls per layer, ~5 ms of a 18 ms batch-1
-step with SmolLM2). Sliding windows (Mistral) pass to the paged kernel per layer. Models the op
+step with SmolLM2; ~10 ms of a ~90 ms batch-64 gguf step). Projections whose weights were packed
+once at load for oneDNN (layers/packed_weights.py: float32 weights, and ggml blocks' bf16 copies)
+pass those copies in, so the stack takes their many-row route as the Python layers do. Sliding windows (Mistral) pass to the paged kernel per layer. Models the op
 does not cover (q/k norms, projection biases, other activations, other dtypes or devices,
 torch.compile; Gemma 3 as a whole) and batches with prefill chunks take the Python layers.
 """
@@ -23,9 +25,9 @@ _CACHE_DTYPES = (torch.float32, torch.bfloat16, torch.float16)  # the ops widen 
 
 
 def _projection(module: nn.Module) -> tuple[torch.Tensor, int, torch.Tensor | None] | None:
-    """(weight or blocks, block type, the float weight's oneDNN-packed copy or None)."""
+    """(weight or blocks, block type, the weight's oneDNN-packed copy or None)."""
     if isinstance(module, BlockLinear) and module.bias is None:
-        return module.blocks, module.block_type, None
+        return module.blocks, module.block_type, module.packed
     if type(module) is nn.Linear and module.bias is None and module.weight.dtype == torch.float32:
         return module.weight, _FLOAT, packed_of(module)
     return None
@@ -36,7 +38,8 @@ class DecodeStack:
                  v_caches: list[torch.Tensor], rotary, cfg, packed: list[torch.Tensor | None] | None = None) -> None:
         self.ops = ops  # torch.ops.pagoda
         self.weights, self.block_types = weights, block_types
-        # float projections' oneDNN copies, one entry per projection ([] when there are none)
+        # projections' oneDNN copies (float weights', and blocks' bf16 ones), one entry per projection
+        # ([] when there are none)
         self.packed = packed if packed and any(p is not None for p in packed) else []
         self.k_caches, self.v_caches = k_caches, v_caches
         self.rotary, self.cfg = rotary, cfg
@@ -68,20 +71,11 @@ class DecodeStack:
         rotary = model.layers[0].self_attn.rotary
         if rotary.cos_cache.dtype != torch.float32:
             return None
-        stack = cls(ops, weights, types, k_caches, v_caches, rotary, cfg, packed)
-        if any(isinstance(m, BlockLinear) and m.packed is not None for m in model.modules()):
-            # from this many rows the Python layers run the weights packed once (layers/packed_weights.py),
-            # where the stack's block_matmul would dequantize them on every call
-            stack.max_rows = ops.block_matmul_gemm()[0]
-        return stack
-
-    max_rows: int | None = None  # at most this many rows go through the stack (None: any)
+        return cls(ops, weights, types, k_caches, v_caches, rotary, cfg, packed)
 
     def applies(self, hidden: torch.Tensor, meta: AttentionMetadata) -> bool:
         """A batch of decode rows only (the caller keeps torch.compile away from the stack)."""
-        rows = hidden.shape[0]
-        return (not meta.prefills and meta.num_decodes == rows and hidden.dtype == torch.float32
-                and (self.max_rows is None or rows < self.max_rows))
+        return not meta.prefills and meta.num_decodes == hidden.shape[0] and hidden.dtype == torch.float32
 
     def __call__(self, hidden: torch.Tensor, residual: torch.Tensor, positions: torch.Tensor,
                  meta: AttentionMetadata) -> torch.Tensor:

@@ -8,6 +8,8 @@ import torch
 
 from pagoda import LLM, SamplingParams
 from pagoda.layers.cpu_kernels import load_cpu_kernels
+from pagoda.layers.ggml_blocks import BlockLinear
+from pagoda.layers.packed_weights import packing_applies
 from pagoda.models.decode_stack import DecodeStack
 
 pytestmark = pytest.mark.skipif(load_cpu_kernels() is None, reason="pagoda's C++ kernels cannot be built here")
@@ -45,6 +47,33 @@ def test_stack_equals_the_python_layers_bit_for_bit(tiny_llama, quantization, mo
     python = _run(LLM(model=str(tiny_llama), **args))
     assert calls[0] == 0
     assert fast == python  # tokens and logprobs identical, not merely close
+
+
+def test_stack_takes_packed_block_weights_from_their_many_row_threshold(tiny_llama, monkeypatch):
+    """A decode batch at or above block_matmul's library threshold runs through the stack on the
+    blocks' packed copies (where this build packs them), with the Python layers' bits."""
+    rows, _ = load_cpu_kernels().block_matmul_gemm()
+    prompts = [f"{PROMPTS[i % len(PROMPTS)]} {i}" for i in range(rows + 2)]
+    params = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True, logprobs=2)
+    args = {"dtype": "float32", "kv_cache_memory": 0.02, "quantization": "int4"}
+
+    def run(llm: LLM):
+        outs = llm.generate(prompts, params, use_tqdm=False)
+        return [(list(o.outputs[0].token_ids), [{t: lp.logprob for t, lp in pos.items()} for pos in o.outputs[0].logprobs])
+                for o in outs]
+
+    widths: list[int] = []
+    original = DecodeStack.__call__
+    monkeypatch.setattr(DecodeStack, "__call__", lambda self, hidden, *a: widths.append(hidden.shape[0]) or
+                        original(self, hidden, *a))
+    llm = LLM(model=str(tiny_llama), **args)
+    if packing_applies(load_cpu_kernels()):
+        model = llm.engine.core.model
+        assert all(m.packed is not None for m in model.modules() if isinstance(m, BlockLinear))
+    fast = run(llm)
+    assert max(widths) >= rows  # the whole batch's decode steps went through the stack
+    monkeypatch.setattr(DecodeStack, "build", classmethod(lambda cls, model, ops: None))
+    assert fast == run(LLM(model=str(tiny_llama), **args))
 
 
 def test_stack_steps_aside_where_it_does_not_apply(tiny_model_dirs, monkeypatch):
