@@ -73,6 +73,49 @@ def test_mixed_batch_matches_reference(use_kernel, dtype, heads):
         offset += new
 
 
+@pytest.mark.parametrize("window", [0, 11])
+@pytest.mark.parametrize("cache_dtype", [torch.float32, torch.float16])
+def test_a_large_batch_reads_every_head_of_a_block_together_with_the_same_results(window, cache_dtype):
+    """From 4 runs a thread the kernel's work items take every kv head of their rows (csrc/
+    paged_attention.cpp, plan()); each row's output is then bit for bit what it is alone (one item
+    per head), and matches attention over the contiguous K/V. Some rows share a cached prefix
+    (grouped items), one sequence has a chunk of rows."""
+    ops = load_cpu_kernels()
+    if ops is None:
+        pytest.skip("no compiler for the CPU kernel here")
+    torch.manual_seed(0)
+    hq, hkv, d, bs = 6, 3, 32, 4
+    seqs = 4 * torch.get_num_threads() + 3
+    lens = [int(x) for x in torch.randint(1, 40, (seqs,))]
+    lens[1] = lens[0] = 30  # these two share their first blocks
+    blocks_per = [-(-n // bs) for n in lens[:-1]] + [-(-(lens[-1] + 2) // bs)]  # the last has a chunk's room
+    k_cache = torch.randn(sum(blocks_per), hkv, bs, d).to(cache_dtype)
+    v_cache = torch.randn(k_cache.shape).to(cache_dtype)
+    order = torch.randperm(k_cache.shape[0]).tolist()
+    tables = torch.zeros(seqs, max(blocks_per), dtype=torch.long)
+    for i, n in enumerate(blocks_per):
+        tables[i, :n] = torch.tensor([order.pop() for _ in range(n)])
+    tables[1, :5] = tables[0, :5]
+    # a chunk: the last sequence's rows seeing lens[-1], +1 and +2 positions, consecutive in the batch
+    rows_tables = torch.cat([tables, tables[-1:].expand(2, -1)])
+    rows_lens = torch.tensor(lens + [lens[-1] + 1, lens[-1] + 2])
+    q = torch.randn(len(rows_lens), hq, d)
+    together = ops.paged_decode_attention(q, k_cache, v_cache, rows_tables, rows_lens, d**-0.5, window)
+    for i in range(seqs - 1):
+        alone = ops.paged_decode_attention(q[i : i + 1], k_cache, v_cache, rows_tables[i : i + 1], rows_lens[i : i + 1],
+                                           d**-0.5, window)
+        assert torch.equal(together[i : i + 1], alone)
+        n = int(rows_lens[i])
+        first = max(0, n - window) if window else 0
+        pos = torch.arange(first, n)
+        keys = k_cache[rows_tables[i][pos // bs], :, pos % bs].float()
+        values = v_cache[rows_tables[i][pos // bs], :, pos % bs].float()
+        expected = _reference(q[i : i + 1], keys, values, d**-0.5)
+        torch.testing.assert_close(together[i : i + 1], expected, atol=1e-5, rtol=1e-5)
+    chunk = ops.paged_decode_attention(q[-3:], k_cache, v_cache, rows_tables[-3:], rows_lens[-3:], d**-0.5, window)
+    assert torch.equal(together[-3:], chunk)
+
+
 HQ, HKV, D, BS, NB = 6, 2, 32, 4, 16
 BLOCKS, T = [5, 2, 11], 10  # one sequence: a prefill of 9 tokens, then a decode that reads them from the cache
 
