@@ -15,6 +15,15 @@ spinning thread holds a core that the thread it waits for needs: one stream thro
 benchmarks/README.md, "One stream through every path"). A spin of a few hundred iterations
 still bridges the microseconds between two kernels of a step, then gives the core back.
 
+On a quiet machine the short spin costs more than it saves: every region that a worker sleeps
+through ends in a futex wake-up. On a quiet AVX-512 EPYC (2 cores, 2026-12-02) the full spin
+served one stream at 100.6 tok/s against 70.5 with 500, and 64 streams at 454-561 against 403-460
+(benchmarks/README.md, "The OpenMP spin on a quiet machine"). So the server looks at the machine as
+it starts: with a 1-minute load average under QUIET_LOAD_SHARE of its CPUs, and one engine team
+on the cores (no data-parallel replicas or tensor-parallel ranks sharing them), it keeps the full
+spin (QUIET_SPIN_COUNT, libgomp's default, written out so that a spawned engine process inherits
+the same choice); otherwise the short one. The start-up line says which and why.
+
 libgomp reads these variables once, when it is loaded (with torch), so `configure_server_openmp`
 must run before torch is imported; spawned engine processes and replicas inherit them. A waiting
 policy the user set (GOMP_SPINCOUNT or OMP_WAIT_POLICY) is kept.
@@ -31,23 +40,52 @@ logger = logging.getLogger(__name__)
 # Iterations of `pause` a thread spins before it sleeps (benchmarks/one_stream.py measured 500 against
 # 0 (OMP_WAIT_POLICY=PASSIVE), 2,000, 20,000 and the default).
 SERVER_SPIN_COUNT = 500
+# The spin kept on a quiet machine: libgomp's own default.
+QUIET_SPIN_COUNT = 300_000
+# A machine whose 1-minute load average is under this share of its CPUs is quiet.
+QUIET_LOAD_SHARE = 0.5
 # Variables that already decide the waiting policy: with any of them set, the user's choice stands.
 WAIT_POLICY_VARIABLES = ("GOMP_SPINCOUNT", "OMP_WAIT_POLICY")
 
 
-def configure_server_openmp() -> dict[str, str]:
+def quiet_machine() -> tuple[bool, str]:
+    """Whether the machine is quiet now (see the module docstring), and the figures that say so."""
+    load, cpus = os.getloadavg()[0], len(os.sched_getaffinity(0))
+    return load < QUIET_LOAD_SHARE * cpus, f"load average {load:.2f} on {cpus} CPUs"
+
+
+def choose_spin(shared_cores: bool) -> tuple[int, str]:
+    """The spin count for a server's OpenMP threads, and why."""
+    if shared_cores:
+        return SERVER_SPIN_COUNT, "several engine processes share the cores"
+    quiet, figures = quiet_machine()
+    if quiet:
+        return QUIET_SPIN_COUNT, f"quiet machine: {figures}"
+    return SERVER_SPIN_COUNT, f"busy machine: {figures}"
+
+
+_REASON_VARIABLE = "PAGODA_OPENMP_SPIN_REASON"  # why the spin was chosen, for the start-up line
+
+
+def configure_server_openmp(shared_cores: bool = False) -> dict[str, str]:
     """Set GOMP_SPINCOUNT for a server process unless the user chose a waiting policy; returns
-    what was set (empty when nothing was). Must run before torch is imported."""
+    what was set (empty when nothing was). ``shared_cores``: several engine teams will share the
+    cores (data-parallel replicas, tensor-parallel ranks), so the spin stays short. Must run
+    before torch is imported."""
     if any(name in os.environ for name in WAIT_POLICY_VARIABLES):
         return {}
     if "torch" in sys.modules:
         logger.warning("torch is already loaded: its OpenMP threads keep their default waiting policy")
         return {}
-    os.environ["GOMP_SPINCOUNT"] = str(SERVER_SPIN_COUNT)
+    spin, reason = choose_spin(shared_cores)
+    os.environ["GOMP_SPINCOUNT"] = str(spin)
+    os.environ[_REASON_VARIABLE] = reason
     return {"GOMP_SPINCOUNT": os.environ["GOMP_SPINCOUNT"]}
 
 
 def openmp_settings() -> str:
     """The waiting policy in effect, for the start-up line: what the environment says, else libgomp's default."""
     chosen = [f"{name}={os.environ[name]}" for name in WAIT_POLICY_VARIABLES if name in os.environ]
+    if chosen and os.environ.get(_REASON_VARIABLE):
+        chosen.append(os.environ[_REASON_VARIABLE])
     return ", ".join(chosen) or "libgomp's default spin"

@@ -192,9 +192,10 @@ def cmd_serve(ns: argparse.Namespace) -> int:
     if served_models.serves_several(ns) and (ns.data_parallel_size != 1 or ns.data_parallel_rank is not None):
         raise ValueError("--data-parallel-size serves one model: give one --model (several models are served by "
                          "one process, loaded on first use)")
-    # Before torch loads (replicas and a spawned engine process inherit it): OpenMP workers that
-    # give the cores back to the event loop and the client between steps (pagoda/threads.py).
-    configure_server_openmp()
+    # Before torch loads (replicas and a spawned engine process inherit it): how long OpenMP
+    # workers spin between kernels, from how busy the cores are (pagoda/threads.py).
+    configure_server_openmp(shared_cores=ns.data_parallel_size != 1 or ns.data_parallel_rank is not None
+                            or getattr(ns, "tensor_parallel_size", 1) > 1)
     if ns.data_parallel_rank is not None:  # one replica of `--data-parallel-size N`
         from pagoda.router.data_parallel import pin_replica
 

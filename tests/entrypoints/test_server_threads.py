@@ -1,4 +1,5 @@
-"""`pagoda serve` sets its OpenMP threads' short spin (pagoda/threads.py) in every process that computes.
+"""`pagoda serve` sets its OpenMP threads' spin (pagoda/threads.py) in every process that computes:
+the full spin on a quiet machine with one engine team, else a short one.
 
 libgomp prints the settings it runs with when OMP_DISPLAY_ENV=VERBOSE, once per process that
 loads it, so the server's own output says what is in effect there.
@@ -6,6 +7,7 @@ loads it, so the server's own output says what is in effect there.
 
 from __future__ import annotations
 
+import os
 import sys
 
 import httpx
@@ -31,11 +33,24 @@ def _served_output(model_dir, monkeypatch, *flags: str, **env: str) -> str:
     return proc.stdout.read()
 
 
-def test_server_and_engine_process_spin_briefly(tiny_llama, monkeypatch):
+def test_server_and_engine_process_run_the_spin_chosen_at_start(tiny_llama, monkeypatch):
     out = _served_output(tiny_llama, monkeypatch, "--engine-process")
-    spin = f"GOMP_SPINCOUNT = '{threads.SERVER_SPIN_COUNT}'"
-    assert out.count(spin) == 2, out  # the server process and its engine process
-    assert f"GOMP_SPINCOUNT={threads.SERVER_SPIN_COUNT})" in out  # the start-up line says so
+    chosen = [spin for spin in (threads.SERVER_SPIN_COUNT, threads.QUIET_SPIN_COUNT)
+              if out.count(f"GOMP_SPINCOUNT = '{spin}'") == 2]  # the server process and its engine process
+    assert len(chosen) == 1, out
+    reason = "quiet machine: load average" if chosen[0] == threads.QUIET_SPIN_COUNT else "busy machine: load average"
+    assert f"GOMP_SPINCOUNT={chosen[0]}, {reason}" in out  # the start-up line says which and why
+
+
+def test_the_spin_follows_the_machine_and_the_engine_teams(monkeypatch):
+    cpus = len(os.sched_getaffinity(0))
+    monkeypatch.setattr(os, "getloadavg", lambda: (0.1 * cpus, 0.0, 0.0))
+    assert threads.choose_spin(shared_cores=False) == (threads.QUIET_SPIN_COUNT,
+                                                        f"quiet machine: load average {0.1 * cpus:.2f} on {cpus} CPUs")
+    assert threads.choose_spin(shared_cores=True)[0] == threads.SERVER_SPIN_COUNT  # replicas or ranks
+    monkeypatch.setattr(os, "getloadavg", lambda: (threads.QUIET_LOAD_SHARE * cpus, 0.0, 0.0))
+    spin, reason = threads.choose_spin(shared_cores=False)
+    assert spin == threads.SERVER_SPIN_COUNT and reason.startswith("busy machine")
 
 
 def test_a_waiting_policy_the_user_set_is_kept(tiny_llama, monkeypatch):
