@@ -50,7 +50,11 @@ WAIT_POLICY_VARIABLES = ("GOMP_SPINCOUNT", "OMP_WAIT_POLICY")
 
 def quiet_machine() -> tuple[bool, str]:
     """Whether the machine is quiet now (see the module docstring), and the figures that say so."""
-    load, cpus = os.getloadavg()[0], len(os.sched_getaffinity(0))
+    cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    try:
+        load = os.getloadavg()[0]
+    except (AttributeError, OSError):  # no load average here: assume the cores are shared
+        return False, "no load average"
     return load < QUIET_LOAD_SHARE * cpus, f"load average {load:.2f} on {cpus} CPUs"
 
 

@@ -52,6 +52,12 @@ def test_the_spin_follows_the_machine_and_the_engine_teams(monkeypatch):
     spin, reason = threads.choose_spin(shared_cores=False)
     assert spin == threads.SERVER_SPIN_COUNT and reason.startswith("busy machine")
 
+    def unknown():
+        raise OSError("no load average")
+
+    monkeypatch.setattr(os, "getloadavg", unknown)
+    assert threads.choose_spin(shared_cores=False) == (threads.SERVER_SPIN_COUNT, "busy machine: no load average")
+
 
 def test_a_waiting_policy_the_user_set_is_kept(tiny_llama, monkeypatch):
     out = _served_output(tiny_llama, monkeypatch, GOMP_SPINCOUNT="12345")
