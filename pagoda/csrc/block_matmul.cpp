@@ -493,7 +493,8 @@ struct Tile {
 
 namespace pagoda {
 
-at::Tensor block_matmul(const at::Tensor& x, const at::Tensor& weight, int64_t type) {
+at::Tensor block_matmul(const at::Tensor& x, const at::Tensor& weight, int64_t type,
+                        const std::optional<at::Tensor>& packed) {
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat, "block_matmul: x must be float32 [M, K]");
   TORCH_CHECK(weight.dim() == 2 && weight.scalar_type() == at::kByte, "block_matmul: weight must be uint8 [N, bytes]");
   const int64_t M = x.size(0), K = x.size(1), N = weight.size(0), bb = block_bytes(type);
@@ -506,7 +507,13 @@ at::Tensor block_matmul(const at::Tensor& x, const at::Tensor& weight, int64_t t
   if (M == 0 || N == 0) return out;
   const QuantizedActivations a = quantize_rows(xc.data_ptr<float>(), M, K);
   const uint8_t* w = wc.data_ptr<uint8_t>();
-  if (takes_library_gemm(M)) return library_gemm(a, w, type, M, N, K);
+  if (takes_library_gemm(M)) {
+    // the weight packed once at load (layers/packed_weights.py: block_dequantize's values in
+    // oneDNN's layout) gives library_gemm's products without dequantizing or reordering it here
+    if (GEMM_IN_BF16 && packed.has_value() && packed->defined())
+      return pagoda::onednn_linear(rounded_activations_bf16(a, M, K), *packed).to(at::kFloat);
+    return library_gemm(a, w, type, M, N, K);
+  }
   float* y = out.data_ptr<float>();
   at::parallel_for(0, (N + ROW_CHUNK - 1) / ROW_CHUNK, 1, [&](int64_t begin, int64_t end) {
     for (int64_t chunk = begin; chunk < end; ++chunk) {
@@ -525,11 +532,9 @@ at::Tensor block_matmul(const at::Tensor& x, const at::Tensor& weight, int64_t t
   return out;
 }
 
-// The library GEMM route's two inputs, for a caller that keeps the weight packed once (the model
-// loader's packed_weights.py: oneDNN's own layout, so that no step dequantizes or reorders it):
-// the weight dequantized as library_gemm dequantizes it, and the activations rounded as it rounds
-// them, or None where block_matmul would not take that route (fewer than GEMM_MIN_ROWS rows, batch
-// invariance, or a build whose GEMM is fp32). The GEMM on them gives library_gemm's bits.
+// The library GEMM route's weight for a caller that keeps it packed once (the model loader's
+// packed_weights.py reorders it into oneDNN's own layout, so that no step dequantizes or reorders
+// it): dequantized as library_gemm dequantizes it. block_matmul's `packed` takes the result.
 at::Tensor block_dequantize(const at::Tensor& weight, int64_t type, int64_t in_features) {
   TORCH_CHECK(weight.dim() == 2 && weight.scalar_type() == at::kByte, "block_dequantize: weight must be uint8 [N, bytes]");
   TORCH_CHECK(in_features % QK == 0 && weight.size(1) == in_features / QK * block_bytes(type),
@@ -539,21 +544,13 @@ at::Tensor block_dequantize(const at::Tensor& weight, int64_t type, int64_t in_f
   return dequantize<float>(wc.data_ptr<uint8_t>(), type, weight.size(0), in_features);
 }
 
-std::optional<at::Tensor> block_gemm_activations(const at::Tensor& x) {
-  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.size(1) % QK == 0,
-              "block_gemm_activations: x must be float32 [M, K], K a multiple of 32");
-  const int64_t M = x.size(0), K = x.size(1);
-  if (!GEMM_IN_BF16 || !takes_library_gemm(M)) return std::nullopt;
-  const at::Tensor xc = x.contiguous();
-  return rounded_activations_bf16(quantize_rows(xc.data_ptr<float>(), M, K), M, K);
-}
-
 }  // namespace pagoda
 
 TORCH_LIBRARY_FRAGMENT(pagoda, m) {
-  m.def("block_matmul(Tensor x, Tensor weight, int block_type) -> Tensor");
+  // packed: the weight's copy made at load by block_dequantize and oneDNN's reorder, used from
+  // GEMM_MIN_ROWS rows where the route is bf16 (as pagoda::linear takes a float weight's copy)
+  m.def("block_matmul(Tensor x, Tensor weight, int block_type, Tensor? packed=None) -> Tensor");
   m.def("block_dequantize(Tensor weight, int block_type, int in_features) -> Tensor");
-  m.def("block_gemm_activations(Tensor x) -> Tensor?");
   // Which instruction set this build's integer dot products use: avx512-vnni, avx-vnni, avx2, scalar.
   m.def("block_matmul_isa() -> str", []() { return std::string(isa_path()); });
   // From how many rows (outside batch invariance) it dequantizes and runs a library GEMM, and in
@@ -566,5 +563,6 @@ TORCH_LIBRARY_FRAGMENT(pagoda, m) {
 TORCH_LIBRARY_IMPL(pagoda, CPU, m) {
   m.impl("block_matmul", &pagoda::block_matmul);
   m.impl("block_dequantize", &pagoda::block_dequantize);
-  m.impl("block_gemm_activations", &pagoda::block_gemm_activations);
 }
+// with a packed copy that oneDNN's reorder made an Mkldnn tensor, whose dispatch key selects the kernel
+TORCH_LIBRARY_IMPL(pagoda, MkldnnCPU, m) { m.impl("block_matmul", &pagoda::block_matmul); }

@@ -22,16 +22,11 @@ constexpr int64_t WEIGHTS_PER_LAYER = 6;      // input norm, qkv, o, post-attent
 constexpr int64_t PROJECTIONS_PER_LAYER = 4;  // qkv, o, gate_up, down: their block types (-1 = float)
 
 // As the Python layers project (layers/linear.py, CpuKernelBackend.block_matmul): a float weight
-// through pagoda::linear; ggml blocks with a packed copy (layers/packed_weights.py) through oneDNN's
-// bf16 GEMM on it where block_matmul would take its library route (enough rows, no batch
-// invariance), else through block_matmul.
+// through pagoda::linear, ggml blocks through block_matmul, each with its copy packed at load
+// (layers/packed_weights.py) for its many-row route.
 at::Tensor project(const at::Tensor& x, const at::Tensor& weight, int64_t block_type,
                    const std::optional<at::Tensor>& packed) {
-  if (block_type < 0) return pagoda::linear(x, weight, packed);
-  if (packed.has_value() && packed->defined())
-    if (const std::optional<at::Tensor> rounded = pagoda::block_gemm_activations(x))
-      return pagoda::onednn_linear(*rounded, *packed).to(at::kFloat);
-  return pagoda::block_matmul(x, weight, block_type);
+  return block_type < 0 ? pagoda::linear(x, weight, packed) : pagoda::block_matmul(x, weight, block_type, packed);
 }
 
 }  // namespace

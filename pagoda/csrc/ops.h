@@ -15,8 +15,8 @@ at::Tensor linear(const at::Tensor& x, const at::Tensor& weight,  // small_matmu
 at::Tensor onednn_linear(const at::Tensor& x, const at::Tensor& packed);  // small_matmul.cpp
 bool batch_invariant();  // small_matmul.cpp: deterministic inference asked (see set_batch_invariant)
 bool set_batch_invariant(bool enabled);
-at::Tensor block_matmul(const at::Tensor& x, const at::Tensor& weight, int64_t type);
-std::optional<at::Tensor> block_gemm_activations(const at::Tensor& x);  // block_matmul.cpp
+at::Tensor block_matmul(const at::Tensor& x, const at::Tensor& weight, int64_t type,  // block_matmul.cpp
+                        const std::optional<at::Tensor>& packed = std::nullopt);
 at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
                                   const at::Tensor& block_tables, const at::Tensor& seq_lens, double scale,
                                   int64_t window = 0, const std::optional<at::Tensor>& k_scales = std::nullopt,

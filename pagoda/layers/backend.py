@@ -194,12 +194,8 @@ class CpuKernelBackend(TorchBackend):
 
     def block_matmul(self, x, blocks, block_type, packed=None):
         if x.device.type == "cpu":
-            if packed is not None and not torch.compiler.is_compiling():
-                # the many-row route on the weight packed once; None: few rows or batch invariance
-                rounded = self.ops.block_gemm_activations(x.float())
-                if rounded is not None:
-                    return self.ops.onednn_linear(rounded, packed).float()  # in row tiles (csrc/ops.h)
-            return self.ops.block_matmul(x.float(), blocks, block_type)
+            # packed: the many-row route's weight packed once (used from 16 rows, not under batch invariance)
+            return self.ops.block_matmul(x.float(), blocks, block_type, None if torch.compiler.is_compiling() else packed)
         return super().block_matmul(x, blocks, block_type)
 
     def attention_metadata(self, slots, decode_tables, decode_seq_lens, prefills, block_size, device):

@@ -135,7 +135,7 @@ def _register_fakes() -> None:
     import torch
 
     @torch.library.register_fake("pagoda::block_matmul")
-    def _(x, weight, block_type):
+    def _(x, weight, block_type, packed=None):
         return x.new_empty(x.shape[0], weight.shape[0])
 
     @torch.library.register_fake("pagoda::paged_decode_attention")

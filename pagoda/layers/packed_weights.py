@@ -5,10 +5,9 @@ GEMM (AMX tiles on a Sapphire Rapids); done on every call, the dequantization an
 reordering of the weight into its blocked layout took more than half of a batch-64 projection
 (benchmarks/README.md, "Matmul kernels"). Here each ``BlockLinear`` keeps a second copy, its
 weight dequantized as ``block_matmul`` dequantizes it and reordered into oneDNN's layout
-(``torch.ops.mkldnn._reorder_linear_weight``) once, and those calls (``CpuKernelBackend.block_matmul``)
-run ``torch.ops.mkldnn._linear_pointwise`` on it and on the activations rounded as
-``block_matmul`` rounds them (``block_gemm_activations``): the same products, without the
-per-call work. The
+(``torch.ops.mkldnn._reorder_linear_weight``) once, and ``block_matmul`` given it (its ``packed``
+argument, as ``pagoda::linear`` takes a float weight's copy) runs oneDNN on it and on the
+activations it rounds as before: the same products, without the per-call work. The
 blocks stay for the rows below 16 (the integer kernel, memory-bound, reads the fewest bytes).
 
 The copy costs 2 bytes a weight (SmolLM2: ~270 MB beside ~90 MB of Q4_1 blocks), so it is made

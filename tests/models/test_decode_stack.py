@@ -17,20 +17,21 @@ pytestmark = pytest.mark.skipif(load_cpu_kernels() is None, reason="pagoda's C++
 PROMPTS = ["The quick brown fox", "Paris is the capital of", "Once upon a time there"]
 
 
-def _run(llm: LLM):
-    params = SamplingParams(max_tokens=10, temperature=0, ignore_eos=True, logprobs=2)
-    outs = llm.generate(PROMPTS, params, use_tqdm=False)
+def _run(llm: LLM, prompts: list[str] = PROMPTS, max_tokens: int = 10):
+    params = SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True, logprobs=2)
+    outs = llm.generate(prompts, params, use_tqdm=False)
     return [(list(o.outputs[0].token_ids), [{t: lp.logprob for t, lp in pos.items()} for pos in o.outputs[0].logprobs])
             for o in outs]
 
 
 def count_stack_calls(monkeypatch) -> list[int]:
-    calls = [0]
+    """The rows of every call the stack takes from now on, in order."""
+    calls: list[int] = []
     original = DecodeStack.__call__
 
-    def counted(self, *args):
-        calls[0] += 1
-        return original(self, *args)
+    def counted(self, hidden, *args):
+        calls.append(hidden.shape[0])
+        return original(self, hidden, *args)
 
     monkeypatch.setattr(DecodeStack, "__call__", counted)
     return calls
@@ -41,11 +42,11 @@ def test_stack_equals_the_python_layers_bit_for_bit(tiny_llama, quantization, mo
     args = {"dtype": "float32", "kv_cache_memory": 0.02, "quantization": quantization}
     calls = count_stack_calls(monkeypatch)
     fast = _run(LLM(model=str(tiny_llama), **args))
-    assert calls[0] >= 9  # every decode step of the batch went through the stack
+    assert len(calls) >= 9  # every decode step of the batch went through the stack
     monkeypatch.setattr(DecodeStack, "build", classmethod(lambda cls, model, ops: None))
-    calls[0] = 0
+    calls.clear()
     python = _run(LLM(model=str(tiny_llama), **args))
-    assert calls[0] == 0
+    assert not calls
     assert fast == python  # tokens and logprobs identical, not merely close
 
 
@@ -54,26 +55,16 @@ def test_stack_takes_packed_block_weights_from_their_many_row_threshold(tiny_lla
     blocks' packed copies (where this build packs them), with the Python layers' bits."""
     rows, _ = load_cpu_kernels().block_matmul_gemm()
     prompts = [f"{PROMPTS[i % len(PROMPTS)]} {i}" for i in range(rows + 2)]
-    params = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True, logprobs=2)
     args = {"dtype": "float32", "kv_cache_memory": 0.02, "quantization": "int4"}
-
-    def run(llm: LLM):
-        outs = llm.generate(prompts, params, use_tqdm=False)
-        return [(list(o.outputs[0].token_ids), [{t: lp.logprob for t, lp in pos.items()} for pos in o.outputs[0].logprobs])
-                for o in outs]
-
-    widths: list[int] = []
-    original = DecodeStack.__call__
-    monkeypatch.setattr(DecodeStack, "__call__", lambda self, hidden, *a: widths.append(hidden.shape[0]) or
-                        original(self, hidden, *a))
+    widths = count_stack_calls(monkeypatch)
     llm = LLM(model=str(tiny_llama), **args)
     if packing_applies(load_cpu_kernels()):
         model = llm.engine.core.model
         assert all(m.packed is not None for m in model.modules() if isinstance(m, BlockLinear))
-    fast = run(llm)
+    fast = _run(llm, prompts, max_tokens=6)
     assert max(widths) >= rows  # the whole batch's decode steps went through the stack
     monkeypatch.setattr(DecodeStack, "build", classmethod(lambda cls, model, ops: None))
-    assert fast == run(LLM(model=str(tiny_llama), **args))
+    assert fast == _run(LLM(model=str(tiny_llama), **args), prompts, max_tokens=6)
 
 
 def test_stack_steps_aside_where_it_does_not_apply(tiny_model_dirs, monkeypatch):
@@ -84,7 +75,7 @@ def test_stack_steps_aside_where_it_does_not_apply(tiny_model_dirs, monkeypatch)
     for llm in (qwen3, qwen2, bf16):
         assert llm.engine.core.model.backend.decode_stack(llm.engine.core.model) is None
         assert len(_run(llm)) == len(PROMPTS)
-    assert calls[0] == 0
+    assert not calls
     llama = LLM(model=str(tiny_model_dirs["llama"]), dtype="float32", kv_cache_memory=0.02)
     stack = llama.engine.core.model.backend.decode_stack(llama.engine.core.model)
     assert stack is not None and len(stack.k_caches) == len(llama.engine.core.model.layers)
