@@ -132,49 +132,59 @@ inline float madd(float a, float b, float c) { return a * b + c; }  // no vector
 #endif
 
 #if defined(__AVX512F__)
-template <int NQ>
+// score8's 16-lane kernel, over T tiles of 16 keys side by side (kt + 16 * c): T * NQ independent
+// chains, so that the FMAs' latency is hidden where a decode row's 3 query heads alone would give
+// only 3. Each score is still its own chain over d.
+template <int NQ, int T = 1>
 inline void score16(const float* q, int64_t D, const float* kt, int64_t ldk, float* out, int64_t ldo) {
-  __m512 acc[NQ];
-  for (int i = 0; i < NQ; ++i) acc[i] = _mm512_setzero_ps();
+  __m512 acc[T][NQ];
+  for (int c = 0; c < T; ++c)
+    for (int i = 0; i < NQ; ++i) acc[c][i] = _mm512_setzero_ps();
   for (int64_t d = 0; d < D; ++d) {
-    const __m512 kv = _mm512_loadu_ps(kt + d * ldk);
-    for (int i = 0; i < NQ; ++i) acc[i] = _mm512_fmadd_ps(_mm512_set1_ps(q[i * D + d]), kv, acc[i]);
+    __m512 kv[T];
+    for (int c = 0; c < T; ++c) kv[c] = _mm512_loadu_ps(kt + d * ldk + 16 * c);
+    for (int i = 0; i < NQ; ++i) {
+      const __m512 qv = _mm512_set1_ps(q[i * D + d]);
+      for (int c = 0; c < T; ++c) acc[c][i] = _mm512_fmadd_ps(qv, kv[c], acc[c][i]);
+    }
   }
-  for (int i = 0; i < NQ; ++i) _mm512_storeu_ps(out + i * ldo, acc[i]);
+  for (int c = 0; c < T; ++c)
+    for (int i = 0; i < NQ; ++i) _mm512_storeu_ps(out + i * ldo + 16 * c, acc[c][i]);
 }
 #endif
 
 // scores of NQ query vectors against the LANES keys of kt: the 16- or the 8-lane kernel.
+// With 16 lanes and few queries, TILES_FOR_FEW_QUERIES tiles of keys at a time.
 template <int LANES, int NQ>
 inline void score_tile(const float* q, int64_t D, const float* kt, int64_t ldk, float* out, int64_t ldo) {
 #if defined(__AVX512F__)
   if constexpr (LANES == 16) score16<NQ>(q, D, kt, ldk, out, ldo);
+  if constexpr (LANES == 32) score16<NQ, 2>(q, D, kt, ldk, out, ldo);
+  if constexpr (LANES == 64) score16<NQ, 4>(q, D, kt, ldk, out, ldo);
 #endif
 #ifdef PAGODA_AVX2
   if constexpr (LANES == 8) score8<NQ>(q, D, kt, ldk, out, ldo);
 #endif
 }
 
-// scores of q[0..nq) against the keys j.. of kt, LANES keys at a time (8 queries a kernel call,
-// then the remaining 1-7); returns the first key left over (fewer than LANES remain).
-template <int LANES>
+// score_tile for the last `left` (< MAXQ + 1) queries: the kernel of that many
+template <int LANES, int NQ>
+inline void score_rest(int64_t left, const float* q, int64_t D, const float* kt, int64_t ldk, float* out, int64_t ldo) {
+  if constexpr (NQ > 0) {
+    if (left == NQ) score_tile<LANES, NQ>(q, D, kt, ldk, out, ldo);
+    else score_rest<LANES, NQ - 1>(left, q, D, kt, ldk, out, ldo);
+  }
+}
+
+// scores of q[0..nq) against the keys j.. of kt, LANES keys at a time (MAXQ queries a kernel
+// call, then the remaining ones); returns the first key left over (fewer than LANES remain).
+template <int LANES, int MAXQ = 8>
 inline int64_t score_columns(const float* q, int64_t nq, int64_t D, const float* kt, int64_t ldk, int64_t j,
                              int64_t n, float* out, int64_t ldo) {
   for (; j + LANES <= n; j += LANES) {
     int64_t i = 0;
-    for (; i + 8 <= nq; i += 8) score_tile<LANES, 8>(q + i * D, D, kt + j, ldk, out + i * ldo + j, ldo);
-    const float* qi = q + i * D;
-    float* oi = out + i * ldo + j;
-    switch (nq - i) {
-      case 7: score_tile<LANES, 7>(qi, D, kt + j, ldk, oi, ldo); break;
-      case 6: score_tile<LANES, 6>(qi, D, kt + j, ldk, oi, ldo); break;
-      case 5: score_tile<LANES, 5>(qi, D, kt + j, ldk, oi, ldo); break;
-      case 4: score_tile<LANES, 4>(qi, D, kt + j, ldk, oi, ldo); break;
-      case 3: score_tile<LANES, 3>(qi, D, kt + j, ldk, oi, ldo); break;
-      case 2: score_tile<LANES, 2>(qi, D, kt + j, ldk, oi, ldo); break;
-      case 1: score_tile<LANES, 1>(qi, D, kt + j, ldk, oi, ldo); break;
-      default: break;
-    }
+    for (; i + MAXQ <= nq; i += MAXQ) score_tile<LANES, MAXQ>(q + i * D, D, kt + j, ldk, out + i * ldo + j, ldo);
+    score_rest<LANES, MAXQ - 1>(nq - i, q + i * D, D, kt + j, ldk, out + i * ldo + j, ldo);
   }
   return j;
 }
@@ -184,6 +194,8 @@ inline void scores_block(const float* q, int64_t nq, int64_t D, const float* kt,
                          float* out, int64_t ldo) {
   int64_t j = 0;
 #if defined(__AVX512F__)
+  if (nq <= 4) j = score_columns<64, 4>(q, nq, D, kt, ldk, j, n, out, ldo);
+  j = score_columns<32>(q, nq, D, kt, ldk, j, n, out, ldo);
   j = score_columns<16>(q, nq, D, kt, ldk, j, n, out, ldo);
 #endif
 #ifdef PAGODA_AVX2
@@ -438,6 +450,10 @@ Plan plan(const int64_t* tables, const int64_t* lens, int64_t B, int64_t max_blo
   return p;
 }
 
+// Keys are scored this many positions at a time (whole blocks): a decode row's few query heads
+// against 4 tiles of 16 keys keep 12 FMA chains going where one tile kept 3 (score16).
+constexpr int64_t KEY_STRETCH = 64;
+
 // Blocks of keys or values asked for ahead of their use.
 constexpr int64_t PREFETCH_AHEAD = 2;
 
@@ -493,11 +509,13 @@ void decode_attention_impl(const scalar_t* __restrict__ q, const cache_t* __rest
     TORCH_CHECK(lens[b] >= 1 && lens[b] <= max_blocks * BS, "paged_decode_attention: bad seq_len ", lens[b]);
   const Plan work = plan(tables, lens, B, max_blocks, Hkv, G, BS, window);
   const BlockReader<cache_t> keys{k_cache, k_scales, Hkv, BS, D}, values{v_cache, v_scales, Hkv, BS, D};
+  // keys are transposed and scored a stretch of whole blocks at a time
+  const int64_t stretch = std::max<int64_t>(1, KEY_STRETCH / BS) * BS;
   std::atomic<int64_t> next{0};
   const int64_t num_items = work.items.size();
   const int64_t workers = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), num_items));
   at::parallel_for(0, workers, 1, [&](int64_t, int64_t) {
-    std::vector<float> qf, acc, kt(D * BS), scores;
+    std::vector<float> qf, acc, kt(Hkv * D * stretch), scores;
     std::vector<int64_t> q_off, sc_off, ld;  // per run of the item: first query vector, first score, row stride
     for (int64_t it = next++; it < num_items; it = next++) {
       const Item& item = work.items[it];
@@ -527,34 +545,43 @@ void decode_attention_impl(const scalar_t* __restrict__ q, const cache_t* __rest
                 qf[(e * nq + q_off[r] + i * G + g) * D + d] =
                     static_cast<float>(q[((runs[r].row + i) * Hq + h * G + g) * D + d]) * scale;
       }
-      // a block of keys transposed once, against every query of the run(s) that see it
-      auto transposed_keys = [&](const int64_t* table, int64_t t0, int64_t n, int64_t h) {
-        transpose(keys.rows(table[t0 / BS], h), n, D, kt.data(), BS);
+      // the n keys from position t0 (a stretch of up to KEY_STRETCH, whole blocks but for the
+      // last) of each of the item's heads, transposed once, side by side (head e's at kt + e * D *
+      // stretch), against every query of the run(s) that see them. Block by block, the heads of a
+      // block one after another: they lie side by side in the pool.
+      auto transpose_keys = [&](const int64_t* table, int64_t t0, int64_t n, int64_t Lmax, bool first) {
+        for (int64_t j = 0; j < n; j += BS)
+          for (int64_t e = 0; e < item.heads; ++e) {
+            keys.prefetch_ahead(table, item.h + e, t0 + j, Lmax, first && j == 0);
+            transpose(keys.rows(table[(t0 + j) / BS], item.h + e), std::min(BS, n - j), D,
+                      kt.data() + e * D * stretch + j, stretch);
+          }
       };
-      // scores: the shared blocks once for every run, then each run's own blocks; the heads of a
-      // block one after another (they lie side by side in the pool)
+      // scores: the shared blocks once for every run, then each run's own blocks
       const int64_t* lead_table = tables + runs[0].row * max_blocks;
-      for (int64_t t0 = base; t0 < item.shared; t0 += BS)
-        for (int64_t e = 0; e < item.heads; ++e) {
-          transposed_keys(lead_table, t0, BS, item.h + e);
+      for (int64_t t0 = base; t0 < item.shared; t0 += stretch) {
+        const int64_t n = std::min(stretch, item.shared - t0);
+        transpose_keys(lead_table, t0, n, item.shared, t0 == base);
+        for (int64_t e = 0; e < item.heads; ++e)
           for (int64_t r = 0; r < item.count; ++r)
-            scores_block(qf.data() + (e * nq + q_off[r]) * D, runs[r].rows * G, D, kt.data(), BS, BS,
-                         scores.data() + e * ns + sc_off[r] + (t0 - base), ld[r]);
-        }
+            scores_block(qf.data() + (e * nq + q_off[r]) * D, runs[r].rows * G, D, kt.data() + e * D * stretch, stretch,
+                         n, scores.data() + e * ns + sc_off[r] + (t0 - base), ld[r]);
+      }
       for (int64_t r = 0; r < item.count; ++r) {
         const Run run = runs[r];
         const int64_t* table = tables + run.row * max_blocks;
         const int64_t Lmax = lens[run.row + run.rows - 1];
-        for (int64_t t0 = std::max(base, item.shared); t0 < Lmax; t0 += BS) {
-          const int64_t n = std::min(BS, Lmax - t0);
-          int64_t r0 = 0;  // rows before r0 end before this block
+        const int64_t start = std::max(base, item.shared);
+        for (int64_t t0 = start; t0 < Lmax; t0 += stretch) {
+          // whole blocks, the last one's positions past Lmax too: a row's scores past its own end
+          // are never read, and whole 16-key tiles spare the narrow and scalar tails
+          const int64_t n = (std::min(stretch, Lmax - t0) + BS - 1) / BS * BS;
+          int64_t r0 = 0;  // rows before r0 end before this stretch (the others may end within it)
           while (lens[run.row + r0] <= t0) ++r0;
-          for (int64_t e = 0; e < item.heads; ++e) {
-            keys.prefetch_ahead(table, item.h + e, t0, Lmax, t0 == std::max(base, item.shared));
-            transposed_keys(table, t0, n, item.h + e);
-            scores_block(qf.data() + (e * nq + q_off[r] + r0 * G) * D, (run.rows - r0) * G, D, kt.data(), BS, n,
-                         scores.data() + e * ns + sc_off[r] + r0 * G * ld[r] + (t0 - base), ld[r]);
-          }
+          transpose_keys(table, t0, n, Lmax, t0 == start);
+          for (int64_t e = 0; e < item.heads; ++e)
+            scores_block(qf.data() + (e * nq + q_off[r] + r0 * G) * D, (run.rows - r0) * G, D, kt.data() + e * D * stretch,
+                         stretch, n, scores.data() + e * ns + sc_off[r] + r0 * G * ld[r] + (t0 - base), ld[r]);
         }
         // softmax over each row's own window; the positions of its run before that weigh exactly 0
         for (int64_t e = 0; e < item.heads; ++e)
