@@ -1,17 +1,21 @@
-"""Block-quantized weights packed once at load for the many-row GEMM (prefill chunks, batches).
+"""Block-quantized weights packed once at load for the kernels, in one of two forms.
 
-From 16 rows, ``block_matmul`` dequantizes a GGUF / int8 / int4 weight to bf16 and runs oneDNN's
-GEMM (AMX tiles on a Sapphire Rapids); done on every call, the dequantization and oneDNN's own
-reordering of the weight into its blocked layout took more than half of a batch-64 projection
-(benchmarks/README.md, "Matmul kernels"). Here each ``BlockLinear`` keeps a second copy, its
-weight dequantized as ``block_matmul`` dequantizes it and reordered into oneDNN's layout
-(``torch.ops.mkldnn._reorder_linear_weight``) once, and ``block_matmul`` given it (its ``packed``
-argument, as ``pagoda::linear`` takes a float weight's copy) runs oneDNN on it and on the
-activations it rounds as before: the same products, without the per-call work. The
-blocks stay for the rows below 16 (the integer kernel, memory-bound, reads the fewest bytes).
+Where the CPU has AVX512-VNNI, each ``BlockLinear`` gets its blocks **repacked for VNNI**
+(``block_repack_vnni``, csrc/block_gemm_vnni.cpp): the codes of 16 weight rows side by side, so
+that one ``vpdpbusd`` advances 16 outputs. ``block_matmul`` given that copy runs it at every row
+count, from one stream's decode to a prefill chunk (1.3-4.6x the other routes at SmolLM2's shapes
+on an AVX-512 EPYC, benchmarks/README.md), and the copy takes the blocks' own bytes.
 
-The copy costs 2 bytes a weight (SmolLM2: ~270 MB beside ~90 MB of Q4_1 blocks), so it is made
-only where the build's GEMM is bf16, oneDNN is there, and the copies take at most a quarter of
+Else, where the build's many-row route is oneDNN's bf16 GEMM (AVX512-BF16 or AMX), the weight is
+**dequantized to bf16** as ``block_matmul`` dequantizes it and reordered into oneDNN's layout
+(``torch.ops.mkldnn._reorder_linear_weight``) once: from 16 rows ``block_matmul`` runs oneDNN on
+it and on the activations it rounds, without the per-call dequantization and reordering that took
+more than half of a batch-64 projection; the blocks stay for the rows below 16. That copy costs 2
+bytes a weight (SmolLM2: ~270 MB beside ~90 MB of Q4_1 blocks).
+
+Where both apply (a Sapphire Rapids has VNNI and AMX), which one is made is measured on the first
+start on a kind of CPU (``block_packing``, kept beside the kernel build); ``PAGODA_BLOCK_PACKING``
+(``vnni`` / ``bf16``) names one. A copy is made only where the copies take at most a quarter of
 the memory available when the model has loaded (and not with ``PAGODA_PACK_WEIGHTS=0``).
 
 Float32 weights get the same treatment where it measures faster (``pack_float_linears``): from 33
@@ -35,7 +39,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from pagoda.layers.cpu_timing import PROJECTION_SHAPES, best_ms, kept_record, record_path
-from pagoda.layers.ggml_blocks import BlockLinear
+from pagoda.layers.ggml_blocks import Q4_1, BlockLinear
 
 logger = logging.getLogger(__name__)
 
@@ -65,8 +69,8 @@ def _fits(what: str, total: int, available_bytes: int) -> bool:
     return True
 
 
-def packing_applies(ops) -> bool:
-    """Whether this build's many-row route is a bf16 GEMM that packed weights can serve."""
+def bf16_packing_applies(ops) -> bool:
+    """Whether this build's many-row route is a bf16 GEMM that an oneDNN-packed copy can serve."""
     if not _can_reorder(ops):
         return False
     try:
@@ -76,27 +80,99 @@ def packing_applies(ops) -> bool:
     return dtype == "bf16"
 
 
-def packed_bytes(model: nn.Module) -> int:
-    return sum(2 * m.out_features * m.in_features for m in model.modules() if isinstance(m, BlockLinear))
+def vnni_packing_applies(ops) -> bool:
+    """Whether this build has the AVX512-VNNI GEMM on repacked blocks."""
+    try:
+        return ops is not None and bool(ops.block_gemm_vnni_available())
+    except (AttributeError, RuntimeError):
+        return False
+
+
+BLOCK_ROWS = 64  # the row count the two packed forms are compared at (a batch's decode step)
+_BLOCK_VERSION = 1  # bump when the measurement changes
+BLOCK_CHOICE_FILE = "block-packing-choice.json"  # beside this CPU's kernel build (layers/cpu_timing.py)
+
+
+def measure_block_packing(ops) -> dict:
+    """Milliseconds for the two projections in Q4_1 at ``BLOCK_ROWS`` rows on one thread, on each
+    packed form; the faster one is kept."""
+    g = torch.Generator().manual_seed(0)
+    linears = [BlockLinear.from_float(torch.randn(n, k, generator=g) * 0.05, Q4_1) for n, k in PROJECTION_SHAPES]
+    xs = [torch.randn(BLOCK_ROWS, m.in_features, generator=g) for m in linears]
+    forms = {"vnni": [_repacked(ops, m) for m in linears], "bf16": [_bf16_copy(ops, m) for m in linears]}
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # per core: threads that other processes preempt make a timing noise
+    try:
+        ms = {form: best_ms(lambda copies=copies: [ops.block_matmul(x, m.blocks, m.block_type, c)
+                                                   for x, m, c in zip(xs, linears, copies)], trials=12)
+              for form, copies in forms.items()}
+    finally:
+        torch.set_num_threads(threads)
+    return {"version": _BLOCK_VERSION, "torch": torch.__version__, "threads": 1, "rows": BLOCK_ROWS, "ms": ms,
+            "form": min(ms, key=ms.get)}
+
+
+def block_packing(ops) -> str | None:
+    """The packed form this build gives block weights: ``"vnni"``, ``"bf16"`` or None (none
+    applies). Measured where both apply, unless PAGODA_BLOCK_PACKING names one."""
+    vnni, bf16 = vnni_packing_applies(ops), bf16_packing_applies(ops)
+    asked = os.environ.get("PAGODA_BLOCK_PACKING", "").strip()
+    if asked:
+        if asked not in ("vnni", "bf16") or not {"vnni": vnni, "bf16": bf16}[asked]:
+            raise ValueError(f"PAGODA_BLOCK_PACKING={asked!r}: this build packs block weights as "
+                             f"{' or '.join(f for f, ok in (('vnni', vnni), ('bf16', bf16)) if ok) or 'nothing'}")
+        return asked
+    if not (vnni and bf16):
+        return "vnni" if vnni else "bf16" if bf16 else None
+    record, _, _ = kept_record(BLOCK_CHOICE_FILE, _BLOCK_VERSION, lambda: measure_block_packing(ops))
+    ms = record["ms"]
+    logger.info("block weights on this CPU: %s (ms for the suite at %d rows: VNNI repacked %.3f, oneDNN bf16 %.3f)",
+                record["form"], record["rows"], ms["vnni"], ms["bf16"])
+    return record["form"]
+
+
+def packing_applies(ops) -> bool:
+    """Whether block weights get a packed copy in this build."""
+    return vnni_packing_applies(ops) or bf16_packing_applies(ops)
+
+
+def _repacked(ops, module: BlockLinear) -> torch.Tensor:
+    return ops.block_repack_vnni(module.blocks, module.block_type, module.in_features)
+
+
+def _bf16_copy(ops, module: BlockLinear) -> torch.Tensor:
+    weight = ops.block_dequantize(module.blocks, module.block_type, module.in_features)
+    return torch.ops.mkldnn._reorder_linear_weight(weight, BATCH_HINT)
+
+
+def packed_bytes(model: nn.Module, form: str = "bf16") -> int:
+    """The bytes ``form``'s copies of ``model``'s block weights take (a tied head's counted twice)."""
+    linears = [m for m in model.modules() if isinstance(m, BlockLinear)]
+    if form == "vnni":  # as many bytes as the blocks, padded to whole tiles of 16 rows
+        return sum((m.out_features + 15) // 16 * 16 * m.blocks.shape[1] for m in linears)
+    return sum(2 * m.out_features * m.in_features for m in linears)
 
 
 def pack_block_linears(model: nn.Module, ops, available_bytes: int) -> int:
     """Give every BlockLinear of ``model`` its packed copy where it pays and fits; returns the
     bytes packed (0 when none was)."""
-    if not packing_applies(ops):
+    if not packing_applies(ops) or not any(isinstance(m, BlockLinear) for m in model.modules()) \
+            or _switched_off("block weights"):
         return 0
-    total = packed_bytes(model)
-    if total == 0 or _switched_off("block weights") or not _fits("block weights", total, available_bytes):
+    form = block_packing(ops)
+    total = packed_bytes(model, form)
+    if not _fits("block weights", total, available_bytes):
         return 0
+    copy = _repacked if form == "vnni" else _bf16_copy
     seen: dict[int, torch.Tensor] = {}  # a tied head shares the embedding's blocks
     for module in model.modules():
         if isinstance(module, BlockLinear):
             key = module.blocks.data_ptr()
             if key not in seen:
-                weight = ops.block_dequantize(module.blocks, module.block_type, module.in_features)
-                seen[key] = torch.ops.mkldnn._reorder_linear_weight(weight, BATCH_HINT)
+                seen[key] = copy(ops, module)
             module.packed = seen[key]
-    logger.info("block weights packed once for the many-row GEMM (oneDNN bf16 layout): %.0f MiB", total / 2**20)
+    logger.info("block weights packed once: %s, %.0f MiB", "repacked for AVX512-VNNI (every row count)" if form == "vnni"
+                else "oneDNN bf16 layout (from 16 rows)", total / 2**20)
     return total
 
 

@@ -1,7 +1,7 @@
 """block_matmul's instruction-set paths: the build for each ISA level (PAGODA_KERNEL_ISA) takes the
 path it names, and every path gives the native build's bits and the reference arithmetic.
 
-The fallback levels (avx-vnni, avx2, scalar) are built from block_matmul.cpp and small_matmul.cpp
+The fallback levels (avx-vnni, avx2, scalar) are built from block_matmul.cpp, block_gemm_vnni.cpp (which it calls) and small_matmul.cpp
 alone (its batch-invariance switch), each in a subprocess, since two builds register the same
 ops and cannot share a process. Each build is cached under $PAGODA_HOME/kernels/<cpu>-<level>-...;
 the first run compiles them (20-45 s a level on a loaded 2-core machine: ~65 s for the file), later
@@ -37,7 +37,7 @@ _CHILD = """
 import sys, torch
 from pagoda.layers.cpu_kernels import build_kernels
 level, cases, out = sys.argv[1:]
-ops = build_kernels(level, ("block_matmul.cpp", "small_matmul.cpp"))
+ops = build_kernels(level, ("block_matmul.cpp", "block_gemm_vnni.cpp", "small_matmul.cpp"))
 ops.set_batch_invariant(True)
 outputs = [ops.block_matmul(x, w, t) for t, x, w in torch.load(cases)]
 torch.save({"isa": ops.block_matmul_isa(), "outputs": outputs}, out)

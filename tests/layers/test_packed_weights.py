@@ -1,4 +1,5 @@
-"""Block weights packed once at load for the many-row GEMM give block_matmul's own results."""
+"""Block weights packed once at load: the oneDNN bf16 copy gives block_matmul's own results from
+16 rows; the VNNI repacked copy serves every row count with rows that do not depend on the batch."""
 
 from __future__ import annotations
 
@@ -9,12 +10,22 @@ from torch import nn
 from pagoda.layers import packed_weights
 from pagoda.layers.backend import select_backend
 from pagoda.layers.cpu_kernels import load_cpu_kernels
-from pagoda.layers.ggml_blocks import Q4_0, Q4_1, Q8_0, BlockLinear, quantize_q8_0
-from pagoda.layers.packed_weights import pack_block_linears, packed_bytes, packing_applies
+from pagoda.layers.ggml_blocks import Q4_0, Q4_1, Q8_0, BlockLinear, dequantize_blocks, quantize_q8_0
+from pagoda.layers.packed_weights import (bf16_packing_applies, block_packing, pack_block_linears, packed_bytes,
+                                          vnni_packing_applies)
 
 ops = load_cpu_kernels()
-pytestmark = pytest.mark.skipif(not packing_applies(ops),
-                                reason="this build's many-row route is not a bf16 GEMM (no AVX512-BF16 / AMX)")
+APPLIES = {"bf16": bf16_packing_applies(ops), "vnni": vnni_packing_applies(ops)}
+ROW_COUNTS = (1, 15, 16, 17, 64, 130)
+
+
+@pytest.fixture(params=["bf16", "vnni"])
+def form(request, monkeypatch) -> str:
+    """Each packed form this build can make, asked for by name."""
+    if not APPLIES[request.param]:
+        pytest.skip(f"this build makes no {request.param} copy of block weights")
+    monkeypatch.setenv("PAGODA_BLOCK_PACKING", request.param)
+    return request.param
 
 
 def _linear(block_type: int, n: int, k: int, seed: int) -> BlockLinear:
@@ -29,12 +40,15 @@ def _linear(block_type: int, n: int, k: int, seed: int) -> BlockLinear:
 
 @pytest.mark.parametrize("block_type", [Q4_0, Q4_1, Q8_0])
 @pytest.mark.parametrize("n,k", [(96, 64), (4000, 576)])  # 4000 rows: block_matmul tiles its output
-def test_packed_rows_equal_block_matmul_at_every_row_count(block_type, n, k):
+def test_bf16_copy_rows_equal_block_matmul_at_every_row_count(block_type, n, k, monkeypatch):
+    if not APPLIES["bf16"]:
+        pytest.skip("this build's many-row route is not a bf16 GEMM (no AVX512-BF16 / AMX)")
+    monkeypatch.setenv("PAGODA_BLOCK_PACKING", "bf16")
     lin = _linear(block_type, n, k, seed=n + block_type)
-    xs = {m: torch.randn(m, k, generator=torch.Generator().manual_seed(m)) for m in (1, 15, 16, 17, 64, 130)}
+    xs = {m: torch.randn(m, k, generator=torch.Generator().manual_seed(m)) for m in ROW_COUNTS}
     before = {m: lin(x) for m, x in xs.items()}
     assert pack_block_linears(nn.Sequential(lin), ops, available_bytes=1 << 40) == 2 * n * k
-    assert lin.packed is not None
+    assert lin.packed is not None and lin.packed.dtype != torch.uint8
     for m, x in xs.items():
         assert torch.equal(lin(x), before[m]), m
     # three dimensions (a batch of sequences) go the same way
@@ -46,39 +60,96 @@ def test_packed_rows_equal_block_matmul_at_every_row_count(block_type, n, k):
         assert torch.equal(lin(xs[64]), packed_result)
 
 
-def test_a_tied_head_shares_the_packed_copy_and_memory_is_respected():
+def _int8_products(x: torch.Tensor, lin: BlockLinear) -> torch.Tensor:
+    """x rounded to int8 per block of 32 (scale amax / 127, as the kernels do), times the exact
+    weights, in float64."""
+    g = x.double().reshape(x.shape[0], -1, 32)
+    d = g.abs().amax(dim=-1, keepdim=True) / 127
+    q = torch.round(g / torch.where(d > 0, d, torch.ones_like(d)))
+    return (q * d).reshape(x.shape) @ dequantize_blocks(lin.blocks, lin.block_type).double().T
+
+
+@pytest.mark.parametrize("block_type", [Q4_0, Q4_1, Q8_0])
+@pytest.mark.parametrize("n,k", [(96, 64), (4000, 576)])
+def test_vnni_copy_serves_every_row_count_with_rows_that_ignore_the_batch(block_type, n, k, monkeypatch):
+    if not APPLIES["vnni"]:
+        pytest.skip("this build has no AVX512-VNNI")
+    monkeypatch.setenv("PAGODA_BLOCK_PACKING", "vnni")
+    lin = _linear(block_type, n, k, seed=n + block_type)
+    xs = {m: torch.randn(m, k, generator=torch.Generator().manual_seed(m)) for m in ROW_COUNTS}
+    assert pack_block_linears(nn.Sequential(lin), ops, available_bytes=1 << 40) == lin.blocks.numel() // n * ((n + 15) // 16 * 16)
+    assert lin.packed is not None and lin.packed.dtype == torch.uint8
+    for m, x in xs.items():
+        y = lin(x)
+        assert torch.equal(y, ops.block_gemm_vnni(x, lin.packed, block_type, n)), m  # block_matmul took the copy
+        assert torch.equal(y[:1], lin(x[:1])), m  # a row alone: the same bits
+        reference = _int8_products(x, lin)  # the integer kernel's products, in float64
+        assert (y - reference).abs().max() <= 1e-6 * reference.abs().max(), m
+    # under batch invariance the copy still serves (its rows do not depend on M)
+    with select_backend("cpu").batch_invariant(True):
+        assert torch.equal(lin(xs[64]), ops.block_gemm_vnni(xs[64], lin.packed, block_type, n))
+
+
+def test_a_tied_head_shares_the_packed_copy_and_memory_is_respected(form):
     blocks = quantize_q8_0(torch.randn(256, 64) * 0.05)
     head, other = BlockLinear(blocks, Q8_0, 64), BlockLinear(blocks, Q8_0, 64)
     model = nn.Sequential(head, other)
-    assert packed_bytes(model) == 2 * 2 * 256 * 64
+    total = packed_bytes(model, form)
+    assert total == (2 * 2 * 256 * 64 if form == "bf16" else 2 * blocks.numel())
     # the copies may take a quarter of the available memory: not packed when they would pass it
-    assert pack_block_linears(model, ops, available_bytes=4 * packed_bytes(model) - 1) == 0
+    assert pack_block_linears(model, ops, available_bytes=4 * total - 1) == 0
     assert head.packed is None and other.packed is None
-    assert pack_block_linears(model, ops, available_bytes=4 * packed_bytes(model)) > 0
+    assert pack_block_linears(model, ops, available_bytes=4 * total) > 0
     assert head.packed is other.packed
 
 
-def test_the_engine_packs_at_load_and_answers_as_without(tiny_llama):
-    """int8 weights (Q8_0 blocks) are packed at load; a batch of 20 decodes (the Python layers
-    on the packed copies, not the one-call stack) gives the tokens it gives with them removed."""
+def test_the_engine_packs_at_load_and_answers_as_without(tiny_llama, form):
+    """int8 weights (Q8_0 blocks) are packed at load. A batch of 20 decodes (the Python layers on
+    the packed copies, not the one-call stack) gives, with the bf16 copy, the tokens it gives with
+    the copies removed; with the VNNI copy (the same products summed in another order), each
+    prompt's tokens alone, and the tokens and (within 1e-3) logprobs of the integer kernel."""
     from pagoda import LLM, SamplingParams
 
     llm = LLM(model=str(tiny_llama), dtype="float32", quantization="int8", kv_cache_memory=0.05)
     model = llm.engine.core.model
     linears = [m for m in model.modules() if isinstance(m, BlockLinear)]
     assert linears and all(m.packed is not None for m in linears)
-    prompts = [[1 + i, 7, 3 * i % 50 + 2, 11] for i in range(20)]
-    params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
-    packed = [o.outputs[0].token_ids for o in llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)]
+    prompts = [{"prompt_token_ids": [1 + i, 7, 3 * i % 50 + 2, 11]} for i in range(20)]
+    params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True, logprobs=0)
+
+    def run(batch):
+        outs = llm.generate(batch, params, use_tqdm=False)
+        return [o.outputs[0].token_ids for o in outs], [o.outputs[0].cumulative_logprob for o in outs]
+
+    packed, packed_logprobs = run(prompts)
+    if form == "vnni":
+        assert packed[:4] == [run([p])[0][0] for p in prompts[:4]]
     for m in linears:
         m.packed = None
-    model._stack_key = None  # the stack is built again: no row limit now
-    plain = [o.outputs[0].token_ids for o in llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)]
-    assert packed == plain
+    model._stack_key = None  # the stack is built again without them
+    if form == "bf16":
+        assert packed == run(prompts)[0]
+    else:  # alone, each prompt's rows (under 16) take the integer kernel: the same products, in its order
+        alone = [run([p]) for p in prompts[:4]]
+        assert packed[:4] == [tokens[0] for tokens, _ in alone]
+        assert max(abs(a - b[0]) for a, (_, b) in zip(packed_logprobs, alone)) < 1e-3
 
 
+def test_the_choice_is_measured_once_and_named_by_the_environment(monkeypatch):
+    monkeypatch.setenv("PAGODA_BLOCK_PACKING", "neither")
+    with pytest.raises(ValueError, match="PAGODA_BLOCK_PACKING"):
+        block_packing(ops)
+    monkeypatch.delenv("PAGODA_BLOCK_PACKING")
+    chosen = block_packing(ops)
+    if APPLIES["vnni"] and APPLIES["bf16"]:
+        record = packed_weights.kept_record(packed_weights.BLOCK_CHOICE_FILE, packed_weights._BLOCK_VERSION,
+                                            lambda: pytest.fail("measured twice"))[0]
+        assert chosen == record["form"] == min(record["ms"], key=record["ms"].get)
+    else:
+        assert chosen == ("vnni" if APPLIES["vnni"] else "bf16" if APPLIES["bf16"] else None)
 
-def test_dropped_copies_leave_the_blocks_serving():
+
+def test_dropped_copies_leave_the_blocks_serving(form):
     """drop_packed_copies (the quantizer's, before it writes weights in place) forgets a block
     copy, and the layer goes on through block_matmul as without one."""
     lin = _linear(Q8_0, 96, 64, seed=7)
