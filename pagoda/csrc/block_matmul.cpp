@@ -393,10 +393,10 @@ at::Tensor block_matmul(const at::Tensor& x, const at::Tensor& weight, int64_t t
   const at::Tensor wc = weight.contiguous();
   at::Tensor out = at::empty({M, N}, x.options());
   if (M == 0 || N == 0) return out;
-  // a copy repacked for AVX512-VNNI at load (block_gemm_vnni.cpp) serves every row count: its rows
+  // a copy repacked into tiles at load (block_gemm_tiles.cpp) serves every row count: its rows
   // do not depend on M, so under batch invariance too
   if (packed.has_value() && packed->defined() && packed->scalar_type() == at::kByte)
-    return pagoda::block_gemm_vnni(xc, *packed, type, N);
+    return pagoda::block_gemm_tiles(xc, *packed, type, N);
   const QuantizedActivations a = quantize_rows(xc.data_ptr<float>(), M, K);
   const uint8_t* w = wc.data_ptr<uint8_t>();
   if (takes_library_gemm(M)) {
@@ -440,7 +440,7 @@ at::Tensor block_dequantize(const at::Tensor& weight, int64_t type, int64_t in_f
 
 TORCH_LIBRARY_FRAGMENT(pagoda, m) {
   // packed: the weight's copy made at load (layers/packed_weights.py), either repacked for
-  // AVX512-VNNI by block_repack_vnni (uint8; used at every row count) or made by block_dequantize
+  // tiles by block_repack_tiles (uint8; used at every row count) or made by block_dequantize
   // and oneDNN's reorder (used from GEMM_MIN_ROWS rows where the route is bf16, as pagoda::linear
   // takes a float weight's copy)
   m.def("block_matmul(Tensor x, Tensor weight, int block_type, Tensor? packed=None) -> Tensor");

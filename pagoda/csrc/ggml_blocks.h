@@ -1,6 +1,6 @@
 // ggml's blocks of 32 (Q4_0, Q4_1, Q8_0) and activations quantized to int8 blocks as llama.cpp
 // does: shared by block_matmul.cpp (the integer kernel on the blocks as they are) and
-// block_gemm_vnni.cpp (the many-row GEMM on a VNNI-repacked copy).
+// block_gemm_tiles.cpp (the GEMM on a copy repacked into tiles of 16 rows).
 #pragma once
 
 #include <ATen/ATen.h>

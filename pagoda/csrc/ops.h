@@ -17,7 +17,7 @@ bool batch_invariant();  // small_matmul.cpp: deterministic inference asked (see
 bool set_batch_invariant(bool enabled);
 at::Tensor block_matmul(const at::Tensor& x, const at::Tensor& weight, int64_t type,  // block_matmul.cpp
                         const std::optional<at::Tensor>& packed = std::nullopt);
-at::Tensor block_gemm_vnni(const at::Tensor& x, const at::Tensor& tiles, int64_t type,  // block_gemm_vnni.cpp
+at::Tensor block_gemm_tiles(const at::Tensor& x, const at::Tensor& tiles, int64_t type,  // block_gemm_tiles.cpp
                            int64_t out_features);
 at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
                                   const at::Tensor& block_tables, const at::Tensor& seq_lens, double scale,

@@ -23,7 +23,7 @@ logger = logging.getLogger(__name__)
 _CSRC = Path(__file__).resolve().parent.parent / "csrc"
 
 
-_SOURCES = ("paged_attention.cpp", "block_matmul.cpp", "block_gemm_vnni.cpp", "fused_ops.cpp", "small_matmul.cpp",
+_SOURCES = ("paged_attention.cpp", "block_matmul.cpp", "block_gemm_tiles.cpp", "fused_ops.cpp", "small_matmul.cpp",
             "decode_layers.cpp")
 
 

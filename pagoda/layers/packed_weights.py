@@ -1,22 +1,23 @@
 """Block-quantized weights packed once at load for the kernels, in one of two forms.
 
-Where the CPU has AVX512-VNNI, each ``BlockLinear`` gets its blocks **repacked for VNNI**
-(``block_repack_vnni``, csrc/block_gemm_vnni.cpp): the codes of 16 weight rows side by side, so
-that one ``vpdpbusd`` advances 16 outputs. ``block_matmul`` given that copy runs it at every row
-count, from one stream's decode to a prefill chunk (1.3-4.6x the other routes at SmolLM2's shapes
-on an AVX-512 EPYC, benchmarks/README.md), and the copy takes the blocks' own bytes.
+**Tiles** (``block_repack_tiles``, csrc/block_gemm_tiles.cpp): the codes of 16 weight rows side
+by side, 4 elements a 32-bit lane, so that one ``vpdpbusd`` (or AVX2's maddubs + madd pair)
+advances 16 outputs. ``block_matmul`` given that copy runs it at every row count, from one
+stream's decode to a prefill chunk (on an AVX-512 EPYC 1.3-4.6x the other routes at SmolLM2's
+shapes, benchmarks/README.md), and the copy takes the blocks' own bytes.
 
-Else, where the build's many-row route is oneDNN's bf16 GEMM (AVX512-BF16 or AMX), the weight is
-**dequantized to bf16** as ``block_matmul`` dequantizes it and reordered into oneDNN's layout
+**bf16** (where the build's many-row route is oneDNN's bf16 GEMM: AVX512-BF16 or AMX): the weight
+dequantized to bf16 as ``block_matmul`` dequantizes it and reordered into oneDNN's layout
 (``torch.ops.mkldnn._reorder_linear_weight``) once: from 16 rows ``block_matmul`` runs oneDNN on
-it and on the activations it rounds, without the per-call dequantization and reordering that took
-more than half of a batch-64 projection; the blocks stay for the rows below 16. That copy costs 2
-bytes a weight (SmolLM2: ~270 MB beside ~90 MB of Q4_1 blocks).
+it and on the activations it rounds, without the per-call dequantization and reordering; the
+blocks stay for the rows below 16. That copy costs 2 bytes a weight (SmolLM2: ~270 MB beside ~90
+MB of Q4_1 blocks).
 
-Where both apply (a Sapphire Rapids has VNNI and AMX), which one is made is measured on the first
-start on a kind of CPU (``block_packing``, kept beside the kernel build); ``PAGODA_BLOCK_PACKING``
-(``vnni`` / ``bf16``) names one. A copy is made only where the copies take at most a quarter of
-the memory available when the model has loaded (and not with ``PAGODA_PACK_WEIGHTS=0``).
+Which one a kind of CPU gets (or none: the blocks alone) is measured on its first start
+(``block_packing``, kept beside the kernel build): the faster at 64 rows, the tiles only if not
+slower at one row than the blocks' own kernel. ``PAGODA_BLOCK_PACKING`` (``tiles`` / ``bf16`` /
+``none``) names one. A copy is made only where the copies take at most a quarter of the memory
+available when the model has loaded (and not with ``PAGODA_PACK_WEIGHTS=0``).
 
 Float32 weights get the same treatment where it measures faster (``pack_float_linears``): from 33
 rows ``pagoda::linear`` hands a GEMM to a library, by default MKL's sgemm, which on AMD CPUs runs
@@ -80,64 +81,76 @@ def bf16_packing_applies(ops) -> bool:
     return dtype == "bf16"
 
 
-def vnni_packing_applies(ops) -> bool:
-    """Whether this build has the AVX512-VNNI GEMM on repacked blocks."""
+def tiles_packing_applies(ops) -> bool:
+    """Whether this build has the GEMM on blocks repacked into tiles (every build of the kernels)."""
     try:
-        return ops is not None and bool(ops.block_gemm_vnni_available())
+        return ops is not None and bool(ops.block_gemm_tiles_isa())
     except (AttributeError, RuntimeError):
         return False
 
 
-BLOCK_ROWS = 64  # the row count the two packed forms are compared at (a batch's decode step)
-_BLOCK_VERSION = 1  # bump when the measurement changes
+BLOCK_ROWS = (1, 64)  # the row counts the forms are compared at: one stream's step, a batch's
+ONE_ROW_MARGIN = 1.1  # the tiles may not be slower than this at one row than the blocks' own kernel
+_BLOCK_VERSION = 2  # bump when the measurement changes
 BLOCK_CHOICE_FILE = "block-packing-choice.json"  # beside this CPU's kernel build (layers/cpu_timing.py)
+FORMS = ("tiles", "bf16", "none")  # "none": the blocks alone (integer kernel, then dequantize + a library GEMM)
 
 
 def measure_block_packing(ops) -> dict:
-    """Milliseconds for the two projections in Q4_1 at ``BLOCK_ROWS`` rows on one thread, on each
-    packed form; the faster one is kept."""
+    """Milliseconds for the two projections in Q4_1 at each of ``BLOCK_ROWS`` rows on one thread,
+    on the blocks repacked into tiles and on the blocks without a copy (or, where the build's
+    many-row route is bf16, its oneDNN copy). The faster at 64 rows is kept, but the tiles only if
+    they are not slower at one row than the blocks' own kernel (one stream's decode)."""
     g = torch.Generator().manual_seed(0)
     linears = [BlockLinear.from_float(torch.randn(n, k, generator=g) * 0.05, Q4_1) for n, k in PROJECTION_SHAPES]
-    xs = [torch.randn(BLOCK_ROWS, m.in_features, generator=g) for m in linears]
-    forms = {"vnni": [_repacked(ops, m) for m in linears], "bf16": [_bf16_copy(ops, m) for m in linears]}
+    forms = {"tiles": [_tiles(ops, m) for m in linears], "none": [None] * len(linears)}
+    if bf16_packing_applies(ops):
+        forms["bf16"] = [_bf16_copy(ops, m) for m in linears]
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # per core: threads that other processes preempt make a timing noise
+    ms: dict[str, dict[str, float]] = {}
     try:
-        ms = {form: best_ms(lambda copies=copies: [ops.block_matmul(x, m.blocks, m.block_type, c)
-                                                   for x, m, c in zip(xs, linears, copies)], trials=12)
-              for form, copies in forms.items()}
+        for rows in BLOCK_ROWS:
+            xs = [torch.randn(rows, m.in_features, generator=g) for m in linears]
+            for form, copies in forms.items():
+                ms.setdefault(form, {})[str(rows)] = best_ms(
+                    lambda copies=copies: [ops.block_matmul(x, m.blocks, m.block_type, c)
+                                           for x, m, c in zip(xs, linears, copies)], trials=12)
     finally:
         torch.set_num_threads(threads)
-    return {"version": _BLOCK_VERSION, "torch": torch.__version__, "threads": 1, "rows": BLOCK_ROWS, "ms": ms,
-            "form": min(ms, key=ms.get)}
+    many = str(BLOCK_ROWS[-1])
+    choice = min(ms, key=lambda form: ms[form][many])
+    if choice == "tiles" and ms["tiles"]["1"] > ONE_ROW_MARGIN * ms["none"]["1"]:
+        choice = min((f for f in ms if f != "tiles"), key=lambda form: ms[form][many])
+    return {"version": _BLOCK_VERSION, "torch": torch.__version__, "threads": 1, "ms": ms, "form": choice}
 
 
-def block_packing(ops) -> str | None:
-    """The packed form this build gives block weights: ``"vnni"``, ``"bf16"`` or None (none
-    applies). Measured where both apply, unless PAGODA_BLOCK_PACKING names one."""
-    vnni, bf16 = vnni_packing_applies(ops), bf16_packing_applies(ops)
+def block_packing(ops) -> str:
+    """The form this build gives block weights: ``"tiles"``, ``"bf16"`` or ``"none"``. Measured
+    once on a kind of CPU, unless PAGODA_BLOCK_PACKING names one."""
+    applies = {"tiles": tiles_packing_applies(ops), "bf16": bf16_packing_applies(ops), "none": True}
     asked = os.environ.get("PAGODA_BLOCK_PACKING", "").strip()
     if asked:
-        if asked not in ("vnni", "bf16") or not {"vnni": vnni, "bf16": bf16}[asked]:
-            raise ValueError(f"PAGODA_BLOCK_PACKING={asked!r}: this build packs block weights as "
-                             f"{' or '.join(f for f, ok in (('vnni', vnni), ('bf16', bf16)) if ok) or 'nothing'}")
+        if not applies.get(asked):
+            raise ValueError(f"PAGODA_BLOCK_PACKING={asked!r}: this build can pack block weights as "
+                             f"{', '.join(f for f in FORMS if applies[f])}")
         return asked
-    if not (vnni and bf16):
-        return "vnni" if vnni else "bf16" if bf16 else None
+    if not applies["tiles"]:
+        return "bf16" if applies["bf16"] else "none"
     record, _, _ = kept_record(BLOCK_CHOICE_FILE, _BLOCK_VERSION, lambda: measure_block_packing(ops))
-    ms = record["ms"]
-    logger.info("block weights on this CPU: %s (ms for the suite at %d rows: VNNI repacked %.3f, oneDNN bf16 %.3f)",
-                record["form"], record["rows"], ms["vnni"], ms["bf16"])
+    logger.info("block weights on this CPU: %s (ms for the suite at %s rows: %s)", record["form"],
+                "/".join(map(str, BLOCK_ROWS)),
+                ", ".join(f"{f} {'/'.join(f'{v:.3f}' for v in t.values())}" for f, t in record["ms"].items()))
     return record["form"]
 
 
 def packing_applies(ops) -> bool:
-    """Whether block weights get a packed copy in this build."""
-    return vnni_packing_applies(ops) or bf16_packing_applies(ops)
+    """Whether block weights can get a packed copy in this build."""
+    return tiles_packing_applies(ops) or bf16_packing_applies(ops)
 
 
-def _repacked(ops, module: BlockLinear) -> torch.Tensor:
-    return ops.block_repack_vnni(module.blocks, module.block_type, module.in_features)
+def _tiles(ops, module: BlockLinear) -> torch.Tensor:
+    return ops.block_repack_tiles(module.blocks, module.block_type, module.in_features)
 
 
 def _bf16_copy(ops, module: BlockLinear) -> torch.Tensor:
@@ -145,10 +158,10 @@ def _bf16_copy(ops, module: BlockLinear) -> torch.Tensor:
     return torch.ops.mkldnn._reorder_linear_weight(weight, BATCH_HINT)
 
 
-def packed_bytes(model: nn.Module, form: str = "bf16") -> int:
+def packed_bytes(model: nn.Module, form: str) -> int:
     """The bytes ``form``'s copies of ``model``'s block weights take (a tied head's counted twice)."""
     linears = [m for m in model.modules() if isinstance(m, BlockLinear)]
-    if form == "vnni":  # as many bytes as the blocks, padded to whole tiles of 16 rows
+    if form == "tiles":  # as many bytes as the blocks, padded to whole tiles of 16 rows
         return sum((m.out_features + 15) // 16 * 16 * m.blocks.shape[1] for m in linears)
     return sum(2 * m.out_features * m.in_features for m in linears)
 
@@ -160,10 +173,12 @@ def pack_block_linears(model: nn.Module, ops, available_bytes: int) -> int:
             or _switched_off("block weights"):
         return 0
     form = block_packing(ops)
+    if form == "none":
+        return 0
     total = packed_bytes(model, form)
     if not _fits("block weights", total, available_bytes):
         return 0
-    copy = _repacked if form == "vnni" else _bf16_copy
+    copy = _tiles if form == "tiles" else _bf16_copy
     seen: dict[int, torch.Tensor] = {}  # a tied head shares the embedding's blocks
     for module in model.modules():
         if isinstance(module, BlockLinear):
@@ -171,7 +186,7 @@ def pack_block_linears(model: nn.Module, ops, available_bytes: int) -> int:
             if key not in seen:
                 seen[key] = copy(ops, module)
             module.packed = seen[key]
-    logger.info("block weights packed once: %s, %.0f MiB", "repacked for AVX512-VNNI (every row count)" if form == "vnni"
+    logger.info("block weights packed once: %s, %.0f MiB", "repacked into tiles (every row count)" if form == "tiles"
                 else "oneDNN bf16 layout (from 16 rows)", total / 2**20)
     return total
 

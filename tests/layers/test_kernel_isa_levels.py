@@ -1,7 +1,8 @@
-"""block_matmul's instruction-set paths: the build for each ISA level (PAGODA_KERNEL_ISA) takes the
-path it names, and every path gives the native build's bits and the reference arithmetic.
+"""block_matmul's and the tile GEMM's instruction-set paths: the build for each ISA level
+(PAGODA_KERNEL_ISA) takes the path it names, and every path gives the native build's bits and the
+reference arithmetic.
 
-The fallback levels (avx-vnni, avx2, scalar) are built from block_matmul.cpp, block_gemm_vnni.cpp (which it calls) and small_matmul.cpp
+The fallback levels (avx-vnni, avx2, scalar) are built from block_matmul.cpp, block_gemm_tiles.cpp (which it calls) and small_matmul.cpp
 alone (its batch-invariance switch), each in a subprocess, since two builds register the same
 ops and cannot share a process. Each build is cached under $PAGODA_HOME/kernels/<cpu>-<level>-...;
 the first run compiles them (20-45 s a level on a loaded 2-core machine: ~65 s for the file), later
@@ -37,10 +38,12 @@ _CHILD = """
 import sys, torch
 from pagoda.layers.cpu_kernels import build_kernels
 level, cases, out = sys.argv[1:]
-ops = build_kernels(level, ("block_matmul.cpp", "block_gemm_vnni.cpp", "small_matmul.cpp"))
+ops = build_kernels(level, ("block_matmul.cpp", "block_gemm_tiles.cpp", "small_matmul.cpp"))
 ops.set_batch_invariant(True)
-outputs = [ops.block_matmul(x, w, t) for t, x, w in torch.load(cases)]
-torch.save({"isa": ops.block_matmul_isa(), "outputs": outputs}, out)
+cases = torch.load(cases)
+outputs = [ops.block_matmul(x, w, t) for t, x, w in cases]
+tiles = [ops.block_gemm_tiles(x, ops.block_repack_tiles(w, t, x.shape[1]), t, w.shape[0]) for t, x, w in cases]
+torch.save({"isa": ops.block_matmul_isa(), "outputs": outputs, "tiles_isa": ops.block_gemm_tiles_isa(), "tiles": tiles}, out)
 """
 
 
@@ -96,12 +99,19 @@ def test_native_build_takes_the_widest_path_this_cpu_has():
     assert f"block_matmul: {_expected_native_isa()}" in cpu_kernels.kernel_isa()
 
 
+def _tiles(ops, x: torch.Tensor, blocks: torch.Tensor, block_type: int) -> torch.Tensor:
+    return ops.block_gemm_tiles(x, ops.block_repack_tiles(blocks, block_type, x.shape[1]), block_type, blocks.shape[0])
+
+
 @needs_kernels
 def test_native_build_matches_the_reference_arithmetic(cases):
+    ops = load_cpu_kernels()
+    assert ops.block_gemm_tiles_isa() == _expected_native_isa()
     with select_backend("cpu").batch_invariant(True):  # the integer kernel at every M
         for block_type, x, blocks in cases[1]:
-            got = load_cpu_kernels().block_matmul(x, blocks, block_type)
-            torch.testing.assert_close(got, _int8_reference(x, blocks, block_type), rtol=1e-5, atol=1e-4)
+            reference = _int8_reference(x, blocks, block_type)
+            torch.testing.assert_close(ops.block_matmul(x, blocks, block_type), reference, rtol=1e-5, atol=1e-4)
+            torch.testing.assert_close(_tiles(ops, x, blocks, block_type), reference, rtol=1e-5, atol=1e-4)
 
 
 @needs_kernels
@@ -113,13 +123,15 @@ def test_fallback_build_gives_the_native_bits(level, cases, tmp_path):
     out = tmp_path / "out.pt"
     subprocess.run([sys.executable, "-c", _CHILD, level, str(path), str(out)], cwd=REPO, check=True)
     result = torch.load(out)
-    assert result["isa"] == level
+    assert result["isa"] == result["tiles_isa"] == level
     ops = load_cpu_kernels()
     with select_backend("cpu").batch_invariant(True):
-        for (block_type, x, blocks), got in zip(data, result["outputs"], strict=True):
+        for (block_type, x, blocks), got, tiles in zip(data, result["outputs"], result["tiles"], strict=True):
             # the integer dot products are exact and every path sums the floats in one documented order
             assert torch.equal(got, ops.block_matmul(x, blocks, block_type)), (level, block_type, x.shape[0])
             torch.testing.assert_close(got, _int8_reference(x, blocks, block_type), rtol=1e-5, atol=1e-4)
+            # so does the tile GEMM, in its own order
+            assert torch.equal(tiles, _tiles(ops, x, blocks, block_type)), (level, block_type, x.shape[0])
 
 
 def test_isa_level_errors_name_the_problem(monkeypatch):

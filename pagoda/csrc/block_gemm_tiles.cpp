@@ -1,0 +1,416 @@
+// The GEMM on ggml's blocks (Q4_0, Q4_1, Q8_0) on a copy of the weight repacked once at load
+// into tiles (layers/packed_weights.py), as llama.cpp repacks its Q4_0 for AVX-512 / AVX2.
+//
+// block_matmul's integer kernel (block_matmul.cpp) takes the blocks as they are: each dot product
+// there multiplies one weight row's block by one activation block, and its 8 int32 lanes go
+// through their own float accumulators (its documented order), so ~8 instructions follow each
+// vpdpbusd and it runs at 6-13 % of the instruction's peak. Here lanes hold output columns: a tile
+// of 16 weight rows (16 outputs) keeps, per block, the rows' codes side by side, 4 consecutive
+// elements of a row per 32-bit lane. One vpdpbusd then advances 16 outputs by 4 products each
+// against 4 activation bytes broadcast to every lane; a block's 32 products are 8 of them into
+// one int32 sum per output, exact, and only then scaled in fp32:
+//   out[m, n] = sum over blocks b, in order, of  fma(float(isum_b), dw_b * dx_b, .)
+//               and, for Q4_1, then fma(mw_b, sx_b, .)
+//   isum_b    = the block's integer dot product of the signed codes (Q4_0: nibble - 8) and q
+// Each output's order depends on K only, never on the rows beside it (this route's row results
+// do not depend on M), but it is not the integer kernel's order.
+//
+// The activations are quantized as for the integer kernel (ggml_blocks.h: int8 per block of 32,
+// as llama.cpp's q8_0), so the products are the integer kernel's, summed in another order; where
+// the bf16 route rounded them to 8 significant bits, this one keeps fp32.
+//
+// Instruction sets (block_gemm_tiles_isa() names the one built), every one giving the same bits
+// (the integer sums are exact, the float steps the same):
+//   avx512-vnni  vpdpbusd on 64-byte vectors: 2 tiles (32 outputs) x 4 activation rows a call;
+//                the codes stored unsigned (Q8_0: + 128) and the offset taken back in int32
+//   avx-vnni     vpdpbusd on 32-byte vectors, a tile as two halves of 8 outputs, 2 rows a call
+//   avx2         the same with maddubs + madd (Q8_0 through |w| and x * sign(w), as the integer
+//                kernel does: pairs stay within int16)
+//   scalar       plain C++
+//
+// Registered as torch.ops.pagoda.block_repack_tiles / block_gemm_tiles.
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <torch/library.h>
+
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <string>
+
+#include "ggml_blocks.h"
+
+namespace {
+
+using namespace pagoda::ggml;
+
+constexpr int64_t COLS = 16;  // weight rows (output columns) in a tile: one vector of 16 int32 lanes
+
+// A tile holds, for each block in order, its 16 rows' codes (64-byte vectors):
+//   Q8_0: 8 vectors, vector l holding elements 4l .. 4l+3 of each row (row c at bytes 4c .. 4c+3)
+//   Q4:   4 vectors, vector j holding elements 4j .. 4j+3 in its low nibbles and 4(j+4) .. in its high
+// then, for each block, the rows' d (16 fp16, as stored) and for Q4_1 their m (16 fp16): as many
+// bytes as the blocks themselves, so one stream's decode reads no more than from the blocks.
+inline int64_t codes_bytes(int64_t type) { return type == Q8_0 ? 8 * 64 : 4 * 64; }
+inline int64_t scales_bytes(int64_t type) { return type == Q4_1 ? 64 : 32; }
+inline int64_t record_bytes(int64_t type) { return scales_bytes(type) + codes_bytes(type); }
+
+// The unsigned code of element k of a block, as the kernel multiplies it.
+inline uint8_t stored_code(const uint8_t* blk, int64_t type, int64_t k) {
+  if (type == Q8_0) return static_cast<uint8_t>(static_cast<int8_t>(blk[2 + k]) + 128);
+  const uint8_t* q = blk + codes_offset(type);
+  return k < QK / 2 ? (q[k] & 0x0F) : (q[k - QK / 2] >> 4);
+}
+
+// What brings the stored unsigned codes back to the signed ones: isum -= offset * sum(q).
+inline int32_t code_offset(int64_t type) { return type == Q8_0 ? 128 : type == Q4_0 ? 8 : 0; }
+
+const char* tiles_isa() {
+#if defined(PAGODA_AVX512_VNNI)
+  return "avx512-vnni";
+#elif defined(PAGODA_AVX_VNNI)
+  return "avx-vnni";
+#elif defined(PAGODA_AVX2)
+  return "avx2";
+#else
+  return "scalar";
+#endif
+}
+
+// One output's block step: acc = fma(float(isum), dw * dx, acc), then for Q4_1 fma(mw, sx, .);
+// the vector paths do exactly this per lane.
+inline float block_step(float acc, int32_t isum, float dw, float dx, float mw, float sx, int64_t type) {
+  acc = std::fma(static_cast<float>(isum), dw * dx, acc);
+  return type == Q4_1 ? std::fma(mw, sx, acc) : acc;
+}
+
+void repack_tile(const uint8_t* w, int64_t type, int64_t N, int64_t nb, int64_t tile, uint8_t* out) {
+  const int64_t row_bytes = nb * block_bytes(type);
+  for (int64_t b = 0; b < nb; ++b) {
+    uint8_t* codes = out + b * codes_bytes(type);
+    uint8_t* scales = out + nb * codes_bytes(type) + b * scales_bytes(type);
+    for (int64_t c = 0; c < COLS; ++c) {
+      const int64_t n = tile * COLS + c;
+      if (n >= N) continue;  // zero scales and codes: the padding columns add nothing
+      const uint8_t* blk = w + n * row_bytes + b * block_bytes(type);
+      std::memcpy(scales + 2 * c, blk, 2);                              // d
+      if (type == Q4_1) std::memcpy(scales + 2 * (COLS + c), blk + 2, 2);  // m
+      for (int64_t i = 0; i < 4; ++i) {
+        if (type == Q8_0) {
+          for (int64_t l = 0; l < 8; ++l) codes[l * 64 + c * 4 + i] = stored_code(blk, type, 4 * l + i);
+        } else {
+          for (int64_t j = 0; j < 4; ++j)
+            codes[j * 64 + c * 4 + i] =
+                stored_code(blk, type, 4 * j + i) | static_cast<uint8_t>(stored_code(blk, type, 4 * (j + 4) + i) << 4);
+        }
+      }
+    }
+  }
+}
+
+#ifdef PAGODA_AVX512_VNNI
+inline __m512i broadcast4(const int8_t* p) {
+  int32_t v;
+  std::memcpy(&v, p, 4);
+  return _mm512_set1_epi32(v);
+}
+
+// R activation rows against C tiles (16 C output columns): R * C int32 sums per block and as many
+// float accumulators, enough independent chains to keep vpdpbusd busy.
+template <int R, int C>
+void tile_gemm(const uint8_t* tiles, int64_t type, int64_t nb, const int8_t* qx, const float* dx, const float* sx,
+               const int32_t* qsum, int64_t K, float* y, int64_t N, int64_t n0) {
+  const int64_t cb = codes_bytes(type), sb = scales_bytes(type), tile_bytes = nb * (cb + sb);
+  const int32_t offset = code_offset(type);
+  const __m512i low = _mm512_set1_epi8(0x0F);
+  __m512 acc[R][C];
+  for (int r = 0; r < R; ++r)
+    for (int c = 0; c < C; ++c) acc[r][c] = _mm512_setzero_ps();
+  for (int64_t b = 0; b < nb; ++b) {
+    const uint8_t* codes[C];
+    for (int c = 0; c < C; ++c) codes[c] = tiles + c * tile_bytes + b * cb;
+    __m512i isum[R][C];
+    for (int r = 0; r < R; ++r)
+      for (int c = 0; c < C; ++c) isum[r][c] = _mm512_setzero_si512();
+    if (type == Q8_0) {
+      for (int l = 0; l < 8; ++l) {
+        __m512i w[C];
+        for (int c = 0; c < C; ++c) w[c] = _mm512_loadu_si512(codes[c] + l * 64);
+        for (int r = 0; r < R; ++r) {
+          const __m512i x = broadcast4(qx + r * K + b * QK + 4 * l);
+          for (int c = 0; c < C; ++c) isum[r][c] = _mm512_dpbusd_epi32(isum[r][c], w[c], x);
+        }
+      }
+    } else {
+      for (int j = 0; j < 4; ++j) {
+        __m512i lo[C], hi[C];
+        for (int c = 0; c < C; ++c) {
+          const __m512i z = _mm512_loadu_si512(codes[c] + j * 64);
+          lo[c] = _mm512_and_si512(z, low);
+          hi[c] = _mm512_and_si512(_mm512_srli_epi16(z, 4), low);
+        }
+        for (int r = 0; r < R; ++r) {
+          const __m512i xl = broadcast4(qx + r * K + b * QK + 4 * j);
+          const __m512i xh = broadcast4(qx + r * K + b * QK + 4 * (j + 4));
+          for (int c = 0; c < C; ++c) {
+            isum[r][c] = _mm512_dpbusd_epi32(isum[r][c], lo[c], xl);
+            isum[r][c] = _mm512_dpbusd_epi32(isum[r][c], hi[c], xh);
+          }
+        }
+      }
+    }
+    const uint8_t* scales[C];
+    __m512 dw[C];
+    for (int c = 0; c < C; ++c) {
+      scales[c] = tiles + c * tile_bytes + nb * cb + b * sb;
+      dw[c] = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(scales[c])));
+    }
+    for (int r = 0; r < R; ++r) {
+      const __m512 dxr = _mm512_set1_ps(dx[r * nb + b]);
+      const __m512i off = _mm512_set1_epi32(offset * qsum[r * nb + b]);
+      for (int c = 0; c < C; ++c) {
+        const __m512i s = type == Q4_1 ? isum[r][c] : _mm512_sub_epi32(isum[r][c], off);
+        acc[r][c] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s), _mm512_mul_ps(dw[c], dxr), acc[r][c]);
+      }
+      if (type == Q4_1) {
+        const __m512 sxr = _mm512_set1_ps(sx[r * nb + b]);
+        for (int c = 0; c < C; ++c)
+          acc[r][c] = _mm512_fmadd_ps(_mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(scales[c] + 32))),
+                                      sxr, acc[r][c]);
+      }
+    }
+  }
+  for (int r = 0; r < R; ++r)
+    for (int c = 0; c < C; ++c) {
+      const int64_t n = n0 + c * COLS;
+      if (n + COLS <= N) _mm512_storeu_ps(y + r * N + n, acc[r][c]);
+      else if (n < N) _mm512_mask_storeu_ps(y + r * N + n, static_cast<__mmask16>((1u << (N - n)) - 1), acc[r][c]);
+    }
+}
+
+#endif
+
+#if defined(PAGODA_AVX2) && !defined(PAGODA_AVX512_VNNI)
+// u8 x s8 products of 4 consecutive bytes, added to the int32 lanes of acc (exact).
+inline __m256i dot4(__m256i acc, __m256i u, __m256i s) {
+#if defined(PAGODA_AVX_VNNI)
+  return _mm256_dpbusd_avx_epi32(acc, u, s);
+#else
+  return _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(u, s), _mm256_set1_epi16(1)));
+#endif
+}
+
+inline __m256i broadcast4(const int8_t* p) {
+  int32_t v;
+  std::memcpy(&v, p, 4);
+  return _mm256_set1_epi32(v);
+}
+
+// The stored Q8_0 codes (w + 128) against x: with VNNI the unsigned codes go in as they are (the
+// offset is taken back later); AVX2's maddubs could overflow int16 there, so it multiplies |w|
+// by x * sign(w) and the sum needs no offset.
+inline __m256i dot4_q8(__m256i acc, __m256i stored, __m256i x) {
+#if defined(PAGODA_AVX_VNNI)
+  return dot4(acc, stored, x);
+#else
+  const __m256i w = _mm256_xor_si256(stored, _mm256_set1_epi8(static_cast<char>(0x80)));
+  return dot4(acc, _mm256_sign_epi8(w, w), _mm256_sign_epi8(x, w));
+#endif
+}
+
+#if defined(PAGODA_AVX_VNNI)
+constexpr int32_t Q8_OFFSET = 128;
+#else
+constexpr int32_t Q8_OFFSET = 0;
+#endif
+
+// R activation rows against one tile, as two halves of 8 outputs (32-byte vectors).
+template <int R>
+void tile_gemm(const uint8_t* tile, int64_t type, int64_t nb, const int8_t* qx, const float* dx, const float* sx,
+               const int32_t* qsum, int64_t K, float* y, int64_t N, int64_t n0) {
+  const int64_t cb = codes_bytes(type), sb = scales_bytes(type);
+  const __m256i low = _mm256_set1_epi8(0x0F);
+  const int32_t offset = type == Q8_0 ? Q8_OFFSET : code_offset(type);
+  __m256 acc[R][2];
+  for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = _mm256_setzero_ps();
+  for (int64_t b = 0; b < nb; ++b) {
+    const uint8_t* codes = tile + b * cb;
+    __m256i isum[R][2];
+    for (int r = 0; r < R; ++r) isum[r][0] = isum[r][1] = _mm256_setzero_si256();
+    for (int h = 0; h < 2; ++h) {
+      if (type == Q8_0) {
+        for (int l = 0; l < 8; ++l) {
+          const __m256i w = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(codes + l * 64 + 32 * h));
+          for (int r = 0; r < R; ++r) isum[r][h] = dot4_q8(isum[r][h], w, broadcast4(qx + r * K + b * QK + 4 * l));
+        }
+      } else {
+        for (int j = 0; j < 4; ++j) {
+          const __m256i z = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(codes + j * 64 + 32 * h));
+          const __m256i lo = _mm256_and_si256(z, low), hi = _mm256_and_si256(_mm256_srli_epi16(z, 4), low);
+          for (int r = 0; r < R; ++r) {
+            isum[r][h] = dot4(isum[r][h], lo, broadcast4(qx + r * K + b * QK + 4 * j));
+            isum[r][h] = dot4(isum[r][h], hi, broadcast4(qx + r * K + b * QK + 4 * (j + 4)));
+          }
+        }
+      }
+    }
+    const uint8_t* scales = tile + nb * cb + b * sb;
+    for (int h = 0; h < 2; ++h) {
+      const __m256 dw = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(scales + 16 * h)));
+      for (int r = 0; r < R; ++r) {
+        const __m256i s = _mm256_sub_epi32(isum[r][h], _mm256_set1_epi32(offset * qsum[r * nb + b]));
+        acc[r][h] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s), _mm256_mul_ps(dw, _mm256_set1_ps(dx[r * nb + b])), acc[r][h]);
+        if (type == Q4_1) {
+          const __m256 mw = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(scales + 32 + 16 * h)));
+          acc[r][h] = _mm256_fmadd_ps(mw, _mm256_set1_ps(sx[r * nb + b]), acc[r][h]);
+        }
+      }
+    }
+  }
+  for (int r = 0; r < R; ++r)
+    for (int h = 0; h < 2; ++h) {
+      alignas(32) float lanes[8];
+      _mm256_store_ps(lanes, acc[r][h]);
+      for (int c = 0; c < 8; ++c)
+        if (n0 + 8 * h + c < N) y[r * N + n0 + 8 * h + c] = lanes[c];
+    }
+}
+
+constexpr int TILE_ROWS = 2;
+constexpr int TILE_GROUP = 1;
+#endif
+
+#if !defined(PAGODA_AVX2)
+// Lane by lane: the codes as the vector paths read them, the same float steps.
+template <int R>
+void tile_gemm(const uint8_t* tile, int64_t type, int64_t nb, const int8_t* qx, const float* dx, const float* sx,
+               const int32_t* qsum, int64_t K, float* y, int64_t N, int64_t n0) {
+  const int64_t cb = codes_bytes(type), sb = scales_bytes(type);
+  for (int r = 0; r < R; ++r)
+    for (int64_t c = 0; c < COLS && n0 + c < N; ++c) {
+      float acc = 0.f;
+      for (int64_t b = 0; b < nb; ++b) {
+        const uint8_t* codes = tile + b * cb;
+        const int8_t* x = qx + r * K + b * QK;
+        int32_t isum = 0;
+        for (int64_t k = 0; k < QK; ++k) {
+          const int64_t group = k / 4, i = k % 4;
+          const int32_t u = type == Q8_0 ? codes[group * 64 + c * 4 + i]
+                                         : (codes[(group % 4) * 64 + c * 4 + i] >> (group < 4 ? 0 : 4)) & 0x0F;
+          isum += u * x[k];
+        }
+        isum -= code_offset(type) * qsum[r * nb + b];
+        const uint8_t* scales = tile + nb * cb + b * sb;
+        acc = block_step(acc, isum, half_to_float(scales + 2 * c), dx[r * nb + b],
+                         type == Q4_1 ? half_to_float(scales + 32 + 2 * c) : 0.f, sx[r * nb + b], type);
+      }
+      y[r * N + n0 + c] = acc;
+    }
+}
+
+constexpr int TILE_ROWS = 4;
+constexpr int TILE_GROUP = 1;
+#endif
+
+#if defined(PAGODA_AVX512_VNNI)
+constexpr int TILE_ROWS = 4;   // activation rows a kernel call takes
+constexpr int TILE_GROUP = 2;  // weight tiles a kernel call takes (32 output columns)
+
+template <int R, int C>
+inline void tile_call(const uint8_t* tiles, int64_t type, int64_t nb, const int8_t* qx, const float* dx,
+                      const float* sx, const int32_t* qsum, int64_t K, float* y, int64_t N, int64_t n0) {
+  tile_gemm<R, C>(tiles, type, nb, qx, dx, sx, qsum, K, y, N, n0);
+}
+#else
+template <int R, int C>
+inline void tile_call(const uint8_t* tiles, int64_t type, int64_t nb, const int8_t* qx, const float* dx,
+                      const float* sx, const int32_t* qsum, int64_t K, float* y, int64_t N, int64_t n0) {
+  static_assert(C == 1, "one tile a call here");
+  tile_gemm<R>(tiles, type, nb, qx, dx, sx, qsum, K, y, N, n0);
+}
+#endif
+
+// Every row of the activations against C tiles from `tiles`, TILE_ROWS rows a call.
+template <int C>
+void rows_of_group(const uint8_t* tiles, int64_t type, int64_t nb, const QuantizedActivations& a,
+                   const int32_t* qsum, int64_t M, int64_t K, float* y, int64_t N, int64_t n0) {
+  for (int64_t m = 0; m < M; m += TILE_ROWS) {
+    const int8_t* qx = a.q.data() + m * K;
+    const float *dx = a.d.data() + m * nb, *sx = a.s.data() + m * nb;
+    const int32_t* qs = qsum + m * nb;
+    float* ym = y + m * N;
+    switch (std::min<int64_t>(TILE_ROWS, M - m)) {
+      case 4: tile_call<4, C>(tiles, type, nb, qx, dx, sx, qs, K, ym, N, n0); break;
+      case 3: tile_call<3, C>(tiles, type, nb, qx, dx, sx, qs, K, ym, N, n0); break;
+      case 2: tile_call<2, C>(tiles, type, nb, qx, dx, sx, qs, K, ym, N, n0); break;
+      default: tile_call<1, C>(tiles, type, nb, qx, dx, sx, qs, K, ym, N, n0);
+    }
+  }
+}
+
+}  // namespace
+
+namespace pagoda {
+
+// weight: ggml blocks [N, K / 32 * block bytes] -> the tiles, [ceil(N / 16), K / 32 * record bytes]
+at::Tensor block_repack_tiles(const at::Tensor& weight, int64_t type, int64_t in_features) {
+  TORCH_CHECK(weight.dim() == 2 && weight.scalar_type() == at::kByte, "block_repack_tiles: weight must be uint8 [N, bytes]");
+  TORCH_CHECK(in_features % QK == 0 && weight.size(1) == in_features / QK * block_bytes(type),
+              "block_repack_tiles: rows of ", weight.size(1), " bytes do not hold ", in_features, " inputs");
+  const int64_t N = weight.size(0), nb = in_features / QK, tiles = (N + COLS - 1) / COLS;
+  const at::Tensor wc = weight.contiguous();
+  at::Tensor out = at::zeros({tiles, nb * record_bytes(type)}, at::kByte);
+  const uint8_t* w = wc.data_ptr<uint8_t>();
+  uint8_t* o = out.data_ptr<uint8_t>();
+  at::parallel_for(0, tiles, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t t = begin; t < end; ++t) repack_tile(w, type, N, nb, t, o + t * nb * record_bytes(type));
+  });
+  return out;
+}
+
+// x [M, K] float32 times the tiled weight's transpose: [M, out_features] float32.
+at::Tensor block_gemm_tiles(const at::Tensor& x, const at::Tensor& tiles, int64_t type, int64_t out_features) {
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat, "block_gemm_tiles: x must be float32 [M, K]");
+  const int64_t M = x.size(0), K = x.size(1), N = out_features, nb = K / QK;
+  TORCH_CHECK(K % QK == 0, "block_gemm_tiles: K (", K, ") must be a multiple of 32");
+  TORCH_CHECK(tiles.dim() == 2 && tiles.scalar_type() == at::kByte && tiles.is_contiguous() &&
+                  tiles.size(0) == (N + COLS - 1) / COLS && tiles.size(1) == nb * record_bytes(type),
+              "block_gemm_tiles: the tiles do not hold a repacked [", N, ", ", K, "] weight of type ", type);
+  at::Tensor out = at::empty({M, N}, x.options());
+  if (M == 0 || N == 0) return out;
+  const at::Tensor xc = x.contiguous();
+  const QuantizedActivations a = quantize_rows(xc.data_ptr<float>(), M, K);
+  std::vector<int32_t> qsum(M * nb);  // each activation block's sum of codes, for the codes' offset
+  for (int64_t i = 0; i < M * nb; ++i) {
+    int32_t s = 0;
+    for (int64_t k = 0; k < QK; ++k) s += a.q[i * QK + k];
+    qsum[i] = s;
+  }
+  const uint8_t* t = tiles.data_ptr<uint8_t>();
+  float* y = out.data_ptr<float>();
+  const int64_t num_tiles = tiles.size(0), groups = (num_tiles + TILE_GROUP - 1) / TILE_GROUP;
+  const int64_t tile_bytes = tiles.size(1);
+  at::parallel_for(0, groups, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t g = begin; g < end; ++g) {
+      const int64_t first = g * TILE_GROUP, count = std::min<int64_t>(TILE_GROUP, num_tiles - first);
+      const uint8_t* group = t + first * tile_bytes;
+      if (TILE_GROUP == 2 && count == 2) rows_of_group<TILE_GROUP>(group, type, nb, a, qsum.data(), M, K, y, N, first * COLS);
+      else rows_of_group<1>(group, type, nb, a, qsum.data(), M, K, y, N, first * COLS);
+    }
+  });
+  return out;
+}
+
+}  // namespace pagoda
+
+TORCH_LIBRARY_FRAGMENT(pagoda, m) {
+  m.def("block_repack_tiles(Tensor weight, int block_type, int in_features) -> Tensor");
+  m.def("block_gemm_tiles(Tensor x, Tensor tiles, int block_type, int out_features) -> Tensor");
+  // Which instruction set this build's tile GEMM uses: avx512-vnni, avx-vnni, avx2, scalar.
+  m.def("block_gemm_tiles_isa() -> str", []() { return std::string(tiles_isa()); });
+}
+
+TORCH_LIBRARY_IMPL(pagoda, CPU, m) {
+  m.impl("block_repack_tiles", &pagoda::block_repack_tiles);
+  m.impl("block_gemm_tiles", &pagoda::block_gemm_tiles);
+}
