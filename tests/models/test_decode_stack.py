@@ -9,7 +9,7 @@ import torch
 from pagoda import LLM, SamplingParams
 from pagoda.layers.cpu_kernels import load_cpu_kernels
 from pagoda.layers.ggml_blocks import BlockLinear
-from pagoda.layers.packed_weights import packing_applies
+from pagoda.layers.packed_weights import block_packing, packing_applies
 from pagoda.models.decode_stack import DecodeStack
 
 pytestmark = pytest.mark.skipif(load_cpu_kernels() is None, reason="pagoda's C++ kernels cannot be built here")
@@ -58,7 +58,7 @@ def test_stack_takes_packed_block_weights_from_their_many_row_threshold(tiny_lla
     args = {"dtype": "float32", "kv_cache_memory": 0.02, "quantization": "int4"}
     widths = count_stack_calls(monkeypatch)
     llm = LLM(model=str(tiny_llama), **args)
-    if packing_applies(load_cpu_kernels()):
+    if packing_applies(load_cpu_kernels()) and block_packing(load_cpu_kernels()) != "none":
         model = llm.engine.core.model
         assert all(m.packed is not None for m in model.modules() if isinstance(m, BlockLinear))
     fast = _run(llm, prompts, max_tokens=6)
