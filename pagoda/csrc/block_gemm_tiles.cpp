@@ -65,18 +65,6 @@ inline uint8_t stored_code(const uint8_t* blk, int64_t type, int64_t k) {
 // What brings the stored unsigned codes back to the signed ones: isum -= offset * sum(q).
 inline int32_t code_offset(int64_t type) { return type == Q8_0 ? 128 : type == Q4_0 ? 8 : 0; }
 
-const char* tiles_isa() {
-#if defined(PAGODA_AVX512_VNNI)
-  return "avx512-vnni";
-#elif defined(PAGODA_AVX_VNNI)
-  return "avx-vnni";
-#elif defined(PAGODA_AVX2)
-  return "avx2";
-#else
-  return "scalar";
-#endif
-}
-
 // One output's block step: acc = fma(float(isum), dw * dx, acc), then for Q4_1 fma(mw, sx, .);
 // the vector paths do exactly this per lane.
 inline float block_step(float acc, int32_t isum, float dw, float dx, float mw, float sx, int64_t type) {
@@ -407,7 +395,7 @@ TORCH_LIBRARY_FRAGMENT(pagoda, m) {
   m.def("block_repack_tiles(Tensor weight, int block_type, int in_features) -> Tensor");
   m.def("block_gemm_tiles(Tensor x, Tensor tiles, int block_type, int out_features) -> Tensor");
   // Which instruction set this build's tile GEMM uses: avx512-vnni, avx-vnni, avx2, scalar.
-  m.def("block_gemm_tiles_isa() -> str", []() { return std::string(tiles_isa()); });
+  m.def("block_gemm_tiles_isa() -> str", []() { return std::string(isa_path()); });
 }
 
 TORCH_LIBRARY_IMPL(pagoda, CPU, m) {

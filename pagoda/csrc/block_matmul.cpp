@@ -46,18 +46,6 @@ namespace {
 
 using namespace pagoda::ggml;
 
-const char* isa_path() {
-#if defined(PAGODA_AVX512_VNNI)
-  return "avx512-vnni";
-#elif defined(PAGODA_AVX_VNNI)
-  return "avx-vnni";
-#elif defined(PAGODA_AVX2)
-  return "avx2";
-#else
-  return "scalar";
-#endif
-}
-
 #ifdef PAGODA_AVX2
 // The 8 lanes in the documented order: (l + l+4), (l + l+2), (0 + 1).
 inline float hsum(__m256 v) {

@@ -26,6 +26,19 @@
 
 namespace pagoda::ggml {
 
+// The instruction set the build's integer paths use: avx512-vnni, avx-vnni, avx2 or scalar.
+inline const char* isa_path() {
+#if defined(PAGODA_AVX512_VNNI)
+  return "avx512-vnni";
+#elif defined(PAGODA_AVX_VNNI)
+  return "avx-vnni";
+#elif defined(PAGODA_AVX2)
+  return "avx2";
+#else
+  return "scalar";
+#endif
+}
+
 constexpr int64_t QK = 32;                      // elements per block
 enum BlockType : int64_t { Q4_0 = 2, Q4_1 = 3, Q8_0 = 8 };  // GGMLQuantizationType values
 

@@ -19,13 +19,18 @@ APPLIES = {"bf16": bf16_packing_applies(ops), "tiles": tiles_packing_applies(ops
 ROW_COUNTS = (1, 15, 16, 17, 64, 130)
 
 
+def _ask_for(form: str, monkeypatch) -> str:
+    """Make pack_block_linears choose ``form``; skip where this build cannot make it."""
+    if not APPLIES[form]:
+        pytest.skip(f"this build makes no {form} copy of block weights")
+    monkeypatch.setenv("PAGODA_BLOCK_PACKING", form)
+    return form
+
+
 @pytest.fixture(params=["bf16", "tiles"])
 def form(request, monkeypatch) -> str:
     """Each packed form this build can make, asked for by name."""
-    if not APPLIES[request.param]:
-        pytest.skip(f"this build makes no {request.param} copy of block weights")
-    monkeypatch.setenv("PAGODA_BLOCK_PACKING", request.param)
-    return request.param
+    return _ask_for(request.param, monkeypatch)
 
 
 def _linear(block_type: int, n: int, k: int, seed: int) -> BlockLinear:
@@ -38,14 +43,17 @@ def _linear(block_type: int, n: int, k: int, seed: int) -> BlockLinear:
     return BlockLinear.from_float(weight, block_type)
 
 
+def _layer_and_inputs(block_type: int, n: int, k: int) -> tuple[BlockLinear, dict[int, torch.Tensor]]:
+    """A layer and an input for each of ROW_COUNTS."""
+    xs = {m: torch.randn(m, k, generator=torch.Generator().manual_seed(m)) for m in ROW_COUNTS}
+    return _linear(block_type, n, k, seed=n + block_type), xs
+
+
 @pytest.mark.parametrize("block_type", [Q4_0, Q4_1, Q8_0])
 @pytest.mark.parametrize("n,k", [(96, 64), (4000, 576)])  # 4000 rows: block_matmul tiles its output
 def test_bf16_copy_rows_equal_block_matmul_at_every_row_count(block_type, n, k, monkeypatch):
-    if not APPLIES["bf16"]:
-        pytest.skip("this build's many-row route is not a bf16 GEMM (no AVX512-BF16 / AMX)")
-    monkeypatch.setenv("PAGODA_BLOCK_PACKING", "bf16")
-    lin = _linear(block_type, n, k, seed=n + block_type)
-    xs = {m: torch.randn(m, k, generator=torch.Generator().manual_seed(m)) for m in ROW_COUNTS}
+    _ask_for("bf16", monkeypatch)
+    lin, xs = _layer_and_inputs(block_type, n, k)
     before = {m: lin(x) for m, x in xs.items()}
     assert pack_block_linears(nn.Sequential(lin), ops, available_bytes=1 << 40) == 2 * n * k
     assert lin.packed is not None and lin.packed.dtype != torch.uint8
@@ -72,11 +80,8 @@ def _int8_products(x: torch.Tensor, lin: BlockLinear) -> torch.Tensor:
 @pytest.mark.parametrize("block_type", [Q4_0, Q4_1, Q8_0])
 @pytest.mark.parametrize("n,k", [(96, 64), (4000, 576)])
 def test_tiles_copy_serves_every_row_count_with_rows_that_ignore_the_batch(block_type, n, k, monkeypatch):
-    if not APPLIES["tiles"]:
-        pytest.skip("this build has no tile GEMM")
-    monkeypatch.setenv("PAGODA_BLOCK_PACKING", "tiles")
-    lin = _linear(block_type, n, k, seed=n + block_type)
-    xs = {m: torch.randn(m, k, generator=torch.Generator().manual_seed(m)) for m in ROW_COUNTS}
+    _ask_for("tiles", monkeypatch)
+    lin, xs = _layer_and_inputs(block_type, n, k)
     assert pack_block_linears(nn.Sequential(lin), ops, available_bytes=1 << 40) == lin.blocks.numel() // n * ((n + 15) // 16 * 16)
     assert lin.packed is not None and lin.packed.dtype == torch.uint8
     for m, x in xs.items():
