@@ -10,7 +10,7 @@ from torch import nn
 from pagoda.layers import packed_weights
 from pagoda.layers.backend import select_backend
 from pagoda.layers.cpu_kernels import load_cpu_kernels
-from pagoda.layers.ggml_blocks import Q4_0, Q4_1, Q8_0, BlockLinear, dequantize_blocks, quantize_q8_0
+from pagoda.layers.ggml_blocks import Q4_0, Q4_1, Q8_0, BlockLinear, quantize_q8_0
 from pagoda.layers.packed_weights import (bf16_packing_applies, block_packing, pack_block_linears, packed_bytes,
                                           tiles_packing_applies)
 
@@ -68,15 +68,6 @@ def test_bf16_copy_rows_equal_block_matmul_at_every_row_count(block_type, n, k, 
         assert torch.equal(lin(xs[64]), packed_result)
 
 
-def _int8_products(x: torch.Tensor, lin: BlockLinear) -> torch.Tensor:
-    """x rounded to int8 per block of 32 (scale amax / 127, as the kernels do), times the exact
-    weights, in float64."""
-    g = x.double().reshape(x.shape[0], -1, 32)
-    d = g.abs().amax(dim=-1, keepdim=True) / 127
-    q = torch.round(g / torch.where(d > 0, d, torch.ones_like(d)))
-    return (q * d).reshape(x.shape) @ dequantize_blocks(lin.blocks, lin.block_type).double().T
-
-
 @pytest.mark.parametrize("block_type", [Q4_0, Q4_1, Q8_0])
 @pytest.mark.parametrize("n,k", [(96, 64), (4000, 576)])
 def test_tiles_copy_serves_every_row_count_with_rows_that_ignore_the_batch(block_type, n, k, monkeypatch):
@@ -88,8 +79,9 @@ def test_tiles_copy_serves_every_row_count_with_rows_that_ignore_the_batch(block
         y = lin(x)
         assert torch.equal(y, ops.block_gemm_tiles(x, lin.packed, block_type, n)), m  # block_matmul took the copy
         assert torch.equal(y[:1], lin(x[:1])), m  # a row alone: the same bits
-        reference = _int8_products(x, lin)  # the integer kernel's products, in float64
-        assert (y - reference).abs().max() <= 1e-6 * reference.abs().max(), m
+        with select_backend("cpu").batch_invariant(True):  # the integer kernel: the same products, its own order
+            reference = ops.block_matmul(x, lin.blocks, block_type)
+        assert (y - reference).abs().max() <= 1e-5 * reference.abs().max(), m
     # under batch invariance the copy still serves (its rows do not depend on M)
     with select_backend("cpu").batch_invariant(True):
         assert torch.equal(lin(xs[64]), ops.block_gemm_tiles(xs[64], lin.packed, block_type, n))
