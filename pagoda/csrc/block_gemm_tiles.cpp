@@ -212,10 +212,11 @@ constexpr int32_t Q8_OFFSET = 128;
 constexpr int32_t Q8_OFFSET = 0;
 #endif
 
-// R activation rows against one tile, as two halves of 8 outputs (32-byte vectors).
-template <int R>
+// R activation rows against one tile (C == 1), as two halves of 8 outputs (32-byte vectors).
+template <int R, int C>
 void tile_gemm(const uint8_t* tile, int64_t type, int64_t nb, const int8_t* qx, const float* dx, const float* sx,
                const int32_t* qsum, int64_t K, float* y, int64_t N, int64_t n0) {
+  static_assert(C == 1, "one tile a call here");
   const int64_t cb = codes_bytes(type), sb = scales_bytes(type);
   const __m256i low = _mm256_set1_epi8(0x0F);
   const int32_t offset = type == Q8_0 ? Q8_OFFSET : code_offset(type);
@@ -269,10 +270,11 @@ constexpr int TILE_GROUP = 1;
 #endif
 
 #if !defined(PAGODA_AVX2)
-// Lane by lane: the codes as the vector paths read them, the same float steps.
-template <int R>
+// Lane by lane (one tile a call, C == 1): the codes as the vector paths read them, the same float steps.
+template <int R, int C>
 void tile_gemm(const uint8_t* tile, int64_t type, int64_t nb, const int8_t* qx, const float* dx, const float* sx,
                const int32_t* qsum, int64_t K, float* y, int64_t N, int64_t n0) {
+  static_assert(C == 1, "one tile a call here");
   const int64_t cb = codes_bytes(type), sb = scales_bytes(type);
   for (int r = 0; r < R; ++r)
     for (int64_t c = 0; c < COLS && n0 + c < N; ++c) {
@@ -303,35 +305,22 @@ constexpr int TILE_GROUP = 1;
 #if defined(PAGODA_AVX512_VNNI)
 constexpr int TILE_ROWS = 4;   // activation rows a kernel call takes
 constexpr int TILE_GROUP = 2;  // weight tiles a kernel call takes (32 output columns)
-
-template <int R, int C>
-inline void tile_call(const uint8_t* tiles, int64_t type, int64_t nb, const int8_t* qx, const float* dx,
-                      const float* sx, const int32_t* qsum, int64_t K, float* y, int64_t N, int64_t n0) {
-  tile_gemm<R, C>(tiles, type, nb, qx, dx, sx, qsum, K, y, N, n0);
-}
-#else
-template <int R, int C>
-inline void tile_call(const uint8_t* tiles, int64_t type, int64_t nb, const int8_t* qx, const float* dx,
-                      const float* sx, const int32_t* qsum, int64_t K, float* y, int64_t N, int64_t n0) {
-  static_assert(C == 1, "one tile a call here");
-  tile_gemm<R>(tiles, type, nb, qx, dx, sx, qsum, K, y, N, n0);
-}
 #endif
 
 // Every row of the activations against C tiles from `tiles`, TILE_ROWS rows a call.
 template <int C>
-void rows_of_group(const uint8_t* tiles, int64_t type, int64_t nb, const QuantizedActivations& a,
-                   const int32_t* qsum, int64_t M, int64_t K, float* y, int64_t N, int64_t n0) {
+void rows_of_group(const uint8_t* tiles, int64_t type, int64_t nb, const QuantizedActivations& a, int64_t M,
+                   int64_t K, float* y, int64_t N, int64_t n0) {
   for (int64_t m = 0; m < M; m += TILE_ROWS) {
     const int8_t* qx = a.q.data() + m * K;
     const float *dx = a.d.data() + m * nb, *sx = a.s.data() + m * nb;
-    const int32_t* qs = qsum + m * nb;
+    const int32_t* qs = a.sum.data() + m * nb;
     float* ym = y + m * N;
     switch (std::min<int64_t>(TILE_ROWS, M - m)) {
-      case 4: tile_call<4, C>(tiles, type, nb, qx, dx, sx, qs, K, ym, N, n0); break;
-      case 3: tile_call<3, C>(tiles, type, nb, qx, dx, sx, qs, K, ym, N, n0); break;
-      case 2: tile_call<2, C>(tiles, type, nb, qx, dx, sx, qs, K, ym, N, n0); break;
-      default: tile_call<1, C>(tiles, type, nb, qx, dx, sx, qs, K, ym, N, n0);
+      case 4: tile_gemm<4, C>(tiles, type, nb, qx, dx, sx, qs, K, ym, N, n0); break;
+      case 3: tile_gemm<3, C>(tiles, type, nb, qx, dx, sx, qs, K, ym, N, n0); break;
+      case 2: tile_gemm<2, C>(tiles, type, nb, qx, dx, sx, qs, K, ym, N, n0); break;
+      default: tile_gemm<1, C>(tiles, type, nb, qx, dx, sx, qs, K, ym, N, n0);
     }
   }
 }
@@ -368,12 +357,6 @@ at::Tensor block_gemm_tiles(const at::Tensor& x, const at::Tensor& tiles, int64_
   if (M == 0 || N == 0) return out;
   const at::Tensor xc = x.contiguous();
   const QuantizedActivations a = quantize_rows(xc.data_ptr<float>(), M, K);
-  std::vector<int32_t> qsum(M * nb);  // each activation block's sum of codes, for the codes' offset
-  for (int64_t i = 0; i < M * nb; ++i) {
-    int32_t s = 0;
-    for (int64_t k = 0; k < QK; ++k) s += a.q[i * QK + k];
-    qsum[i] = s;
-  }
   const uint8_t* t = tiles.data_ptr<uint8_t>();
   float* y = out.data_ptr<float>();
   const int64_t num_tiles = tiles.size(0), groups = (num_tiles + TILE_GROUP - 1) / TILE_GROUP;
@@ -382,8 +365,8 @@ at::Tensor block_gemm_tiles(const at::Tensor& x, const at::Tensor& tiles, int64_
     for (int64_t g = begin; g < end; ++g) {
       const int64_t first = g * TILE_GROUP, count = std::min<int64_t>(TILE_GROUP, num_tiles - first);
       const uint8_t* group = t + first * tile_bytes;
-      if (TILE_GROUP == 2 && count == 2) rows_of_group<TILE_GROUP>(group, type, nb, a, qsum.data(), M, K, y, N, first * COLS);
-      else rows_of_group<1>(group, type, nb, a, qsum.data(), M, K, y, N, first * COLS);
+      if (TILE_GROUP == 2 && count == 2) rows_of_group<TILE_GROUP>(group, type, nb, a, M, K, y, N, first * COLS);
+      else rows_of_group<1>(group, type, nb, a, M, K, y, N, first * COLS);
     }
   });
   return out;

@@ -9,7 +9,7 @@
 //   → gate_up → silu * up → down
 // so its outputs are those of the Python path bit for bit. Float32 on the CPU; each projection
 // is either a float weight (pagoda::linear, as the Python layers call it) or ggml blocks
-// (block_matmul, or from its many-row threshold oneDNN on the blocks' packed bf16 copy).
+// (block_matmul, on the blocks' copy packed at load where there is one: tiles or bf16).
 // `windows` holds each layer's sliding window (0: none; empty: none anywhere), as in Mistral.
 #include <ATen/ATen.h>
 #include <torch/library.h>
@@ -54,7 +54,7 @@ at::Tensor decode_layers(at::Tensor hidden, at::Tensor residual, const at::Tenso
   for (int64_t l = 0; l < L; ++l) {
     const at::Tensor* w = weights.data() + l * WEIGHTS_PER_LAYER;
     const int64_t* types = block_types.data() + l * PROJECTIONS_PER_LAYER;
-    // a projection's weight packed for oneDNN (layers/packed_weights.py), used from the many-row thresholds
+    // a projection's weight packed at load (layers/packed_weights.py), for the routes that take it
     const auto pack = [&](int64_t i) -> std::optional<at::Tensor> {
       return packed.empty() ? std::nullopt : packed.get(l * PROJECTIONS_PER_LAYER + i);
     };

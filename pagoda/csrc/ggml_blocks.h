@@ -69,16 +69,17 @@ inline float block_min(const uint8_t* blk, int64_t type, float dw) {
 
 inline int64_t codes_offset(int64_t type) { return type == Q4_1 ? 4 : 2; }  // after d (and Q4_1's m)
 
-// Activations as int8 blocks: q [M, K], d and s [M, K / 32].
+// Activations as int8 blocks: q [M, K], d, s and sum [M, K / 32].
 struct QuantizedActivations {
   std::vector<int8_t> q;
   std::vector<float> d, s;
+  std::vector<int32_t> sum;  // sum(q) per block (the tile GEMM takes its codes' offset back with it)
 };
 
-// One block of 32: d = amax / 127, q = x * (1 / d) rounded half to even, s = d * sum(q). Every
-// path below computes exactly these values.
+// One block of 32: d = amax / 127, q = x * (1 / d) rounded half to even, s = d * sum(q); returns
+// sum(q). Every path below computes exactly these values.
 #if defined(PAGODA_AVX512_VNNI)
-inline void quantize_block(const float* src, int8_t* q, float* d_out, float* s_out) {
+inline int32_t quantize_block(const float* src, int8_t* q, float* d_out, float* s_out) {
   const __m512 v0 = _mm512_loadu_ps(src), v1 = _mm512_loadu_ps(src + 16);
   const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(v0), _mm512_abs_ps(v1)));
   const float d = amax / 127.f;
@@ -88,11 +89,13 @@ inline void quantize_block(const float* src, int8_t* q, float* d_out, float* s_o
   const __m512i i1 = _mm512_cvt_roundps_epi32(_mm512_mul_ps(v1, inv), round);
   _mm_storeu_si128(reinterpret_cast<__m128i*>(q), _mm512_cvtsepi32_epi8(i0));
   _mm_storeu_si128(reinterpret_cast<__m128i*>(q + 16), _mm512_cvtsepi32_epi8(i1));
+  const int32_t sum = _mm512_reduce_add_epi32(_mm512_add_epi32(i0, i1));
   *d_out = d;
-  *s_out = d * static_cast<float>(_mm512_reduce_add_epi32(_mm512_add_epi32(i0, i1)));
+  *s_out = d * static_cast<float>(sum);
+  return sum;
 }
 #elif defined(PAGODA_AVX2)
-inline void quantize_block(const float* src, int8_t* q, float* d_out, float* s_out) {
+inline int32_t quantize_block(const float* src, int8_t* q, float* d_out, float* s_out) {
   const __m256 sign = _mm256_set1_ps(-0.f);
   __m256 v[4];
   __m256 amax = _mm256_setzero_ps();
@@ -115,31 +118,35 @@ inline void quantize_block(const float* src, int8_t* q, float* d_out, float* s_o
   __m128i s4 = _mm_add_epi32(_mm256_castsi256_si128(sum32), _mm256_extracti128_si256(sum32, 1));
   s4 = _mm_add_epi32(s4, _mm_shuffle_epi32(s4, 0x4E));
   s4 = _mm_add_epi32(s4, _mm_shuffle_epi32(s4, 0xB1));
+  const int32_t sum = _mm_cvtsi128_si32(s4);
   *d_out = d;
-  *s_out = d * static_cast<float>(_mm_cvtsi128_si32(s4));
+  *s_out = d * static_cast<float>(sum);
+  return sum;
 }
 #else
-inline void quantize_block(const float* src, int8_t* q, float* d_out, float* s_out) {
+inline int32_t quantize_block(const float* src, int8_t* q, float* d_out, float* s_out) {
   float amax = 0.f;
   for (int64_t j = 0; j < QK; ++j) amax = std::max(amax, std::fabs(src[j]));
   const float d = amax / 127.f;
   const float inv = d > 0.f ? 1.f / d : 0.f;
-  int sum = 0;
+  int32_t sum = 0;
   for (int64_t j = 0; j < QK; ++j) {
     q[j] = static_cast<int8_t>(std::nearbyint(src[j] * inv));
     sum += q[j];
   }
   *d_out = d;
   *s_out = d * static_cast<float>(sum);
+  return sum;
 }
 #endif
 
 inline QuantizedActivations quantize_rows(const float* x, int64_t M, int64_t K) {
   const int64_t nb = K / QK;
-  QuantizedActivations a{std::vector<int8_t>(M * K), std::vector<float>(M * nb), std::vector<float>(M * nb)};
+  QuantizedActivations a{std::vector<int8_t>(M * K), std::vector<float>(M * nb), std::vector<float>(M * nb),
+                         std::vector<int32_t>(M * nb)};
   at::parallel_for(0, M * nb, 256, [&](int64_t begin, int64_t end) {
     for (int64_t i = begin; i < end; ++i)  // rows are contiguous, so block i of the flat array
-      quantize_block(x + i * QK, a.q.data() + i * QK, &a.d[i], &a.s[i]);
+      a.sum[i] = quantize_block(x + i * QK, a.q.data() + i * QK, &a.d[i], &a.s[i]);
   });
   return a;
 }

@@ -194,7 +194,8 @@ class CpuKernelBackend(TorchBackend):
 
     def block_matmul(self, x, blocks, block_type, packed=None):
         if x.device.type == "cpu":
-            # packed: the many-row route's weight packed once (used from 16 rows, not under batch invariance)
+            # packed: the blocks' copy packed at load (tiles: every row count; bf16: from 16 rows, not
+            # under batch invariance)
             return self.ops.block_matmul(x.float(), blocks, block_type, None if torch.compiler.is_compiling() else packed)
         return super().block_matmul(x, blocks, block_type)
 

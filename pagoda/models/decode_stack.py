@@ -5,8 +5,8 @@ under deterministic inference every prefill chunk too (each token a row of the p
 The call runs the same ops in the same order as the Python modules, so outputs do not change;
 what goes away is the Python between them (~40 torch calls per layer, ~5 ms of a 18 ms batch-1
 step with SmolLM2; ~10 ms of a ~90 ms batch-64 gguf step). Projections whose weights were packed
-once at load for oneDNN (layers/packed_weights.py: float32 weights, and ggml blocks' bf16 copies)
-pass those copies in, so the stack takes their many-row route as the Python layers do. Sliding windows (Mistral) pass to the paged kernel per layer. Models the op
+once at load (layers/packed_weights.py: float32 weights' oneDNN copies, ggml blocks' tiles or bf16
+copies) pass those copies in, so the stack takes their routes as the Python layers do. Sliding windows (Mistral) pass to the paged kernel per layer. Models the op
 does not cover (q/k norms, projection biases, other activations, other dtypes or devices,
 torch.compile; Gemma 3 as a whole) and batches with prefill chunks take the Python layers.
 """
@@ -25,7 +25,7 @@ _CACHE_DTYPES = (torch.float32, torch.bfloat16, torch.float16)  # the ops widen 
 
 
 def _projection(module: nn.Module) -> tuple[torch.Tensor, int, torch.Tensor | None] | None:
-    """(weight or blocks, block type, the weight's oneDNN-packed copy or None)."""
+    """(weight or blocks, block type, the weight's copy packed at load or None)."""
     if isinstance(module, BlockLinear) and module.bias is None:
         return module.blocks, module.block_type, module.packed
     if type(module) is nn.Linear and module.bias is None and module.weight.dtype == torch.float32:
@@ -38,8 +38,8 @@ class DecodeStack:
                  v_caches: list[torch.Tensor], rotary, cfg, packed: list[torch.Tensor | None] | None = None) -> None:
         self.ops = ops  # torch.ops.pagoda
         self.weights, self.block_types = weights, block_types
-        # projections' oneDNN copies (float weights', and blocks' bf16 ones), one entry per projection
-        # ([] when there are none)
+        # projections' copies packed at load (float weights' oneDNN ones, blocks' tiles or bf16 ones),
+        # one entry per projection ([] when there are none)
         self.packed = packed if packed and any(p is not None for p in packed) else []
         self.k_caches, self.v_caches = k_caches, v_caches
         self.rotary, self.cfg = rotary, cfg
