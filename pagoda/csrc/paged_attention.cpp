@@ -7,9 +7,10 @@
 //
 // Reads each sequence's K/V straight from the block pool through its block table: no gather
 // copy, no padding to the longest sequence. One work item per (group of runs of rows, kv head)
-// handles the whole GQA group of query heads that share that kv head; a group's runs share
-// leading blocks, read once for all of them (see TILE and plan() below). Softmax in fp32. A
-// row's result does not depend on the batch.
+// handles the whole GQA group of query heads that share that kv head (in a large batch, an item
+// takes every kv head of its group, block by block: WHOLE_HEADS_RUNS_PER_THREAD); a group's runs
+// share leading blocks, read once for all of them (see TILE and plan() below). Keys are scored
+// KEY_STRETCH positions at a time. Softmax in fp32. A row's result does not depend on the batch.
 // Registered as torch.ops.pagoda.paged_decode_attention (no pybind11: it compiles faster).
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
