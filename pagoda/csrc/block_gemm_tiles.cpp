@@ -24,8 +24,8 @@
 //   avx512-vnni  vpdpbusd on 64-byte vectors: 2 tiles (32 outputs) x 4 activation rows a call;
 //                the codes stored unsigned (Q8_0: + 128) and the offset taken back in int32
 //   avx-vnni     vpdpbusd on 32-byte vectors, a tile as two halves of 8 outputs, 2 rows a call
-//   avx2         the same with maddubs + madd (Q8_0 through |w| and x * sign(w), as the integer
-//                kernel does: pairs stay within int16)
+//   avx2         maddubs + madd, one half tile x 4 rows a pass; a Q4 block's sums kept in int16
+//                and widened once (Q8_0 through |w| and x * sign(w), as the integer kernel does)
 //   scalar       plain C++
 //
 // Registered as torch.ops.pagoda.block_repack_tiles / block_gemm_tiles.
@@ -179,38 +179,15 @@ void tile_gemm(const uint8_t* tiles, int64_t type, int64_t nb, const int8_t* qx,
 #endif
 
 #if defined(PAGODA_AVX2) && !defined(PAGODA_AVX512_VNNI)
-// u8 x s8 products of 4 consecutive bytes, added to the int32 lanes of acc (exact).
-inline __m256i dot4(__m256i acc, __m256i u, __m256i s) {
-#if defined(PAGODA_AVX_VNNI)
-  return _mm256_dpbusd_avx_epi32(acc, u, s);
-#else
-  return _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(u, s), _mm256_set1_epi16(1)));
-#endif
-}
-
 inline __m256i broadcast4(const int8_t* p) {
   int32_t v;
   std::memcpy(&v, p, 4);
   return _mm256_set1_epi32(v);
 }
 
-// The stored Q8_0 codes (w + 128) against x: with VNNI the unsigned codes go in as they are (the
-// offset is taken back later); AVX2's maddubs could overflow int16 there, so it multiplies |w|
-// by x * sign(w) and the sum needs no offset.
-inline __m256i dot4_q8(__m256i acc, __m256i stored, __m256i x) {
 #if defined(PAGODA_AVX_VNNI)
-  return dot4(acc, stored, x);
-#else
-  const __m256i w = _mm256_xor_si256(stored, _mm256_set1_epi8(static_cast<char>(0x80)));
-  return dot4(acc, _mm256_sign_epi8(w, w), _mm256_sign_epi8(x, w));
-#endif
-}
-
-#if defined(PAGODA_AVX_VNNI)
-constexpr int32_t Q8_OFFSET = 128;
-#else
-constexpr int32_t Q8_OFFSET = 0;
-#endif
+// u8 x s8 products of 4 consecutive bytes, added to the int32 lanes of acc (exact).
+inline __m256i dot4(__m256i acc, __m256i u, __m256i s) { return _mm256_dpbusd_avx_epi32(acc, u, s); }
 
 // R activation rows against one tile (C == 1), as two halves of 8 outputs (32-byte vectors).
 template <int R, int C>
@@ -219,7 +196,7 @@ void tile_gemm(const uint8_t* tile, int64_t type, int64_t nb, const int8_t* qx, 
   static_assert(C == 1, "one tile a call here");
   const int64_t cb = codes_bytes(type), sb = scales_bytes(type);
   const __m256i low = _mm256_set1_epi8(0x0F);
-  const int32_t offset = type == Q8_0 ? Q8_OFFSET : code_offset(type);
+  const int32_t offset = code_offset(type);
   __m256 acc[R][2];
   for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = _mm256_setzero_ps();
   for (int64_t b = 0; b < nb; ++b) {
@@ -230,7 +207,7 @@ void tile_gemm(const uint8_t* tile, int64_t type, int64_t nb, const int8_t* qx, 
       if (type == Q8_0) {
         for (int l = 0; l < 8; ++l) {
           const __m256i w = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(codes + l * 64 + 32 * h));
-          for (int r = 0; r < R; ++r) isum[r][h] = dot4_q8(isum[r][h], w, broadcast4(qx + r * K + b * QK + 4 * l));
+          for (int r = 0; r < R; ++r) isum[r][h] = dot4(isum[r][h], w, broadcast4(qx + r * K + b * QK + 4 * l));
         }
       } else {
         for (int j = 0; j < 4; ++j) {
@@ -267,7 +244,98 @@ void tile_gemm(const uint8_t* tile, int64_t type, int64_t nb, const int8_t* qx, 
 
 constexpr int TILE_ROWS = 2;
 constexpr int TILE_GROUP = 1;
-#endif
+#else
+// AVX2 without VNNI: maddubs gives int16 sums of two products, and madd (with ones) widens them to
+// int32, the second multiply-port instruction for every 32 products. A Q4 block's sums fit int16
+// whole (16 products of a code 0..15 and |x| <= 128: at most 30,720), so they are added in int16
+// and widened once a block: 9 multiply-port instructions for 8 x 32 products instead of 16. Q8_0's
+// pairs alone can reach 32,258 and are widened at once. One half of the tile (8 outputs) a pass, so
+// 4 rows' sums and accumulators fit the 16 registers; the second pass reads the tile from L1.
+inline __m256i q8_pairs(__m256i stored, __m256i x) {
+  const __m256i w = _mm256_xor_si256(stored, _mm256_set1_epi8(static_cast<char>(0x80)));
+  return _mm256_madd_epi16(_mm256_maddubs_epi16(_mm256_sign_epi8(w, w), _mm256_sign_epi8(x, w)), _mm256_set1_epi16(1));
+}
+
+// One block's integer sums for R rows against a half tile's codes (8 outputs).
+template <int R>
+inline void q8_block_sums(const uint8_t* codes, const int8_t* x, int64_t K, __m256i* isum) {
+  for (int r = 0; r < R; ++r) isum[r] = _mm256_setzero_si256();
+#pragma GCC unroll 1
+  for (int l = 0; l < 8; ++l) {
+    const __m256i w = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(codes + l * 64));
+    for (int r = 0; r < R; ++r) isum[r] = _mm256_add_epi32(isum[r], q8_pairs(w, broadcast4(x + r * K + 4 * l)));
+  }
+}
+
+template <int R>
+inline void q4_block_sums(const uint8_t* codes, const int8_t* x, int64_t K, __m256i* isum) {
+  const __m256i low = _mm256_set1_epi8(0x0F);
+  __m256i s16[R];
+  for (int r = 0; r < R; ++r) s16[r] = _mm256_setzero_si256();
+#pragma GCC unroll 1
+  for (int j = 0; j < 4; ++j) {
+    const __m256i z = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(codes + j * 64));
+    const __m256i lo = _mm256_and_si256(z, low), hi = _mm256_and_si256(_mm256_srli_epi16(z, 4), low);
+    for (int r = 0; r < R; ++r) {
+      s16[r] = _mm256_add_epi16(s16[r], _mm256_maddubs_epi16(lo, broadcast4(x + r * K + 4 * j)));
+      s16[r] = _mm256_add_epi16(s16[r], _mm256_maddubs_epi16(hi, broadcast4(x + r * K + 4 * (j + 4))));
+    }
+  }
+  for (int r = 0; r < R; ++r) isum[r] = _mm256_madd_epi16(s16[r], _mm256_set1_epi16(1));
+}
+
+template <int R, int64_t TYPE>
+void half_tile_gemm(const uint8_t* tile, int64_t nb, const int8_t* qx, const float* dx, const float* sx,
+                    const int32_t* qsum, int64_t K, float* y, int64_t N, int64_t n0, int h) {
+  const int64_t cb = codes_bytes(TYPE), sb = scales_bytes(TYPE);
+  __m256 acc[R];
+  for (int r = 0; r < R; ++r) acc[r] = _mm256_setzero_ps();
+  for (int64_t b = 0; b < nb; ++b) {
+    const uint8_t* codes = tile + b * cb + 32 * h;
+    __m256i isum[R];
+    if constexpr (TYPE == Q8_0) q8_block_sums<R>(codes, qx + b * QK, K, isum);  // |w| x sign(w) x: no offset
+    else q4_block_sums<R>(codes, qx + b * QK, K, isum);
+    if constexpr (TYPE == Q4_0)
+      for (int r = 0; r < R; ++r) isum[r] = _mm256_sub_epi32(isum[r], _mm256_set1_epi32(8 * qsum[r * nb + b]));
+    const uint8_t* scales = tile + nb * cb + b * sb;
+    const __m256 dw = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(scales + 16 * h)));
+    for (int r = 0; r < R; ++r)
+      acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum[r]), _mm256_mul_ps(dw, _mm256_set1_ps(dx[r * nb + b])), acc[r]);
+    if constexpr (TYPE == Q4_1) {
+      const __m256 mw = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(scales + 32 + 16 * h)));
+      for (int r = 0; r < R; ++r) acc[r] = _mm256_fmadd_ps(mw, _mm256_set1_ps(sx[r * nb + b]), acc[r]);
+    }
+  }
+  for (int r = 0; r < R; ++r) {
+    alignas(32) float lanes[8];
+    _mm256_store_ps(lanes, acc[r]);
+    for (int c = 0; c < 8; ++c)
+      if (n0 + 8 * h + c < N) y[r * N + n0 + 8 * h + c] = lanes[c];
+  }
+}
+
+template <int R, int64_t TYPE>
+void both_halves(const uint8_t* tile, int64_t nb, const int8_t* qx, const float* dx, const float* sx,
+                 const int32_t* qsum, int64_t K, float* y, int64_t N, int64_t n0) {
+  half_tile_gemm<R, TYPE>(tile, nb, qx, dx, sx, qsum, K, y, N, n0, 0);
+  if (n0 + 8 < N) half_tile_gemm<R, TYPE>(tile, nb, qx, dx, sx, qsum, K, y, N, n0, 1);
+}
+
+// R activation rows against one tile (C == 1): its two halves in turn.
+template <int R, int C>
+void tile_gemm(const uint8_t* tile, int64_t type, int64_t nb, const int8_t* qx, const float* dx, const float* sx,
+               const int32_t* qsum, int64_t K, float* y, int64_t N, int64_t n0) {
+  static_assert(C == 1, "one tile a call here");
+  if (type == Q8_0) both_halves<R, Q8_0>(tile, nb, qx, dx, sx, qsum, K, y, N, n0);
+  else if (type == Q4_1) both_halves<R, Q4_1>(tile, nb, qx, dx, sx, qsum, K, y, N, n0);
+  else both_halves<R, Q4_0>(tile, nb, qx, dx, sx, qsum, K, y, N, n0);
+}
+
+constexpr int TILE_ROWS = 4;
+constexpr int TILE_GROUP = 1;
+#endif  // PAGODA_AVX_VNNI
+#endif  // PAGODA_AVX2
+
 
 #if !defined(PAGODA_AVX2)
 // Lane by lane (one tile a call, C == 1): the codes as the vector paths read them, the same float steps.
