@@ -113,16 +113,21 @@ struct Plan {
 inline int64_t window_start(int64_t len, int64_t window) { return window > 0 ? std::max<int64_t>(0, len - window) : 0; }
 
 #ifdef PAGODA_AVX2
-// scores for NQ query vectors against the 8 keys of kt (kt[d * ldk + lane]), each a fma chain over d.
-template <int NQ>
+// scores for NQ query vectors against T tiles of 8 keys side by side (kt[d * ldk + 8 * c + lane]),
+// each a fma chain over d: T * NQ independent chains (a decode row's 3 query heads alone give 3).
+template <int NQ, int T = 1>
 inline void score8(const float* q, int64_t D, const float* kt, int64_t ldk, float* out, int64_t ldo) {
-  __m256 acc[NQ];
-  for (int i = 0; i < NQ; ++i) acc[i] = _mm256_setzero_ps();
+  __m256 acc[T][NQ];
+  for (int c = 0; c < T; ++c)
+    for (int i = 0; i < NQ; ++i) acc[c][i] = _mm256_setzero_ps();
   for (int64_t d = 0; d < D; ++d) {
-    const __m256 kv = _mm256_loadu_ps(kt + d * ldk);
-    for (int i = 0; i < NQ; ++i) acc[i] = _mm256_fmadd_ps(_mm256_set1_ps(q[i * D + d]), kv, acc[i]);
+    for (int i = 0; i < NQ; ++i) {
+      const __m256 qv = _mm256_set1_ps(q[i * D + d]);
+      for (int c = 0; c < T; ++c) acc[c][i] = _mm256_fmadd_ps(qv, _mm256_loadu_ps(kt + d * ldk + 8 * c), acc[c][i]);
+    }
   }
-  for (int i = 0; i < NQ; ++i) _mm256_storeu_ps(out + i * ldo, acc[i]);
+  for (int c = 0; c < T; ++c)
+    for (int i = 0; i < NQ; ++i) _mm256_storeu_ps(out + i * ldo + 8 * c, acc[c][i]);
 }
 #endif
 
@@ -165,6 +170,9 @@ inline void score_tile(const float* q, int64_t D, const float* kt, int64_t ldk, 
 #endif
 #ifdef PAGODA_AVX2
   if constexpr (LANES == 8) score8<NQ>(q, D, kt, ldk, out, ldo);
+#if !defined(__AVX512F__)
+  if constexpr (LANES == 32) score8<NQ, 4>(q, D, kt, ldk, out, ldo);
+#endif
 #endif
 }
 
@@ -200,6 +208,9 @@ inline void scores_block(const float* q, int64_t nq, int64_t D, const float* kt,
   j = score_columns<16>(q, nq, D, kt, ldk, j, n, out, ldo);
 #endif
 #ifdef PAGODA_AVX2
+#if !defined(__AVX512F__)
+  if (nq <= 3) j = score_columns<32, 3>(q, nq, D, kt, ldk, j, n, out, ldo);
+#endif
   j = score_columns<8>(q, nq, D, kt, ldk, j, n, out, ldo);
 #endif
   for (; j < n; ++j)
@@ -293,6 +304,22 @@ inline void accumulate_block(float* acc, const float* p, int64_t ldp, const Rows
   }
 #endif
 #ifdef PAGODA_AVX2
+  if constexpr (NV <= 3)  // 4 vectors a query: 4 NV chains, a row's 128 bytes read at once
+    for (; d + 32 <= D; d += 32) {
+      __m256 a[NV][4];
+      for (int i = 0; i < NV; ++i)
+        for (int c = 0; c < 4; ++c) a[i][c] = _mm256_loadu_ps(acc + i * D + d + 8 * c);
+      for (int64_t t = 0; t < n; ++t) {
+        __m256 vc[4];
+        for (int c = 0; c < 4; ++c) vc[c] = v.load8(t, d + 8 * c);
+        for (int i = 0; i < NV; ++i) {
+          const __m256 pv = _mm256_set1_ps(p[i * ldp + t]);
+          for (int c = 0; c < 4; ++c) a[i][c] = _mm256_fmadd_ps(pv, vc[c], a[i][c]);
+        }
+      }
+      for (int i = 0; i < NV; ++i)
+        for (int c = 0; c < 4; ++c) _mm256_storeu_ps(acc + i * D + d + 8 * c, a[i][c]);
+    }
   for (; d + 16 <= D; d += 16) {
     __m256 a[NV][2];
     for (int i = 0; i < NV; ++i)
