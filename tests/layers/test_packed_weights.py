@@ -16,7 +16,7 @@ from pagoda.layers.packed_weights import (bf16_packing_applies, block_packing, p
 
 ops = load_cpu_kernels()
 APPLIES = {"bf16": bf16_packing_applies(ops), "tiles": tiles_packing_applies(ops)}
-ROW_COUNTS = (1, 15, 16, 17, 64, 130)
+ROW_COUNTS = (1, 15, 16, 17, 64, 130, 400)  # 400 x 576: the tile GEMM takes the rows in two stretches
 
 
 def _ask_for(form: str, monkeypatch) -> str:
@@ -79,6 +79,7 @@ def test_tiles_copy_serves_every_row_count_with_rows_that_ignore_the_batch(block
         y = lin(x)
         assert torch.equal(y, ops.block_gemm_tiles(x, lin.packed, block_type, n)), m  # block_matmul took the copy
         assert torch.equal(y[:1], lin(x[:1])), m  # a row alone: the same bits
+        assert torch.equal(y[-1:], lin(x[-1:])), m  # the last, in the last stretch of rows too
         with select_backend("cpu").batch_invariant(True):  # the integer kernel: the same products, its own order
             reference = ops.block_matmul(x, lin.blocks, block_type)
         assert (y - reference).abs().max() <= 1e-5 * reference.abs().max(), m
