@@ -153,7 +153,10 @@ def main() -> int:
 
     save = Path(ns.save) if ns.save else HERE / "results" / f"serve-{date.today().isoformat()}.json"
     save.parent.mkdir(parents=True, exist_ok=True)
+    from pagoda.platform import benchmark_cpu_flags, cpu_model
+
     save.write_text(json.dumps({"date": date.today().isoformat(), "command": " ".join(sys.argv), "args": vars(ns),
+                                "cpu": cpu_model(), "cpu_flags": benchmark_cpu_flags(),
                                 "sweeps": records, "skipped": skipped}, indent=2, default=str))
     print(f"saved {save}")
     if ns.plot_dir and records:
