@@ -186,6 +186,13 @@ inline __m256i broadcast4(const int8_t* p) {
   return _mm256_set1_epi32(v);
 }
 
+// y[n .. n + 7] = the 8 lanes of v, those below N only (a tile's last outputs may be padding).
+inline void store8(__m256 v, float* y, int64_t n, int64_t N) {
+  alignas(32) float lanes[8];
+  _mm256_store_ps(lanes, v);
+  for (int c = 0; c < 8 && n + c < N; ++c) y[n + c] = lanes[c];
+}
+
 #if defined(PAGODA_AVX_VNNI)
 // u8 x s8 products of 4 consecutive bytes, added to the int32 lanes of acc (exact).
 inline __m256i dot4(__m256i acc, __m256i u, __m256i s) { return _mm256_dpbusd_avx_epi32(acc, u, s); }
@@ -235,12 +242,7 @@ void tile_gemm(const uint8_t* tile, int64_t type, int64_t nb, const int8_t* qx, 
     }
   }
   for (int r = 0; r < R; ++r)
-    for (int h = 0; h < 2; ++h) {
-      alignas(32) float lanes[8];
-      _mm256_store_ps(lanes, acc[r][h]);
-      for (int c = 0; c < 8; ++c)
-        if (n0 + 8 * h + c < N) y[r * N + n0 + 8 * h + c] = lanes[c];
-    }
+    for (int h = 0; h < 2; ++h) store8(acc[r][h], y + r * N, n0 + 8 * h, N);
 }
 
 constexpr int TILE_ROWS = 2;
@@ -297,7 +299,8 @@ void half_tile_gemm(const uint8_t* tile, int64_t nb, const int8_t* qx, const flo
     if constexpr (TYPE == Q8_0) q8_block_sums<R>(codes, qx + b * QK, K, isum);  // |w| x sign(w) x: no offset
     else q4_block_sums<R>(codes, qx + b * QK, K, isum);
     if constexpr (TYPE == Q4_0)
-      for (int r = 0; r < R; ++r) isum[r] = _mm256_sub_epi32(isum[r], _mm256_set1_epi32(8 * qsum[r * nb + b]));
+      for (int r = 0; r < R; ++r)
+        isum[r] = _mm256_sub_epi32(isum[r], _mm256_set1_epi32(code_offset(TYPE) * qsum[r * nb + b]));
     const uint8_t* scales = tile + nb * cb + b * sb;
     const __m256 dw = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(scales + 16 * h)));
     for (int r = 0; r < R; ++r)
@@ -307,12 +310,7 @@ void half_tile_gemm(const uint8_t* tile, int64_t nb, const int8_t* qx, const flo
       for (int r = 0; r < R; ++r) acc[r] = _mm256_fmadd_ps(mw, _mm256_set1_ps(sx[r * nb + b]), acc[r]);
     }
   }
-  for (int r = 0; r < R; ++r) {
-    alignas(32) float lanes[8];
-    _mm256_store_ps(lanes, acc[r]);
-    for (int c = 0; c < 8; ++c)
-      if (n0 + 8 * h + c < N) y[r * N + n0 + 8 * h + c] = lanes[c];
-  }
+  for (int r = 0; r < R; ++r) store8(acc[r], y + r * N, n0 + 8 * h, N);
 }
 
 template <int R, int64_t TYPE>
@@ -336,7 +334,6 @@ constexpr int TILE_ROWS = 4;
 constexpr int TILE_GROUP = 1;
 #endif  // PAGODA_AVX_VNNI
 #endif  // PAGODA_AVX2
-
 
 #if !defined(PAGODA_AVX2)
 // Lane by lane (one tile a call, C == 1): the codes as the vector paths read them, the same float steps.
