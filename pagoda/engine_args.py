@@ -104,7 +104,8 @@ class EngineArgs:
         "above this KV memory pressure a new request must leave a block of headroom per running request"))
     short_chunk_tokens: int = field(default=512, metadata=_option(
         "a prefill chunk of at most this many tokens over a cached prefix runs through the paged decode kernel, "
-        "reading the prefix in place; a longer one gathers the prefix for one SDPA call"))
+        "reading the prefix in place (with the C++ kernels a fresh prompt this short too); a longer one takes "
+        "one SDPA call"))
     long_prefill_token_threshold: int = field(default=0, metadata=_option(
         "a prefill takes at most this many tokens per step, and a prompt longer than this is long "
         "(0: no limit but the step's budget; with --max-num-partial-prefills above 1, 0 means 4%% of "

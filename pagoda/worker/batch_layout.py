@@ -65,7 +65,9 @@ def _group_metadata(b: InputBatch, lay: BatchLayout, group: int, backend, block_
     return backend.attention_metadata(slots, decode_tables, decode_seq_lens, prefills, bs, device)
 
 
-def decode_like_rows(counts: np.ndarray, starts: np.ndarray, short_chunk: int) -> np.ndarray:
-    """Which requests' tokens run as decode rows: single tokens, and short chunks over a cached
-    prefix (see ModelRunner._decode_like)."""
-    return (counts == 1) | ((starts > 0) & (counts <= short_chunk))
+def decode_like_rows(counts: np.ndarray, starts: np.ndarray, short_chunk: int, fresh: bool = False) -> np.ndarray:
+    """Which requests' tokens run as decode rows: single tokens, short chunks over a cached
+    prefix, and with ``fresh`` short chunks with nothing before them too (see
+    ModelRunner._decode_like)."""
+    short = counts <= short_chunk
+    return (counts == 1) | (short if fresh else (starts > 0) & short)
