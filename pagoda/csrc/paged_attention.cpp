@@ -304,17 +304,20 @@ inline void accumulate_block(float* acc, const float* p, int64_t ldp, const Rows
   }
 #endif
 #ifdef PAGODA_AVX2
-  if constexpr (NV <= 3)  // 4 vectors a query: 4 NV chains, a row's 128 bytes read at once
+  // 4 vectors a query: 4 NV chains, a row's 128 bytes read at once. The weights are broadcast
+  // first and each value vector is used as it is widened: 4 NV sums + NV weights + 1 vector fit
+  // the 16 registers, where 4 widened vectors held at once spilled a sum to the stack.
+  if constexpr (NV <= 3)
     for (; d + 32 <= D; d += 32) {
       __m256 a[NV][4];
       for (int i = 0; i < NV; ++i)
         for (int c = 0; c < 4; ++c) a[i][c] = _mm256_loadu_ps(acc + i * D + d + 8 * c);
       for (int64_t t = 0; t < n; ++t) {
-        __m256 vc[4];
-        for (int c = 0; c < 4; ++c) vc[c] = v.load8(t, d + 8 * c);
-        for (int i = 0; i < NV; ++i) {
-          const __m256 pv = _mm256_set1_ps(p[i * ldp + t]);
-          for (int c = 0; c < 4; ++c) a[i][c] = _mm256_fmadd_ps(pv, vc[c], a[i][c]);
+        __m256 pv[NV];
+        for (int i = 0; i < NV; ++i) pv[i] = _mm256_set1_ps(p[i * ldp + t]);
+        for (int c = 0; c < 4; ++c) {
+          const __m256 vc = v.load8(t, d + 8 * c);
+          for (int i = 0; i < NV; ++i) a[i][c] = _mm256_fmadd_ps(pv[i], vc, a[i][c]);
         }
       }
       for (int i = 0; i < NV; ++i)
