@@ -206,7 +206,7 @@ def create_engine_config(args: EngineArgs) -> EngineConfig:
         model=model_config,
         cache=CacheConfig(args.block_size, args.kv_cache_memory, args.gpu_memory_utilization, args.enable_prefix_caching,
                           args.session_kv_fraction, args.max_session_kv_tokens,
-                          not args.disable_hybrid_kv_cache_manager, resolve_kv_cache_dtype(args.kv_cache_dtype, dtype)),
+                          not args.disable_hybrid_kv_cache_manager, resolve_kv_cache_dtype(args.kv_cache_dtype, dtype, quantization)),
         scheduler=_scheduler_config(args, args.max_model_len or model_max),
         parallel=parallel,
         seed=args.seed,

@@ -56,7 +56,8 @@ class EngineArgs:
     block_size: int = field(default=16, metadata=_option())
     kv_cache_memory: float | None = field(default=None, metadata=_option("KV cache budget in GiB (CPU)"))
     kv_cache_dtype: str = field(default="auto", metadata=_option(
-        "the KV cache's dtype: auto (the model's: exact), or a narrower one: bfloat16 / float16 halve "
+        "the KV cache's dtype: auto (the model's: exact; float16 for --quantization gguf, as llama.cpp), "
+        "or a narrower one: bfloat16 / float16 halve "
         "an fp32 model's cache (twice the tokens fit in --kv-cache-memory), int8 (one scale per token "
         "and head, llama.cpp's q8_0 way) takes about a quarter, as does fp8 (= fp8_e4m3; or fp8_e5m2: "
         "float codes, one scale per token and head)", choices=KV_CACHE_DTYPES))

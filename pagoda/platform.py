@@ -66,15 +66,18 @@ _SCALED_KV = {"int8": torch.int8, "fp8": torch.float8_e4m3fn, "fp8_e4m3": torch.
 SUPPORTED_DTYPES = ("auto", "float32", "bfloat16", "float16")
 
 
-def resolve_kv_cache_dtype(name: str, model_dtype: torch.dtype) -> torch.dtype:
-    """``--kv-cache-dtype``: 'auto' keeps the model's dtype (exact); bf16 / fp16 halve the cache
-    of an fp32 model, its K/V rounded to nearest as they are written; int8 and fp8 (e4m3, the
-    default fp8 as in vLLM, or e5m2) store codes per (token, head) with a float scale beside them."""
+def resolve_kv_cache_dtype(name: str, model_dtype: torch.dtype, quantization: str | None = None) -> torch.dtype:
+    """``--kv-cache-dtype``: 'auto' keeps the model's dtype (exact), but for a GGUF's own quantized
+    weights (``--quantization gguf``, already not exact) an fp32 model's cache is fp16, llama.cpp's
+    default cache type: half the bytes a decode step's attention reads, twice the tokens in the
+    same budget; bf16 / fp16 halve the cache of an fp32 model, its K/V rounded to nearest as they
+    are written; int8 and fp8 (e4m3, the default fp8 as in vLLM, or e5m2) store codes per (token,
+    head) with a float scale beside them."""
     from pagoda.engine_args import KV_CACHE_DTYPES
 
     key = str(name).lower()
     if key == "auto":
-        return model_dtype
+        return torch.float16 if quantization == "gguf" and model_dtype == torch.float32 else model_dtype
     if key in _SCALED_KV:
         return _SCALED_KV[key]
     if key not in KV_CACHE_DTYPES:

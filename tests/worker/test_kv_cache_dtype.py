@@ -75,3 +75,23 @@ def test_scaled_cache(tiny_llama, fp32_cache, kv_cache_dtype, atol, agree):
 def test_unknown_kv_cache_dtype_is_refused(tiny_llama):
     with pytest.raises(ValueError, match="kv_cache_dtype"):
         LLM(model=str(tiny_llama), dtype="float32", kv_cache_memory=0.02, kv_cache_dtype="int3")
+
+
+def test_auto_gives_a_gguf_models_own_blocks_llama_cpps_fp16_cache(tiny_llama, tmp_path):
+    """--quantization gguf (the GGUF's quantized weights, already not exact): 'auto' is fp16, as
+    llama.cpp's default cache, so twice the blocks of fp32 fit in the budget; the same answers as
+    an explicit fp16 cache, and close to an fp32 one's (up to where a continuation parts after a
+    near tie of the random tiny model)."""
+    from gguf_export import export_gguf
+
+    path = export_gguf(tiny_llama, tmp_path / "tiny-q8_0.gguf", qtype="Q8_0")
+
+    def run(kv_cache_dtype: str):
+        with LLM(model=str(path), quantization="gguf", kv_cache_memory=0.02, kv_cache_dtype=kv_cache_dtype) as llm:
+            outs = llm.generate(PROMPTS, PARAMS, use_tqdm=False)
+            return llm.engine.core.num_blocks, [o.outputs[0] for o in outs]
+
+    (auto_blocks, auto), (fp16_blocks, fp16), (fp32_blocks, fp32) = run("auto"), run("fp16"), run("fp32")
+    assert auto_blocks == fp16_blocks == 2 * fp32_blocks
+    assert [o.token_ids for o in auto] == [o.token_ids for o in fp16]
+    assert_close_to(fp32, auto, exact=False)
