@@ -69,7 +69,8 @@ def test_bf16_copy_rows_equal_block_matmul_at_every_row_count(block_type, n, k, 
 
 
 @pytest.mark.parametrize("block_type", [Q4_0, Q4_1, Q8_0])
-@pytest.mark.parametrize("n,k", [(96, 64), (4000, 576)])
+# 90 and 100 outputs: a last tile of 10 and of 4 (both halves at once, and one half alone)
+@pytest.mark.parametrize("n,k", [(96, 64), (90, 64), (100, 64), (4000, 576)])
 def test_tiles_copy_serves_every_row_count_with_rows_that_ignore_the_batch(block_type, n, k, monkeypatch):
     _ask_for("tiles", monkeypatch)
     lin, xs = _layer_and_inputs(block_type, n, k)
