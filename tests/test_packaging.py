@@ -213,7 +213,9 @@ def test_non_editable_install_builds_and_uses_cpu_kernels(tmp_path, tiny_llama):
     assert out["silu_and_mul_max_err"] < 1e-5, context
     assert len(out["generated_token_ids"]) == 4, context
     used = set(out["profiled_pagoda_ops"])
-    assert {"pagoda::linear", "pagoda::silu_and_mul", "pagoda::fused_add_rms_norm"} <= used, (
+    # the short prompt and the decodes run as decode rows of the one-call decoder stack; the head
+    # as pagoda's linear, greedy choice as its argmax
+    assert {"pagoda::decode_layers", "pagoda::linear", "pagoda::argmax_rows"} <= used, (
         f"generate did not run the C++ kernels (pagoda ops seen: {sorted(used)})" + context
     )
     print(

@@ -127,7 +127,7 @@ def test_gguf_mode_greedy_matches_the_dequantized_path(ggufs, monkeypatch, torch
     args = {"dtype": "float32", "kv_cache_memory": 0.02}
     want, want_lp = _run(LLM(model=path, **args), PROMPTS)
     monkeypatch.setattr(quantization, "COMPUTE_DTYPE", torch.float32)  # exact weights, fp32 activations
-    exact = LLM(model=path, quantization="gguf", **args)
+    exact = LLM(model=path, quantization="gguf", kv_cache_dtype="float32", **args)  # and cache (auto: fp16 for gguf)
     assert sum(isinstance(m, Int4Linear) for m in exact.engine.core.model.modules()) == 8
     got, got_lp = _run(exact, PROMPTS)
     assert got == want
