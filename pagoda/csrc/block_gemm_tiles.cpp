@@ -270,15 +270,34 @@ inline void q8_block_sums(const uint8_t* codes, const int8_t* x, int64_t K, __m2
   }
 }
 
+// The 32 bytes at p as their low and high nibbles (a Q4 tile stores codes k and k + 16 in one byte).
+inline void split_nibbles(const uint8_t* p, __m256i& lo, __m256i& hi) {
+  const __m256i low = _mm256_set1_epi8(0x0F);
+  const __m256i z = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  lo = _mm256_and_si256(z, low);
+  hi = _mm256_and_si256(_mm256_srli_epi16(z, 4), low);
+}
+
+// A block's float step for a row's 8 outputs: acc + float(isum) (dw dx), then for Q4_1 + mw sx.
+// Every AVX2 tile path takes it, so they round alike.
+template <int64_t TYPE>
+inline __m256 block_step8(__m256 acc, __m256i isum, __m256 dw, float dx, __m256 mw, float sx) {
+  acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum), _mm256_mul_ps(dw, _mm256_set1_ps(dx)), acc);
+  if constexpr (TYPE == Q4_1) acc = _mm256_fmadd_ps(mw, _mm256_set1_ps(sx), acc);
+  return acc;
+}
+
+// 8 fp16 scales of a half tile as floats
+inline __m256 scales8(const uint8_t* p) { return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))); }
+
 template <int R>
 inline void q4_block_sums(const uint8_t* codes, const int8_t* x, int64_t K, __m256i* isum) {
-  const __m256i low = _mm256_set1_epi8(0x0F);
   __m256i s16[R];
   for (int r = 0; r < R; ++r) s16[r] = _mm256_setzero_si256();
 #pragma GCC unroll 1
   for (int j = 0; j < 4; ++j) {
-    const __m256i z = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(codes + j * 64));
-    const __m256i lo = _mm256_and_si256(z, low), hi = _mm256_and_si256(_mm256_srli_epi16(z, 4), low);
+    __m256i lo, hi;
+    split_nibbles(codes + j * 64, lo, hi);
     for (int r = 0; r < R; ++r) {
       s16[r] = _mm256_add_epi16(s16[r], _mm256_maddubs_epi16(lo, broadcast4(x + r * K + 4 * j)));
       s16[r] = _mm256_add_epi16(s16[r], _mm256_maddubs_epi16(hi, broadcast4(x + r * K + 4 * (j + 4))));
@@ -302,13 +321,9 @@ void half_tile_gemm(const uint8_t* tile, int64_t nb, const int8_t* qx, const flo
       for (int r = 0; r < R; ++r)
         isum[r] = _mm256_sub_epi32(isum[r], _mm256_set1_epi32(code_offset(TYPE) * qsum[r * nb + b]));
     const uint8_t* scales = tile + nb * cb + b * sb;
-    const __m256 dw = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(scales + 16 * h)));
-    for (int r = 0; r < R; ++r)
-      acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum[r]), _mm256_mul_ps(dw, _mm256_set1_ps(dx[r * nb + b])), acc[r]);
-    if constexpr (TYPE == Q4_1) {
-      const __m256 mw = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(scales + 32 + 16 * h)));
-      for (int r = 0; r < R; ++r) acc[r] = _mm256_fmadd_ps(mw, _mm256_set1_ps(sx[r * nb + b]), acc[r]);
-    }
+    const __m256 dw = scales8(scales + 16 * h);
+    const __m256 mw = TYPE == Q4_1 ? scales8(scales + 32 + 16 * h) : _mm256_setzero_ps();
+    for (int r = 0; r < R; ++r) acc[r] = block_step8<TYPE>(acc[r], isum[r], dw, dx[r * nb + b], mw, sx[r * nb + b]);
   }
   for (int r = 0; r < R; ++r) store8(acc[r], y + r * N, n0 + 8 * h, N);
 }
@@ -324,7 +339,6 @@ void q4_tile_gemm_4rows(const uint8_t* tile, int64_t nb, const int8_t* qx, const
   constexpr int R = 4;
   const int64_t cb = codes_bytes(TYPE), sb = scales_bytes(TYPE);
   alignas(32) float acc[R][16] = {};
-  const __m256i low = _mm256_set1_epi8(0x0F);
   for (int64_t b = 0; b < nb; ++b) {
     const uint8_t* codes = tile + b * cb;
     const int8_t* x = qx + b * QK;
@@ -332,10 +346,9 @@ void q4_tile_gemm_4rows(const uint8_t* tile, int64_t nb, const int8_t* qx, const
     for (int r = 0; r < R; ++r) s16[r][0] = s16[r][1] = _mm256_setzero_si256();
 #pragma GCC unroll 1
     for (int j = 0; j < 4; ++j) {
-      const __m256i z0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(codes + j * 64));
-      const __m256i z1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(codes + j * 64 + 32));
-      const __m256i lo0 = _mm256_and_si256(z0, low), hi0 = _mm256_and_si256(_mm256_srli_epi16(z0, 4), low);
-      const __m256i lo1 = _mm256_and_si256(z1, low), hi1 = _mm256_and_si256(_mm256_srli_epi16(z1, 4), low);
+      __m256i lo0, hi0, lo1, hi1;
+      split_nibbles(codes + j * 64, lo0, hi0);
+      split_nibbles(codes + j * 64 + 32, lo1, hi1);
       for (int r = 0; r < R; ++r) {
         const __m256i xl = broadcast4(x + r * K + 4 * j), xh = broadcast4(x + r * K + 4 * (j + 4));
         s16[r][0] = _mm256_add_epi16(s16[r][0], _mm256_maddubs_epi16(lo0, xl));
@@ -346,20 +359,14 @@ void q4_tile_gemm_4rows(const uint8_t* tile, int64_t nb, const int8_t* qx, const
     }
     const uint8_t* scales = tile + nb * cb + b * sb;
     for (int h = 0; h < 2; ++h) {
-      const __m256 dw = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(scales + 16 * h)));
+      const __m256 dw = scales8(scales + 16 * h);
+      const __m256 mw = TYPE == Q4_1 ? scales8(scales + 32 + 16 * h) : _mm256_setzero_ps();
       for (int r = 0; r < R; ++r) {
         __m256i isum = _mm256_madd_epi16(s16[r][h], _mm256_set1_epi16(1));
         if constexpr (TYPE == Q4_0)
           isum = _mm256_sub_epi32(isum, _mm256_set1_epi32(code_offset(TYPE) * qsum[r * nb + b]));
-        const __m256 a = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum), _mm256_mul_ps(dw, _mm256_set1_ps(dx[r * nb + b])),
-                                         _mm256_load_ps(acc[r] + 8 * h));
-        _mm256_store_ps(acc[r] + 8 * h, a);
-      }
-      if constexpr (TYPE == Q4_1) {
-        const __m256 mw = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(scales + 32 + 16 * h)));
-        for (int r = 0; r < R; ++r)
-          _mm256_store_ps(acc[r] + 8 * h,
-                          _mm256_fmadd_ps(mw, _mm256_set1_ps(sx[r * nb + b]), _mm256_load_ps(acc[r] + 8 * h)));
+        _mm256_store_ps(acc[r] + 8 * h, block_step8<TYPE>(_mm256_load_ps(acc[r] + 8 * h), isum, dw, dx[r * nb + b], mw,
+                                                          sx[r * nb + b]));
       }
     }
   }

@@ -55,5 +55,5 @@ def test_short_fresh_prompts_through_the_paged_kernel_answer_as_through_sdpa(tin
 
 def test_the_torch_backend_keeps_sdpa_for_fresh_prompts(tiny_llama, torch_kernels_only):
     llm, _ = generate(tiny_llama)
-    assert not llm.engine.core.executor.driver_worker.runner.backend.has_cpu_kernels
+    assert not runner(llm).backend.has_cpu_kernels
     assert not fresh_prompt_is_decode_like(llm)
