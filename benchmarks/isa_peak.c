@@ -36,6 +36,29 @@ double fma512(long iters) {
 #endif
 }
 
+// fp32 FMA, 8 lanes: 16 FLOP per instruction (AVX2 + FMA, the float peak of CPUs without AVX-512).
+double fma256(long iters) {
+#if defined(__AVX2__) && defined(__FMA__)
+  double total = 0;
+  {
+    __m256 acc[ACC];
+    const __m256 a = _mm256_set1_ps(1.0000001f), b = _mm256_set1_ps(0.9999999f);
+    for (int i = 0; i < ACC; ++i) acc[i] = _mm256_set1_ps((float)i);
+    for (long it = 0; it < iters; ++it)
+#pragma GCC unroll 16
+      for (int i = 0; i < ACC; ++i) acc[i] = _mm256_fmadd_ps(acc[i], a, b);
+    for (int i = 1; i < ACC; ++i) acc[0] = _mm256_add_ps(acc[0], acc[i]);
+    float out[8];
+    _mm256_storeu_ps(out, acc[0]);
+    for (int i = 0; i < 8; ++i) total += out[i];
+  }
+  return total;
+#else
+  (void)iters;
+  return -1;
+#endif
+}
+
 // u8 x s8 -> s32 dot products of 4, 64 lanes: 128 OP per instruction (vpdpbusd zmm).
 double vnni512(long iters) {
 #if defined(__AVX512VNNI__) && defined(__AVX512F__)
@@ -80,30 +103,55 @@ double avx_vnni256(long iters) {
 #endif
 }
 
-// AVX2's int8 dot product: maddubs (u8 x s8 pairs -> s16), madd with ones (-> s32), add:
-// three instructions for 32 products, 64 OP. The empty asm makes each b look new, so the
-// compiler cannot hoist the (otherwise loop-invariant) maddubs/madd out of the loop.
+// AVX2's int8 dot product without VNNI. STEP is one accumulator's update from operand B; the
+// empty asm makes each B look new (4 accumulators, 2 operands: more would not fit the 16 registers), so the compiler cannot hoist the (otherwise loop-invariant)
+// products out of the loop. Named variables, not arrays: GCC keeps an array that an asm touches
+// on the stack, and the loop would then time store-to-load forwarding, not the instructions.
+#define AVX2_LOOP(STEP, INIT, FINISH)                                                     \
+  __m256i a0 = INIT(0), a1 = INIT(1), a2 = INIT(2), a3 = INIT(3);                              \
+  const __m256i x1 = _mm256_set1_epi8(1), x2 = _mm256_set1_epi8(2); /* two, or CSE halves it */ \
+  __m256i b0 = _mm256_set1_epi8(-1), b1 = _mm256_set1_epi8(-2);                                \
+  for (long it = 0; it < iters * 3; ++it) { /* 3 x 4 = the other loops' 12 per iteration */   \
+    __asm__ volatile("" : "+x"(b0), "+x"(b1));                                                \
+    a0 = STEP(a0, x1, b0); a1 = STEP(a1, x1, b1); a2 = STEP(a2, x2, b0); a3 = STEP(a3, x2, b1);  \
+  }                                                                                            \
+  __m256i s = _mm256_add_epi32(_mm256_add_epi32(FINISH(a0), FINISH(a1)),                      \
+                               _mm256_add_epi32(FINISH(a2), FINISH(a3)));                     \
+  int out[8];                                                                                  \
+  _mm256_storeu_si256((__m256i*)out, s);                                                       \
+  long total = 0;                                                                              \
+  for (int i = 0; i < 8; ++i) total += out[i];                                                 \
+  return (double)total;
+
+#ifdef __AVX2__
+static inline __m256i ones16(void) { return _mm256_set1_epi16(1); }
+// maddubs (u8 x s8 pairs -> s16), madd with ones (-> s32), add: three instructions, 64 OP.
+static inline __m256i step_widened(__m256i acc, __m256i x, __m256i b) {
+  return _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(x, b), ones16()));
+}
+// The mix the AVX2 tile kernel runs (csrc/block_gemm_tiles.cpp): maddubs into int16 sums, the
+// widening madd left to once a block. Two instructions for 32 products, 64 OP.
+static inline __m256i step_int16(__m256i acc, __m256i x, __m256i b) {
+  return _mm256_add_epi16(acc, _mm256_maddubs_epi16(x, b));
+}
+static inline __m256i init32(int i) { return _mm256_set1_epi32(i); }
+static inline __m256i init16(int i) { return _mm256_set1_epi16((short)i); }
+static inline __m256i same(__m256i v) { return v; }
+static inline __m256i widen(__m256i v) { return _mm256_madd_epi16(v, ones16()); }
+#endif
+
 double avx2_maddubs256(long iters) {
 #ifdef __AVX2__
-  long total = 0;
-  {
-    enum { N = 6 };  // 6 accumulators + 6 operands + 2 constants fit AVX2's 16 registers
-    __m256i acc[N], b[N];
-    const __m256i a = _mm256_set1_epi8(1), ones = _mm256_set1_epi16(1);
-    for (int i = 0; i < N; ++i) acc[i] = _mm256_set1_epi32(i), b[i] = _mm256_set1_epi8((char)-i);
-    for (long it = 0; it < iters * 2; ++it)  // 2 x 6 = the other loops' 12 per iteration
-#pragma GCC unroll 16
-      for (int i = 0; i < N; ++i) {
-        __asm__ volatile("" : "+x"(b[i]));
-        acc[i] = _mm256_add_epi32(acc[i], _mm256_madd_epi16(_mm256_maddubs_epi16(a, b[i]), ones));
-      }
-    __m256i s = acc[0];
-    for (int i = 1; i < N; ++i) s = _mm256_add_epi32(s, acc[i]);
-    int out[8];
-    _mm256_storeu_si256((__m256i*)out, s);
-    for (int i = 0; i < 8; ++i) total += out[i];
-  }
-  return (double)total;
+  AVX2_LOOP(step_widened, init32, same)
+#else
+  (void)iters;
+  return -1;
+#endif
+}
+
+double avx2_maddubs_i16_256(long iters) {
+#ifdef __AVX2__
+  AVX2_LOOP(step_int16, init16, widen)
 #else
   (void)iters;
   return -1;

@@ -55,9 +55,11 @@ SHAPES = {  # name -> (N, K): out_features x in_features
 Q4_0, Q8_0 = 2, 8
 PEAK_LOOPS = {  # isa_peak.c function -> OP per call per iteration per thread
     "fma512 (fp32 FMA, AVX-512)": ("fma512", 12 * 32),
+    "fma256 (fp32 FMA, AVX2)": ("fma256", 12 * 16),
     "vnni512 (int8, AVX512-VNNI)": ("vnni512", 12 * 128),
     "avx_vnni256 (int8, AVX-VNNI)": ("avx_vnni256", 12 * 64),
     "avx2_maddubs256 (int8, AVX2)": ("avx2_maddubs256", 12 * 64),
+    "avx2_maddubs_i16_256 (int8, AVX2, int16 sums)": ("avx2_maddubs_i16_256", 12 * 64),
 }
 
 
