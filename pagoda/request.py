@@ -29,18 +29,17 @@ class RequestStatus(enum.Enum):
 
     @property
     def finished(self) -> bool:
-        return self in _FINISHED
+        return self._finished  # set below: a set lookup would hash the member in Python, every step
 
     @property
     def finish_reason(self) -> str | None:
-        return {
-            RequestStatus.FINISHED_STOPPED: "stop",
-            RequestStatus.FINISHED_LENGTH: "length",
-            RequestStatus.FINISHED_ABORTED: "abort",
-        }.get(self)
+        return self._finish_reason
 
 
-_FINISHED = {RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH, RequestStatus.FINISHED_ABORTED}
+_FINISH_REASONS = {"FINISHED_STOPPED": "stop", "FINISHED_LENGTH": "length", "FINISHED_ABORTED": "abort"}
+for _status in RequestStatus:
+    _status._finished = _status.name in _FINISH_REASONS
+    _status._finish_reason = _FINISH_REASONS.get(_status.name)
 _arrival_counter = itertools.count()
 
 

@@ -449,24 +449,25 @@ class Scheduler:
         """Append the step's tokens until one stops the request; whether one did."""
         for token in tokens:
             request.append_output_token(token)
-            if self._check_stop(request, token) or self._grammar_done(request, token):
+            if self._check_stop(request, token) or (request.grammar is not None and self._grammar_done(request, token)):
                 return True
         return False
 
     def _check_stop(self, request: Request, token: int) -> bool:
         params = request.sampling_params
-        if request.num_output_tokens >= params.min_tokens:
+        num_output = len(request.output_token_ids)
+        if num_output >= params.min_tokens:
             if not params.ignore_eos and token in params.all_stop_token_ids:
                 request.status = RequestStatus.FINISHED_STOPPED
                 return True
-            if token in params.stop_token_ids:
+            if params.stop_token_ids and token in params.stop_token_ids:
                 request.status = RequestStatus.FINISHED_STOPPED
                 request.stop_reason = token
                 return True
-        if params.max_tokens is not None and request.num_output_tokens >= params.max_tokens:
+        if params.max_tokens is not None and num_output >= params.max_tokens:
             request.status = RequestStatus.FINISHED_LENGTH
             return True
-        if request.num_tokens >= self.max_model_len:
+        if len(request.all_token_ids) >= self.max_model_len:
             request.status = RequestStatus.FINISHED_LENGTH
             return True
         return False

@@ -25,24 +25,25 @@ class IncrementalDetokenizer:
         self.skip_special_tokens = skip_special_tokens
         window = list(prompt_token_ids[-_INITIAL_WINDOW:])
         self._stream = DecodeStream(window, skip_special_tokens=skip_special_tokens)
+        self._backend = tokenizer.backend
         self._context = window  # the last tokens whose text was emitted (the window for flush)
         self._pending: list[int] = []  # tokens whose text is held back (an incomplete character)
         self.output_text = ""
 
     def step(self, new_token_ids: list[int]) -> str:
         """Add tokens; return the newly completed text (may be '' while a character is split)."""
-        delta_parts = []
+        delta = ""
+        backend, pending = self._backend, self._pending  # (once: this runs for every stream every step)
         for token in new_token_ids:
-            self._pending.append(token)
+            pending.append(token)
             try:
-                chunk = self._stream.step(self.tokenizer.backend, token)
+                chunk = self._stream.step(backend, token)
             except Exception:  # the window's text changed as tokens came (InvalidPrefix): decode it here
                 chunk = self._decode_pending(final=False)
-                self._stream = DecodeStream(self._context + self._pending, skip_special_tokens=self.skip_special_tokens)
+                self._stream = DecodeStream(self._context + pending, skip_special_tokens=self.skip_special_tokens)
             if chunk is not None:
-                delta_parts.append(chunk)
+                delta += chunk
                 self._emitted()
-        delta = "".join(delta_parts)
         self.output_text += delta
         return delta
 
@@ -57,7 +58,10 @@ class IncrementalDetokenizer:
 
     def _emitted(self) -> None:
         """The held-back tokens' text went out: they join the window."""
-        self._context, self._pending = (self._context + self._pending)[-_INITIAL_WINDOW:], []
+        context = self._context  # in place: step() holds the pending list
+        context += self._pending
+        del context[:-_INITIAL_WINDOW]
+        self._pending.clear()
 
     def _decode_pending(self, final: bool) -> str | None:
         """The held-back tokens' text (the window with them, less the window alone), or None

@@ -16,6 +16,10 @@ from pagoda.outputs import CompletionOutput, Logprob, PositionLogprobs, RequestM
 from pagoda.sampling_params import RequestOutputKind, SamplingParams
 from pagoda.tokenizer import Tokenizer
 
+# (compared by identity: an enum's == and class attribute lookups cost a Python call each, and
+# _make_output runs for every request every step)
+_DELTA, _FINAL_ONLY = RequestOutputKind.DELTA, RequestOutputKind.FINAL_ONLY
+
 
 @dataclass
 class SampleState:
@@ -112,31 +116,35 @@ class OutputProcessor:
             if entry is None:
                 continue  # aborted meanwhile
             state, sample = entry
-            if sample.guard is not None and sample.guard.stopped:
+            guard = sample.guard
+            if guard is not None and guard.stopped:
                 continue  # the content filter ended it; what the core still sent is dropped
-            if state.metrics.first_scheduled_time is None:
-                state.metrics.first_scheduled_time = out.first_scheduled_time
+            metrics = state.metrics
+            if metrics.first_scheduled_time is None:
+                metrics.first_scheduled_time = out.first_scheduled_time
                 state.num_cached_tokens = out.num_cached_tokens
             if out.new_prompt_logprobs and state.prompt_logprobs is not None:
                 state.prompt_logprobs += [self._position(lp) for lp in out.new_prompt_logprobs]
             if out.new_token_ids:
-                state.metrics.first_token_time = state.metrics.first_token_time or now
-                state.metrics.last_token_time = now
+                if metrics.first_token_time is None:
+                    metrics.first_token_time = now
+                metrics.last_token_time = now
                 if self._update_sample(sample, out):
                     to_stop.append(sample.core_id)
             if out.finish_reason is not None and sample.finish_reason is None:
                 sample.finish_reason, sample.stop_reason = out.finish_reason, out.stop_reason
                 self._flush(sample)
-            if sample.guard is not None and self._moderate(sample) and out.finish_reason is None \
+            if guard is not None and self._moderate(sample) and out.finish_reason is None \
                     and sample.core_id not in to_stop:
                 to_stop.append(sample.core_id)  # finished in the core too: its KV blocks are freed
             touched[state.request_id] = state
         results = []
         for state in touched.values():
-            if state.finished:
+            finished = state.finished
+            if finished:
                 state.metrics.finished_time = now
                 self.abort_request(state.request_id)
-            result = self._make_output(state)
+            result = self._make_output(state, finished)
             if result is not None:
                 results.append(result)
         return results, to_stop
@@ -204,14 +212,17 @@ class OutputProcessor:
             text = self._token_texts[tid] = self.tokenizer.decode([tid], skip_special_tokens=False)
         return text
 
-    def _make_output(self, state: RequestState) -> RequestOutput | None:
+    def _make_output(self, state: RequestState, finished: bool) -> RequestOutput | None:
         kind = state.output_kind
-        if kind == RequestOutputKind.FINAL_ONLY and not state.finished:
+        if kind is _FINAL_ONLY and not finished:
             return None
+        delta = kind is _DELTA
         completions = []
         for s in state.samples:
-            if kind == RequestOutputKind.DELTA:
-                text = _visible(s)[s.sent_text :]
+            if delta:
+                text = _visible(s)
+                if s.sent_text:
+                    text = text[s.sent_text :]
                 tokens = s.token_ids[s.sent_tokens :]
                 logprobs = s.logprobs[s.sent_tokens :] if s.logprobs is not None else None
                 if not text and not tokens and (s.finish_reason is None or s.sent_finish):
@@ -225,19 +236,23 @@ class OutputProcessor:
                 s.index, text, tokens, s.cumulative_logprob, logprobs, s.finish_reason, s.stop_reason,
             ))
         prompt_logprobs = state.prompt_logprobs
-        if kind == RequestOutputKind.DELTA:
+        if delta:
             if state.prompt_logprobs_sent:
                 prompt_logprobs = None
             state.prompt_logprobs_sent = True
         return RequestOutput(
-            state.request_id, state.prompt, state.prompt_token_ids, completions, state.finished,
-            prompt_logprobs=prompt_logprobs, num_cached_tokens=state.num_cached_tokens, metrics=state.metrics,
+            state.request_id, state.prompt, state.prompt_token_ids, completions, finished,
+            prompt_logprobs, state.num_cached_tokens, state.metrics,
         )
 
 
 def _visible(sample: SampleState) -> str:
     """Text safe to hand out: what the content filter let through, if the request has one."""
-    return sample.safe_text if sample.guard is not None else _stop_checked(sample)
+    if sample.guard is not None:
+        return sample.safe_text
+    if sample.finish_reason is not None or not sample.params.stop:
+        return sample.text  # (most samples: _stop_checked's answer without its call)
+    return _stop_checked(sample)
 
 
 def _stop_checked(sample: SampleState) -> str:
