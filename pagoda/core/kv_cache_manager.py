@@ -89,6 +89,10 @@ class KVCacheManager:
         total = request.num_computed_tokens + num_new_tokens
         return max(0, cdiv(total, self.block_size) - len(request.block_ids)) * self.num_groups
 
+    def has_room(self, request: Request, num_new_tokens: int) -> bool:
+        """Its blocks already hold ``num_new_tokens`` more tokens (``blocks_needed`` is 0)."""
+        return request.num_computed_tokens + num_new_tokens <= len(request.block_ids) * self.block_size
+
     def blocks_for_tokens(self, num_tokens: int) -> int:
         """Pool blocks that ``num_tokens`` tokens of a fresh request take."""
         return cdiv(num_tokens, self.block_size) * self.num_groups

@@ -226,13 +226,14 @@ class Scheduler:
             if num_new <= 0:
                 i += 1
                 continue
-            drafts = self._drafts_to_verify(request, budget)
+            drafts = self._drafts_to_verify(request, budget) if request.spec_token_ids else []
             num_new += len(drafts)
-            preempted_before = len(out.preempted)
-            fits = self._make_room(request, num_new, out)
-            growth_preempted |= len(out.preempted) > preempted_before
-            if not fits:
-                break  # the request itself was preempted; everything after it is gone too
+            if not self.kv.has_room(request, num_new):  # (most decode steps: the last block has room)
+                preempted_before = len(out.preempted)
+                fits = self._make_room(request, num_new, out)
+                growth_preempted |= len(out.preempted) > preempted_before
+                if not fits:
+                    break  # the request itself was preempted; everything after it is gone too
             out.scheduled.append((request, num_new))
             if drafts:
                 out.spec_tokens[request.request_id] = drafts
@@ -317,7 +318,8 @@ class Scheduler:
         scheduled = {request.request_id: num_new for request, num_new in step.scheduled}
         for request in self.running:
             remaining = request.num_tokens - request.num_computed_tokens
-            slots.hold(remaining, remaining - scheduled.get(request.request_id, 0))
+            if remaining > 1:  # (hold counts nothing for a decode: one token, or none left)
+                slots.hold(remaining, remaining - scheduled.get(request.request_id, 0))
         return slots
 
     def _preempt_for_priority(self, now: float, out: "_Step") -> Request | None:
