@@ -14,8 +14,9 @@ would rebuild every request's whole text and token list each step, which no call
   input preparation and output gathering, the output processor (detokenization, ``RequestOutput``s),
   the step recorder. Each of those is timed too.
 
-The share is Python / step, from the sums over all measured steps (median per-step times are
-reported beside them). Every mode runs in its own process, one after another.
+The share is Python / step, from the sums over all measured steps; beside it the median step's
+Python against the median step (a step that a garbage collection or the OS interrupted weighs on
+the mean alone) and the 90th percentile. Every mode runs in its own process, one after another.
 """
 
 from __future__ import annotations
@@ -119,6 +120,9 @@ def measure(quantization: str | None, batch: int, steps: int, profile: bool) -> 
     engine_step = sum(step_times)
     model = sum(timers.totals[b] for b in ("model forward", "head (logits)", "sampler"))
     python = engine_step - model
+    model_steps = [sum(timers.per_step[b][i] for b in ("model forward", "head (logits)", "sampler"))
+                   for i in range(len(step_times))]
+    python_steps = sorted(step - model_step for step, model_step in zip(step_times, model_steps))
     parts = {bucket: 1e3 * seconds / len(step_times) for bucket, seconds in timers.totals.items()}
     runner_python = timers.totals["runner.execute"] - model
     parts["runner, outside the model"] = 1e3 * runner_python / len(step_times)
@@ -130,6 +134,11 @@ def measure(quantization: str | None, batch: int, steps: int, profile: bool) -> 
         "step_ms_mean": 1e3 * engine_step / len(step_times), "step_ms_median": 1e3 * statistics.median(step_times),
         "model_ms_mean": 1e3 * model / len(step_times), "python_ms_mean": 1e3 * python / len(step_times),
         "python_share": python / engine_step, "parts_ms_mean": parts,
+        # per step: a step that a collection or the OS interrupted weighs on the mean alone
+        "python_ms_median": 1e3 * statistics.median(python_steps),
+        "python_ms_p90": 1e3 * python_steps[int(0.9 * (len(python_steps) - 1))],
+        "python_ms_top3": [1e3 * t for t in python_steps[-3:]],
+        "python_share_median_step": statistics.median(python_steps) / statistics.median(step_times),
     }
     if profiler:
         text = io.StringIO()
@@ -173,7 +182,9 @@ def main() -> int:
         row = {"mode": mode, **json.loads(done.stdout.strip().splitlines()[-1])}
         rows.append(row)
         print(f"{mode}: step {row['step_ms_mean']:.1f} ms, model {row['model_ms_mean']:.1f} ms, "
-              f"Python {row['python_ms_mean']:.2f} ms = {100 * row['python_share']:.2f} %")
+              f"Python {row['python_ms_mean']:.2f} ms = {100 * row['python_share']:.2f} % "
+              f"(per step: median {row['python_ms_median']:.2f} ms = {100 * row['python_share_median_step']:.2f} %, "
+              f"p90 {row['python_ms_p90']:.2f} ms)")
         for part, ms in row["parts_ms_mean"].items():
             print(f"    {part:40s} {ms:8.2f} ms")
         if "profile_top" in row:

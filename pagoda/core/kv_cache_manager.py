@@ -207,16 +207,25 @@ class KVCacheManager:
         if self.cache is None:
             return
         full = min(len(request.block_ids), request.num_computed_tokens // self.block_size)
-        if full <= self._num_cached.get(request.request_id, 0):
+        done = self._num_cached.get(request.request_id, 0)
+        if full <= done:
             return
         tokens = request.all_token_ids[: full * self.block_size]
         extras = self._group_blocks(request, full) if self.num_groups > 1 else None
-        have, node = self.cache.insert(tokens, request.block_ids[:full], request.cache_salt, extras)
+        locked = self._locked.get(request.request_id)
+        if locked is not None:  # its first `done` blocks are stored up to the node it holds
+            have, node = self.cache.extend(locked, done, tokens, request.block_ids[:full], extras)
+        else:
+            have, node = self.cache.insert(tokens, request.block_ids[:full], request.cache_salt, extras)
         if have < full:
             self.pool.incref(request.block_ids[have:full])  # the tree's own reference
             if extras is not None:
                 self.pool.incref([b for extra in extras[have:] for b in extra if b is not None])
-        self._lock(request, node)
+        if locked is not None:
+            self.cache.relock(locked, node)
+            self._locked[request.request_id] = node
+        else:
+            self._lock(request, node)
         self._num_cached[request.request_id] = full
 
     def _group_blocks(self, request: Request, num_blocks: int) -> list[list[int | None]]:

@@ -91,7 +91,10 @@ class RadixCache:
         match ends inside it, so the returned node ends exactly at the match)."""
         node = self._root(salt)
         node.touch()
-        chunks = self._chunks(tokens)
+        return self._descend(node, self._chunks(tokens))
+
+    def _descend(self, node: RadixNode, chunks: list[tuple[int, ...]]) -> PrefixMatch:
+        """The longest run of ``chunks`` stored below ``node``, touching each node on it."""
         blocks: list[int] = []
         i = 0
         while i < len(chunks):
@@ -148,6 +151,33 @@ class RadixCache:
         chunks = self._chunks(tokens)[: len(blocks)]
         blocks = blocks[: len(chunks)]
         match = self.match([t for c in chunks for t in c], salt)
+        return self._store_rest(match, chunks, blocks, extras)
+
+    def extend(self, node: RadixNode, num_blocks: int, tokens: list[int], blocks: list[int],
+               extras: list[list[int | None]] | None = None) -> tuple[int, RadixNode]:
+        """``insert`` for a run whose first ``num_blocks`` blocks the tree holds up to ``node``
+        (a node that a running request keeps locked: not evicted, and a split leaves it ending
+        where it did). Walks only the new blocks, where ``insert`` rebuilds and matches the whole
+        run from the root: a running request's blocks are stored as they fill, one every
+        block_size tokens, so at 64 streams that walk ran ~4 times a step. The path above
+        ``node`` is touched as ``insert``'s match would have."""
+        path = []
+        up = node
+        while up is not None:
+            path.append(up)
+            up = up.parent
+        for up in reversed(path):
+            up.touch()
+        bs = self.block_size
+        chunks = self._chunks(tokens[num_blocks * bs : len(blocks) * bs])
+        match = self._descend(node, chunks)
+        have, end = self._store_rest(match, chunks, blocks[num_blocks : num_blocks + len(chunks)],
+                                     extras[num_blocks:] if extras is not None else None)
+        return num_blocks + have, end
+
+    def _store_rest(self, match: PrefixMatch, chunks: list[tuple[int, ...]], blocks: list[int],
+                    extras: list[list[int | None]] | None) -> tuple[int, RadixNode]:
+        """Store the chunks past ``match`` (its blocks are the first ones) in one new node."""
         have = match.num_blocks
         node = match.node
         if have < len(chunks):
@@ -162,6 +192,16 @@ class RadixCache:
                     self.extras[block] = list(extra)
                     self._extra_owner.update((b, block) for b in extra if b is not None)
         return have, node
+
+    def relock(self, old: RadixNode, new: RadixNode) -> None:
+        """``lock(new)`` then ``unlock(old)`` where ``old`` is ``new`` or above it on its path:
+        only the nodes between them change."""
+        node = new
+        while node is not old:
+            if node.lock_ref == 0:
+                self.num_evictable_nodes_blocks -= len(node.blocks)
+            node.lock_ref += 1
+            node = node.parent
 
     # -- the other KV cache groups' blocks ---------------------------------------------------
     def holds_extra(self, block: int) -> bool:

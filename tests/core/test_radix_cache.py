@@ -71,3 +71,52 @@ def test_salts_keep_tenants_apart():
     assert cache.match(toks(1, 2), salt="bob").blocks == []
     assert cache.match(toks(1, 2)).blocks == []
     assert cache.match(toks(1, 2), salt="alice").blocks == [100, 101]
+
+
+def _shape(cache: RadixCache) -> list[tuple]:
+    """Every node (tokens, blocks, lock count), depth first in key order: the tree to compare."""
+    out = []
+
+    def walk(node, depth):
+        for key in sorted(node.children):
+            child = node.children[key]
+            out.append((depth, child.tokens, tuple(child.blocks), child.lock_ref))
+            walk(child, depth + 1)
+
+    for salt in sorted(cache._roots, key=repr):
+        walk(cache._roots[salt], 0)
+    return out
+
+
+def test_extend_from_a_locked_node_equals_insert_from_the_root():
+    """A running request stores its blocks as they fill: extending from the node it holds must
+    leave the tree, the counts, the 'already cached' answer and the locks as inserting its whole
+    run from the root and moving its lock would, also where another request stored the same
+    tokens meanwhile and where the node it holds was split under it."""
+    results = []
+    for incremental in (False, True):
+        cache = RadixCache(BS)
+        other = cache.insert(toks(1, 2, 3, 4, 5), [200, 201, 202, 203, 204])[1]
+        cache.lock(other)
+        run, ids = toks(1, 2, 3, 4, 5, 6, 7, 8), [100, 101, 102, 103, 104, 105, 106, 107]
+        answers = []
+        held = cache.insert(run[: 2 * BS], ids[:2])[1]  # the request's first two blocks (shared)
+        cache.lock(held)
+        done = 2
+        cache.match(toks(1, 9))  # splits the path under the held node's ancestors
+        for full in (3, 6, 8):
+            if incremental:
+                have, node = cache.extend(held, done, run[: full * BS], ids[:full])
+                cache.relock(held, node)
+            else:
+                have, node = cache.insert(run[: full * BS], ids[:full])
+                cache.lock(node)
+                cache.unlock(held)
+            answers.append(have)
+            held, done = node, full
+        results.append((answers, _shape(cache), cache.num_cached_blocks, cache.num_evictable_nodes_blocks,
+                        cache.match(run).blocks))
+    assert results[0] == results[1]
+    answers, _, cached, evictable, blocks = results[1]
+    assert answers == [3, 5, 6]  # blocks 1-5 were stored by the other request, 6-8 are new
+    assert blocks == [200, 201, 202, 203, 204, 105, 106, 107] and cached == 8 and evictable == 0
