@@ -328,47 +328,73 @@ void half_tile_gemm(const uint8_t* tile, int64_t nb, const int8_t* qx, const flo
   for (int r = 0; r < R; ++r) store8(acc[r], y + r * N, n0 + 8 * h, N);
 }
 
-// A Q4 tile's two halves at once for 4 rows: each activation broadcast serves both halves' codes,
-// so a block takes 32 broadcasts for 64 maddubs where one half a pass took 64. The 8 int16 sums,
-// 4 code vectors and 2 broadcasts fill the registers, so the float accumulators stay in L1 (a
-// load and a store a block and half, on the load/store ports). Per output the same integer sum and
-// the same float steps in the same order as half_tile_gemm: the same bits.
+// A block's float steps for 4 rows x both halves of a tile, the accumulators in L1 (acc[r] holds
+// row r's 16 outputs): per output the same steps in the same order as half_tile_gemm.
 template <int64_t TYPE>
-void q4_tile_gemm_4rows(const uint8_t* tile, int64_t nb, const int8_t* qx, const float* dx, const float* sx,
-                        const int32_t* qsum, int64_t K, float* y, int64_t N, int64_t n0) {
+inline void tile_block_steps(float (*acc)[16], __m256i (*isum)[2], const uint8_t* scales, const float* dx,
+                             const float* sx, const int32_t* qsum, int64_t nb, int64_t b) {
+  constexpr int R = 4;
+  for (int h = 0; h < 2; ++h) {
+    const __m256 dw = scales8(scales + 16 * h);
+    const __m256 mw = TYPE == Q4_1 ? scales8(scales + 32 + 16 * h) : _mm256_setzero_ps();
+    for (int r = 0; r < R; ++r) {
+      __m256i sum = isum[r][h];
+      if constexpr (TYPE == Q4_0) sum = _mm256_sub_epi32(sum, _mm256_set1_epi32(code_offset(TYPE) * qsum[r * nb + b]));
+      _mm256_store_ps(acc[r] + 8 * h, block_step8<TYPE>(_mm256_load_ps(acc[r] + 8 * h), sum, dw, dx[r * nb + b], mw,
+                                                        sx[r * nb + b]));
+    }
+  }
+}
+
+// A tile's two halves at once for 4 rows: each activation broadcast serves both halves' codes, so
+// a block takes half the broadcasts of one half a pass. Q4: 32 broadcasts for 64 maddubs; the 8
+// int16 sums, 4 code vectors and 2 broadcasts fill the registers. Q8_0: 32 broadcasts for 64
+// pairs; the 8 int32 sums, both halves' codes (signed and absolute) and a broadcast. Either way
+// the float accumulators stay in L1 (a load and a store a block and half, on the load/store ports).
+// Per output the same integer sum and the same float steps in the same order as half_tile_gemm:
+// the same bits.
+template <int64_t TYPE>
+void tile_gemm_4rows(const uint8_t* tile, int64_t nb, const int8_t* qx, const float* dx, const float* sx,
+                     const int32_t* qsum, int64_t K, float* y, int64_t N, int64_t n0) {
   constexpr int R = 4;
   const int64_t cb = codes_bytes(TYPE), sb = scales_bytes(TYPE);
   alignas(32) float acc[R][16] = {};
   for (int64_t b = 0; b < nb; ++b) {
     const uint8_t* codes = tile + b * cb;
     const int8_t* x = qx + b * QK;
-    __m256i s16[R][2];
-    for (int r = 0; r < R; ++r) s16[r][0] = s16[r][1] = _mm256_setzero_si256();
+    __m256i isum[R][2];
+    if constexpr (TYPE == Q8_0) {
+      for (int r = 0; r < R; ++r) isum[r][0] = isum[r][1] = _mm256_setzero_si256();
 #pragma GCC unroll 1
-    for (int j = 0; j < 4; ++j) {
-      __m256i lo0, hi0, lo1, hi1;
-      split_nibbles(codes + j * 64, lo0, hi0);
-      split_nibbles(codes + j * 64 + 32, lo1, hi1);
-      for (int r = 0; r < R; ++r) {
-        const __m256i xl = broadcast4(x + r * K + 4 * j), xh = broadcast4(x + r * K + 4 * (j + 4));
-        s16[r][0] = _mm256_add_epi16(s16[r][0], _mm256_maddubs_epi16(lo0, xl));
-        s16[r][1] = _mm256_add_epi16(s16[r][1], _mm256_maddubs_epi16(lo1, xl));
-        s16[r][0] = _mm256_add_epi16(s16[r][0], _mm256_maddubs_epi16(hi0, xh));
-        s16[r][1] = _mm256_add_epi16(s16[r][1], _mm256_maddubs_epi16(hi1, xh));
+      for (int l = 0; l < 8; ++l) {
+        const __m256i w0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(codes + l * 64));
+        const __m256i w1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(codes + l * 64 + 32));
+        for (int r = 0; r < R; ++r) {
+          const __m256i xb = broadcast4(x + r * K + 4 * l);
+          isum[r][0] = _mm256_add_epi32(isum[r][0], q8_pairs(w0, xb));
+          isum[r][1] = _mm256_add_epi32(isum[r][1], q8_pairs(w1, xb));
+        }
       }
-    }
-    const uint8_t* scales = tile + nb * cb + b * sb;
-    for (int h = 0; h < 2; ++h) {
-      const __m256 dw = scales8(scales + 16 * h);
-      const __m256 mw = TYPE == Q4_1 ? scales8(scales + 32 + 16 * h) : _mm256_setzero_ps();
-      for (int r = 0; r < R; ++r) {
-        __m256i isum = _mm256_madd_epi16(s16[r][h], _mm256_set1_epi16(1));
-        if constexpr (TYPE == Q4_0)
-          isum = _mm256_sub_epi32(isum, _mm256_set1_epi32(code_offset(TYPE) * qsum[r * nb + b]));
-        _mm256_store_ps(acc[r] + 8 * h, block_step8<TYPE>(_mm256_load_ps(acc[r] + 8 * h), isum, dw, dx[r * nb + b], mw,
-                                                          sx[r * nb + b]));
+    } else {
+      __m256i s16[R][2];
+      for (int r = 0; r < R; ++r) s16[r][0] = s16[r][1] = _mm256_setzero_si256();
+#pragma GCC unroll 1
+      for (int j = 0; j < 4; ++j) {
+        __m256i lo0, hi0, lo1, hi1;
+        split_nibbles(codes + j * 64, lo0, hi0);
+        split_nibbles(codes + j * 64 + 32, lo1, hi1);
+        for (int r = 0; r < R; ++r) {
+          const __m256i xl = broadcast4(x + r * K + 4 * j), xh = broadcast4(x + r * K + 4 * (j + 4));
+          s16[r][0] = _mm256_add_epi16(s16[r][0], _mm256_maddubs_epi16(lo0, xl));
+          s16[r][1] = _mm256_add_epi16(s16[r][1], _mm256_maddubs_epi16(lo1, xl));
+          s16[r][0] = _mm256_add_epi16(s16[r][0], _mm256_maddubs_epi16(hi0, xh));
+          s16[r][1] = _mm256_add_epi16(s16[r][1], _mm256_maddubs_epi16(hi1, xh));
+        }
       }
+      for (int r = 0; r < R; ++r)
+        for (int h = 0; h < 2; ++h) isum[r][h] = _mm256_madd_epi16(s16[r][h], _mm256_set1_epi16(1));
     }
+    tile_block_steps<TYPE>(acc, isum, tile + nb * cb + b * sb, dx, sx, qsum, nb, b);
   }
   for (int r = 0; r < R; ++r)
     for (int h = 0; h < 2; ++h) store8(_mm256_load_ps(acc[r] + 8 * h), y + r * N, n0 + 8 * h, N);
@@ -377,8 +403,8 @@ void q4_tile_gemm_4rows(const uint8_t* tile, int64_t nb, const int8_t* qx, const
 template <int R, int64_t TYPE>
 void both_halves(const uint8_t* tile, int64_t nb, const int8_t* qx, const float* dx, const float* sx,
                  const int32_t* qsum, int64_t K, float* y, int64_t N, int64_t n0) {
-  if constexpr (R == 4 && TYPE != Q8_0) {
-    if (n0 + 8 < N) return q4_tile_gemm_4rows<TYPE>(tile, nb, qx, dx, sx, qsum, K, y, N, n0);
+  if constexpr (R == 4) {
+    if (n0 + 8 < N) return tile_gemm_4rows<TYPE>(tile, nb, qx, dx, sx, qsum, K, y, N, n0);
   }
   half_tile_gemm<R, TYPE>(tile, nb, qx, dx, sx, qsum, K, y, N, n0, 0);
   if (n0 + 8 < N) half_tile_gemm<R, TYPE>(tile, nb, qx, dx, sx, qsum, K, y, N, n0, 1);
