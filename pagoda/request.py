@@ -36,10 +36,14 @@ class RequestStatus(enum.Enum):
         return self._finish_reason
 
 
-_FINISH_REASONS = {"FINISHED_STOPPED": "stop", "FINISHED_LENGTH": "length", "FINISHED_ABORTED": "abort"}
+_FINISH_REASONS = {
+    RequestStatus.FINISHED_STOPPED: "stop",
+    RequestStatus.FINISHED_LENGTH: "length",
+    RequestStatus.FINISHED_ABORTED: "abort",
+}
 for _status in RequestStatus:
-    _status._finished = _status.name in _FINISH_REASONS
-    _status._finish_reason = _FINISH_REASONS.get(_status.name)
+    _status._finished = _status in _FINISH_REASONS
+    _status._finish_reason = _FINISH_REASONS.get(_status)
 _arrival_counter = itertools.count()
 
 

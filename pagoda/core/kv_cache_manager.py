@@ -221,11 +221,7 @@ class KVCacheManager:
             self.pool.incref(request.block_ids[have:full])  # the tree's own reference
             if extras is not None:
                 self.pool.incref([b for extra in extras[have:] for b in extra if b is not None])
-        if locked is not None:
-            self.cache.relock(locked, node)
-            self._locked[request.request_id] = node
-        else:
-            self._lock(request, node)
+        self._lock(request, node)
         self._num_cached[request.request_id] = full
 
     def _group_blocks(self, request: Request, num_blocks: int) -> list[list[int | None]]:
@@ -284,10 +280,14 @@ class KVCacheManager:
         return dead - done
 
     def _lock(self, request: Request, node: RadixNode) -> None:
-        self.cache.lock(node)
-        old = self._locked.pop(request.request_id, None)
-        if old is not None:
-            self.cache.unlock(old)
+        """Lock the request's path down to ``node``. The node a request holds only moves down its
+        own path (its blocks are stored as they fill), so only the nodes between the old and the
+        new one change."""
+        old = self._locked.get(request.request_id)
+        if old is None:
+            self.cache.lock(node)
+        else:
+            self.cache.relock(old, node)
         self._locked[request.request_id] = node
 
     def free(self, request: Request, finished: bool = False) -> None:

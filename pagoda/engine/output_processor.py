@@ -220,9 +220,7 @@ class OutputProcessor:
         completions = []
         for s in state.samples:
             if delta:
-                text = _visible(s)
-                if s.sent_text:
-                    text = text[s.sent_text :]
+                text = _visible(s)[s.sent_text :]
                 tokens = s.token_ids[s.sent_tokens :]
                 logprobs = s.logprobs[s.sent_tokens :] if s.logprobs is not None else None
                 if not text and not tokens and (s.finish_reason is None or s.sent_finish):
@@ -248,11 +246,7 @@ class OutputProcessor:
 
 def _visible(sample: SampleState) -> str:
     """Text safe to hand out: what the content filter let through, if the request has one."""
-    if sample.guard is not None:
-        return sample.safe_text
-    if sample.finish_reason is not None or not sample.params.stop:
-        return sample.text  # (most samples: _stop_checked's answer without its call)
-    return _stop_checked(sample)
+    return sample.safe_text if sample.guard is not None else _stop_checked(sample)
 
 
 def _stop_checked(sample: SampleState) -> str:
