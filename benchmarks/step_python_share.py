@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import cProfile
+import gc
 import io
 import json
 import os
@@ -77,6 +78,25 @@ class Timers:
         self._step = defaultdict(float)
 
 
+class GarbageCollections:
+    """Counts the collector's runs (a ``gc.callbacks`` entry) and their wall time, per generation."""
+
+    def __init__(self) -> None:
+        self.count = [0, 0, 0]
+        self.seconds = [0.0, 0.0, 0.0]
+        self._start = 0.0
+
+    def observe(self, phase: str, info: dict) -> None:
+        if phase == "start":
+            self._start = time.perf_counter()
+        else:
+            self.count[info["generation"]] += 1
+            self.seconds[info["generation"]] += time.perf_counter() - self._start
+
+    def summary(self) -> dict:
+        return {f"gen{g}": {"count": self.count[g], "ms": round(1e3 * self.seconds[g], 3)} for g in range(3)}
+
+
 def measure(quantization: str | None, batch: int, steps: int, profile: bool) -> dict:
     import torch
 
@@ -105,6 +125,8 @@ def measure(quantization: str | None, batch: int, steps: int, profile: bool) -> 
     engine.step()  # one decode step to warm up
     timers.end_step(keep=False)
     profiler = timers.profiler = cProfile.Profile() if profile else None
+    collections = GarbageCollections()
+    gc.callbacks.append(collections.observe)
     step_times = []
     for _ in range(steps):
         if len(core.scheduler.running) != batch:
@@ -117,6 +139,7 @@ def measure(quantization: str | None, batch: int, steps: int, profile: bool) -> 
             profiler.disable()
         step_times.append(time.perf_counter() - start)
         timers.end_step(keep=True)
+    gc.callbacks.remove(collections.observe)
     engine_step = sum(step_times)
     model = sum(timers.totals[b] for b in ("model forward", "head (logits)", "sampler"))
     python = engine_step - model
@@ -139,6 +162,7 @@ def measure(quantization: str | None, batch: int, steps: int, profile: bool) -> 
         "python_ms_p90": 1e3 * python_steps[int(0.9 * (len(python_steps) - 1))],
         "python_ms_top3": [1e3 * t for t in python_steps[-3:]],
         "python_share_median_step": statistics.median(python_steps) / statistics.median(step_times),
+        "gc_collections": collections.summary(),
     }
     if profiler:
         text = io.StringIO()
@@ -185,6 +209,8 @@ def main() -> int:
               f"Python {row['python_ms_mean']:.2f} ms = {100 * row['python_share']:.2f} % "
               f"(per step: median {row['python_ms_median']:.2f} ms = {100 * row['python_share_median_step']:.2f} %, "
               f"p90 {row['python_ms_p90']:.2f} ms)")
+        print("    collections in the measured steps: " + ", ".join(
+            f"{gen} {c['count']} ({c['ms']:.1f} ms)" for gen, c in row["gc_collections"].items()))
         for part, ms in row["parts_ms_mean"].items():
             print(f"    {part:40s} {ms:8.2f} ms")
         if "profile_top" in row:

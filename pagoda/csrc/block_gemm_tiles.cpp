@@ -24,8 +24,10 @@
 //   avx512-vnni  vpdpbusd on 64-byte vectors: 2 tiles (32 outputs) x 4 activation rows a call;
 //                the codes stored unsigned (Q8_0: + 128) and the offset taken back in int32
 //   avx-vnni     vpdpbusd on 32-byte vectors, a tile as two halves of 8 outputs, 2 rows a call
-//   avx2         maddubs + madd, one half tile x 4 rows a pass; a Q4 block's sums kept in int16
-//                and widened once (Q8_0 through |w| and x * sign(w), as the integer kernel does)
+//   avx2         maddubs + madd, a tile's two halves x 4 rows a pass; a Q4 block's sums kept in
+//                int16 and widened once (Q8_0 through |w| and x * sign(w), as the integer kernel
+//                does); from 8 rows, a tile's codes split (Q4) or signed (Q8_0) once per thread
+//                for all its passes
 //   scalar       plain C++
 //
 // Registered as torch.ops.pagoda.block_repack_tiles / block_gemm_tiles.
@@ -37,6 +39,7 @@
 #include <cstdint>
 #include <cstring>
 #include <string>
+#include <vector>
 
 #include "ggml_blocks.h"
 
@@ -254,9 +257,16 @@ constexpr int TILE_GROUP = 1;
 // and widened once a block: 9 multiply-port instructions for 8 x 32 products instead of 16. Q8_0's
 // pairs alone can reach 32,258 and are widened at once. One half of the tile (8 outputs) a pass, so
 // 4 rows' sums and accumulators fit the 16 registers; the second pass reads the tile from L1.
+inline __m256i q8_signed(__m256i stored) { return _mm256_xor_si256(stored, _mm256_set1_epi8(static_cast<char>(0x80))); }
+
+// The int32 sums of the 4 products a lane of signed codes w (with magnitude |w|) and x give.
+inline __m256i q8_products(__m256i w, __m256i magnitude, __m256i x) {
+  return _mm256_madd_epi16(_mm256_maddubs_epi16(magnitude, _mm256_sign_epi8(x, w)), _mm256_set1_epi16(1));
+}
+
 inline __m256i q8_pairs(__m256i stored, __m256i x) {
-  const __m256i w = _mm256_xor_si256(stored, _mm256_set1_epi8(static_cast<char>(0x80)));
-  return _mm256_madd_epi16(_mm256_maddubs_epi16(_mm256_sign_epi8(w, w), _mm256_sign_epi8(x, w)), _mm256_set1_epi16(1));
+  const __m256i w = q8_signed(stored);
+  return q8_products(w, _mm256_sign_epi8(w, w), x);
 }
 
 // One block's integer sums for R rows against a half tile's codes (8 outputs).
@@ -328,6 +338,65 @@ void half_tile_gemm(const uint8_t* tile, int64_t nb, const int8_t* qx, const flo
   for (int r = 0; r < R; ++r) store8(acc[r], y + r * N, n0 + 8 * h, N);
 }
 
+// A tile's codes prepared once for all the 4-row passes a thread makes against it (a prefill's
+// hundreds of rows, a batched decode's 64), so each pass loads them instead of preparing them anew:
+//   Q4:   split into bytes; per block and j, the low codes of both halves then the high ones (4 x 32
+//         bytes): 24 of the ~196 vector instructions of a block's 4 rows
+//   Q8_0: per block and l, both halves' magnitudes |w| then their signed codes w (4 x 32 bytes)
+// The codes are the same numbers: the same bits.
+constexpr int64_t SPLIT_MIN_ROWS = 8;  // two passes or more: the preparation pays for itself
+
+constexpr int64_t split_block_bytes(int64_t type) { return type == Q8_0 ? 8 * 128 : 4 * 128; }
+
+template <int64_t TYPE>
+void split_tile_codes(const uint8_t* tile, int64_t nb, uint8_t* out) {
+  constexpr int steps = TYPE == Q8_0 ? 8 : 4;
+  for (int64_t b = 0; b < nb; ++b)
+    for (int i = 0; i < steps; ++i) {
+      const uint8_t* codes = tile + b * codes_bytes(TYPE) + i * 64;
+      __m256i v[4];
+      if constexpr (TYPE == Q8_0) {
+        for (int h = 0; h < 2; ++h) {
+          v[2 + h] = q8_signed(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(codes + 32 * h)));
+          v[h] = _mm256_sign_epi8(v[2 + h], v[2 + h]);
+        }
+      } else {
+        split_nibbles(codes, v[0], v[2]);
+        split_nibbles(codes + 32, v[1], v[3]);
+      }
+      __m256i* o = reinterpret_cast<__m256i*>(out + b * split_block_bytes(TYPE) + i * 128);
+      for (int k = 0; k < 4; ++k) _mm256_storeu_si256(o + k, v[k]);
+    }
+}
+
+// Holds v in a vector register here: GCC otherwise adds a block's products in another order (the
+// same integer sum) that needs more registers than AVX2's 16, and keeps sums on the stack, where
+// each add waits on the last one's store.
+inline void in_register(__m256i& v) { asm("" : "+x"(v)); }
+
+// A Q4 tile's codes 4j .. 4j + 3 (part 0, low nibbles) or 4(j + 4) .. (part 1, high nibbles) of
+// block b, for the tile's half h: split from the tile's bytes, or loaded where SPLIT holds them.
+template <bool SPLIT>
+inline __m256i q4_codes(const uint8_t* codes, const uint8_t* split, int64_t b, int j, int part, int h) {
+  if constexpr (SPLIT)
+    return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(split + b * split_block_bytes(Q4_1) + j * 128 + 64 * part + 32 * h));
+  const __m256i z = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(codes + j * 64 + 32 * h));
+  return _mm256_and_si256(part == 0 ? z : _mm256_srli_epi16(z, 4), _mm256_set1_epi8(0x0F));
+}
+
+// A Q8_0 tile's codes 4l .. 4l + 3 of block b for the tile's half h, signed, and their magnitudes.
+template <bool SPLIT>
+inline void q8_codes(const uint8_t* codes, const uint8_t* split, int64_t b, int l, int h, __m256i& w, __m256i& magnitude) {
+  if constexpr (SPLIT) {
+    const uint8_t* p = split + b * split_block_bytes(Q8_0) + l * 128 + 32 * h;
+    magnitude = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+    w = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + 64));
+  } else {
+    w = q8_signed(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(codes + l * 64 + 32 * h)));
+    magnitude = _mm256_sign_epi8(w, w);
+  }
+}
+
 // A block's float steps for 4 rows x both halves of a tile, the accumulators in L1 (acc[r] holds
 // row r's 16 outputs): per output the same steps in the same order as half_tile_gemm.
 template <int64_t TYPE>
@@ -353,9 +422,13 @@ inline void tile_block_steps(float (*acc)[16], __m256i (*isum)[2], const uint8_t
 // the float accumulators stay in L1 (a load and a store a block and half, on the load/store ports).
 // Per output the same integer sum and the same float steps in the same order as half_tile_gemm:
 // the same bits.
-template <int64_t TYPE>
+//
+// SPLIT: the codes come from split_tile_codes' copy instead (loads for the instructions that
+// prepare them).
+template <int64_t TYPE, bool SPLIT = false>
 void tile_gemm_4rows(const uint8_t* tile, int64_t nb, const int8_t* qx, const float* dx, const float* sx,
-                     const int32_t* qsum, int64_t K, float* y, int64_t N, int64_t n0) {
+                     const int32_t* qsum, int64_t K, float* y, int64_t N, int64_t n0,
+                     const uint8_t* split = nullptr) {
   constexpr int R = 4;
   const int64_t cb = codes_bytes(TYPE), sb = scales_bytes(TYPE);
   alignas(32) float acc[R][16] = {};
@@ -366,29 +439,33 @@ void tile_gemm_4rows(const uint8_t* tile, int64_t nb, const int8_t* qx, const fl
     if constexpr (TYPE == Q8_0) {
       for (int r = 0; r < R; ++r) isum[r][0] = isum[r][1] = _mm256_setzero_si256();
 #pragma GCC unroll 1
-      for (int l = 0; l < 8; ++l) {
-        const __m256i w0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(codes + l * 64));
-        const __m256i w1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(codes + l * 64 + 32));
-        for (int r = 0; r < R; ++r) {
-          const __m256i xb = broadcast4(x + r * K + 4 * l);
-          isum[r][0] = _mm256_add_epi32(isum[r][0], q8_pairs(w0, xb));
-          isum[r][1] = _mm256_add_epi32(isum[r][1], q8_pairs(w1, xb));
+      for (int l = 0; l < 8; ++l)
+        for (int h = 0; h < 2; ++h) {  // one half's codes live at a time, as for Q4 below
+          __m256i w, magnitude;
+          q8_codes<SPLIT>(codes, split, b, l, h, w, magnitude);
+          for (int r = 0; r < R; ++r) {
+            isum[r][h] = _mm256_add_epi32(isum[r][h], q8_products(w, magnitude, broadcast4(x + r * K + 4 * l)));
+            in_register(isum[r][h]);
+          }
         }
-      }
     } else {
       __m256i s16[R][2];
       for (int r = 0; r < R; ++r) s16[r][0] = s16[r][1] = _mm256_setzero_si256();
 #pragma GCC unroll 1
       for (int j = 0; j < 4; ++j) {
-        __m256i lo0, hi0, lo1, hi1;
-        split_nibbles(codes + j * 64, lo0, hi0);
-        split_nibbles(codes + j * 64 + 32, lo1, hi1);
-        for (int r = 0; r < R; ++r) {
-          const __m256i xl = broadcast4(x + r * K + 4 * j), xh = broadcast4(x + r * K + 4 * (j + 4));
-          s16[r][0] = _mm256_add_epi16(s16[r][0], _mm256_maddubs_epi16(lo0, xl));
-          s16[r][1] = _mm256_add_epi16(s16[r][1], _mm256_maddubs_epi16(lo1, xl));
-          s16[r][0] = _mm256_add_epi16(s16[r][0], _mm256_maddubs_epi16(hi0, xh));
-          s16[r][1] = _mm256_add_epi16(s16[r][1], _mm256_maddubs_epi16(hi1, xh));
+        // the low codes against all 4 rows, then the high ones: 2 code vectors live at a time, so
+        // the 8 sums, the codes, a broadcast and a product fit the 16 registers (with all 4 codes
+        // live, GCC kept sums on the stack and every add waited on a store)
+        for (int part = 0; part < 2; ++part) {
+          const __m256i c0 = q4_codes<SPLIT>(codes, split, b, j, part, 0);
+          const __m256i c1 = q4_codes<SPLIT>(codes, split, b, j, part, 1);
+          for (int r = 0; r < R; ++r) {
+            const __m256i xb = broadcast4(x + r * K + 4 * (j + 4 * part));
+            s16[r][0] = _mm256_add_epi16(s16[r][0], _mm256_maddubs_epi16(c0, xb));
+            s16[r][1] = _mm256_add_epi16(s16[r][1], _mm256_maddubs_epi16(c1, xb));
+            in_register(s16[r][0]);
+            in_register(s16[r][1]);
+          }
         }
       }
       for (int r = 0; r < R; ++r)
@@ -399,6 +476,29 @@ void tile_gemm_4rows(const uint8_t* tile, int64_t nb, const int8_t* qx, const fl
   for (int r = 0; r < R; ++r)
     for (int h = 0; h < 2; ++h) store8(_mm256_load_ps(acc[r] + 8 * h), y + r * N, n0 + 8 * h, N);
 }
+
+// Rows m0 .. M - 1 in 4-row passes against one full tile whose codes are prepared once; returns
+// the first row left (fewer than 4) for the usual passes.
+template <int64_t TYPE>
+int64_t split_tile_rows(const uint8_t* tile, int64_t nb, const QuantizedActivations& a, int64_t m0, int64_t M,
+                        int64_t K, float* y, int64_t N, int64_t n0) {
+  thread_local std::vector<uint8_t> split;
+  split.resize(nb * split_block_bytes(TYPE));
+  split_tile_codes<TYPE>(tile, nb, split.data());
+  int64_t m = m0;
+  for (; m + 4 <= M; m += 4)
+    tile_gemm_4rows<TYPE, true>(tile, nb, a.q.data() + m * K, a.d.data() + m * nb, a.s.data() + m * nb,
+                                a.sum.data() + m * nb, K, y + m * N, N, n0, split.data());
+  return m;
+}
+
+int64_t split_tile_rows(const uint8_t* tile, int64_t type, int64_t nb, const QuantizedActivations& a, int64_t m0,
+                        int64_t M, int64_t K, float* y, int64_t N, int64_t n0) {
+  if (type == Q8_0) return split_tile_rows<Q8_0>(tile, nb, a, m0, M, K, y, N, n0);
+  if (type == Q4_1) return split_tile_rows<Q4_1>(tile, nb, a, m0, M, K, y, N, n0);
+  return split_tile_rows<Q4_0>(tile, nb, a, m0, M, K, y, N, n0);
+}
+#define PAGODA_SPLITS_TILES 1
 
 template <int R, int64_t TYPE>
 void both_halves(const uint8_t* tile, int64_t nb, const int8_t* qx, const float* dx, const float* sx,
@@ -467,6 +567,9 @@ constexpr int TILE_GROUP = 2;  // weight tiles a kernel call takes (32 output co
 template <int C>
 void rows_of_group(const uint8_t* tiles, int64_t type, int64_t nb, const QuantizedActivations& a, int64_t m0,
                    int64_t M, int64_t K, float* y, int64_t N, int64_t n0) {
+#ifdef PAGODA_SPLITS_TILES
+  if (C == 1 && M - m0 >= SPLIT_MIN_ROWS && n0 + 8 < N) m0 = split_tile_rows(tiles, type, nb, a, m0, M, K, y, N, n0);
+#endif
   for (int64_t m = m0; m < M; m += TILE_ROWS) {
     const int8_t* qx = a.q.data() + m * K;
     const float *dx = a.d.data() + m * nb, *sx = a.s.data() + m * nb;
