@@ -13,6 +13,7 @@ from pathlib import Path
 import torch
 
 from pagoda.engine_args import EngineArgs  # also re-exported: most callers import it from here
+from pagoda.heap import keep_freed_memory
 from pagoda.loader.catalog import DEFAULT_MODEL  # noqa: F401 - the engine's default, re-exported
 from pagoda.loader.resolve import ModelFiles, resolve_model
 from pagoda.platform import default_device, resolve_dtype, resolve_kv_cache_dtype
@@ -186,6 +187,8 @@ def create_engine_config(args: EngineArgs) -> EngineConfig:
         torch.set_num_threads(args.num_threads)
         os.environ["OMP_NUM_THREADS"] = str(args.num_threads)
     device = torch.device(args.device) if args.device else default_device()
+    if device.type == "cpu":
+        keep_freed_memory()  # the activations' heap stays between steps (pagoda/heap.py)
     files = resolve_model(args.model, key_file=args.model_key_file)
     if args.model_key_file is not None and files.encryption is None:
         _warn_once(f"--model-key-file is ignored: {args.model!r} is not an encrypted model")

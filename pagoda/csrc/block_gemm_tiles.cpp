@@ -606,20 +606,20 @@ at::Tensor block_repack_tiles(const at::Tensor& weight, int64_t type, int64_t in
   return out;
 }
 
-// x [M, K] float32 times the tiled weight's transpose: [M, out_features] float32.
-at::Tensor block_gemm_tiles(const at::Tensor& x, const at::Tensor& tiles, int64_t type, int64_t out_features) {
-  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat, "block_gemm_tiles: x must be float32 [M, K]");
-  const int64_t M = x.size(0), K = x.size(1), N = out_features, nb = K / QK;
+namespace {
+
+void check_tiles(const at::Tensor& tiles, int64_t type, int64_t N, int64_t K) {
   TORCH_CHECK(K % QK == 0, "block_gemm_tiles: K (", K, ") must be a multiple of 32");
   TORCH_CHECK(tiles.dim() == 2 && tiles.scalar_type() == at::kByte && tiles.is_contiguous() &&
-                  tiles.size(0) == (N + COLS - 1) / COLS && tiles.size(1) == nb * record_bytes(type),
+                  tiles.size(0) == (N + COLS - 1) / COLS && tiles.size(1) == K / QK * record_bytes(type),
               "block_gemm_tiles: the tiles do not hold a repacked [", N, ", ", K, "] weight of type ", type);
-  at::Tensor out = at::empty({M, N}, x.options());
-  if (M == 0 || N == 0) return out;
-  const at::Tensor xc = x.contiguous();
-  const QuantizedActivations a = quantize_rows(xc.data_ptr<float>(), M, K);
+}
+
+// The quantized activations a [M, K] times the tiled weight's transpose, into y [M, N].
+void tiles_product(const QuantizedActivations& a, int64_t M, int64_t K, const at::Tensor& tiles, int64_t type,
+                   float* y, int64_t N) {
+  const int64_t nb = K / QK;
   const uint8_t* t = tiles.data_ptr<uint8_t>();
-  float* y = out.data_ptr<float>();
   const int64_t num_tiles = tiles.size(0), groups = (num_tiles + TILE_GROUP - 1) / TILE_GROUP;
   const int64_t tile_bytes = tiles.size(1);
   // A thread's tiles against a stretch of rows at a time, whose int8 codes stay in its L2 cache
@@ -646,6 +646,35 @@ at::Tensor block_gemm_tiles(const at::Tensor& x, const at::Tensor& tiles, int64_
       }
     }
   });
+}
+
+}  // namespace
+
+// x [M, K] float32 times the tiled weight's transpose: [M, out_features] float32.
+at::Tensor block_gemm_tiles(const at::Tensor& x, const at::Tensor& tiles, int64_t type, int64_t out_features) {
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat, "block_gemm_tiles: x must be float32 [M, K]");
+  const int64_t M = x.size(0), K = x.size(1), N = out_features;
+  check_tiles(tiles, type, N, K);
+  at::Tensor out = at::empty({M, N}, x.options());
+  if (M == 0 || N == 0) return out;
+  const at::Tensor xc = x.contiguous();
+  tiles_product(quantize_rows(xc.data_ptr<float>(), M, K), M, K, tiles, type, out.data_ptr<float>(), N);
+  return out;
+}
+
+// silu(gate) * up of gate_up [M, 2K] times the tiled weight's transpose (the MLP's down
+// projection): block_gemm_tiles(silu_and_mul(gate_up), ...) bit for bit, with the activations
+// quantized as silu_and_mul makes them (quantize_silu_mul_rows) instead of going through memory.
+at::Tensor silu_mul_block_gemm_tiles(const at::Tensor& gate_up, const at::Tensor& tiles, int64_t type,
+                                     int64_t out_features) {
+  TORCH_CHECK(gate_up.dim() == 2 && gate_up.scalar_type() == at::kFloat && gate_up.size(1) % 2 == 0,
+              "silu_mul_block_gemm_tiles: gate_up must be float32 [M, 2K]");
+  const int64_t M = gate_up.size(0), K = gate_up.size(1) / 2, N = out_features;
+  check_tiles(tiles, type, N, K);
+  at::Tensor out = at::empty({M, N}, gate_up.options());
+  if (M == 0 || N == 0) return out;
+  const at::Tensor xc = gate_up.contiguous();
+  tiles_product(quantize_silu_mul_rows(xc.data_ptr<float>(), M, K), M, K, tiles, type, out.data_ptr<float>(), N);
   return out;
 }
 
@@ -654,6 +683,7 @@ at::Tensor block_gemm_tiles(const at::Tensor& x, const at::Tensor& tiles, int64_
 TORCH_LIBRARY_FRAGMENT(pagoda, m) {
   m.def("block_repack_tiles(Tensor weight, int block_type, int in_features) -> Tensor");
   m.def("block_gemm_tiles(Tensor x, Tensor tiles, int block_type, int out_features) -> Tensor");
+  m.def("silu_mul_block_gemm_tiles(Tensor gate_up, Tensor tiles, int block_type, int out_features) -> Tensor");
   // Which instruction set this build's tile GEMM uses: avx512-vnni, avx-vnni, avx2, scalar.
   m.def("block_gemm_tiles_isa() -> str", []() { return std::string(isa_path()); });
 }
@@ -661,4 +691,5 @@ TORCH_LIBRARY_FRAGMENT(pagoda, m) {
 TORCH_LIBRARY_IMPL(pagoda, CPU, m) {
   m.impl("block_repack_tiles", &pagoda::block_repack_tiles);
   m.impl("block_gemm_tiles", &pagoda::block_gemm_tiles);
+  m.impl("silu_mul_block_gemm_tiles", &pagoda::silu_mul_block_gemm_tiles);
 }

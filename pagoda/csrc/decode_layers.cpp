@@ -6,7 +6,7 @@
 // Python added ~5 ms more. This runs the same ops in the same order as the Python modules
 // (pagoda/models/llama.py with the fused CPU ops), layer after layer, with no Python in between:
 //   norm(x + residual) → qkv → rotary → KV write → paged attention → o → norm(x + residual)
-//   → gate_up → silu * up → down
+//   → gate_up → silu * up → down   (the last two fused where down's weight is in tiles)
 // so its outputs are those of the Python path bit for bit. Float32 on the CPU; each projection
 // is either a float weight (pagoda::linear, as the Python layers call it) or ggml blocks
 // (block_matmul, on the blocks' copy packed at load where there is one: tiles or bf16).
@@ -27,6 +27,15 @@ constexpr int64_t PROJECTIONS_PER_LAYER = 4;  // qkv, o, gate_up, down: their bl
 at::Tensor project(const at::Tensor& x, const at::Tensor& weight, int64_t block_type,
                    const std::optional<at::Tensor>& packed) {
   return block_type < 0 ? pagoda::linear(x, weight, packed) : pagoda::block_matmul(x, weight, block_type, packed);
+}
+
+// silu(gate) * up, then the down projection: on a weight repacked into tiles, fused
+// (silu_mul_block_gemm_tiles quantizes the activations as it makes them, the same bits).
+at::Tensor down_projection(const at::Tensor& gate_up, const at::Tensor& weight, int64_t block_type,
+                           const std::optional<at::Tensor>& packed) {
+  if (block_type >= 0 && packed.has_value() && packed->defined() && packed->scalar_type() == at::kByte)
+    return pagoda::silu_mul_block_gemm_tiles(gate_up, *packed, block_type, weight.size(0));
+  return project(pagoda::silu_and_mul(gate_up), weight, block_type, packed);
 }
 
 }  // namespace
@@ -69,7 +78,8 @@ at::Tensor decode_layers(at::Tensor hidden, at::Tensor residual, const at::Tenso
     const at::Tensor attn = paged_decode_attention(q, k_caches[l], v_caches[l], block_tables, seq_lens, scale, window);
     at::Tensor o = project(attn.view({T, q_size}), w[2], types[1], pack(1));
     fused_add_rms_norm(o, residual, w[3], eps);
-    x = project(silu_and_mul(project(o, w[4], types[2], pack(2))), w[5], types[3], pack(3));
+    const at::Tensor gate_up = project(o, w[4], types[2], pack(2));
+    x = down_projection(gate_up, w[5], types[3], pack(3));
   }
   return x;
 }

@@ -9,8 +9,12 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstdint>
 #include <cstring>
+#include <memory>
 #include <vector>
+
+#include "vec_math.h"
 
 #if defined(__AVX2__) || defined(__F16C__)
 #include <immintrin.h>
@@ -69,11 +73,75 @@ inline float block_min(const uint8_t* blk, int64_t type, float dw) {
 
 inline int64_t codes_offset(int64_t type) { return type == Q4_1 ? 4 : 2; }  // after d (and Q4_1's m)
 
-// Activations as int8 blocks: q [M, K], d, s and sum [M, K / 32].
-struct QuantizedActivations {
-  std::vector<int8_t> q;
-  std::vector<float> d, s;
-  std::vector<int32_t> sum;  // sum(q) per block (the tile GEMM takes its codes' offset back with it)
+// A view of n values of T that someone else owns (reads as the std::vector it replaced).
+template <typename T>
+struct Span {
+  T* ptr = nullptr;
+  T* data() const { return ptr; }
+  T& operator[](int64_t i) const { return ptr[i]; }
+};
+
+// Memory that one thread's quantized activations reuse from call to call. Each projection used
+// to allocate and zero a fresh copy (at a prefill's 2,048 rows, 1.2-3 MB written by the calling
+// thread alone while the OpenMP workers waited, and its pages faulted in again wherever malloc had
+// handed them back): ~1.5 % of a prefill's samples. It grows to the largest call and is never
+// cleared (every byte a call reads, that call writes first).
+struct ActivationScratch {
+  std::unique_ptr<uint8_t[]> bytes;
+  size_t size = 0;
+  bool in_use = false;  // a second set alive on this thread (none today) gets its own memory
+};
+
+inline ActivationScratch& thread_scratch() {
+  thread_local ActivationScratch scratch;
+  return scratch;
+}
+
+// Activations as int8 blocks: q [M, K], d, s and sum [M, K / 32], in this thread's scratch.
+class QuantizedActivations {
+ public:
+  Span<int8_t> q;
+  Span<float> d, s;
+  Span<int32_t> sum;  // sum(q) per block (the tile GEMM takes its codes' offset back with it)
+
+  QuantizedActivations(int64_t M, int64_t K) {
+    const size_t codes = static_cast<size_t>(M * K), blocks = static_cast<size_t>(M * (K / QK));
+    const size_t bytes = codes + blocks * (2 * sizeof(float) + sizeof(int32_t)) + ALIGN;
+    uint8_t* base;
+    ActivationScratch& scratch = thread_scratch();
+    if (!scratch.in_use) {
+      if (scratch.size < bytes) {  // default-initialized: not zeroed
+        scratch.bytes.reset();
+        scratch.bytes.reset(new uint8_t[bytes]);
+        scratch.size = bytes;
+      }
+      scratch.in_use = leased_ = true;
+      base = scratch.bytes.get();
+    } else {
+      own_.reset(new uint8_t[bytes]);
+      base = own_.get();
+    }
+    base += (ALIGN - reinterpret_cast<uintptr_t>(base) % ALIGN) % ALIGN;
+    q.ptr = reinterpret_cast<int8_t*>(base);
+    d.ptr = reinterpret_cast<float*>(base + codes);  // codes: a multiple of 32 bytes
+    s.ptr = d.ptr + blocks;
+    sum.ptr = reinterpret_cast<int32_t*>(s.ptr + blocks);
+  }
+  QuantizedActivations(QuantizedActivations&& other) noexcept
+      : q(other.q), d(other.d), s(other.s), sum(other.sum), own_(std::move(other.own_)), leased_(other.leased_) {
+    other.leased_ = false;
+  }
+  QuantizedActivations(const QuantizedActivations&) = delete;
+  QuantizedActivations& operator=(const QuantizedActivations&) = delete;
+  QuantizedActivations& operator=(QuantizedActivations&&) = delete;
+  ~QuantizedActivations() {
+    if (leased_) thread_scratch().in_use = false;
+  }
+
+ private:
+  static constexpr size_t ALIGN = 64;
+  std::unique_ptr<uint8_t[]> own_;
+  bool leased_ = false;
 };
 
 // One block of 32: d = amax / 127, q = x * (1 / d) rounded half to even, s = d * sum(q); returns
@@ -142,11 +210,29 @@ inline int32_t quantize_block(const float* src, int8_t* q, float* d_out, float* 
 
 inline QuantizedActivations quantize_rows(const float* x, int64_t M, int64_t K) {
   const int64_t nb = K / QK;
-  QuantizedActivations a{std::vector<int8_t>(M * K), std::vector<float>(M * nb), std::vector<float>(M * nb),
-                         std::vector<int32_t>(M * nb)};
+  QuantizedActivations a(M, K);
   at::parallel_for(0, M * nb, 256, [&](int64_t begin, int64_t end) {
     for (int64_t i = begin; i < end; ++i)  // rows are contiguous, so block i of the flat array
       a.sum[i] = quantize_block(x + i * QK, a.q.data() + i * QK, &a.d[i], &a.s[i]);
+  });
+  return a;
+}
+
+// silu(gate) * up of gate_up [M, 2I], quantized as quantize_rows quantizes it: the down
+// projection's activations, without writing silu_and_mul's float rows ([2,048, 1,536] is 12.6 MB
+// at a prefill's rows, beyond the caches) and reading them back. A block's floats are
+// silu_mul_row's for its 32 elements, which are those of the whole row's call, so the codes are
+// the same bits as quantize_rows(silu_and_mul(gate_up)).
+inline QuantizedActivations quantize_silu_mul_rows(const float* gate_up, int64_t M, int64_t I) {
+  const int64_t nb = I / QK;
+  QuantizedActivations a(M, I);
+  at::parallel_for(0, M * nb, 64, [&](int64_t begin, int64_t end) {
+    alignas(64) float y[QK];
+    for (int64_t i = begin; i < end; ++i) {
+      const float* g = gate_up + i / nb * 2 * I + i % nb * QK;
+      silu_mul_row(g, g + I, y, QK);
+      a.sum[i] = quantize_block(y, a.q.data() + i * QK, &a.d[i], &a.s[i]);
+    }
   });
   return a;
 }

@@ -19,6 +19,8 @@ at::Tensor block_matmul(const at::Tensor& x, const at::Tensor& weight, int64_t t
                         const std::optional<at::Tensor>& packed = std::nullopt);
 at::Tensor block_gemm_tiles(const at::Tensor& x, const at::Tensor& tiles, int64_t type,  // block_gemm_tiles.cpp
                            int64_t out_features);
+at::Tensor silu_mul_block_gemm_tiles(const at::Tensor& gate_up, const at::Tensor& tiles, int64_t type,
+                                     int64_t out_features);  // block_gemm_tiles.cpp
 at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
                                   const at::Tensor& block_tables, const at::Tensor& seq_lens, double scale,
                                   int64_t window = 0, const std::optional<at::Tensor>& k_scales = std::nullopt,

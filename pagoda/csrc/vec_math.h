@@ -3,6 +3,9 @@
 // the softmax in a batch-64 attention call and of silu_and_mul.
 #pragma once
 
+#include <cmath>
+#include <cstdint>
+
 #if defined(__AVX2__) && defined(__FMA__)
 #include <immintrin.h>
 #define PAGODA_AVX2 1
@@ -38,5 +41,22 @@ inline float hmax256(__m256 v, float m) {
   return m;
 }
 #endif
+
+// silu(g) * u = g / (1 + exp(-g)) * u over n elements; 8 lanes at a time where AVX2 is built in
+// (each element's arithmetic depends only on its place in the row, never on the batch). Shared by
+// silu_and_mul and the fused activation quantization of the down projection (ggml_blocks.h),
+// so both give the same bits.
+inline void silu_mul_row(const float* g, const float* u, float* y, int64_t n) {
+  int64_t i = 0;
+#ifdef PAGODA_AVX2
+  const __m256 one = _mm256_set1_ps(1.f);
+  for (; i + 8 <= n; i += 8) {
+    const __m256 gv = _mm256_loadu_ps(g + i);
+    const __m256 e = exp256(_mm256_sub_ps(_mm256_setzero_ps(), gv));
+    _mm256_storeu_ps(y + i, _mm256_mul_ps(_mm256_div_ps(gv, _mm256_add_ps(one, e)), _mm256_loadu_ps(u + i)));
+  }
+#endif
+  for (; i < n; ++i) y[i] = (g[i] / (1.f + std::exp(-g[i]))) * u[i];
+}
 
 }  // namespace pagoda

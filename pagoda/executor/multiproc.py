@@ -32,6 +32,7 @@ import torch
 from pagoda.config import EngineConfig
 from pagoda.distributed.parallel_state import serve_rendezvous
 from pagoda.executor.base import WorkerFailedError, Executor
+from pagoda.heap import keep_freed_memory
 from pagoda.worker.worker import Worker, cpu_share
 
 logger = logging.getLogger(__name__)
@@ -229,6 +230,7 @@ def _use_cores(config: EngineConfig, rank: int, local_world_size: int, pin: bool
     if pin:
         os.sched_setaffinity(0, cores)
     torch.set_num_threads(len(cores))
+    keep_freed_memory()  # a worker process's heap too (pagoda/heap.py)
 
 
 def _die_with_parent() -> None:

@@ -2,8 +2,9 @@
 (PAGODA_KERNEL_ISA) takes the path it names, and every path gives the native build's bits and the
 reference arithmetic.
 
-The fallback levels (avx-vnni, avx2, scalar) are built from block_matmul.cpp, block_gemm_tiles.cpp (which it calls) and small_matmul.cpp
-alone (its batch-invariance switch), each in a subprocess, since two builds register the same
+The fallback levels (avx-vnni, avx2, scalar) are built from block_matmul.cpp, block_gemm_tiles.cpp (which it calls), small_matmul.cpp
+(its batch-invariance switch) and fused_ops.cpp (silu_and_mul, against which the down projection's
+fused activation quantization is checked) alone, each in a subprocess, since two builds register the same
 ops and cannot share a process. Each build is cached under $PAGODA_HOME/kernels/<cpu>-<level>-...;
 the first run compiles them (20-45 s a level on a loaded 2-core machine: ~65 s for the file), later
 runs load them (~3 s a level: ~10 s for the file)."""
@@ -38,12 +39,17 @@ _CHILD = """
 import sys, torch
 from pagoda.layers.cpu_kernels import build_kernels
 level, cases, out = sys.argv[1:]
-ops = build_kernels(level, ("block_matmul.cpp", "block_gemm_tiles.cpp", "small_matmul.cpp"))
+ops = build_kernels(level, ("block_matmul.cpp", "block_gemm_tiles.cpp", "small_matmul.cpp", "fused_ops.cpp"))
 ops.set_batch_invariant(True)
 cases = torch.load(cases)
 outputs = [ops.block_matmul(x, w, t) for t, x, w in cases]
 tiles = [ops.block_gemm_tiles(x, ops.block_repack_tiles(w, t, x.shape[1]), t, w.shape[0]) for t, x, w in cases]
-torch.save({"isa": ops.block_matmul_isa(), "outputs": outputs, "tiles_isa": ops.block_gemm_tiles_isa(), "tiles": tiles}, out)
+def down(t, x, w):  # the MLP's down projection on gate_up = [x, x reversed]: fused, and in two ops
+    gate_up, packed = torch.cat([x, x.flip(1)], 1), ops.block_repack_tiles(w, t, x.shape[1])
+    return (ops.silu_mul_block_gemm_tiles(gate_up, packed, t, w.shape[0]),
+            ops.block_gemm_tiles(ops.silu_and_mul(gate_up), packed, t, w.shape[0]))
+torch.save({"isa": ops.block_matmul_isa(), "outputs": outputs, "tiles_isa": ops.block_gemm_tiles_isa(), "tiles": tiles,
+            "down": [down(t, x, w) for t, x, w in cases]}, out)
 """
 
 
@@ -114,6 +120,30 @@ def test_native_build_matches_the_reference_arithmetic(cases):
             torch.testing.assert_close(_tiles(ops, x, blocks, block_type), reference, rtol=1e-5, atol=1e-4)
 
 
+def _silu_mul_reference(x: torch.Tensor) -> torch.Tensor:
+    """silu(gate) * up of gate_up = [x, x reversed], in float64."""
+    gate, up = x.double(), x.flip(1).double()
+    return (gate / (1 + torch.exp(-gate)) * up).float()
+
+
+@needs_kernels
+def test_fused_down_projection_is_silu_and_mul_then_the_tiles(cases):
+    """silu_mul_block_gemm_tiles (the decoder stack's down projection on tiles) quantizes silu(gate) * up
+    as it computes it: the same bits as silu_and_mul's rows through block_gemm_tiles, at every row count."""
+    ops = load_cpu_kernels()
+    for block_type, x, blocks in cases[1]:
+        gate_up = torch.cat([x, x.flip(1)], 1)
+        packed = ops.block_repack_tiles(blocks, block_type, x.shape[1])
+        fused = ops.silu_mul_block_gemm_tiles(gate_up, packed, block_type, blocks.shape[0])
+        assert torch.equal(fused, ops.block_gemm_tiles(ops.silu_and_mul(gate_up), packed, block_type, blocks.shape[0]))
+        reference = _int8_reference(_silu_mul_reference(x), blocks, block_type)
+        torch.testing.assert_close(fused, reference, rtol=1e-3, atol=1e-3)
+    with pytest.raises(RuntimeError, match=r"gate_up must be float32 \[M, 2K\]"):
+        ops.silu_mul_block_gemm_tiles(torch.zeros(2, 97), packed, block_type, blocks.shape[0])
+    with pytest.raises(RuntimeError, match="the tiles do not hold a repacked"):
+        ops.silu_mul_block_gemm_tiles(torch.zeros(2, 4 * K), packed, block_type, blocks.shape[0])
+
+
 @needs_kernels
 @pytest.mark.parametrize("level", ["avx-vnni", "avx2", "scalar"])
 def test_fallback_build_gives_the_native_bits(level, cases, tmp_path):
@@ -132,6 +162,11 @@ def test_fallback_build_gives_the_native_bits(level, cases, tmp_path):
             torch.testing.assert_close(got, _int8_reference(x, blocks, block_type), rtol=1e-5, atol=1e-4)
             # so does the tile GEMM, in its own order
             assert torch.equal(tiles, _tiles(ops, x, blocks, block_type)), (level, block_type, x.shape[0])
+        for (block_type, x, blocks), (fused, unfused) in zip(data, result["down"], strict=True):
+            # the fused down projection: that level's two ops' bits (exp is vectorized from avx2 up)
+            assert torch.equal(fused, unfused), (level, block_type, x.shape[0])
+            torch.testing.assert_close(fused, _int8_reference(_silu_mul_reference(x), blocks, block_type),
+                                       rtol=1e-3, atol=1e-3)
 
 
 def test_isa_level_errors_name_the_problem(monkeypatch):
