@@ -648,18 +648,26 @@ void tiles_product(const QuantizedActivations& a, int64_t M, int64_t K, const at
   });
 }
 
+// The activations that `quantize` makes of float32 rows [M, *] (QuantizedActivations [M, K]) times
+// the tiled weight's transpose: [M, N] float32. The entry points below differ in that step only.
+template <typename Quantize>
+at::Tensor tiles_gemm(const at::Tensor& rows, int64_t K, const at::Tensor& tiles, int64_t type, int64_t N,
+                      const Quantize& quantize) {
+  check_tiles(tiles, type, N, K);
+  const int64_t M = rows.size(0);
+  at::Tensor out = at::empty({M, N}, rows.options());
+  if (M == 0 || N == 0) return out;
+  const at::Tensor contiguous = rows.contiguous();
+  tiles_product(quantize(contiguous.data_ptr<float>(), M, K), M, K, tiles, type, out.data_ptr<float>(), N);
+  return out;
+}
+
 }  // namespace
 
 // x [M, K] float32 times the tiled weight's transpose: [M, out_features] float32.
 at::Tensor block_gemm_tiles(const at::Tensor& x, const at::Tensor& tiles, int64_t type, int64_t out_features) {
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat, "block_gemm_tiles: x must be float32 [M, K]");
-  const int64_t M = x.size(0), K = x.size(1), N = out_features;
-  check_tiles(tiles, type, N, K);
-  at::Tensor out = at::empty({M, N}, x.options());
-  if (M == 0 || N == 0) return out;
-  const at::Tensor xc = x.contiguous();
-  tiles_product(quantize_rows(xc.data_ptr<float>(), M, K), M, K, tiles, type, out.data_ptr<float>(), N);
-  return out;
+  return tiles_gemm(x, x.size(1), tiles, type, out_features, quantize_rows);
 }
 
 // silu(gate) * up of gate_up [M, 2K] times the tiled weight's transpose (the MLP's down
@@ -669,13 +677,7 @@ at::Tensor silu_mul_block_gemm_tiles(const at::Tensor& gate_up, const at::Tensor
                                      int64_t out_features) {
   TORCH_CHECK(gate_up.dim() == 2 && gate_up.scalar_type() == at::kFloat && gate_up.size(1) % 2 == 0,
               "silu_mul_block_gemm_tiles: gate_up must be float32 [M, 2K]");
-  const int64_t M = gate_up.size(0), K = gate_up.size(1) / 2, N = out_features;
-  check_tiles(tiles, type, N, K);
-  at::Tensor out = at::empty({M, N}, gate_up.options());
-  if (M == 0 || N == 0) return out;
-  const at::Tensor xc = gate_up.contiguous();
-  tiles_product(quantize_silu_mul_rows(xc.data_ptr<float>(), M, K), M, K, tiles, type, out.data_ptr<float>(), N);
-  return out;
+  return tiles_gemm(gate_up, gate_up.size(1) / 2, tiles, type, out_features, quantize_silu_mul_rows);
 }
 
 }  // namespace pagoda

@@ -383,7 +383,7 @@ at::Tensor block_matmul(const at::Tensor& x, const at::Tensor& weight, int64_t t
   if (M == 0 || N == 0) return out;
   // a copy repacked into tiles at load (block_gemm_tiles.cpp) serves every row count: its rows
   // do not depend on M, so under batch invariance too
-  if (packed.has_value() && packed->defined() && packed->scalar_type() == at::kByte)
+  if (pagoda::holds_tiles(packed))
     return pagoda::block_gemm_tiles(xc, *packed, type, N);
   const QuantizedActivations a = quantize_rows(xc.data_ptr<float>(), M, K);
   const uint8_t* w = wc.data_ptr<uint8_t>();

@@ -73,7 +73,7 @@ inline float block_min(const uint8_t* blk, int64_t type, float dw) {
 
 inline int64_t codes_offset(int64_t type) { return type == Q4_1 ? 4 : 2; }  // after d (and Q4_1's m)
 
-// A view of n values of T that someone else owns (reads as the std::vector it replaced).
+// A pointer to values of T that someone else owns (indexed as the std::vector it replaced).
 template <typename T>
 struct Span {
   T* ptr = nullptr;
@@ -111,7 +111,7 @@ class QuantizedActivations {
     ActivationScratch& scratch = thread_scratch();
     if (!scratch.in_use) {
       if (scratch.size < bytes) {  // default-initialized: not zeroed
-        scratch.bytes.reset();
+        scratch.bytes.reset();  // the old block goes first: never both at once
         scratch.bytes.reset(new uint8_t[bytes]);
         scratch.size = bytes;
       }

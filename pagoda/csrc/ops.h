@@ -19,6 +19,11 @@ at::Tensor block_matmul(const at::Tensor& x, const at::Tensor& weight, int64_t t
                         const std::optional<at::Tensor>& packed = std::nullopt);
 at::Tensor block_gemm_tiles(const at::Tensor& x, const at::Tensor& tiles, int64_t type,  // block_gemm_tiles.cpp
                            int64_t out_features);
+// Whether a block weight's copy packed at load is the tile GEMM's (uint8, block_repack_tiles),
+// the route block_matmul takes at every row count (the other copy is oneDNN's bf16 / fp32).
+inline bool holds_tiles(const std::optional<at::Tensor>& packed) {
+  return packed.has_value() && packed->defined() && packed->scalar_type() == at::kByte;
+}
 at::Tensor silu_mul_block_gemm_tiles(const at::Tensor& gate_up, const at::Tensor& tiles, int64_t type,
                                      int64_t out_features);  // block_gemm_tiles.cpp
 at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
