@@ -106,7 +106,7 @@ class EngineArgs:
     short_chunk_tokens: int = field(default=512, metadata=_option(
         "a prefill chunk of at most this many tokens over a cached prefix runs through the paged decode kernel, "
         "reading the prefix in place (with the C++ kernels a fresh prompt this short too); a longer one takes "
-        "one SDPA call"))
+        "one call of the flash-style prefill kernel (SDPA without the C++ kernels)"))
     long_prefill_token_threshold: int = field(default=0, metadata=_option(
         "a prefill takes at most this many tokens per step, and a prompt longer than this is long "
         "(0: no limit but the step's budget; with --max-num-partial-prefills above 1, 0 means 4%% of "

@@ -1,13 +1,12 @@
-"""Paged attention over block tables, for mixed prefill + decode batches (torch SDPA on CPU/CUDA)."""
+"""Paged attention over block tables, for mixed prefill + decode batches (the backend's kernels: C++ on CPU, SDPA)."""
 
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from pagoda.forward_context import AttentionMetadata, get_attention_metadata
-from pagoda.layers.backend import current_backend, read_blocks
+from pagoda.layers.backend import current_backend
 
 
 class PagedAttention(nn.Module):
@@ -15,8 +14,9 @@ class PagedAttention(nn.Module):
 
     The cache of one layer is a pair of tensors [num_blocks, num_kv_heads, block_size, head_dim],
     bound once by the model runner (`bind_kv_cache`). Nothing is padded to the longest prompt:
-    prefill chunks run one SDPA call each; decodes run one batched SDPA call over their gathered
-    blocks with a length mask.
+    decode-like rows run one batched call (the C++ paged kernel, or SDPA over their gathered
+    blocks with a length mask), and each longer prefill chunk one call of its own (the C++
+    flash-style kernel reading the blocks in place, or SDPA); see the backend.
 
     ``sliding_window`` (Gemma 3's local layers, Mistral): a query at position p sees only keys at
     positions p - sliding_window + 1 .. p, as transformers masks them (``kv > q - window``). Every
@@ -68,39 +68,5 @@ class PagedAttention(nn.Module):
                                              self.k_scales, self.v_scales)
 
     def _prefill(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, seq) -> torch.Tensor:
-        gqa = self.num_heads != self.num_kv_heads
-        qh = q.transpose(0, 1).unsqueeze(0)  # [1, Hq, Lq, D]
-        window = self.sliding_window
-        if seq.start == 0 and (window is None or seq.query_len <= window):
-            # Nothing cached before this chunk, and every query sees all keys before it: plain causal.
-            out = F.scaled_dot_product_attention(
-                qh, k.transpose(0, 1).unsqueeze(0), v.transpose(0, 1).unsqueeze(0),
-                is_causal=True, scale=self.scale, enable_gqa=gqa,
-            )
-        elif seq.start == 0:
-            # Nothing cached, but the chunk is longer than the window: a banded causal mask.
-            pos = torch.arange(seq.query_len, device=q.device)
-            mask = _visible(pos.unsqueeze(1), pos.unsqueeze(0), window)
-            out = F.scaled_dot_product_attention(qh, k.transpose(0, 1).unsqueeze(0), v.transpose(0, 1).unsqueeze(0),
-                                                 attn_mask=mask, scale=self.scale, enable_gqa=gqa)
-        else:
-            total = seq.start + seq.query_len
-            bs = self.k_cache.shape[2]
-            # Blocks wholly before the first query's window are not gathered.
-            first = 0 if window is None else max(0, seq.start - window + 1) // bs
-            table = seq.block_table[first : -(-total // bs)]
-            begin = first * bs
-            keys = read_blocks(self.k_cache, self.k_scales, table, q.dtype)[:, : total - begin].unsqueeze(0)
-            values = read_blocks(self.v_cache, self.v_scales, table, q.dtype)[:, : total - begin].unsqueeze(0)
-            q_pos = torch.arange(seq.start, total, device=q.device).unsqueeze(1)
-            mask = _visible(q_pos, torch.arange(begin, total, device=q.device).unsqueeze(0), window)  # [Lq, keys]
-            out = F.scaled_dot_product_attention(qh, keys, values, attn_mask=mask, scale=self.scale, enable_gqa=gqa)
-        return out.squeeze(0).transpose(0, 1)
-
-
-def _visible(q_pos: torch.Tensor, k_pos: torch.Tensor, window: int | None) -> torch.Tensor:
-    """Which keys each query sees: causal, and within the sliding window when there is one."""
-    mask = k_pos <= q_pos
-    if window is not None:
-        mask &= k_pos > q_pos - window
-    return mask
+        return self.backend.prefill_attention(q, k, v, self.k_cache, self.v_cache, seq, self.scale,
+                                              self.sliding_window, self.k_scales, self.v_scales)

@@ -132,6 +132,38 @@ class TorchBackend:
                                              scale=scale, enable_gqa=q.shape[1] != keys.shape[1])
         return out.squeeze(2)
 
+    def prefill_attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
+                          v_cache: torch.Tensor, seq: PrefillSeq, scale: float, window: int | None = None,
+                          k_scales: torch.Tensor | None = None, v_scales: torch.Tensor | None = None) -> torch.Tensor:
+        """One prefill chunk ``seq`` (q: [Lq, Hq, D]; its k / v, already in the cache) over its
+        sequence, causal and within ``window``: one SDPA call, over the chunk's own K/V when
+        nothing is cached before it, else over the prefix gathered from the cache."""
+        gqa = q.shape[1] != k.shape[1]
+        qh = q.transpose(0, 1).unsqueeze(0)  # [1, Hq, Lq, D]
+        if seq.start == 0 and (window is None or seq.query_len <= window):
+            # Nothing cached before this chunk, and every query sees all keys before it: plain causal.
+            out = F.scaled_dot_product_attention(qh, k.transpose(0, 1).unsqueeze(0), v.transpose(0, 1).unsqueeze(0),
+                                                 is_causal=True, scale=scale, enable_gqa=gqa)
+        elif seq.start == 0:
+            # Nothing cached, but the chunk is longer than the window: a banded causal mask.
+            pos = torch.arange(seq.query_len, device=q.device)
+            mask = _visible(pos.unsqueeze(1), pos.unsqueeze(0), window)
+            out = F.scaled_dot_product_attention(qh, k.transpose(0, 1).unsqueeze(0), v.transpose(0, 1).unsqueeze(0),
+                                                 attn_mask=mask, scale=scale, enable_gqa=gqa)
+        else:
+            total = seq.start + seq.query_len
+            bs = k_cache.shape[2]
+            # Blocks wholly before the first query's window are not gathered.
+            first = 0 if window is None else max(0, seq.start - window + 1) // bs
+            table = seq.block_table[first : -(-total // bs)]
+            begin = first * bs
+            keys = read_blocks(k_cache, k_scales, table, q.dtype)[:, : total - begin].unsqueeze(0)
+            values = read_blocks(v_cache, v_scales, table, q.dtype)[:, : total - begin].unsqueeze(0)
+            q_pos = torch.arange(seq.start, total, device=q.device).unsqueeze(1)
+            mask = _visible(q_pos, torch.arange(begin, total, device=q.device).unsqueeze(0), window)  # [Lq, keys]
+            out = F.scaled_dot_product_attention(qh, keys, values, attn_mask=mask, scale=scale, enable_gqa=gqa)
+        return out.squeeze(0).transpose(0, 1)
+
     # -- the model as a whole ---------------------------------------------------------------
     def decode_stack(self, model):
         """The one-call decoder stack for ``model``, or None (the Python layers run)."""
@@ -216,6 +248,15 @@ class CpuKernelBackend(TorchBackend):
                                                    meta.decode_seq_lens, scale, window or 0, k_scales, v_scales)
         return super().decode_attention(q, k_cache, v_cache, meta, scale, window, k_scales, v_scales)
 
+    def prefill_attention(self, q, k, v, k_cache, v_cache, seq, scale, window=None, k_scales=None, v_scales=None):
+        """The flash-style kernel (csrc/prefill_attention.cpp): keys and values read from the
+        cache in place, the chunk's own included, a tile of keys at a time for a tile of rows;
+        faster than SDPA over the gathered prefix on every shape measured (benchmarks/README.md)."""
+        if q.device.type == "cpu":
+            return self.ops.paged_prefill_attention(q.contiguous(), k_cache, v_cache, seq.block_table, seq.start,
+                                                    scale, window or 0, k_scales, v_scales)
+        return super().prefill_attention(q, k, v, k_cache, v_cache, seq, scale, window, k_scales, v_scales)
+
     def decode_stack(self, model):
         from pagoda.models.decode_stack import DecodeStack
 
@@ -298,3 +339,11 @@ def quantize_rows(x: torch.Tensor, dtype: torch.dtype = torch.int8) -> tuple[tor
 def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     half = x.shape[-1] // 2
     return x * cos + torch.cat((-x[..., half:], x[..., :half]), dim=-1) * sin
+
+
+def _visible(q_pos: torch.Tensor, k_pos: torch.Tensor, window: int | None) -> torch.Tensor:
+    """Which keys each query sees: causal, and within the sliding window when there is one."""
+    mask = k_pos <= q_pos
+    if window is not None:
+        mask &= k_pos > q_pos - window
+    return mask

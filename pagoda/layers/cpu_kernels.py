@@ -23,8 +23,8 @@ logger = logging.getLogger(__name__)
 _CSRC = Path(__file__).resolve().parent.parent / "csrc"
 
 
-_SOURCES = ("paged_attention.cpp", "block_matmul.cpp", "block_gemm_tiles.cpp", "fused_ops.cpp", "small_matmul.cpp",
-            "decode_layers.cpp")
+_SOURCES = ("paged_attention.cpp", "prefill_attention.cpp", "block_matmul.cpp", "block_gemm_tiles.cpp",
+            "fused_ops.cpp", "small_matmul.cpp", "decode_layers.cpp")
 
 
 _disabled: bool | None = None  # PAGODA_DISABLE_KERNELS, read once (this is called per layer per step)
@@ -141,6 +141,10 @@ def _register_fakes() -> None:
 
     @torch.library.register_fake("pagoda::paged_decode_attention")
     def _(q, k_cache, v_cache, block_tables, seq_lens, scale, window=0, k_scales=None, v_scales=None):
+        return torch.empty_like(q)
+
+    @torch.library.register_fake("pagoda::paged_prefill_attention")
+    def _(q, k_cache, v_cache, block_table, start, scale, window=0, k_scales=None, v_scales=None):
         return torch.empty_like(q)
 
 

@@ -3,8 +3,8 @@
 reference arithmetic.
 
 The fallback levels (avx-vnni, avx2, scalar) are built from block_matmul.cpp, block_gemm_tiles.cpp (which it calls), small_matmul.cpp
-(its batch-invariance switch) and fused_ops.cpp (silu_and_mul, against which the down projection's
-fused activation quantization is checked) alone, each in a subprocess, since two builds register the same
+(its batch-invariance switch), fused_ops.cpp (silu_and_mul, against which the down projection's
+fused activation quantization is checked) and prefill_attention.cpp (the flash-style prefill kernel) alone, each in a subprocess, since two builds register the same
 ops and cannot share a process. Each build is cached under $PAGODA_HOME/kernels/<cpu>-<level>-...;
 the first run compiles them (20-45 s a level on a loaded 2-core machine: ~65 s for the file), later
 runs load them (~3 s a level: ~10 s for the file)."""
@@ -39,7 +39,8 @@ _CHILD = """
 import sys, torch
 from pagoda.layers.cpu_kernels import build_kernels
 level, cases, out = sys.argv[1:]
-ops = build_kernels(level, ("block_matmul.cpp", "block_gemm_tiles.cpp", "small_matmul.cpp", "fused_ops.cpp"))
+ops = build_kernels(level, ("block_matmul.cpp", "block_gemm_tiles.cpp", "small_matmul.cpp", "fused_ops.cpp",
+                           "prefill_attention.cpp"))
 ops.set_batch_invariant(True)
 cases = torch.load(cases)
 outputs = [ops.block_matmul(x, w, t) for t, x, w in cases]
@@ -48,8 +49,13 @@ def down(t, x, w):  # the MLP's down projection on gate_up = [x, x reversed]: fu
     gate_up, packed = torch.cat([x, x.flip(1)], 1), ops.block_repack_tiles(w, t, x.shape[1])
     return (ops.silu_mul_block_gemm_tiles(gate_up, packed, t, w.shape[0]),
             ops.block_gemm_tiles(ops.silu_and_mul(gate_up), packed, t, w.shape[0]))
+g = torch.Generator().manual_seed(0)  # a prefill chunk of 70 over 100 cached positions, fp16 cache
+attn = {"q": torch.randn(70, 9, 64, generator=g), "k": torch.randn(12, 3, 16, 64, generator=g).half(),
+        "v": torch.randn(12, 3, 16, 64, generator=g).half(), "table": torch.randperm(12, generator=g)}
+attn["out"] = [ops.paged_prefill_attention(attn["q"], attn["k"], attn["v"], attn["table"], 100, 0.125, w)
+               for w in (0, 40)]
 torch.save({"isa": ops.block_matmul_isa(), "outputs": outputs, "tiles_isa": ops.block_gemm_tiles_isa(), "tiles": tiles,
-            "down": [down(t, x, w) for t, x, w in cases]}, out)
+            "down": [down(t, x, w) for t, x, w in cases], "attn": attn}, out)
 """
 
 
@@ -167,6 +173,16 @@ def test_fallback_build_gives_the_native_bits(level, cases, tmp_path):
             assert torch.equal(fused, unfused), (level, block_type, x.shape[0])
             torch.testing.assert_close(fused, _int8_reference(_silu_mul_reference(x), blocks, block_type),
                                        rtol=1e-3, atol=1e-3)
+    # the flash-style prefill kernel (its micro-kernel and exp vectorized from avx2 up): SDPA's results
+    attn = result["attn"]
+    for window, got in zip((0, 40), attn["out"], strict=True):
+        keys, values = (c[attn["table"]].float().transpose(1, 2).flatten(0, 1)[:170].transpose(0, 1)
+                        for c in (attn["k"], attn["v"]))
+        pos = torch.arange(170)
+        mask = (pos <= pos[100:, None]) & ((pos > pos[100:, None] - window) if window else True)
+        expected = torch.nn.functional.scaled_dot_product_attention(
+            attn["q"].transpose(0, 1), keys, values, attn_mask=mask, scale=0.125, enable_gqa=True).transpose(0, 1)
+        torch.testing.assert_close(got, expected, atol=2e-6, rtol=1e-5)
 
 
 def test_isa_level_errors_name_the_problem(monkeypatch):

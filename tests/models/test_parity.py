@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from pagoda import LLM, SamplingParams
+from pagoda.layers.cpu_kernels import load_cpu_kernels
 
 PROMPTS = [
     "Hello",
@@ -65,6 +66,26 @@ def test_parity_with_chunked_prefill_and_small_blocks(tiny_model_dirs, arch):
     model_dir = tiny_model_dirs[arch]
     llm = LLM(model=str(model_dir), dtype="float32", kv_cache_memory=0.02, max_num_batched_tokens=7, block_size=8)
     _check(llm, model_dir, PROMPTS)
+
+
+@pytest.mark.parametrize("arch", ["llama", "mistral", "gemma3"])
+def test_parity_with_every_prefill_chunk_on_the_flash_kernel(tiny_model_dirs, arch, monkeypatch):
+    """``short_chunk_tokens=1``: every chunk of more than one token, fresh or over a cached prefix
+    (token budget 7, 8-token blocks; Mistral's and Gemma 3's windows of 12), runs the C++ flash-style
+    prefill kernel instead of the decode-rows path, and the tokens stay transformers'."""
+    from pagoda.layers.backend import CpuKernelBackend
+
+    if load_cpu_kernels() is None:
+        pytest.skip("pagoda's C++ kernels cannot be built here")
+    calls = []
+    kernel = CpuKernelBackend.prefill_attention
+    monkeypatch.setattr(CpuKernelBackend, "prefill_attention",
+                        lambda self, q, *args, **kw: calls.append(q.shape[0]) or kernel(self, q, *args, **kw))
+    model_dir = tiny_model_dirs[arch]
+    llm = LLM(model=str(model_dir), dtype="float32", kv_cache_memory=0.02, max_num_batched_tokens=7, block_size=8,
+              short_chunk_tokens=1)
+    _check(llm, model_dir, PROMPTS)
+    assert calls and max(calls) > 1
 
 
 def test_tied_embeddings_parity(tmp_path):
