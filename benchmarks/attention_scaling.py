@@ -5,9 +5,11 @@
                                                                   # results/attention-scaling-<date>.{json,png}
 
 ``kernel`` (SmolLM2's attention shapes: 9 query heads, 3 kv heads, head size 64, blocks of 16):
-1. A prefill chunk of C tokens over P cached positions, two ways: the paged kernel reading the
-   blocks in place (one row per token), and gathering the prefix into contiguous K/V for one SDPA
-   call (what PagedAttention does for a chunk longer than ``--short-chunk-tokens``).
+1. A prefill chunk of C tokens over P cached positions, three ways: the paged decode kernel
+   reading the blocks in place (one row per token: a chunk up to ``--short-chunk-tokens``), the
+   flash-style prefill kernel reading them in place (a longer chunk), and gathering the prefix
+   into contiguous K/V for one SDPA call (the torch backend's path). Then a fresh prompt of C
+   tokens: causal SDPA over its own K/V against the flash-style kernel.
 2. 64 decode rows whose sequences share a P-token prefix: block tables that share the prefix's
    blocks (the kernel reads them once per group of rows) against tables that hold private copies
    of the same keys and values (every row reads its own). Same arithmetic, same bits.
@@ -72,8 +74,36 @@ def prefill_over_prefix(ops, P: int, C: int, reps: int) -> dict:
     def paged():
         return ops.paged_decode_attention(q, k_cache, v_cache, tables, lens, D**-0.5, 0)
 
-    err = (gathered().squeeze(0).transpose(0, 1) - paged()).abs().max().item()
+    def flash():
+        return ops.paged_prefill_attention(q, k_cache, v_cache, table, P, D**-0.5, 0)
+
+    reference = gathered().squeeze(0).transpose(0, 1)
     return {"prefix": P, "chunk": C, "gathered_sdpa_ms": _best_ms(gathered, reps), "paged_ms": _best_ms(paged, reps),
+            "flash_ms": _best_ms(flash, reps), "max_abs_difference": (reference - paged()).abs().max().item(),
+            "flash_max_abs_difference": (reference - flash()).abs().max().item()}
+
+
+def fresh_prompt(ops, C: int, reps: int) -> dict:
+    """A prompt with nothing cached: causal SDPA over its own K/V (the torch backend's path)
+    against the flash-style kernel reading the same K/V from the block pool."""
+    nb = -(-C // BS)
+    k_cache = torch.randn(nb + 4, HKV, BS, D)
+    v_cache = torch.randn_like(k_cache)
+    table = torch.randperm(nb + 4)[:nb]
+    k = k_cache[table].transpose(1, 2).flatten(0, 1)[:C]  # [C, Hkv, D]
+    v = v_cache[table].transpose(1, 2).flatten(0, 1)[:C]
+    q = torch.randn(C, HQ, D)
+
+    def sdpa():
+        return F.scaled_dot_product_attention(q.transpose(0, 1).unsqueeze(0), k.transpose(0, 1).unsqueeze(0),
+                                              v.transpose(0, 1).unsqueeze(0), is_causal=True, scale=D**-0.5,
+                                              enable_gqa=True)
+
+    def flash():
+        return ops.paged_prefill_attention(q, k_cache, v_cache, table, 0, D**-0.5, 0)
+
+    err = (sdpa().squeeze(0).transpose(0, 1) - flash()).abs().max().item()
+    return {"chunk": C, "causal_sdpa_ms": _best_ms(sdpa, reps), "flash_ms": _best_ms(flash, reps),
             "max_abs_difference": err}
 
 
@@ -106,13 +136,18 @@ def kernel_mode(args) -> dict:
     prefill = [prefill_over_prefix(ops, P, C, args.reps) for P in (512, 2048, 8192) for C in (32, 128, 512, 1024, 2048)]
     for r in prefill:
         print(f"prefix {r['prefix']:5d} chunk {r['chunk']:5d}: gathered+SDPA {r['gathered_sdpa_ms']:8.2f} ms  "
-              f"paged {r['paged_ms']:8.2f} ms  ({r['gathered_sdpa_ms'] / r['paged_ms']:.2f}x)", flush=True)
+              f"paged {r['paged_ms']:8.2f} ms  ({r['gathered_sdpa_ms'] / r['paged_ms']:.2f}x)  "
+              f"flash {r['flash_ms']:8.2f} ms  ({r['gathered_sdpa_ms'] / r['flash_ms']:.2f}x)", flush=True)
+    fresh = [fresh_prompt(ops, C, args.reps) for C in (512, 1024, 2048, 4096, 8192)]
+    for r in fresh:
+        print(f"fresh prompt {r['chunk']:5d}: causal SDPA {r['causal_sdpa_ms']:8.2f} ms  flash {r['flash_ms']:8.2f} ms  "
+              f"({r['causal_sdpa_ms'] / r['flash_ms']:.2f}x)", flush=True)
     shared = [shared_prefix_decode(ops, P, 64, 32, args.reps) for P in (512, 1024, 2048, 4096)]
     for r in shared:
         print(f"64 decode rows, shared prefix {r['prefix']:5d}: shared blocks {r['shared_blocks_ms']:7.2f} ms  "
               f"private copies {r['private_blocks_ms']:7.2f} ms  ({r['private_blocks_ms'] / r['shared_blocks_ms']:.2f}x, "
               f"same bits: {r['same_bits']})", flush=True)
-    return {"prefill_over_prefix": prefill, "shared_prefix_decode": shared}
+    return {"prefill_over_prefix": prefill, "fresh_prompt": fresh, "shared_prefix_decode": shared}
 
 
 # -- the engine ---------------------------------------------------------------------------------

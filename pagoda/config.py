@@ -64,7 +64,9 @@ class SchedulerConfig:
     max_num_batched_tokens: int = 2048
     aging_seconds: float = 30.0  # waiting this long raises a request's effective priority by one level; 0: off
     admission_pressure_threshold: float = 0.9  # KV pressure above which admission keeps a block per running request
-    short_chunk_tokens: int = 512  # a prefill chunk this short (fresh too, on the C++ kernels) runs through the paged decode kernel
+    # a prefill chunk this short (fresh too, on the C++ kernels) runs as rows of the paged decode
+    # kernel; a longer one takes the flash-style prefill kernel (SDPA on the torch backend)
+    short_chunk_tokens: int = 16
     # vLLM's chunking knobs (core/prefill_chunks.py): a prefill's tokens per step (0: the budget's),
     # how many requests may be mid-prefill at once, and how many of those may be long
     long_prefill_token_threshold: int = 0

@@ -103,7 +103,7 @@ class EngineArgs:
         "seconds of waiting that raise a request's effective priority by one level; 0 disables aging"))
     admission_pressure_threshold: float = field(default=0.9, metadata=_option(
         "above this KV memory pressure a new request must leave a block of headroom per running request"))
-    short_chunk_tokens: int = field(default=512, metadata=_option(
+    short_chunk_tokens: int = field(default=16, metadata=_option(
         "a prefill chunk of at most this many tokens over a cached prefix runs through the paged decode kernel, "
         "reading the prefix in place (with the C++ kernels a fresh prompt this short too); a longer one takes "
         "one call of the flash-style prefill kernel (SDPA without the C++ kernels)"))

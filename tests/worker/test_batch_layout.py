@@ -1,6 +1,7 @@
 """Which of a step's tokens run as rows of the paged decode kernel (worker/batch_layout.py), and
-that the choice does not change an answer: with the C++ kernels a short fresh prompt runs so too,
-where the torch backend (which would gather every row's blocks) keeps one causal SDPA call."""
+that the choice does not change an answer: with the C++ kernels a short fresh prompt runs so too
+(the rest take the flash-style prefill kernel), where the torch backend (which would gather every
+row's blocks) keeps one causal SDPA call."""
 
 from __future__ import annotations
 
@@ -43,17 +44,17 @@ def generate(model, **kwargs) -> tuple[LLM, list]:
     return llm, [o.outputs[0] for o in llm.generate(PROMPTS, PARAMS, use_tqdm=False)]
 
 
-def test_short_fresh_prompts_through_the_paged_kernel_answer_as_through_sdpa(tiny_llama):
-    paged, paged_outs = generate(tiny_llama)
-    sdpa, sdpa_outs = generate(tiny_llama, short_chunk_tokens=1)  # only single tokens run as decode rows
-    assert fresh_prompt_is_decode_like(paged) and not fresh_prompt_is_decode_like(sdpa)
-    for a, b in zip(paged_outs, sdpa_outs, strict=True):
+def test_short_fresh_prompts_through_the_paged_kernel_answer_as_through_the_flash_kernel(tiny_llama):
+    paged, paged_outs = generate(tiny_llama, short_chunk_tokens=512)
+    flash, flash_outs = generate(tiny_llama, short_chunk_tokens=1)  # only single tokens run as decode rows
+    assert fresh_prompt_is_decode_like(paged) and not fresh_prompt_is_decode_like(flash)
+    for a, b in zip(paged_outs, flash_outs, strict=True):
         assert a.token_ids == b.token_ids
         for x, y, token in zip(a.logprobs, b.logprobs, a.token_ids):
             assert x[token].logprob == pytest.approx(y[token].logprob, abs=1e-4)
 
 
 def test_the_torch_backend_keeps_sdpa_for_fresh_prompts(tiny_llama, torch_kernels_only):
-    llm, _ = generate(tiny_llama)
+    llm, _ = generate(tiny_llama, short_chunk_tokens=512)
     assert not runner(llm).backend.has_cpu_kernels
     assert not fresh_prompt_is_decode_like(llm)
