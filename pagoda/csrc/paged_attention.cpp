@@ -31,41 +31,9 @@
 
 namespace {
 
-#ifdef PAGODA_AVX2
-using pagoda::exp256;
-using pagoda::hmax256;
-#endif
-
 // p[t] = exp(s[t] - max) / sum, in place.
 inline void softmax(float* s, int64_t L) {
-  float m = -std::numeric_limits<float>::infinity();
-  int64_t t = 0;
-#ifdef PAGODA_AVX2
-  {  // the max is exact in any order: 8 lanes at a time
-    __m256 mv = _mm256_set1_ps(m);
-    for (; t + 8 <= L; t += 8) mv = _mm256_max_ps(mv, _mm256_loadu_ps(s + t));
-    m = hmax256(mv, m);
-  }
-#endif
-  for (; t < L; ++t) m = std::max(m, s[t]);
-  float sum = 0.f;
-  t = 0;
-#ifdef PAGODA_AVX2
-  const __m256 mv = _mm256_set1_ps(m);
-  __m256 acc = _mm256_setzero_ps();
-  for (; t + 8 <= L; t += 8) {
-    const __m256 e = exp256(_mm256_sub_ps(_mm256_loadu_ps(s + t), mv));
-    _mm256_storeu_ps(s + t, e);
-    acc = _mm256_add_ps(acc, e);
-  }
-  alignas(32) float lanes[8];
-  _mm256_store_ps(lanes, acc);
-  for (float lane : lanes) sum += lane;
-#endif
-  for (; t < L; ++t) {
-    s[t] = std::exp(s[t] - m);
-    sum += s[t];
-  }
+  const float sum = pagoda::exp_minus_and_sum(s, L, pagoda::max_of(s, L));
   const float inv = 1.f / sum;
   for (int64_t i = 0; i < L; ++i) s[i] *= inv;
 }

@@ -92,44 +92,6 @@ inline void gemm(const float* A, int64_t lda, const float* B, int64_t ldb, int64
   }
 }
 
-// p[j] = exp(s[j] - m) in place for j < n (n a multiple of 8 where AVX2 is built in); a masked
-// score (-inf) gives an exact 0. Returns their sum.
-inline float exp_and_sum(float* s, int64_t n, float m) {
-  float sum = 0.f;
-  int64_t j = 0;
-#ifdef PAGODA_AVX2
-  const __m256 vm = _mm256_set1_ps(m), ninf = _mm256_set1_ps(NEG_INF);
-  __m256 acc = _mm256_setzero_ps();
-  for (; j + 8 <= n; j += 8) {
-    const __m256 x = _mm256_loadu_ps(s + j);
-    const __m256 e = _mm256_andnot_ps(_mm256_cmp_ps(x, ninf, _CMP_EQ_OQ), pagoda::exp256(_mm256_sub_ps(x, vm)));
-    _mm256_storeu_ps(s + j, e);
-    acc = _mm256_add_ps(acc, e);
-  }
-  alignas(32) float lanes[8];
-  _mm256_store_ps(lanes, acc);
-  for (float lane : lanes) sum += lane;
-#endif
-  for (; j < n; ++j) {
-    s[j] = s[j] == NEG_INF ? 0.f : std::exp(s[j] - m);
-    sum += s[j];
-  }
-  return sum;
-}
-
-// The largest of s[0..n) (n a multiple of 8 where AVX2 is built in; a max is exact in any order).
-inline float row_max(const float* s, int64_t n) {
-  float mx = NEG_INF;
-  int64_t j = 0;
-#ifdef PAGODA_AVX2
-  __m256 acc = _mm256_set1_ps(NEG_INF);
-  for (; j + 8 <= n; j += 8) acc = _mm256_max_ps(acc, _mm256_loadu_ps(s + j));
-  mx = pagoda::hmax256(acc, mx);
-#endif
-  for (; j < n; ++j) mx = std::max(mx, s[j]);
-  return mx;
-}
-
 // o[0..n) *= a
 inline void scale_row(float* o, int64_t n, float a) {
   int64_t d = 0;
@@ -233,13 +195,13 @@ void attend_item(const Shape& sh, const Item& it, const scalar_t* q, const cache
         std::fill(s, s + from, NEG_INF);
         std::fill(s + std::max(from, to), s + cols, NEG_INF);
       }
-      const float m_new = std::max(t.m[r], row_max(s, cols));
+      const float m_new = std::max(t.m[r], pagoda::max_of(s, cols));
       if (m_new == NEG_INF) {  // nothing visible yet: adds nothing
         std::fill(s, s + cols, 0.f);
         continue;
       }
       const float alpha = std::exp(t.m[r] - m_new);  // 0 before the first visible key
-      t.l[r] = t.l[r] * alpha + exp_and_sum(s, cols, m_new);
+      t.l[r] = t.l[r] * alpha + pagoda::exp_minus_and_sum<true>(s, cols, m_new);
       if (alpha != 1.f) scale_row(t.o.data() + r * Dp, Dp, alpha);
       t.m[r] = m_new;
     }

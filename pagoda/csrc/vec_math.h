@@ -5,6 +5,7 @@
 
 #include <cmath>
 #include <cstdint>
+#include <limits>
 
 #if defined(__AVX2__) && defined(__FMA__)
 #include <immintrin.h>
@@ -41,6 +42,49 @@ inline float hmax256(__m256 v, float m) {
   return m;
 }
 #endif
+
+// The largest of s[0..n) (-inf for none); a max is exact in any order, 8 lanes at a time where
+// AVX2 is built in.
+inline float max_of(const float* s, int64_t n) {
+  float m = -std::numeric_limits<float>::infinity();
+  int64_t j = 0;
+#ifdef PAGODA_AVX2
+  __m256 mv = _mm256_set1_ps(m);
+  for (; j + 8 <= n; j += 8) mv = _mm256_max_ps(mv, _mm256_loadu_ps(s + j));
+  m = hmax256(mv, m);
+#endif
+  for (; j < n; ++j) m = std::max(m, s[j]);
+  return m;
+}
+
+// s[j] = exp(s[j] - m) in place for j < n; returns their sum (8 lanes at a time, then the scalar
+// tail, always in that order). With MASKED, a score of -inf (a key the row does not see) gives an
+// exact 0: exp256 clamps its input and would give ~1e-38.
+template <bool MASKED = false>
+inline float exp_minus_and_sum(float* s, int64_t n, float m) {
+  constexpr float ninf = -std::numeric_limits<float>::infinity();
+  float sum = 0.f;
+  int64_t j = 0;
+#ifdef PAGODA_AVX2
+  const __m256 mv = _mm256_set1_ps(m);
+  __m256 acc = _mm256_setzero_ps();
+  for (; j + 8 <= n; j += 8) {
+    const __m256 x = _mm256_loadu_ps(s + j);
+    __m256 e = exp256(_mm256_sub_ps(x, mv));
+    if constexpr (MASKED) e = _mm256_andnot_ps(_mm256_cmp_ps(x, _mm256_set1_ps(ninf), _CMP_EQ_OQ), e);
+    _mm256_storeu_ps(s + j, e);
+    acc = _mm256_add_ps(acc, e);
+  }
+  alignas(32) float lanes[8];
+  _mm256_store_ps(lanes, acc);
+  for (float lane : lanes) sum += lane;
+#endif
+  for (; j < n; ++j) {
+    s[j] = MASKED && s[j] == ninf ? 0.f : std::exp(s[j] - m);
+    sum += s[j];
+  }
+  return sum;
+}
 
 // silu(g) * u = g / (1 + exp(-g)) * u over n elements; 8 lanes at a time where AVX2 is built in
 // (each element's arithmetic depends only on its place in the row, never on the batch). Shared by
