@@ -103,7 +103,7 @@ class LayerRunner:
         for first, last, start, stop in inputs.chunks:
             offset = start - inputs.chunks[0][2]
             x = inputs.attention[offset : offset + stop - start]
-            with torch.inference_mode(), _scratch_cache(attn.attn, stop - start), \
+            with torch.inference_mode(), _scratch_cache(attn.attn, self.lengths[first:last]), \
                     set_attention_metadata(_prefill_metadata(self.lengths[first:last])):
                 outputs.append(attn(self.positions[start:stop].contiguous(), x.clone()))
         return torch.cat(outputs)
@@ -129,7 +129,7 @@ class LayerRunner:
         layer = self.model.layers[index]
         hidden = self.hidden[start:stop].clone()
         residual = None if self.residual is None else self.residual[start:stop].clone()
-        with torch.inference_mode(), _scratch_cache(layer.self_attn.attn, stop - start), \
+        with torch.inference_mode(), _scratch_cache(layer.self_attn.attn, self.lengths[first:last]), \
                 set_attention_metadata(_prefill_metadata(self.lengths[first:last])):
             return layer(self.positions[start:stop].contiguous(), hidden, residual)
 
@@ -147,21 +147,28 @@ def _chunks(lengths: Sequence[int], budget: int) -> list[tuple[int, int, int, in
     return chunks
 
 
+def _scratch_blocks(n: int) -> int:
+    return -(-n // _SCRATCH_BLOCK)
+
+
 def _prefill_metadata(lengths: Sequence[int]) -> AttentionMetadata:
-    """Each sample one prefill from position 0, its K/V written to consecutive scratch slots."""
-    prefills, offset = [], 0
-    empty = torch.zeros(0, dtype=torch.long)
+    """Each sample one prefill from position 0, its K/V written to scratch blocks of its own, one
+    after another (the C++ prefill kernel reads them back through the sample's block table)."""
+    prefills, slots, offset, block = [], [], 0, 0
     for n in lengths:
-        prefills.append(PrefillSeq(token_start=offset, query_len=n, start=0, block_table=empty))
-        offset += n
-    return AttentionMetadata(slot_mapping=torch.arange(offset), prefills=prefills, block_size=_SCRATCH_BLOCK)
+        table = torch.arange(block, block + _scratch_blocks(n))
+        prefills.append(PrefillSeq(token_start=offset, query_len=n, start=0, block_table=table))
+        slots.append(torch.arange(n) + block * _SCRATCH_BLOCK)
+        offset, block = offset + n, block + len(table)
+    return AttentionMetadata(slot_mapping=torch.cat(slots), prefills=prefills, block_size=_SCRATCH_BLOCK)
 
 
 @contextmanager
-def _scratch_cache(attn: nn.Module, tokens: int) -> Iterator[None]:
-    """A K/V cache of ``tokens`` slots bound to ``attn`` for the block; its own cache rebound after."""
+def _scratch_cache(attn: nn.Module, lengths: Sequence[int]) -> Iterator[None]:
+    """A K/V cache with the blocks of samples of ``lengths`` bound to ``attn`` for the block; its
+    own cache rebound after."""
     saved = attn.k_cache, attn.v_cache
-    blocks = -(-tokens // _SCRATCH_BLOCK)
+    blocks = sum(_scratch_blocks(n) for n in lengths)
     shape = (blocks, attn.num_kv_heads, _SCRATCH_BLOCK, attn.head_dim)
     attn.bind_kv_cache(torch.zeros(shape), torch.zeros(shape))
     try:
