@@ -1,10 +1,12 @@
 // One kv head's keys or values of one cache block, widened to float as they are loaded (Rows),
-// and a block of keys transposed into a float tile (transpose): shared by the paged decode
-// kernel (paged_attention.cpp) and the flash-style prefill kernel (prefill_attention.cpp).
+// found and prefetched through the pool (BlockReader), and a block of keys transposed into a
+// float tile (transpose); where a sliding window starts (window_start). Shared by the paged
+// decode kernel (paged_attention.cpp) and the flash-style prefill kernel (prefill_attention.cpp).
 #pragma once
 
 #include <ATen/ATen.h>
 
+#include <algorithm>
 #include <cstdint>
 #include <type_traits>
 
@@ -104,5 +106,47 @@ inline void transpose(const Rows<cache_t>& k, int64_t n, int64_t D, float* kt, i
   for (int64_t j = j0; j < n; ++j)
     for (int64_t d = 0; d < D; ++d) kt[d * ldk + j] = k.at(j, d);
 }
+
+// The first position row length `len` sees (0 without a window).
+inline int64_t window_start(int64_t len, int64_t window) { return window > 0 ? std::max<int64_t>(0, len - window) : 0; }
+
+// Blocks of keys or values asked for ahead of their use.
+constexpr int64_t PREFETCH_AHEAD = 2;
+
+// One kv head's keys or values of one block of the pool.
+template <typename cache_t>
+struct BlockReader {
+  const cache_t* cache;
+  const float* scales;  // a scaled cache's (int8, fp8), else nullptr
+  int64_t Hkv, BS, D;
+
+  // Its rows from the block's row `from` on.
+  Rows<cache_t> rows(int64_t block, int64_t h, int64_t from = 0) const {
+    const int64_t first = (block * Hkv + h) * BS + from;
+    return {cache + first * D, scales != nullptr ? scales + first : nullptr, D};
+  }
+
+  // Ask for a block's rows ahead of use: blocks lie anywhere in the pool, and the hardware
+  // prefetcher does not cross into the next one, so each would otherwise start with a DRAM wait.
+  void prefetch(int64_t block, int64_t h, int64_t n) const {
+#ifdef PAGODA_AVX2
+    const char* src = reinterpret_cast<const char*>(cache + (block * Hkv + h) * BS * D);
+    const int64_t bytes = n * D * static_cast<int64_t>(sizeof(cache_t));
+    for (int64_t at = 0; at < bytes; at += 64) _mm_prefetch(src + at, _MM_HINT_T0);
+    if (scales != nullptr) _mm_prefetch(reinterpret_cast<const char*>(scales + (block * Hkv + h) * BS), _MM_HINT_T0);
+#else
+    (void)block, (void)h, (void)n;
+#endif
+  }
+
+  // Before the block at position t0 of a chain ending at Lmax: the block PREFETCH_AHEAD blocks on
+  // (and, at the chain's first, the ones before that too), for kv head h.
+  void prefetch_ahead(const int64_t* table, int64_t h, int64_t t0, int64_t Lmax, bool first) const {
+    for (int64_t a = first ? 0 : PREFETCH_AHEAD; a <= PREFETCH_AHEAD; ++a) {
+      const int64_t at = t0 + a * BS;
+      if (at < Lmax) prefetch(table[at / BS], h, std::min(BS, Lmax - at));
+    }
+  }
+};
 
 }  // namespace pagoda

@@ -78,9 +78,6 @@ struct Plan {
   std::vector<Item> items;
 };
 
-// The first position row length `len` sees (0 without a window).
-inline int64_t window_start(int64_t len, int64_t window) { return window > 0 ? std::max<int64_t>(0, len - window) : 0; }
-
 #ifdef PAGODA_AVX2
 // scores for NQ query vectors against T tiles of 8 keys side by side (kt[d * ldk + 8 * c + lane]),
 // each a fma chain over d: T * NQ independent chains (a decode row's 3 query heads alone give 3).
@@ -190,8 +187,10 @@ inline void scores_block(const float* q, int64_t nq, int64_t D, const float* kt,
     }
 }
 
+using pagoda::BlockReader;
 using pagoda::Rows;
 using pagoda::transpose;
+using pagoda::window_start;
 
 // acc_i[0..D) += p_i[t] * v[t][0..D) for t = 0..n-1 in order (a fma per element), for NV query
 // vectors i (acc_i = acc + i * D, p_i = p + i * ldp) that share the values: each value vector is
@@ -365,44 +364,6 @@ Plan plan(const int64_t* tables, const int64_t* lens, int64_t B, int64_t max_blo
 // Keys are scored this many positions at a time (whole blocks): a decode row's few query heads
 // against 4 tiles of 16 keys keep 12 FMA chains going where one tile kept 3 (score16).
 constexpr int64_t KEY_STRETCH = 64;
-
-// Blocks of keys or values asked for ahead of their use.
-constexpr int64_t PREFETCH_AHEAD = 2;
-
-// One kv head's keys or values of one block of the pool.
-template <typename cache_t>
-struct BlockReader {
-  const cache_t* cache;
-  const float* scales;  // a scaled cache's (int8, fp8), else nullptr
-  int64_t Hkv, BS, D;
-
-  Rows<cache_t> rows(int64_t block, int64_t h) const {
-    const int64_t first = (block * Hkv + h) * BS;
-    return {cache + first * D, scales != nullptr ? scales + first : nullptr, D};
-  }
-
-  // Ask for a block's rows ahead of use: blocks lie anywhere in the pool, and the hardware
-  // prefetcher does not cross into the next one, so each would otherwise start with a DRAM wait.
-  void prefetch(int64_t block, int64_t h, int64_t n) const {
-#ifdef PAGODA_AVX2
-    const char* src = reinterpret_cast<const char*>(cache + (block * Hkv + h) * BS * D);
-    const int64_t bytes = n * D * static_cast<int64_t>(sizeof(cache_t));
-    for (int64_t at = 0; at < bytes; at += 64) _mm_prefetch(src + at, _MM_HINT_T0);
-    if (scales != nullptr) _mm_prefetch(reinterpret_cast<const char*>(scales + (block * Hkv + h) * BS), _MM_HINT_T0);
-#else
-    (void)block, (void)h, (void)n;
-#endif
-  }
-
-  // Before the block at position t0 of a chain ending at Lmax: the block PREFETCH_AHEAD blocks on
-  // (and, at the chain's first, the ones before that too), for kv head h.
-  void prefetch_ahead(const int64_t* table, int64_t h, int64_t t0, int64_t Lmax, bool first) const {
-    for (int64_t a = first ? 0 : PREFETCH_AHEAD; a <= PREFETCH_AHEAD; ++a) {
-      const int64_t at = t0 + a * BS;
-      if (at < Lmax) prefetch(table[at / BS], h, std::min(BS, Lmax - at));
-    }
-  }
-};
 
 // scalar_t: the queries' and the output's type; cache_t: the KV cache's (--kv-cache-dtype), which
 // may be narrower: keys and values are widened to float as they are read, so the arithmetic is the

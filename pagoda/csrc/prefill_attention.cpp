@@ -29,7 +29,11 @@
 
 namespace {
 
+using pagoda::BlockReader;
 using pagoda::Rows;
+
+// The first position a row at position p sees.
+inline int64_t first_visible(int64_t p, int64_t window) { return pagoda::window_start(p + 1, window); }
 
 constexpr int64_t KEY_TILE = 64;     // keys a step: scores are [rows][KEY_TILE]
 constexpr int64_t ROWS_TARGET = 96;  // query rows an item (positions x the GQA group): 16 panels of 6
@@ -121,32 +125,9 @@ struct Tiles {
         m(rows), l(rows) {}
 };
 
-// The first position a row at position p sees.
-inline int64_t first_visible(int64_t p, int64_t window) { return window > 0 ? std::max<int64_t>(0, p - window + 1) : 0; }
-
-// Ask for the next key tile's keys and values (n positions from k0) while this one is computed:
-// the blocks lie anywhere in the pool, and each item reads its sequence's keys again from the L3
-// cache or memory, which the loads of the transpose and widening otherwise wait for.
-template <typename cache_t>
-inline void prefetch_tile(const Shape& sh, int64_t h, int64_t k0, int64_t n, const cache_t* k_cache,
-                          const cache_t* v_cache) {
-#ifdef PAGODA_AVX2
-  for (int64_t j = 0; j < n;) {
-    const int64_t pos = k0 + j, len = std::min(sh.BS - pos % sh.BS, n - j);
-    const int64_t first = ((sh.table[pos / sh.BS] * sh.Hkv + h) * sh.BS + pos % sh.BS) * sh.D;
-    const int64_t bytes = len * sh.D * static_cast<int64_t>(sizeof(cache_t));
-    for (const cache_t* c : {k_cache, v_cache})
-      for (int64_t at = 0; at < bytes; at += 64) _mm_prefetch(reinterpret_cast<const char*>(c + first) + at, _MM_HINT_T0);
-    j += len;
-  }
-#else
-  (void)sh, (void)h, (void)k0, (void)n, (void)k_cache, (void)v_cache;
-#endif
-}
-
 template <typename scalar_t, typename cache_t>
-void attend_item(const Shape& sh, const Item& it, const scalar_t* q, const cache_t* k_cache, const cache_t* v_cache,
-                 const float* k_scales, const float* v_scales, scalar_t* out, Tiles& t) {
+void attend_item(const Shape& sh, const Item& it, const scalar_t* q, const BlockReader<cache_t>& keys,
+                 const BlockReader<cache_t>& values, scalar_t* out, Tiles& t) {
   const int64_t G = sh.G, D = sh.D, Dp = sh.Dp, BS = sh.BS;
   const int64_t R = (it.i1 - it.i0) * G;
   for (int64_t i = it.i0; i < it.i1; ++i)
@@ -161,18 +142,20 @@ void attend_item(const Shape& sh, const Item& it, const scalar_t* q, const cache
 
   const int64_t p0 = sh.start + it.i0, p1 = sh.start + it.i1 - 1;  // the item's first and last positions
   const int64_t lo = first_visible(p0, sh.window) / KEY_TILE * KEY_TILE;
-  auto rows_at = [&](const cache_t* cache, const float* scales, int64_t pos) {
-    const int64_t first = (sh.table[pos / BS] * sh.Hkv + it.h) * BS + pos % BS;
-    return Rows<cache_t>{cache + first * D, scales != nullptr ? scales + first : nullptr, D};
-  };
   for (int64_t k0 = lo; k0 <= p1; k0 += KEY_TILE) {
     const int64_t n = std::min(KEY_TILE, p1 + 1 - k0), cols = (n + 15) / 16 * 16;
-    prefetch_tile(sh, it.h, k0 + KEY_TILE, std::min(KEY_TILE, p1 + 1 - k0 - KEY_TILE), k_cache, v_cache);
+    // the next tile's blocks asked for while this one is computed (an item reads its sequence's
+    // keys again, from the L3 cache or memory, which the widening loads would otherwise wait for)
+    const int64_t next_end = std::min(k0 + 2 * KEY_TILE, p1 + 1);
+    for (int64_t pos = k0 + KEY_TILE; pos < next_end; pos += BS - pos % BS)
+      for (const BlockReader<cache_t>* reader : {&keys, &values})
+        reader->prefetch(sh.table[pos / BS], it.h, std::min(BS, next_end - (pos - pos % BS)));
     // keys transposed into kt[d][j], values widened into v[j][d], a block's stretch at a time
     for (int64_t j = 0; j < n;) {
       const int64_t pos = k0 + j, len = std::min(BS - pos % BS, n - j);
-      pagoda::transpose(rows_at(k_cache, k_scales, pos), len, D, t.kt.data() + j, KEY_TILE);
-      const Rows<cache_t> vr = rows_at(v_cache, v_scales, pos);
+      const int64_t block = sh.table[pos / BS];
+      pagoda::transpose(keys.rows(block, it.h, pos % BS), len, D, t.kt.data() + j, KEY_TILE);
+      const Rows<cache_t> vr = values.rows(block, it.h, pos % BS);
       for (int64_t a = 0; a < len; ++a) {
         float* dst = t.v.data() + (j + a) * Dp;
         int64_t d = 0;
@@ -227,10 +210,10 @@ void prefill_attention_impl(const Shape& sh, const scalar_t* q, const cache_t* k
   std::atomic<int64_t> next{0};
   const int64_t num_items = items.size();
   const int64_t workers = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), num_items));
+  const BlockReader<cache_t> keys{k_cache, k_scales, sh.Hkv, sh.BS, sh.D}, values{v_cache, v_scales, sh.Hkv, sh.BS, sh.D};
   at::parallel_for(0, workers, 1, [&](int64_t, int64_t) {
     Tiles tiles(span * sh.G, sh.Dp);
-    for (int64_t i = next++; i < num_items; i = next++)
-      attend_item(sh, items[i], q, k_cache, v_cache, k_scales, v_scales, out, tiles);
+    for (int64_t i = next++; i < num_items; i = next++) attend_item(sh, items[i], q, keys, values, out, tiles);
   });
 }
 
