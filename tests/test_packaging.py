@@ -19,7 +19,9 @@ install can catch that. This test:
    the installed ``pagoda/csrc`` holds every ``*.cpp``/``*.h`` of the repo's with the same content,
    that ``load_cpu_kernels()`` builds the library, that the build used the installed sources and
    that the library loaded is the fresh one, that two ops (``pagoda::linear``,
-   ``pagoda::silu_and_mul``) match torch, and that ``LLM.generate`` on a tiny model runs them.
+   ``pagoda::silu_and_mul``) match torch, and that ``LLM.generate`` on a tiny model runs them;
+3. checks that the build precompiled torch's headers and every source used them (``ninja -t
+   deps``: a source that parsed the text header depends on it) and left no ``.gch`` behind.
 
 The kernels are built from scratch (an empty ``kernels/``), not copied from the test session's
 cache: a full build took 65 s on a shared 2-core machine (the whole test ~75 s) when this test was
@@ -205,6 +207,13 @@ def test_non_editable_install_builds_and_uses_cpu_kernels(tmp_path, tiny_llama):
             assert str(pkg / "csrc" / name) in ninja, f"build.ninja does not compile the installed {name}" + context
     assert str(REPO / "pagoda" / "csrc") not in ninja, "build.ninja compiles the checkout's sources" + context
     assert out["mapped_kernel_libs"], "no pagoda_cpu_kernels library mapped in the child" + context
+    # Torch's headers were precompiled and every source read them so (a source that parsed the text
+    # header lists it among its dependencies), and the ~400 MB .gch is gone after the build.
+    assert "-include " + str(build_dir.resolve() / "torch_headers.h") in ninja, context
+    assert not [name for name in out["build_dir_files"] if ".gch" in name], context
+    deps = subprocess.run(["ninja", "-C", str(build_dir), "-t", "deps"], check=True, capture_output=True, text=True)
+    assert deps.stdout.count(".o: #deps") == sum(name.endswith(".cpp") for name in expected), deps.stdout
+    assert "torch_headers.h" not in deps.stdout, "a source parsed torch's headers instead of the .gch:\n" + deps.stdout
     for lib in out["mapped_kernel_libs"]:
         assert Path(lib).resolve().is_relative_to(home.resolve()), f"loaded a kernel library from {lib}" + context
 

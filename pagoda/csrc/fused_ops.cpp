@@ -221,7 +221,7 @@ void write_kv_cache(const at::Tensor& k, const at::Tensor& v, at::Tensor k_cache
     at::Tensor ks = *k_scales, vs = *v_scales;
     dispatch_scaled_code(k_cache.scalar_type(), "write_kv_cache", [&](auto code) {
       using code_t = decltype(code);
-      AT_DISPATCH_FLOATING_TYPES_AND2(at::ScalarType::BFloat16, at::ScalarType::Half, k.scalar_type(), "write_kv_cache_scaled", [&] {
+      PAGODA_DISPATCH_MODEL_FLOATS(k.scalar_type(), "write_kv_cache_scaled", [&] {
         write_scaled<scalar_t, code_t>(k, k_cache, ks, slot_mapping.data_ptr<int64_t>());
         write_scaled<scalar_t, code_t>(v, v_cache, vs, slot_mapping.data_ptr<int64_t>());
       });
@@ -229,9 +229,9 @@ void write_kv_cache(const at::Tensor& k, const at::Tensor& v, at::Tensor k_cache
     return;
   }
   if (k.scalar_type() != k_cache.scalar_type()) {
-    AT_DISPATCH_FLOATING_TYPES_AND2(at::ScalarType::BFloat16, at::ScalarType::Half, k.scalar_type(), "write_kv_cache", [&] {
+    PAGODA_DISPATCH_MODEL_FLOATS(k.scalar_type(), "write_kv_cache", [&] {
       using src_t = scalar_t;
-      AT_DISPATCH_FLOATING_TYPES_AND2(at::ScalarType::BFloat16, at::ScalarType::Half, k_cache.scalar_type(),
+      PAGODA_DISPATCH_MODEL_FLOATS(k_cache.scalar_type(),
                                       "write_kv_cache_to", [&] {
         write_converted<src_t, scalar_t>(k, v, k_cache, v_cache, slot_mapping.data_ptr<int64_t>());
       });

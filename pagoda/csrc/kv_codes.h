@@ -120,6 +120,14 @@ void dispatch_scaled_code(at::ScalarType type, const char* name, F&& fn) {
   }
 }
 
+// Runs the lambda with scalar_t set to the model's or the KV cache's float type: float32, bfloat16 or
+// float16. Not float64, which no model or cache runs in: each type more multiplies the attention
+// kernels' instantiations (q type x cache type) and with them the build's time.
+#define PAGODA_DISPATCH_MODEL_FLOATS(TYPE, NAME, ...)                                                     \
+  AT_DISPATCH_SWITCH(TYPE, NAME, AT_DISPATCH_CASE(at::ScalarType::Float, __VA_ARGS__)                     \
+                         AT_DISPATCH_CASE(at::ScalarType::BFloat16, __VA_ARGS__)                          \
+                             AT_DISPATCH_CASE(at::ScalarType::Half, __VA_ARGS__))
+
 inline bool is_scaled_code(at::ScalarType type) {
   return type == at::kChar || type == at::kFloat8_e4m3fn || type == at::kFloat8_e5m2;
 }

@@ -538,7 +538,7 @@ at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& k_cache
     pagoda::check_kv_scales(k_scales, v_scales, k_cache, D);
     pagoda::dispatch_scaled_code(k_cache.scalar_type(), "paged_decode_attention", [&](auto code) {
       using code_t = decltype(code);
-      AT_DISPATCH_FLOATING_TYPES_AND2(at::ScalarType::BFloat16, at::ScalarType::Half, q.scalar_type(), "paged_decode_attention", [&] {
+      PAGODA_DISPATCH_MODEL_FLOATS(q.scalar_type(), "paged_decode_attention", [&] {
         decode_attention_impl<scalar_t, code_t>(qc.data_ptr<scalar_t>(), k_cache.data_ptr<code_t>(), v_cache.data_ptr<code_t>(),
                                                 tables.data_ptr<int64_t>(), lens.data_ptr<int64_t>(), out.data_ptr<scalar_t>(),
                                                 B, Hq, Hkv, D, BS, tables.size(1), static_cast<float>(scale), window,
@@ -547,9 +547,9 @@ at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& k_cache
     });
     return out;
   }
-  AT_DISPATCH_FLOATING_TYPES_AND2(at::ScalarType::BFloat16, at::ScalarType::Half, q.scalar_type(), "paged_decode_attention", [&] {
+  PAGODA_DISPATCH_MODEL_FLOATS(q.scalar_type(), "paged_decode_attention", [&] {
     using q_t = scalar_t;
-    AT_DISPATCH_FLOATING_TYPES_AND2(at::ScalarType::BFloat16, at::ScalarType::Half, k_cache.scalar_type(),
+    PAGODA_DISPATCH_MODEL_FLOATS(k_cache.scalar_type(),
                                     "paged_decode_attention_cache", [&] {
       decode_attention_impl<q_t, scalar_t>(qc.data_ptr<q_t>(), k_cache.data_ptr<scalar_t>(), v_cache.data_ptr<scalar_t>(),
                                            tables.data_ptr<int64_t>(), lens.data_ptr<int64_t>(), out.data_ptr<q_t>(),

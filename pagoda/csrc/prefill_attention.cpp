@@ -249,7 +249,7 @@ at::Tensor paged_prefill_attention(const at::Tensor& q, const at::Tensor& k_cach
     pagoda::check_kv_scales(k_scales, v_scales, k_cache, D);
     pagoda::dispatch_scaled_code(k_cache.scalar_type(), "paged_prefill_attention", [&](auto code) {
       using code_t = decltype(code);
-      AT_DISPATCH_FLOATING_TYPES_AND2(at::ScalarType::BFloat16, at::ScalarType::Half, q.scalar_type(),
+      PAGODA_DISPATCH_MODEL_FLOATS(q.scalar_type(),
                                       "paged_prefill_attention", [&] {
         prefill_attention_impl<scalar_t, code_t>(sh, qc.data_ptr<scalar_t>(), k_cache.data_ptr<code_t>(),
                                                  v_cache.data_ptr<code_t>(), k_scales->data_ptr<float>(),
@@ -258,10 +258,10 @@ at::Tensor paged_prefill_attention(const at::Tensor& q, const at::Tensor& k_cach
     });
     return out;
   }
-  AT_DISPATCH_FLOATING_TYPES_AND2(at::ScalarType::BFloat16, at::ScalarType::Half, q.scalar_type(),
+  PAGODA_DISPATCH_MODEL_FLOATS(q.scalar_type(),
                                   "paged_prefill_attention", [&] {
     using q_t = scalar_t;
-    AT_DISPATCH_FLOATING_TYPES_AND2(at::ScalarType::BFloat16, at::ScalarType::Half, k_cache.scalar_type(),
+    PAGODA_DISPATCH_MODEL_FLOATS(k_cache.scalar_type(),
                                     "paged_prefill_attention_cache", [&] {
       prefill_attention_impl<q_t, scalar_t>(sh, qc.data_ptr<q_t>(), k_cache.data_ptr<scalar_t>(),
                                             v_cache.data_ptr<scalar_t>(), nullptr, nullptr, out.data_ptr<q_t>());
