@@ -48,11 +48,40 @@ PAGODA_TEST_HOME = _use_temporary_pagoda_home()
 REAL_MODEL_FIXTURES = ("smollm2_gguf", "gemma3_gguf")
 
 
+# The files that take longest (their tests' seconds, 2 xdist workers on the AVX2 EPYC, 2026-12-04),
+# longest first. `-n 2 --dist loadfile` hands out whole files in collection order (reordering by
+# test count is switched off below: it sent these files, most with one to four tests, last, and
+# the suite ended with one worker running them alone for ~6 minutes of its ~19).
+LONGEST_FILES = (
+    "layers/test_kernel_isa_levels.py",  # fallback-level kernel builds: 190 s (one level on an AVX2-only CPU)
+    "test_packaging.py",  # a wheel's from-scratch kernel build: 110 s
+    "e2e/test_gemma3_270m.py",  # 105 s
+    "executor/test_tensor_parallel.py",  # 100 s
+    "entrypoints/test_server.py",  # 100 s
+    "e2e/test_smollm2.py",  # 80 s
+    "entrypoints/test_reliability.py",  # 80 s
+    "entrypoints/test_cli.py",  # 65 s
+    "entrypoints/test_tensor_parallel_server.py",  # 60 s
+    "entrypoints/test_fuzz.py",  # 60 s
+    "entrypoints/test_soak.py",  # 55 s
+    "tune/test_tune.py",  # 50 s
+    "worker/test_compiled.py",  # 40 s
+)
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    if hasattr(config.option, "loadscopereorder"):  # pytest-xdist: keep the order set below
+        config.option.loadscopereorder = False
+
+
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     slow = pytest.mark.slow
     for item in items:
         if any(name in getattr(item, "fixturenames", ()) for name in REAL_MODEL_FIXTURES):
             item.add_marker(slow)
+    rank = {name: i for i, name in enumerate(LONGEST_FILES)}
+    tests = Path(__file__).resolve().parent
+    items.sort(key=lambda item: rank.get(item.path.relative_to(tests).as_posix(), len(rank)))  # stable: files stay whole
 
 ARCHS = ["llama", "qwen2", "qwen3", "mistral", "gemma3"]
 
