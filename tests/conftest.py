@@ -81,7 +81,11 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
             item.add_marker(slow)
     rank = {name: i for i, name in enumerate(LONGEST_FILES)}
     tests = Path(__file__).resolve().parent
-    items.sort(key=lambda item: rank.get(item.path.relative_to(tests).as_posix(), len(rank)))  # stable: files stay whole
+
+    def order(item: pytest.Item) -> int:  # items outside tests/ (another path on the command line) keep their place
+        return rank.get(item.path.relative_to(tests).as_posix(), len(rank)) if item.path.is_relative_to(tests) else len(rank)
+
+    items.sort(key=order)  # stable: a file's tests stay together and in order
 
 ARCHS = ["llama", "qwen2", "qwen3", "mistral", "gemma3"]
 

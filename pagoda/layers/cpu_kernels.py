@@ -98,17 +98,22 @@ def build_directory(level: str = "native", sources: tuple[str, ...] = _SOURCES) 
 
 _LIBRARY = "pagoda_cpu_kernels"
 # Every source includes these torch headers, and parsing them is most of a small file's compile
-# time (~14 s of decode_layers.cpp's 18 s on the AVX2 EPYC). A build compiles them once into a
-# GCC precompiled header next to this file, which every source is given with -include.
+# time (~14 s of decode_layers.cpp's 18 s on the AVX2 EPYC). A build writes them into this file in
+# its build directory, compiles that once into a GCC precompiled header (.gch) beside it, and gives
+# the file to every source with -include (GCC then reads the .gch).
 _TORCH_HEADERS = "torch_headers.h"
 _TORCH_HEADERS_TEXT = "#include <ATen/ATen.h>\n#include <ATen/Parallel.h>\n#include <torch/library.h>\n"
 
 
 def _library_is_current(build_dir: Path, sources: tuple[str, ...]) -> bool:
-    """Whether ``build_dir`` holds a library newer than ``sources`` and the headers beside them
-    (loading then compiles nothing)."""
-    library = build_dir / f"{_LIBRARY}.so"
-    if not library.exists():
+    """Whether ``build_dir`` holds a library built from these very files (its build.ninja names
+    them: another checkout sharing the home compiles its own) and newer than them and the headers
+    beside them (loading then compiles nothing)."""
+    library, ninja = build_dir / f"{_LIBRARY}.so", build_dir / "build.ninja"
+    if not library.exists() or not ninja.exists():
+        return False
+    commands = ninja.read_text()
+    if any(str(_CSRC / name) not in commands for name in sources):
         return False
     built = library.stat().st_mtime
     paths = [_CSRC / name for name in sources] + [path for path in _CSRC.iterdir() if path.suffix == ".h"]
