@@ -47,7 +47,9 @@ class PagedAttention(nn.Module):
         self.k_cache, self.v_cache, self.kv_group = k_cache, v_cache, kv_group
         self.k_scales, self.v_scales = k_scales, v_scales
 
-    @torch.compiler.disable  # reads per-step metadata and loops in Python: stays eager under --compile
+    # Stays eager under --compile (it reads per-step metadata and loops in Python): worker/compiled.py
+    # wraps it in torch.compiler.disable before tracing. Not a decorator here: that imports
+    # torch._dynamo (and triton), ~1.5 s of every process's start, for servers that never compile.
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         """q: [T, Hq, D], k/v: [T, Hkv, D] for the T tokens of the batch → [T, Hq * D]."""
         meta = get_attention_metadata().for_group(self.kv_group)

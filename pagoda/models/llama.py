@@ -128,7 +128,10 @@ class LlamaForCausalLM(nn.Module):
         self.backend = current_backend()  # the kernels every layer runs (layers/backend.py)
         self.shards = plan = ShardPlan.for_rank(cfg, tp)
         self.num_local_kv_heads = plan.num_kv_heads  # the KV cache holds these heads
-        self.embed_tokens = nn.Embedding(plan.vocab_per_rank, cfg.hidden_size)
+        # Built on the meta device and filled from the files: `_weight` skips nn.Embedding's random
+        # init, whose normal_ on meta imports torch._dynamo (~1.5 s of every start).
+        self.embed_tokens = nn.Embedding(plan.vocab_per_rank, cfg.hidden_size,
+                                         _weight=torch.empty(plan.vocab_per_rank, cfg.hidden_size))
         self.layers = self._build_layers(cfg, hf_config, max_position, plan, tp)
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.lm_head = None if cfg.tie_word_embeddings else nn.Linear(cfg.hidden_size, plan.vocab_per_rank, bias=False)

@@ -27,5 +27,16 @@ def compiled_forward(model: torch.nn.Module) -> Callable[[torch.Tensor, torch.Te
     # means the user chose nothing.
     if os.environ.get("TORCHINDUCTOR_CACHE_DIR") in (None, os.path.abspath(default_cache_dir())):
         os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(pagoda_home() / "inductor")
+    _keep_attention_eager()
     logger.info("compiling the model with torch.compile (dynamic shapes); the first steps are slow")
     return torch.compile(model.forward, dynamic=True)
+
+
+def _keep_attention_eager() -> None:
+    """Exclude `PagedAttention.forward` from tracing (once a process). Done here rather than with
+    a decorator on the method, which would import torch._dynamo in every process that loads a model."""
+    from pagoda.layers.attention import PagedAttention
+
+    if not getattr(PagedAttention.forward, "_pagoda_eager", False):
+        PagedAttention.forward = torch.compiler.disable(PagedAttention.forward)
+        PagedAttention.forward._pagoda_eager = True

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import math
+import mmap
+
 import torch
 
 GiB = 1 << 30
@@ -40,9 +43,9 @@ def allocate_kv_cache(
     over a block reads one contiguous run per head.
 
     Zeroed, not empty: masked-out slots still flow through the attention matmul (weight 0), and
-    0 × NaN garbage would poison it.
+    0 × NaN garbage would poison it. On CPU the zeros are the kernel's (``zeroed``).
     """
-    return torch.zeros(2, num_slots, num_blocks, num_kv_heads, block_size, head_dim, dtype=dtype, device=device)
+    return zeroed((2, num_slots, num_blocks, num_kv_heads, block_size, head_dim), dtype, device)
 
 
 def allocate_kv_scales(num_slots: int, num_blocks: int, block_size: int, num_kv_heads: int,
@@ -51,4 +54,17 @@ def allocate_kv_scales(num_slots: int, num_blocks: int, block_size: int, num_kv_
     token and head, for K and V); None for a float cache."""
     if dtype not in SCALED_KV_DTYPES:
         return None
-    return torch.zeros(2, num_slots, num_blocks, num_kv_heads, block_size, dtype=torch.float32, device=device)
+    return zeroed((2, num_slots, num_blocks, num_kv_heads, block_size), torch.float32, device)
+
+
+def zeroed(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A zero tensor. On CPU it lies in an anonymous memory map, whose pages the kernel hands out
+    zeroed on first write: a 2 GiB cache starts at once (``torch.zeros`` wrote every page, ~0.7 s
+    of each start on a 2-core EPYC) and holds resident memory only for the blocks used so far, as
+    vLLM's CPU cache (``torch.empty``) does. The map is unmapped with the tensor's last reference."""
+    if device.type != "cpu":
+        return torch.zeros(shape, dtype=dtype, device=device)
+    nbytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
+    if nbytes == 0:
+        return torch.zeros(shape, dtype=dtype)
+    return torch.frombuffer(mmap.mmap(-1, nbytes), dtype=dtype).view(shape)

@@ -115,10 +115,13 @@ class Worker:
             num_blocks = int(available_memory_bytes(self.device) * cc.gpu_memory_utilization) // local
             budget = num_blocks * per_block
         else:
-            gib = cc.kv_cache_memory_gib
+            gib, available = cc.kv_cache_memory_gib, available_memory_bytes(self.device)
             if gib is None:
                 # Default: 2 GiB, but never more than half of what the machine has free.
-                gib = min(DEFAULT_KV_CACHE_GIB, available_memory_bytes(self.device) / 2 / GiB)
+                gib = min(DEFAULT_KV_CACHE_GIB, available / 2 / GiB)
+            elif available and gib * GiB > available:  # the cache's pages are taken as blocks fill: say so now
+                raise ValueError(f"kv_cache_memory={gib:g} GiB is more than this machine has available "
+                                 f"({available / GiB:.1f} GiB); lower --kv-cache-memory")
             budget = int(gib * GiB)
             num_blocks = budget // per_block
         if self.tp.is_parallel:
