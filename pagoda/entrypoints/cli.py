@@ -188,6 +188,7 @@ def _chat(engine, ns: argparse.Namespace) -> int:
 
 
 def cmd_serve(ns: argparse.Namespace) -> int:
+    served_models.apply_model_tag(ns)  # `pagoda serve MODEL`
     tls.check_args(ns)  # --ssl-* files, and not with --data-parallel-size (pagoda/security/tls.py)
     if served_models.serves_several(ns) and (ns.data_parallel_size != 1 or ns.data_parallel_rank is not None):
         raise ValueError("--data-parallel-size serves one model: give one --model (several models are served by "
@@ -288,6 +289,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_chat)
 
     p = sub.add_parser("serve", help="OpenAI-compatible HTTP server")
+    served_models.add_model_tag(p)  # `pagoda serve MODEL`, as `vllm serve MODEL`
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8000)
     p.add_argument("--served-model-name", nargs="+", default=None)

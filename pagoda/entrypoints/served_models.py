@@ -81,6 +81,24 @@ def model_option_overrides() -> dict[str, dict[str, Any]]:
                       "repeat it to serve several models, loaded on first use (default: %(default)s)"}}
 
 
+def add_model_tag(parser: argparse.ArgumentParser) -> None:
+    """`pagoda serve MODEL`, as `vllm serve MODEL`: the model as a positional argument."""
+    parser.add_argument("model_tag", nargs="?", default=None, metavar="MODEL",
+                        help="the model to serve, as `vllm serve MODEL` takes it; the same as --model MODEL")
+
+
+def apply_model_tag(args: argparse.Namespace) -> None:
+    """Make a positional MODEL the one model served. ValueError where --model is on the command
+    line too (a --config file's model gives way to it, as the file's other flags do)."""
+    tag = getattr(args, "model_tag", None)
+    if tag is None:
+        return
+    if any(arg == "--model" or arg.startswith("--model=") for arg in getattr(args, "argv", ())):
+        raise ValueError(f"the model is given twice: as {tag!r} and with --model; give MODEL alone, or serve "
+                         "several with --model A --model B")
+    args.model, args.models = tag, [tag]
+
+
 def add_serve_args(parser: argparse.ArgumentParser) -> None:
     parser.set_defaults(models=None)
     group = parser.add_argument_group("several models (--model A --model B, or --models-file)")

@@ -14,6 +14,7 @@ import httpx
 import pytest
 
 from pagoda import LLM, SamplingParams, __version__
+from pagoda.entrypoints import served_models
 from pagoda.entrypoints.cli import build_parser, resolve_log_level
 from server_process import _free_port
 
@@ -72,6 +73,15 @@ def test_serve_fails_clearly_before_listening(tiny_llama):
     assert proc.returncode == 1 and "tensor_parallel_size=3 must divide the model's 4 attention heads" in proc.stderr
 
 
+def test_serve_takes_the_model_once_as_a_positional_or_with_model():
+    parser = build_parser()
+    ns = parser.parse_args(["serve", "smollm2", "--port", "9000"])
+    served_models.apply_model_tag(ns)
+    assert (ns.model, ns.models, ns.port) == ("smollm2", ["smollm2"], 9000)
+    proc = _run(["serve", "gemma3-270m", "--model", "smollm2", "--port", "1"], timeout=60)
+    assert proc.returncode == 1 and "the model is given twice: as 'gemma3-270m' and with --model" in proc.stderr
+
+
 def test_version_names_the_package():
     proc = _run(["--version"], timeout=60)
     assert proc.returncode == 0, proc.stderr
@@ -116,11 +126,11 @@ def test_log_level_explicit_command_option_then_global_then_default(argv, level)
 
 def _serve_then_stop(args: list[str], model, request: dict | None = None,
                      stop: signal.Signals = signal.SIGTERM) -> subprocess.CompletedProcess:
-    """Start `pagoda <args> serve` on the model, wait for /health, optionally POST one completion
+    """Start `pagoda <args> serve MODEL`, wait for /health, optionally POST one completion
     request (its status must be 200), then stop the server with a signal; stdout and stderr."""
     port = _free_port()
-    cmd = [sys.executable, "-m", "pagoda.entrypoints.cli", *args, "serve", "--model", str(model), "--port", str(port),
-           "--dtype", "float32", "--kv-cache-memory", "0.01"]
+    cmd = [sys.executable, "-m", "pagoda.entrypoints.cli", *args, "serve", str(model), "--port", str(port),
+           "--dtype", "float32", "--kv-cache-memory", "0.01"]  # the model as `vllm serve MODEL` takes it
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     base = f"http://127.0.0.1:{port}"
     try:
