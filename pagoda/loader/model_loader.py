@@ -71,13 +71,19 @@ def _release_freed_memory() -> None:
 def _materialize_on_cpu(model: nn.Module) -> None:
     """Give the meta-device model uninitialized CPU storage, as ``to_empty`` does, but through
     ``torch.empty``: ``to_empty``'s ``empty_like`` of a meta tensor runs torch's Python reference
-    implementation, which imports sympy and torch.fx's symbolic shapes (~0.5 s of every start)."""
+    implementation, which imports sympy and torch.fx's symbolic shapes (~0.5 s of every start). A
+    parameter or buffer that several modules share stays shared."""
+    made: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # id(meta) -> (meta, kept alive so ids stay unique; cpu)
     for module in model.modules():
         for name, param in list(module.named_parameters(recurse=False)):
-            setattr(module, name, nn.Parameter(torch.empty(param.shape, dtype=param.dtype),
-                                               requires_grad=param.requires_grad))
+            if id(param) not in made:
+                made[id(param)] = (param, nn.Parameter(torch.empty(param.shape, dtype=param.dtype),
+                                                       requires_grad=param.requires_grad))
+            setattr(module, name, made[id(param)][1])
         for name, buffer in list(module.named_buffers(recurse=False)):
-            setattr(module, name, torch.empty(buffer.shape, dtype=buffer.dtype))  # stays (non-)persistent
+            if id(buffer) not in made:
+                made[id(buffer)] = (buffer, torch.empty(buffer.shape, dtype=buffer.dtype))
+            setattr(module, name, made[id(buffer)][1])  # stays (non-)persistent
 
 
 def _init_buffers(model: nn.Module) -> None:
