@@ -48,8 +48,8 @@ PAGODA_TEST_HOME = _use_temporary_pagoda_home()
 REAL_MODEL_FIXTURES = ("smollm2_gguf", "gemma3_gguf")
 
 
-# The files that take longest (their tests' seconds, 2 xdist workers on the AVX2 EPYC, 2026-12-04),
-# longest first. `-n 2 --dist loadfile` hands out whole files in collection order (reordering by
+# The files that take longest (their tests' seconds, 2 xdist workers on the AVX2 EPYC, 2026-12-04,
+# before that day's start-up change made every process-starting file 20-55 % shorter), longest first. `-n 2 --dist loadfile` hands out whole files in collection order (reordering by
 # test count is switched off below: it sent these files, most with one to four tests, last, and
 # the suite ended with one worker running them alone for ~6 minutes of its ~19).
 LONGEST_FILES = (

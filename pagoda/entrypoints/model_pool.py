@@ -106,15 +106,12 @@ def kv_cache_bytes(config) -> int:
     """The KV cache's budget on the CPU (`--kv-cache-memory`, else the worker's default: 2 GiB or
     half of the free memory); on CUDA the engine takes a share of free memory instead, which this
     pool does not count."""
-    from pagoda.config import DEFAULT_KV_CACHE_GIB
     from pagoda.platform import available_memory_bytes
+    from pagoda.worker.kv_cache import cpu_budget_gib
 
     if config.model.device.type == "cuda":
         return 0
-    gib = config.cache.kv_cache_memory_gib
-    if gib is None:
-        gib = min(DEFAULT_KV_CACHE_GIB, available_memory_bytes(config.model.device) / 2 / GiB)
-    return int(gib * GiB)
+    return int(cpu_budget_gib(config.cache.kv_cache_memory_gib, available_memory_bytes(config.model.device)) * GiB)
 
 
 def footprint_bytes(config) -> int:

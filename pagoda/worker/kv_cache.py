@@ -28,6 +28,14 @@ def bytes_per_block(num_slots: int, block_size: int, num_kv_heads: int, head_dim
     return 2 * num_slots * block_size * num_kv_heads * (head_dim * element + scale)
 
 
+def cpu_budget_gib(requested_gib: float | None, available_bytes: int) -> float:
+    """The CPU cache's budget: ``--kv-cache-memory``, else 2 GiB but never more than half of what
+    the machine has available (the worker allocates it; the model pool counts it)."""
+    from pagoda.config import DEFAULT_KV_CACHE_GIB
+
+    return requested_gib if requested_gib is not None else min(DEFAULT_KV_CACHE_GIB, available_bytes / 2 / GiB)
+
+
 def num_blocks_for_budget(budget_bytes: int, per_block: int) -> int:
     return int(budget_bytes // per_block)
 

@@ -16,7 +16,7 @@ import time
 
 import torch
 
-from pagoda.config import DEFAULT_KV_CACHE_GIB, EngineConfig
+from pagoda.config import EngineConfig
 from pagoda.core.scheduler_output import SchedulerOutput
 from pagoda.distributed.parallel_state import SINGLE, TensorParallelGroup, init_tensor_parallel
 from pagoda.layers.backend import TorchBackend, select_backend
@@ -24,7 +24,7 @@ from pagoda.loader.model_loader import load_model
 from pagoda.outputs import ModelRunnerOutput
 from pagoda.platform import available_memory_bytes, resident_memory_bytes
 from pagoda.core.kv_cache_groups import kv_groups_for
-from pagoda.worker.kv_cache import GiB, allocate_kv_cache, allocate_kv_scales, bytes_per_block
+from pagoda.worker.kv_cache import GiB, allocate_kv_cache, allocate_kv_scales, bytes_per_block, cpu_budget_gib
 from pagoda.worker.model_runner import ModelRunner
 
 logger = logging.getLogger(__name__)
@@ -115,11 +115,9 @@ class Worker:
             num_blocks = int(available_memory_bytes(self.device) * cc.gpu_memory_utilization) // local
             budget = num_blocks * per_block
         else:
-            gib, available = cc.kv_cache_memory_gib, available_memory_bytes(self.device)
-            if gib is None:
-                # Default: 2 GiB, but never more than half of what the machine has free.
-                gib = min(DEFAULT_KV_CACHE_GIB, available / 2 / GiB)
-            elif available and gib * GiB > available:  # the cache's pages are taken as blocks fill: say so now
+            available = available_memory_bytes(self.device)
+            gib = cpu_budget_gib(cc.kv_cache_memory_gib, available)
+            if gib * GiB > available:  # the cache's pages are taken as blocks fill: say so now
                 raise ValueError(f"kv_cache_memory={gib:g} GiB is more than this machine has available "
                                  f"({available / GiB:.1f} GiB); lower --kv-cache-memory")
             budget = int(gib * GiB)
