@@ -198,6 +198,8 @@ def test_non_editable_install_builds_and_uses_cpu_kernels(tmp_path, tiny_llama):
 
     # The kernels were built, from the installed sources, into the fresh home, and that library is loaded.
     assert out["kernels_loaded"], "load_cpu_kernels() returned None: the kernels did not build" + context
+    # A first build says so wherever it is triggered (here a script's load, not the engine's start).
+    assert "building pagoda's CPU kernels" in proc.stderr, context
     build_dir = Path(out["build_dir"])
     assert build_dir.is_relative_to(home), context
     assert "pagoda_cpu_kernels.so" in out["build_dir_files"], context

@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import copy
 import logging
+import secrets
 import sys
 import uuid
 from collections.abc import Callable
@@ -92,7 +93,8 @@ def _add_sampling_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--top-k", type=int, default=0)
     g.add_argument("--min-p", type=float, default=0.0)
     g.add_argument("--repetition-penalty", type=float, default=1.0)
-    g.add_argument("--sampling-seed", type=int, default=None, dest="sampling_seed", help="per-request sampling seed")
+    g.add_argument("--sampling-seed", type=int, default=None, dest="sampling_seed",
+                   help="sampling seed, for repeatable output (default: a fresh one per request, as `ollama run`)")
     g.add_argument("--stop", action="append", default=None, help="stop string (repeatable)")
 
 
@@ -101,9 +103,17 @@ def _sampling_params(ns: argparse.Namespace):
 
     return SamplingParams(
         max_tokens=ns.max_tokens, temperature=ns.temperature, top_p=ns.top_p, top_k=ns.top_k, min_p=ns.min_p,
-        repetition_penalty=ns.repetition_penalty, seed=ns.sampling_seed, stop=ns.stop,
+        repetition_penalty=ns.repetition_penalty, seed=_request_seed(ns), stop=ns.stop,
         output_kind=RequestOutputKind.DELTA,
     )
+
+
+def _request_seed(ns: argparse.Namespace) -> int | None:
+    """The given seed, else a fresh one: the engine's generator starts from --seed (0) in every
+    process, so without this each run of `pagoda generate --temperature 0.8` told the same story."""
+    if ns.sampling_seed is not None or ns.temperature == 0:
+        return ns.sampling_seed
+    return secrets.randbits(63)
 
 
 def _stream(engine, prompt, params) -> str:

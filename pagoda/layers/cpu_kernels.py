@@ -13,10 +13,13 @@ would never take them."""
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import logging
 import os
 from pathlib import Path
+
+from pagoda.progress import progress
 
 logger = logging.getLogger(__name__)
 
@@ -181,8 +184,14 @@ def build_kernels(level: str = "native", sources: tuple[str, ...] = _SOURCES):
 
 @functools.cache
 def _build(level: str):
+    # Announced here, where every first build passes (the engine's start, `--dtype auto`'s
+    # measurement, a script's first linear), so a minute of compiling never looks like a hang.
+    building = not _library_is_current(build_directory(level), _SOURCES)
+    if building:
+        logger.warning("building pagoda's CPU kernels for this CPU (once; about a minute)...")
     try:
-        ops = build_kernels(level)
+        with progress("still building the CPU kernels") if building else contextlib.nullcontext():
+            ops = build_kernels(level)
     except Exception as e:  # no compiler, no ninja, ...
         logger.warning("CPU kernels unavailable (%s); using the pure-torch paths", e)
         return None

@@ -76,9 +76,16 @@ def measure() -> dict:
             "choice": "bfloat16" if faster else "float32"}
 
 
+def _announced_measure() -> dict:
+    # Said before it starts: on a first start this (and the kernel build it may trigger) is
+    # most of a minute that would otherwise pass without a line.
+    logger.warning("--dtype auto: timing fp32 against bf16 projections on this CPU (once; a few seconds)...")
+    return measure()
+
+
 def auto_cpu_dtype() -> torch.dtype:
     """The dtype `--dtype auto` means on this CPU: measured once, then read from its file."""
-    record, measured, path = kept_record(CHOICE_FILE, _VERSION, measure)
+    record, measured, path = kept_record(CHOICE_FILE, _VERSION, _announced_measure)
     ms = record["ms"]
     logger.info("--dtype auto on this CPU: %s (%s; ms per projection suite at %s rows: fp32 %s, bf16 %s)",
                 record["choice"], "measured now" if measured else f"measured before, {path}", "/".join(map(str, ROWS)),

@@ -8,10 +8,8 @@ forward passes and return nothing.
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import os
-import threading
 import time
 
 import torch
@@ -31,17 +29,11 @@ logger = logging.getLogger(__name__)
 
 
 def prepare_backend(device: torch.device, rank: int = 0) -> TorchBackend:
-    """Choose the kernels once, at start-up: on a CPU build (first run on this CPU, about a
-    minute) or load the C++ kernels now, so the engine is ready when it says so (built lazily,
-    the first request waited for the compiler)."""
-    from pagoda.layers.cpu_kernels import kernels_are_built
-
+    """Choose the kernels once, at start-up, so the engine is ready when it says so (built
+    lazily, the first request waited for the compiler). A first build on this CPU announces
+    itself (layers/cpu_kernels.py) wherever it is triggered."""
     start = time.monotonic()
-    building = device.type == "cpu" and not kernels_are_built()
-    if building:
-        logger.warning("building pagoda's CPU kernels for this CPU (once; about a minute)...")
-    with _progress("still building the CPU kernels", every=15.0) if building else contextlib.nullcontext():
-        backend = select_backend(device)
+    backend = select_backend(device)
     if rank == 0:
         logger.info("kernels: %s, ready in %.1fs", backend.describe(), time.monotonic() - start)
     return backend
@@ -182,24 +174,6 @@ def _shared_memory_bytes(config: EngineConfig) -> int:
     hidden = hf["hidden_size"] * config.scheduler.max_num_batched_tokens
     logits = config.scheduler.max_num_seqs * -(-hf["vocab_size"] // pc.world_size)
     return 4 * max(hidden, logits)
-
-
-@contextlib.contextmanager
-def _progress(message: str, every: float):
-    """Log ``message`` with the elapsed time every ``every`` seconds until the block ends."""
-    done, start = threading.Event(), time.monotonic()
-
-    def tick() -> None:
-        while not done.wait(every):
-            logger.warning("%s (%.0fs)...", message, time.monotonic() - start)
-
-    thread = threading.Thread(target=tick, name="pagoda-progress", daemon=True)
-    thread.start()
-    try:
-        yield
-    finally:
-        done.set()
-        thread.join()
 
 
 def _min_op():

@@ -28,6 +28,8 @@ def test_auto_measures_once_then_reads_the_file(tmp_path, monkeypatch, caplog):
     with caplog.at_level(logging.INFO, logger="pagoda.layers.dtype_choice"):
         first = dtype_choice.auto_cpu_dtype()
     assert "measured now" in caplog.text
+    # the measurement says it starts before it runs (a first start is otherwise silent for it)
+    assert caplog.text.index("timing fp32 against bf16") < caplog.text.index("measured now")
     record = json.loads(path.read_text())
     assert first == {"float32": torch.float32, "bfloat16": torch.bfloat16}[record["choice"]]
     assert resolve_dtype("auto", torch.device("cpu")) == first
