@@ -97,7 +97,8 @@ class Tokenizer:
     # -- chat -------------------------------------------------------------------------------
     def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True, **kwargs) -> str:
         if not self.chat_template:
-            raise ValueError("this model has no chat template; pass one with chat_template=... (or --chat-template)")
+            raise ValueError("this model has no chat template (a base model: use completions, e.g. /v1/completions); "
+                             "to chat with it anyway, pass one with chat_template=... (or --chat-template)")
         _validate_messages(messages)
         template = _compile_template(self.chat_template)
         return template.render(

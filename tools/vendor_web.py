@@ -24,6 +24,8 @@ PACKAGES = {
     "marked": ("marked@18.2.1", ["lib/marked.umd.js", "LICENSE"]),
     "dompurify": ("dompurify@3.5.0", ["dist/purify.min.js", "LICENSE"]),
     "uplot": ("uplot@1.6.32", ["dist/uPlot.iife.min.js", "dist/uPlot.min.css", "LICENSE"]),
+    # /docs (FastAPI's Swagger UI), which would otherwise load it from a CDN and stay blank offline
+    "swagger-ui": ("swagger-ui-dist@5.35.0", ["swagger-ui-bundle.js", "swagger-ui.css", "LICENSE"]),
 }
 
 

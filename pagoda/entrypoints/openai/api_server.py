@@ -18,6 +18,7 @@ from pagoda.engine.async_llm import AsyncLLM
 from pagoda.entrypoints.disconnect import GONE, unless_disconnected
 from pagoda.entrypoints.ollama import router as ollama_router
 from pagoda.entrypoints.web import install_web
+from pagoda.entrypoints.web.api_docs import install_api_docs
 from pagoda.entrypoints.openai.lifecycle import DrainingServer, Lifecycle, bind_listener, shutting_down
 from pagoda.entrypoints.openai.middleware import (
     MAX_BODY_BYTES, APIKeyCheck, BodyLimit, FastJSONResponse, ReleasingStream, error_response, http_error,
@@ -85,11 +86,15 @@ def build_app(engine: AsyncLLM, served_model_names: list[str], *, api_key: str |
     """The app of one served model. Several models (pagoda serve --model A --model B) get one
     app each, behind the dispatcher of pagoda/entrypoints/model_dispatch.py, with one shared
     `metric_families` (pagoda/metrics.py)."""
-    app = FastAPI(title="pagoda", version=__version__, default_response_class=FastJSONResponse)
+    app = FastAPI(title="pagoda", version=__version__, default_response_class=FastJSONResponse, docs_url=None)
+    install_api_docs(app)  # the vendored Swagger UI: /docs works offline
     serving = Serving(engine, served_model_names, max_queue_len,
                       aliases=_catalog_aliases(model_root, served_model_names), request_timeout=request_timeout,
                       metric_families=metric_families)
     app.state.serving = serving
+    if not serving.tokenizer.chat_template:
+        logger.warning("%s has no chat template (a base model): chat routes answer 400; use /v1/completions or "
+                       "/api/generate, or give a template with --chat-template", served_model_names[0])
     from pagoda.security.moderation import ServerModeration  # the content filter (--moderation-words)
 
     serving.moderation = ServerModeration.from_args(moderation_words, moderation_action,

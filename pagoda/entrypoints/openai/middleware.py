@@ -17,7 +17,7 @@ from pagoda.entrypoints.openai.serving import OpenAIError, dumps
 
 OPEN_PATHS = {"/health", "/version", "/metrics", "/docs", "/openapi.json",
               "/", "/dashboard"}  # the web pages (pagoda/entrypoints/web): they ask for the key themselves
-OPEN_PREFIXES = ("/web/",)  # the web pages' static files
+OPEN_PREFIXES = ("/web/", "/docs/")  # the web pages' static files, /docs' Swagger UI
 
 
 def is_open(path: str) -> bool:

@@ -181,3 +181,16 @@ def test_dashboard_figures_move_under_load(browser, server, screenshots):
     finally:
         done.set()
         loader.join(timeout=60)
+
+
+def test_api_docs_render_offline(browser, server):
+    """/docs is Swagger UI from the server's own vendored copy: this machine has no internet, so a
+    page that loaded its script from a CDN (FastAPI's default) stays blank here."""
+    html = httpx.get(f"{server}/docs", timeout=30).text
+    assert "cdn" not in html.lower() and "https://" not in html, html
+    browser.get(f"{server}/docs")
+    title = _wait(browser, lambda d: d.find_element(By.CSS_SELECTOR, ".swagger-ui .info .title"))
+    assert "pagoda" in title.text
+    _wait(browser, lambda d: "/v1/chat/completions" in d.find_element(By.CSS_SELECTOR, ".swagger-ui").text)
+    assert httpx.get(f"{server}/docs/swagger-ui.css", timeout=30).status_code == 200  # open, like /docs
+    assert httpx.get(f"{server}/docs/LICENSE", timeout=30).status_code == 404  # only the two assets
