@@ -5,10 +5,10 @@ tenants and roles").
 `AccessControl` runs first for every HTTP request except the open paths (/health, /metrics,
 /version, /docs, /openapi.json): it resolves `Authorization: Bearer KEY` to a `Grant` (tenant,
 role, the (tenant, role) limits) or answers 401; answers 403 on the model store's write routes
-and blob uploads unless the role is `admin`; takes a token from the requests-per-second bucket (429 with
-Retry-After); then runs the app with a `RequestContext` in `context.CURRENT`, which the serving
-hooks read (model globs, max_tokens, concurrency and tokens per minute, priority, cache salt,
-usage). When the answer is complete (a stream: when it ends) it writes the audit line.
+and blobs unless the role is `admin`; takes a token from the requests-per-second bucket (429
+with Retry-After); then runs the app with a `RequestContext` in `context.CURRENT`, which the
+serving hooks read (model globs, max_tokens, concurrency and tokens per minute, priority, cache
+salt, usage). When the answer is complete (a stream: when it ends) it writes the audit line.
 
 `Access.reload` (SIGHUP) reads the file again and swaps the whole config in one assignment: a
 request in flight keeps the grant it was admitted with, the next one sees the new file; a file

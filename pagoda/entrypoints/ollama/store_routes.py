@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 import os
 import re
 from collections.abc import Callable
@@ -33,6 +34,8 @@ from pagoda.entrypoints.ollama.common import (
     read_body,
 )
 from pagoda.security.options import DEFAULT_BLOB_GRACE, DEFAULT_MAX_BLOB_GIB
+from pagoda.store import blobs
+from pagoda.store.layout import default_layout
 
 logger = logging.getLogger("pagoda.ollama")
 router = APIRouter()
@@ -54,7 +57,9 @@ class BlobPolicy:
         size, grace = args.max_blob_size, args.blob_grace
         if not size > 0:
             raise ValueError(f"--max-blob-size must be > 0 GiB, got {size}")
-        return cls(int(size * GiB), None if grace < 0 else float(grace))
+        if math.isnan(grace):
+            raise ValueError("--blob-grace must be a number of seconds (-1: never prune)")
+        return cls(int(min(size * GiB, 2**63 - 1)), None if grace < 0 else float(grace))
 
 
 def install_blob_policy(app: FastAPI, policy: BlobPolicy) -> None:
@@ -73,9 +78,6 @@ def _policy(request: Request) -> BlobPolicy:
 
 def _prune(policy: BlobPolicy) -> None:
     """Delete the store's blobs no manifest names, older than the grace (blobs.prune_unreferenced)."""
-    from pagoda.store import blobs
-    from pagoda.store.layout import default_layout
-
     if policy.grace is None:
         return
     removed = blobs.prune_unreferenced(default_layout(), policy.grace)
@@ -214,8 +216,6 @@ def _touch_if_present(digest: str) -> bool:
     HEAD before it names the blob in /api/create, so it is not pruned in between). Its ctime,
     not its mtime: a blob hard-linked from the catalog shares its inode, whose mtime the
     catalog's marker and the GGUF conversion cache key on."""
-    from pagoda.store.layout import default_layout
-
     path = default_layout().blob_path(digest)
     try:
         st = path.stat()
@@ -242,9 +242,6 @@ async def upload_blob(digest: str, request: Request):
     """Store the body as the blob `digest`, hashed as it arrives; a body that hashes to anything
     else is refused (400), one over --max-blob-size is refused (413) as soon as its length or
     its bytes say so; either leaves nothing behind."""
-    from pagoda.store import blobs
-    from pagoda.store.layout import default_layout
-
     expected, policy = _blob_digest(digest), _policy(request)
     declared = request.headers.get("content-length", "")
     if declared.isdigit() and int(declared) > policy.max_bytes:
@@ -266,9 +263,6 @@ async def upload_blob(digest: str, request: Request):
 
 def _uploaded_gguf(files: dict[str, str]) -> str:
     """The store path of the one .gguf among uploaded files ({name: digest}, /api/blobs)."""
-    from pagoda.store import blobs
-    from pagoda.store.layout import default_layout
-
     ggufs = [(name, digest) for name, digest in files.items() if name.endswith(".gguf")]
     if len(ggufs) != 1:
         raise OllamaError("files must name exactly one .gguf file: pagoda creates models from GGUF weights "
