@@ -94,6 +94,8 @@ class ModelDispatch:
                 await self.pool.unload_now(spec)
                 await _ollama_unloaded(path, fields["model"])(scope, replay, send)
                 return
+            if spec.name not in self.pool.loaded:
+                _check_limits()
             await self._run(spec, scope, replay, send, keep_alive)
         except ValueError as e:  # keep_alive
             await _error(OpenAIError(str(e), param="keep_alive"), ollama)(scope, replay, send)
@@ -150,11 +152,19 @@ class ModelDispatch:
 def _check_role(spec: ModelSpec, name: str) -> None:
     """--auth-config: 403 `model_not_allowed` unless the key's role may use the model by the name
     the request gave (`:latest` dropped where only that matches), as a server of one model
-    answers; checked in the front so a refused request never loads, evicts or unloads a model."""
+    answers; checked in the front, so a refused request never loads, evicts or unloads a model."""
     ctx = request_context()
-    if ctx is None:
-        return
-    ctx.check_model(name if spec.accepts(name) else name.removesuffix(":latest"))
+    if ctx is not None:
+        ctx.check_model(name if spec.accepts(name) else name.removesuffix(":latest"))
+
+
+def _check_limits() -> None:
+    """--auth-config: the 429 the tenant's limits (requests at once, tokens per minute) would get
+    from the model's app, asked before the pool loads the model for it (a load for a refused
+    request would evict another model for nothing)."""
+    ctx = request_context()
+    if ctx is not None:
+        ctx.check_admissible()
 
 
 def _is_load_request(path: str, fields: dict) -> bool:

@@ -2,9 +2,10 @@
 real `pagoda serve --auth-config` of two tiny models on 127.0.0.1 whose memory budget holds one.
 
 The keys: `limited` (its role's glob `tiny*` excludes `qwen`), two tenants under a role that
-may use both, and an admin. A refused request changes nothing: the front checks the role
-before it loads, evicts or unloads a model (`keep_alive: 0` included), with the answer a
-server of one model gives (403 `model_not_allowed`). `/api/blobs` is the admin's: refused
+may use both, an admin, and a tenant with a budget of 1 token a minute. A refused request
+changes nothing: the front checks the role before it loads, evicts or unloads a model
+(`keep_alive: 0` included), with the answer a server of one model gives (403
+`model_not_allowed`), and the tenant's limits (429) before it loads one. `/api/blobs` is the admin's: refused
 before a byte is written; an upload over `--max-blob-size` is a 413 that leaves no file; a blob
 no manifest names is deleted once older than `--blob-grace`, one a model uses stays."""
 
@@ -29,8 +30,10 @@ ROLES = {
     "limited": {"models": ["tiny*"]},
     "user": {"models": ["*"]},
     "admin": {"models": ["*"], "admin": True},
+    "metered": {"models": ["*"], "tokens_per_minute": 1},
 }
-KEYS = {"limited": ("lim", "limited"), "alice": ("a", "user"), "bob": ("b", "user"), "ops": ("ops", "admin")}
+KEYS = {"limited": ("lim", "limited"), "alice": ("a", "user"), "bob": ("b", "user"), "ops": ("ops", "admin"),
+        "carol": ("c", "metered")}
 MAX_BLOB_GIB = 0.001  # --max-blob-size: 1,073,741 bytes
 MAX_BLOB_BYTES = int(MAX_BLOB_GIB * (1 << 30))
 LEFT_OVER = b"an upload no create ever named"
@@ -149,6 +152,18 @@ def test_a_refused_request_neither_loads_nor_evicts(srv):
     r = post(srv, "/v1/completions", "bob", {"model": "qwen", "prompt": "Hi", "max_tokens": 1})
     assert r.status_code == 200, r.text
     assert loaded(srv) == ["qwen"]
+
+
+def test_a_tenant_over_its_limit_loads_nothing(srv):
+    load(srv, "tiny")
+    r = post(srv, "/v1/completions", "carol", {"model": "tiny", "prompt": "Hi", "max_tokens": 1})
+    assert r.status_code == 200, r.text  # its tokens fill the minute's budget of 1
+    before = swaps(srv)
+    for model in ("qwen", "tiny"):  # not loaded: refused in the front; loaded: by the model's app, alike
+        r = post(srv, "/v1/completions", "carol", {"model": model, "prompt": "Hi", "max_tokens": 1})
+        assert r.status_code == 429 and r.json()["error"]["code"] == "token_limit_exceeded", (model, r.text)
+        assert int(r.headers["retry-after"]) >= 1
+    assert loaded(srv) == ["tiny"] and swaps(srv) == before
 
 
 # -- the store's routes ---------------------------------------------------------------------------
