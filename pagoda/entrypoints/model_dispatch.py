@@ -7,7 +7,10 @@ The hand-over is plain ASGI (`ModelDispatch`): the body is read once, its `model
 the model, and the model's app gets the same scope with the body replayed, so every route
 behaves exactly as on a server of one model (limits, streaming, errors, disconnects). The
 request counts as in flight on its model until the model's app has sent the whole answer,
-a stream's last chunk included; only then may the model be unloaded.
+a stream's last chunk included; only then may the model be unloaded. With `--auth-config` the
+key's role is checked here, before the pool is asked for the model: a request for a model the
+role may not use (a `keep_alive: 0` unload included) is the same 403 a server of one model
+gives, and loads, evicts or unloads nothing.
 
 Which requests go where:
 - a JSON body's `model` (Ollama's `/api/show`: `model` or `name`): `/v1/completions`,
@@ -85,12 +88,15 @@ class ModelDispatch:
                     await self.app(scope, replay, send)
                     return
                 raise self._unknown(name, ollama)
+            _check_role(spec, name)  # before the pool loads, evicts or unloads anything
             keep_alive = parse_keep_alive(fields["keep_alive"]) if fields.get("keep_alive") is not None \
                 else "default"
             if ollama and keep_alive == 0 and _is_load_request(path, fields):  # Ollama's "unload this model"
                 await self.pool.unload_now(spec)
                 await _ollama_unloaded(path, fields["model"])(scope, replay, send)
                 return
+            if spec.name not in self.pool.loaded:
+                _check_limits()
             await self._run(spec, scope, replay, send, keep_alive)
         except ValueError as e:  # keep_alive
             await _error(OpenAIError(str(e), param="keep_alive"), ollama)(scope, replay, send)
@@ -142,6 +148,24 @@ class ModelDispatch:
             return OpenAIError(f"`model` is required: this server serves {listed}", param="model")
         return OpenAIError(f"The model `{name}` does not exist. This server serves {listed}.", status=404,
                            type_="NotFoundError", param="model", code="model_not_found")
+
+
+def _check_role(spec: ModelSpec, name: str) -> None:
+    """--auth-config: 403 `model_not_allowed` unless the key's role may use the model by the name
+    the request gave (`:latest` dropped where only that matches), as a server of one model
+    answers; checked in the front, so a refused request never loads, evicts or unloads a model."""
+    ctx = request_context()
+    if ctx is not None:
+        ctx.check_model(name if spec.accepts(name) else name.removesuffix(":latest"))
+
+
+def _check_limits() -> None:
+    """--auth-config: the 429 the tenant's limits (requests at once, tokens per minute) would get
+    from the model's app, asked before the pool loads the model for it (a load for a refused
+    request would evict another model for nothing)."""
+    ctx = request_context()
+    if ctx is not None:
+        ctx.check_admissible()
 
 
 def _is_load_request(path: str, fields: dict) -> bool:

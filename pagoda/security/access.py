@@ -5,10 +5,10 @@ tenants and roles").
 `AccessControl` runs first for every HTTP request except the open paths (/health, /metrics,
 /version, /docs, /openapi.json): it resolves `Authorization: Bearer KEY` to a `Grant` (tenant,
 role, the (tenant, role) limits) or answers 401; answers 403 on the model store's write routes
-unless the role is `admin`; takes a token from the requests-per-second bucket (429 with
-Retry-After); then runs the app with a `RequestContext` in `context.CURRENT`, which the serving
-hooks read (model globs, max_tokens, concurrency and tokens per minute, priority, cache salt,
-usage). When the answer is complete (a stream: when it ends) it writes the audit line.
+and blobs unless the role is `admin`; takes a token from the requests-per-second bucket (429
+with Retry-After); then runs the app with a `RequestContext` in `context.CURRENT`, which the
+serving hooks read (model globs, max_tokens, concurrency and tokens per minute, priority, cache
+salt, usage). When the answer is complete (a stream: when it ends) it writes the audit line.
 
 `Access.reload` (SIGHUP) reads the file again and swaps the whole config in one assignment: a
 request in flight keeps the grant it was admitted with, the next one sees the new file; a file
@@ -35,10 +35,22 @@ from pagoda.security.limits import LimitStore
 
 logger = logging.getLogger("pagoda.auth")
 
-# The model store's write routes (Ollama's API) and the engine's debug data (/v1/debug/...,
-# pagoda/entrypoints/web): only an `admin` role may call them.
+# The model store's write routes (Ollama's API), its uploads (/api/blobs/{digest}: POST writes a
+# file, HEAD tells which blobs the store holds) and the engine's debug data (/v1/debug/...,
+# pagoda/entrypoints/web): only an `admin` role may call them, refused before the body is read.
 ADMIN_PATHS = frozenset({"/api/pull", "/api/push", "/api/delete", "/api/copy", "/api/create"})
-ADMIN_PREFIX = "/v1/debug/"
+DEBUG_PREFIX, BLOBS_PREFIX = "/v1/debug/", "/api/blobs/"
+
+
+def _admin_action(path: str) -> str | None:
+    """What an admin-only path does, for the 403; None for the paths any role may call."""
+    if path in ADMIN_PATHS:
+        return "change the model store"
+    if path.startswith(BLOBS_PREFIX):
+        return "use the model store's blobs"
+    if path.startswith(DEBUG_PREFIX):
+        return "read the engine's debug data"
+    return None
 
 
 def unauthorized() -> OpenAIError:
@@ -115,8 +127,8 @@ class Access:
         if grant is None:
             return
         role = grant.role
-        if path is not None and not role.admin and (path in ADMIN_PATHS or path.startswith(ADMIN_PREFIX)):
-            action = "read the engine's debug data" if path.startswith(ADMIN_PREFIX) else "change the model store"
+        action = _admin_action(path) if path is not None and not role.admin else None
+        if action is not None:
             raise OpenAIError(f"the key's role `{role.name}` may not {action} (needs `admin: true`)",
                               status=403, type_="permission_error", code="admin_required")
         refusal = grant.limits.take_request(role)

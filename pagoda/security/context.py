@@ -117,6 +117,13 @@ class RequestContext:
             raise _rate_limited(*refusal)
         self._holding += 1
 
+    def check_admissible(self) -> None:
+        """429 if `admit` would refuse now, taking no slot (the front of several models asks
+        before it loads a model for a request the model's app would then refuse)."""
+        refusal = self.grant.limits.refusal(self.grant.role) if self.grant is not None else None
+        if refusal is not None:
+            raise _rate_limited(*refusal)
+
     def release(self) -> None:
         if self._holding and self.grant is not None:
             self.grant.limits.release(self._holding)

@@ -49,6 +49,14 @@ class TenantLimits:
 
     # -- concurrency and tokens per minute (checked when a request is admitted) -----------------
     def admit(self, role, now: float | None = None) -> tuple[str, str, float] | None:
+        """Take one of the concurrent slots; (message, code, retry after seconds) if a limit refuses."""
+        refusal = self.refusal(role, now)
+        if refusal is None:
+            self.in_flight += 1
+        return refusal
+
+    def refusal(self, role, now: float | None = None) -> tuple[str, str, float] | None:
+        """Why `admit` would refuse a request now, taking nothing (None: it would admit it)."""
         if role.max_concurrent is not None and self.in_flight >= role.max_concurrent:
             return (f"concurrency limit reached: {role.max_concurrent} requests at once for role `{role.name}`",
                     "concurrency_limit_exceeded", 1.0)
@@ -59,7 +67,6 @@ class TenantLimits:
                 message = (f"token limit reached: {role.tokens_per_minute} tokens per minute (prompt + completion) "
                            f"for role `{role.name}`, {self.window_total} used in the last minute")
                 return message, "token_limit_exceeded", self._seconds_until_below(role.tokens_per_minute, now)
-        self.in_flight += 1
         return None
 
     def release(self, n: int = 1) -> None:

@@ -1,11 +1,14 @@
-"""`pagoda serve`'s options for keys, roles, the audit log and slow clients (argparse only: the
-parser stays import-light; pagoda/security/access.py builds what they ask for)."""
+"""`pagoda serve`'s options for keys, roles, the audit log, slow clients and the model store's
+uploads (argparse only: the parser stays import-light; pagoda/security/access.py and
+pagoda/entrypoints/ollama/store_routes.py build what they ask for)."""
 
 from __future__ import annotations
 
 import argparse
 
 DEFAULT_READ_TIMEOUT = 30.0
+DEFAULT_MAX_BLOB_GIB = 64.0  # a 70B model's GGUF fits
+DEFAULT_BLOB_GRACE = 3600.0  # seconds from an `ollama create`'s upload to its create
 
 
 def add_serve_args(p: argparse.ArgumentParser) -> None:
@@ -24,3 +27,10 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--read-timeout", type=float, default=DEFAULT_READ_TIMEOUT,
                    help="seconds a client gets to send a request's headers, and again its body; a slower one "
                         "(slowloris) is cut off (0: no limit)")
+    g = p.add_argument_group("model store uploads (Ollama's /api/blobs; an admin's with --auth-config)")
+    g.add_argument("--max-blob-size", type=float, default=DEFAULT_MAX_BLOB_GIB, metavar="GIB",
+                   help="GiB one uploaded blob may take; a larger upload is refused (413) and nothing of it kept")
+    g.add_argument("--blob-grace", type=float, default=DEFAULT_BLOB_GRACE, metavar="SECONDS",
+                   help="blobs no model uses (an upload never named by /api/create) are deleted once this old: at "
+                        "start-up, before each upload and after each create, as Ollama prunes (-1: never, as "
+                        "OLLAMA_NOPRUNE)")

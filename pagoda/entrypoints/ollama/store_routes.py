@@ -1,15 +1,24 @@
 """The model store through Ollama's API: `/api/pull`, `/api/push`, `/api/delete`, `/api/copy`,
-`/api/blobs` and `/api/create`, each calling pagoda/store on a thread."""
+`/api/blobs` and `/api/create`, each calling pagoda/store on a thread.
+
+With `--auth-config` every one of them is an admin's (pagoda/security/access.py refuses the
+others before a byte of the body is read). Uploads have a budget (`BlobPolicy`): one blob is at
+most `--max-blob-size` (413 past it, the partial file removed), and blobs no model uses are
+pruned once older than `--blob-grace`: at start-up, before each upload and after each create.
+"""
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import math
+import os
 import re
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
-from fastapi import APIRouter, Request
+from fastapi import APIRouter, FastAPI, Request
 from fastapi.responses import Response, StreamingResponse
 
 from pagoda.entrypoints.ollama.common import (
@@ -24,9 +33,57 @@ from pagoda.entrypoints.ollama.common import (
     ollama_errors,
     read_body,
 )
+from pagoda.security.options import DEFAULT_BLOB_GRACE, DEFAULT_MAX_BLOB_GIB
+from pagoda.store import blobs
+from pagoda.store.layout import default_layout
 
 logger = logging.getLogger("pagoda.ollama")
 router = APIRouter()
+GiB = 1 << 30
+
+
+# -- what uploads may take -------------------------------------------------------------------
+@dataclass(frozen=True)
+class BlobPolicy:
+    """`--max-blob-size` in bytes, and `--blob-grace` in seconds (None: never prune, as Ollama's
+    OLLAMA_NOPRUNE)."""
+
+    max_bytes: int = int(DEFAULT_MAX_BLOB_GIB * GiB)
+    grace: float | None = DEFAULT_BLOB_GRACE
+
+    @classmethod
+    def from_args(cls, args) -> BlobPolicy:
+        """serve's options; ValueError naming a bad one."""
+        size, grace = args.max_blob_size, args.blob_grace
+        if not size > 0:
+            raise ValueError(f"--max-blob-size must be > 0 GiB, got {size}")
+        if math.isnan(grace):
+            raise ValueError("--blob-grace must be a number of seconds (-1: never prune)")
+        return cls(int(min(size * GiB, 2**63 - 1)), None if grace < 0 else float(grace))
+
+
+def install_blob_policy(app: FastAPI, policy: BlobPolicy) -> None:
+    """The app's upload budget, and a prune of the store when it starts."""
+    app.state.blob_policy = policy
+
+    async def prune_at_start() -> None:
+        await asyncio.to_thread(_prune, policy)
+
+    app.router.on_startup.append(prune_at_start)
+
+
+def _policy(request: Request) -> BlobPolicy:
+    return getattr(request.app.state, "blob_policy", None) or BlobPolicy()
+
+
+def _prune(policy: BlobPolicy) -> None:
+    """Delete the store's blobs no manifest names, older than the grace (blobs.prune_unreferenced)."""
+    if policy.grace is None:
+        return
+    removed = blobs.prune_unreferenced(default_layout(), policy.grace)
+    if removed:
+        logger.info("pruned %d unreferenced blob(s) older than %g s: %s", len(removed), policy.grace,
+                    ", ".join(p.name for p in removed))
 
 
 # -- the store --------------------------------------------------------------------------------
@@ -154,30 +211,48 @@ def _blob_digest(digest: str) -> str:
     return "sha256:" + digest[7:]
 
 
+def _touch_if_present(digest: str) -> bool:
+    """Whether the store has the blob; one that is restarts its grace (`ollama create` asks with
+    HEAD before it names the blob in /api/create, so it is not pruned in between). Its ctime,
+    not its mtime: a blob hard-linked from the catalog shares its inode, whose mtime the
+    catalog's marker and the GGUF conversion cache key on."""
+    path = default_layout().blob_path(digest)
+    try:
+        st = path.stat()
+        os.utime(path, ns=(st.st_atime_ns, st.st_mtime_ns))  # the same times: only ctime moves
+    except FileNotFoundError:
+        return False
+    return True
+
+
 @router.head("/api/blobs/{digest}")
 @ollama_errors
 async def blob_exists(digest: str):
-    from pagoda.store import blobs
-    from pagoda.store.layout import default_layout
-
-    found = blobs.has_blob(default_layout(), _blob_digest(digest))
+    found = await asyncio.to_thread(_touch_if_present, _blob_digest(digest))
     return Response(status_code=200 if found else 404)
+
+
+def _too_large(policy: BlobPolicy) -> OllamaError:
+    return OllamaError(f"the blob is larger than the server's --max-blob-size ({policy.max_bytes} bytes)", 413)
 
 
 @router.post("/api/blobs/{digest}")
 @ollama_errors
 async def upload_blob(digest: str, request: Request):
     """Store the body as the blob `digest`, hashed as it arrives; a body that hashes to anything
-    else is refused (400) and leaves nothing behind."""
-    from pagoda.store import blobs
-    from pagoda.store.layout import default_layout
-
-    expected = _blob_digest(digest)
-    layout = default_layout()
-    if blobs.has_blob(layout, expected):
+    else is refused (400), one over --max-blob-size is refused (413) as soon as its length or
+    its bytes say so; either leaves nothing behind."""
+    expected, policy = _blob_digest(digest), _policy(request)
+    declared = request.headers.get("content-length", "")
+    if declared.isdigit() and int(declared) > policy.max_bytes:
+        raise _too_large(policy)
+    await asyncio.to_thread(_prune, policy)  # what earlier uploads left unused makes room first
+    if await asyncio.to_thread(_touch_if_present, expected):
         return Response(status_code=200)
-    with blobs.BlobWriter(layout) as writer:
+    with blobs.BlobWriter(default_layout()) as writer:  # leaving it on an error removes the file
         async for chunk in request.stream():
+            if writer.size + len(chunk) > policy.max_bytes:
+                raise _too_large(policy)
             writer.write(chunk)
         try:
             await asyncio.to_thread(writer.commit, expected)
@@ -188,9 +263,6 @@ async def upload_blob(digest: str, request: Request):
 
 def _uploaded_gguf(files: dict[str, str]) -> str:
     """The store path of the one .gguf among uploaded files ({name: digest}, /api/blobs)."""
-    from pagoda.store import blobs
-    from pagoda.store.layout import default_layout
-
     ggufs = [(name, digest) for name, digest in files.items() if name.endswith(".gguf")]
     if len(ggufs) != 1:
         raise OllamaError("files must name exactly one .gguf file: pagoda creates models from GGUF weights "
@@ -241,11 +313,13 @@ async def create_model(request: Request):
     name = body.ref
     _local_ref(name)
     modelfile = _modelfile_of(body)
+    policy = _policy(request)
 
     def work() -> list[dict]:
         from pagoda.store import create
 
         _, manifest = create.create_model(name, modelfile, quantize=body.quantize)
+        _prune(policy)  # a tag created over an older one leaves that one's layers unused
         return [{"status": f"using layer {layer.digest}"} for layer in manifest.blobs()] + \
                [{"status": "writing manifest"}]
 

@@ -17,6 +17,7 @@ from pagoda import __version__
 from pagoda.engine.async_llm import AsyncLLM
 from pagoda.entrypoints.disconnect import GONE, unless_disconnected
 from pagoda.entrypoints.ollama import router as ollama_router
+from pagoda.entrypoints.ollama.store_routes import BlobPolicy, install_blob_policy
 from pagoda.entrypoints.web import install_web
 from pagoda.entrypoints.web.api_docs import install_api_docs
 from pagoda.entrypoints.openai.lifecycle import DrainingServer, Lifecycle, bind_listener, shutting_down
@@ -246,6 +247,7 @@ def run_server(args) -> int:
     api_key = args.api_key or os.environ.get("PAGODA_API_KEY")
     if access is not None:
         api_key = None  # the access middleware checks --api-key then (and gRPC through serving.access)
+    blob_policy = BlobPolicy.from_args(args)  # /api/blobs' --max-blob-size, --blob-grace
     if several:
         specs, pool_settings = _several_models_settings(args)  # checked before the port is bound
     sock = bind_listener(args.host, args.port)
@@ -254,6 +256,7 @@ def run_server(args) -> int:
     else:
         app, engines = _one_model_app(args, engine_args, api_key)
     install_access(app, access, args.read_timeout)  # and the body read deadline (pagoda/security/timeouts.py)
+    install_blob_policy(app, blob_policy)  # and the start-up prune of unused blobs
     if args.grpc_port is not None:  # the gRPC service on the same engine (pagoda/entrypoints/grpc_api)
         from pagoda.entrypoints.grpc_api.service import attach_grpc
 

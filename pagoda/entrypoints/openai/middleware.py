@@ -28,6 +28,9 @@ def is_open(path: str) -> bool:
 # token ids is ~1 MB of JSON), low enough that parsing and refusing one costs about a second
 # (16 MB of token ids: 0.6 s here, tests/entrypoints/test_errors.py).
 MAX_BODY_BYTES = 32 * 1024 * 1024
+# Routes with a limit of their own: a blob upload (a model's GGUF) is held to --max-blob-size
+# (pagoda/entrypoints/ollama/store_routes.py) as it streams to a file, never to memory.
+OWN_BODY_LIMIT_PREFIXES = ("/api/blobs/",)
 
 
 class FastJSONResponse(JSONResponse):
@@ -91,7 +94,7 @@ class BodyLimit:
         self.app, self.max_bytes = app, max_bytes
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http":
+        if scope["type"] != "http" or scope["path"].startswith(OWN_BODY_LIMIT_PREFIXES):
             await self.app(scope, receive, send)
             return
         declared = Headers(scope=scope).get("content-length", "")
