@@ -1,14 +1,17 @@
-"""Fuzz a pagoda server: schemathesis over every route of its /openapi.json, then typical OpenAI SDK
-calls, then check that nothing was left behind.
+"""Fuzz a pagoda server, one API family after another: OpenAI (schemathesis over every route of
+its /openapi.json, then typical OpenAI SDK calls), Ollama (tools/fuzz_ollama.py: generated and
+adversarial bodies) and gRPC (tools/fuzz_grpc.py: messages generated from the service's
+descriptors); /health is timed throughout; then check that nothing was left behind.
 
     python tools/fuzz_server.py                       # a tiny random model, 300 cases per route and mode
-    python tools/fuzz_server.py --cases 1000 --seed 7
-    python tools/fuzz_server.py --url http://127.0.0.1:8000 --model-name smollm2-135m-instruct
+    python tools/fuzz_server.py --cases 1000 --seed 7 --families openai,ollama,grpc
+    python tools/fuzz_server.py --url http://127.0.0.1:8000 --model-name smollm2-135m-instruct --families openai,ollama
 
-Passes when no request got a 5xx (or no answer), every SDK call did what it should (invalid ones
-raise openai.BadRequestError / NotFoundError), and afterwards the server is idle: no request
-running or waiting, no KV block in use, /health 200. Prints cases per route, statuses seen and
-times. tests/entrypoints/test_fuzz.py runs the same, smaller.
+Passes when no request got a 5xx (or no answer; gRPC: INTERNAL / UNKNOWN), every SDK call did
+what it should (invalid ones raise openai.BadRequestError / NotFoundError), every adversarial
+body got a quick 4xx, /health never took over a second, and afterwards the server is idle: no
+request running or waiting, no KV block in use, /health 200. Prints cases per route, statuses
+seen and times. tests/entrypoints/test_fuzz.py runs the same, smaller.
 """
 
 from __future__ import annotations
@@ -19,43 +22,22 @@ import sys
 import tempfile
 import threading
 import time
-from collections import Counter, defaultdict
 from collections.abc import Callable
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import httpx
 
+from fuzz_report import FuzzReport
 from pagoda.bench.servers import IDLE_METRICS, wait_idle
+
+FAMILIES = ("openai", "ollama", "grpc")
+STALL_S = 1.0  # a /health answer slower than this is a stall: something blocked the event loop
 
 # Generated bodies may ask for up to n=128 choices of a context's worth of tokens each: valid,
 # but seconds of CPU per case. The fuzz caps what a case may generate (the fields stay present,
 # so their validation is still exercised).
 GENERATION_CAPS = {"n": 2, "max_tokens": 4, "max_completion_tokens": 4, "min_tokens": 2}
-
-
-@dataclass
-class FuzzReport:
-    """What a fuzz run saw: cases and statuses per route, the failures, the time taken."""
-
-    cases: Counter = field(default_factory=Counter)
-    statuses: dict[str, Counter] = field(default_factory=lambda: defaultdict(Counter))
-    failures: list[str] = field(default_factory=list)
-    seconds: float = 0.0
-
-    def record(self, route: str, status: int | str, failure: str | None = None) -> None:
-        self.cases[route] += 1
-        self.statuses[route][status] += 1
-        if failure:
-            self.failures.append(f"{route}: {failure}")
-
-    def lines(self) -> list[str]:
-        out = [f"{sum(self.cases.values())} cases in {self.seconds:.1f} s, {len(self.failures)} failures"]
-        for route in sorted(self.cases):
-            seen = ", ".join(f"{s}: {c}" for s, c in sorted(self.statuses[route].items(), key=lambda x: str(x[0])))
-            out.append(f"  {route:32s} {self.cases[route]:5d}   {seen}")
-        return out + [f"  FAIL {f}" for f in self.failures[:20]]
 
 
 def cap_generation(body: Any) -> None:
@@ -231,6 +213,48 @@ def run_sdk_cases(base_url: str, model: str, api_key: str = "unused") -> FuzzRep
     return report
 
 
+# -- /health while the fuzz runs ----------------------------------------------------------------
+class HealthWatch:
+    """Times /health every `every` seconds on a thread until stopped: the slowest answer and how
+    many took over STALL_S (a request that blocks the event loop shows here)."""
+
+    def __init__(self, base_url: str, every: float = 0.1) -> None:
+        self.times: list[float] = []
+        self.failures: list[str] = []
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, args=(base_url, every), daemon=True)
+
+    def _run(self, base_url: str, every: float) -> None:
+        with httpx.Client(timeout=30) as client:
+            while not self._stop.wait(every):
+                began = time.monotonic()
+                try:
+                    status = client.get(f"{base_url}/health").status_code
+                except httpx.HTTPError as e:
+                    self.failures.append(f"{type(e).__name__}: {e}")
+                    continue
+                self.times.append(time.monotonic() - began)
+                if status != 200:
+                    self.failures.append(f"/health {status}")
+
+    def __enter__(self) -> "HealthWatch":
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()
+        self._thread.join()
+
+    @property
+    def stalls(self) -> int:
+        return sum(t > STALL_S for t in self.times)
+
+    def line(self) -> str:
+        slowest = max(self.times, default=0.0)
+        return (f"/health polled {len(self.times)} times: slowest {slowest * 1000:.0f} ms, {self.stalls} over "
+                f"{STALL_S:g} s, {len(self.failures)} failed")
+
+
 # -- afterwards --------------------------------------------------------------------------------
 def drain_log(proc) -> list[str]:
     """Read a server subprocess's output on a thread (an unread pipe would fill and block the
@@ -240,19 +264,49 @@ def drain_log(proc) -> list[str]:
     return lines
 
 
-def _start_tiny_server(max_model_len: int, name: str):
-    root = Path(__file__).resolve().parents[1]
-    sys.path.insert(0, str(root / "tests"))
+TESTS = Path(__file__).resolve().parents[1] / "tests"  # server_process and tiny_models: the suite's helpers
+
+
+def _start_tiny_server(max_model_len: int, name: str, grpc_port: int | None):
+    sys.path.insert(0, str(TESTS))
     from server_process import start_server
     from tiny_models import make_tiny_hf_model
 
     model_dir = make_tiny_hf_model("llama", Path(tempfile.mkdtemp(prefix="pagoda-fuzz-")) / "llama")
-    return start_server(model_dir, "--max-model-len", str(max_model_len), name=name)
+    grpc = ["--grpc-port", str(grpc_port)] if grpc_port else []
+    return start_server(model_dir, "--max-model-len", str(max_model_len), *grpc, name=name)
+
+
+def run_families(base: str, families: tuple[str, ...], args, seed: int, grpc_target: str | None) -> list[FuzzReport]:
+    """Each family's fuzz in turn, printing its report; returns them."""
+    headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else None
+    reports = []
+    if "openai" in families:
+        print(f"schemathesis: {args.cases} cases per route and mode ({args.modes}), seed {seed}", flush=True)
+        reports.append(fuzz_schema(base, args.cases, seed, tuple(args.modes.split(",")), headers=headers))
+        print("\n".join(reports[-1].lines()), flush=True)
+        reports.append(run_sdk_cases(base, args.model_name, args.api_key or "unused"))
+        print("openai SDK calls:\n" + "\n".join(reports[-1].lines()), flush=True)
+    if "ollama" in families:
+        from fuzz_ollama import fuzz_ollama, run_adversarial
+
+        reports.append(fuzz_ollama(base, args.model_name, args.cases, seed, headers=headers))
+        print("ollama bodies:\n" + "\n".join(reports[-1].lines()), flush=True)
+        reports.append(run_adversarial(base, args.model_name, headers=headers))
+        print("ollama adversarial bodies:\n" + "\n".join(reports[-1].lines()), flush=True)
+    if "grpc" in families and grpc_target:
+        from fuzz_grpc import fuzz_grpc  # grpcio and the generated stubs, only for this family
+
+        reports.append(fuzz_grpc(grpc_target, args.cases, seed, api_key=args.api_key))
+        print("grpc messages:\n" + "\n".join(reports[-1].lines()), flush=True)
+    return reports
 
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--url", help="fuzz this running server (default: start one on a tiny random model)")
+    ap.add_argument("--grpc", help="with --url: its gRPC address HOST:PORT (the grpc family)")
+    ap.add_argument("--families", default=",".join(FAMILIES), help="API families to fuzz, comma-separated")
     ap.add_argument("--model-name", default="tiny", help="the served model name (for the SDK calls)")
     ap.add_argument("--cases", type=int, default=300, help="generated cases per route and generation mode")
     ap.add_argument("--seed", type=int, default=None, help="hypothesis seed (default: random, printed)")
@@ -260,27 +314,33 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--max-model-len", type=int, default=128, help="context of the started server")
     ap.add_argument("--api-key", default=None, help="with --url: the key to send (Authorization: Bearer KEY)")
     args = ap.parse_args(argv)
+    families = tuple(f for f in args.families.split(",") if f)
+    if unknown := set(families) - set(FAMILIES):
+        ap.error(f"unknown families {sorted(unknown)}; choose from {', '.join(FAMILIES)}")
     seed = args.seed if args.seed is not None else random.randrange(2**32)
     proc, log = None, []
-    base = args.url
+    base, grpc_target = args.url, args.grpc
     if base is None:
+        sys.path.insert(0, str(TESTS))
+        from server_process import _free_port
+
         started = time.monotonic()
-        proc, base = _start_tiny_server(args.max_model_len, args.model_name)
+        grpc_port = _free_port() if "grpc" in families else None
+        proc, base = _start_tiny_server(args.max_model_len, args.model_name, grpc_port)
+        grpc_target = f"127.0.0.1:{grpc_port}" if grpc_port else None
         log = drain_log(proc)
         print(f"server up in {time.monotonic() - started:.1f} s at {base}", flush=True)
     try:
-        print(f"schemathesis: {args.cases} cases per route and mode ({args.modes}), seed {seed}", flush=True)
-        headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else None
-        schema = fuzz_schema(base, args.cases, seed, tuple(args.modes.split(",")), headers=headers)
-        print("\n".join(schema.lines()), flush=True)
-        sdk = run_sdk_cases(base, args.model_name, args.api_key or "unused")
-        print("openai SDK calls:\n" + "\n".join(sdk.lines()), flush=True)
+        with HealthWatch(base) as health_watch:
+            reports = run_families(base, families, args, seed, grpc_target)
+        print(health_watch.line(), flush=True)
         started = time.monotonic()
         metrics = wait_idle(base, timeout=30)
         print(f"idle after {time.monotonic() - started:.2f} s: {({name: metrics.get(name, 0.0) for name in IDLE_METRICS})}")
         health = httpx.get(f"{base}/health", timeout=10).status_code
         print(f"/health: {health}")
-        ok = not schema.failures and not sdk.failures and health == 200
+        ok = not any(r.failures for r in reports) and health == 200 and not health_watch.stalls \
+            and not health_watch.failures
     finally:
         if proc is not None:
             proc.terminate()
