@@ -4,9 +4,8 @@ answer streams long enough to watch it grow and stop it).
 
 Chromium and chromedriver come from the Debian packages (.ci/run installs them); without them
 these tests are skipped. Screenshots of both pages land in the test's temporary directory, and
-also in $PAGODA_WEB_SCREENSHOTS when it is set (how docs/images/ was made):
-
-    PAGODA_WEB_SCREENSHOTS=docs/images python -m pytest -q tests/entrypoints/web/test_browser.py
+also in $PAGODA_WEB_SCREENSHOTS when it is set (the README's pictures, with SmolLM2 answering,
+come from tools/web_screenshots.py instead).
 """
 
 from __future__ import annotations
