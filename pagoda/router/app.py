@@ -19,6 +19,7 @@ import contextlib
 import dataclasses
 import logging
 from dataclasses import dataclass, field
+from collections.abc import Coroutine
 from typing import Any
 
 import httpx
@@ -101,6 +102,8 @@ class Router:
         self.client: httpx.AsyncClient | None = None
         self._probes: asyncio.Task | None = None
         self.streams: set[RelayResponse] = set()  # open relays, ended with an error event at shutdown
+        self._forwarding: set[asyncio.Task] = set()  # requests waiting on a worker, answered 503 at shutdown
+        self.ending: str | None = None  # set by abort_all: why requests in flight end
         for url in config.workers:
             self.add_worker(url)
 
@@ -137,13 +140,17 @@ class Router:
             logger.warning("%d of %d worker(s) available at start", available, total)
         self._probes = asyncio.create_task(self.registry.probe_forever(self.client, self.config.health_interval))
 
-    def end_streams(self, message: str) -> int:
-        """End every open stream with a `shutting_down` error event and `data: [DONE]` (closing
-        the worker's stream, which aborts its generation there); returns how many."""
-        streams = list(self.streams)
+    def abort_all(self, message: str) -> int:
+        """End every request in flight (at shutdown): a stream with a `shutting_down` error event
+        and `data: [DONE]`, a request still waiting for its worker with 503 `shutting_down`. Either
+        way the worker's connection closes, which aborts the generation there. Returns how many."""
+        self.ending = message
+        streams, waiting = list(self.streams), list(self._forwarding)
         for relay in streams:
             relay.end(message)
-        return len(streams)
+        for task in waiting:
+            task.cancel()
+        return len(streams) + len(waiting)
 
     async def stop(self) -> None:
         if self._probes is not None:
@@ -171,13 +178,26 @@ class Router:
         try:
             # a client that left cancels the forwarding: the connection to the worker closes, which
             # aborts the generation there
-            answer = await unless_disconnected(request, self._dispatch(request, path, body))
-            return answer if answer is not GONE else Response(status_code=499)
+            answer = await unless_disconnected(request, self._tracked(self._dispatch(request, path, body)))
+            if answer is GONE:
+                return Response(status_code=499) if self.ending is None else \
+                    OpenAIErrorResponse(self.ending, 503, "server_error", "shutting_down")
+            return answer
         finally:
             if isinstance(answer, RelayResponse):
                 answer.on_close(self.limits.release)  # the slot is held until the stream ends
             else:
                 self.limits.release()
+
+    async def _tracked(self, work: Coroutine[Any, Any, Response]) -> Response:
+        """`work`, cancelled by `abort_all` if it is still waiting for a worker then."""
+        task = asyncio.current_task()
+        assert task is not None
+        self._forwarding.add(task)
+        try:
+            return await work
+        finally:
+            self._forwarding.discard(task)
 
     async def _dispatch(self, request: Request, path: str, body: bytes) -> Response:
         route = route_request(request.headers, _parse_json(body))

@@ -2,7 +2,7 @@
 workers), its listening socket (bound before anything is printed, so a busy port fails at once
 with a message) and its stop rules, shared with `pagoda serve` (pagoda/entrypoints/graceful.py):
 a stop signal gives open requests `--shutdown-timeout` seconds, then ends open streams with a
-`shutting_down` error event and `data: [DONE]`."""
+`shutting_down` error event and `data: [DONE]`, and answers the rest 503 `shutting_down`."""
 
 from __future__ import annotations
 
@@ -25,12 +25,12 @@ from pagoda.router.workers import normalize_url
 
 logger = logging.getLogger("pagoda.router")
 
-SHUTDOWN_MESSAGE = "the router is shutting down: the response is incomplete"
+SHUTDOWN_MESSAGE = "the router is shutting down: request aborted"
 
 
 class RouterServer(GracefulServer):
-    """uvicorn for the router: what is in flight is the gateway's count; aborting ends the open
-    streams (a request still waiting for a whole answer is cut by uvicorn's backstop)."""
+    """uvicorn for the router: what is in flight is the gateway's count; aborting ends open
+    streams with an error event and `data: [DONE]` and answers the rest 503 (Router.abort_all)."""
 
     def __init__(self, config: uvicorn.Config, router: Router, shutdown_timeout: float) -> None:
         super().__init__(config, shutdown_timeout)
@@ -40,7 +40,7 @@ class RouterServer(GracefulServer):
         return self.router.limits.in_flight
 
     def abort_all(self) -> int:
-        return self.router.end_streams(SHUTDOWN_MESSAGE)
+        return self.router.abort_all(SHUTDOWN_MESSAGE)
 
 
 def run_router(config: RouterConfig, host: str, port: int, log_level: str = "info",
