@@ -43,12 +43,11 @@ class RouterServer(GracefulServer):
         return self.router.abort_all(SHUTDOWN_MESSAGE)
 
 
-def run_router(config: RouterConfig, host: str, port: int, log_level: str = "info",
-               shutdown_timeout: float = 10.0) -> int:
+def run_router(config: RouterConfig, host: str, port: int, log_level: str, shutdown_timeout: float) -> int:
     """`pagoda router`: until SIGINT / SIGTERM; returns the exit status."""
+    sock = bind_listener(host, port)  # a busy port fails here, before the banner
     if not config.workers:
         logger.warning("starting with no workers: add them with POST /workers")
-    sock = bind_listener(host, port)  # a busy port fails here, before the banner
     try:
         app = build_app(config)
         logging.getLogger("httpx").setLevel(logging.WARNING)  # a line per proxied request otherwise
