@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import json
 import os
 import socket
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
@@ -100,3 +102,43 @@ def stop_process(proc: subprocess.Popen, timeout: float = 30) -> None:
         except subprocess.TimeoutExpired:
             proc.kill()
             proc.wait()
+
+
+class OpenStream:
+    """A streamed completion read on a thread, kept running (ignore_eos) so that a test can act on
+    the server while it is in flight: its `data:` payloads so far, and how it ended."""
+
+    def __init__(self, base: str, max_tokens: int = 15000, model: str = "tiny") -> None:
+        self.events: list[str] = []
+        self.error: Exception | None = None
+        self.ended_at: float | None = None
+        body = {"model": model, "prompt": "hello", "max_tokens": max_tokens, "ignore_eos": True, "stream": True}
+        self._thread = threading.Thread(target=self._read, args=(base, body), daemon=True)
+        self._thread.start()
+
+    def _read(self, base: str, body: dict) -> None:
+        try:
+            with httpx.stream("POST", f"{base}/v1/completions", json=body, timeout=300) as r:
+                for line in r.iter_lines():
+                    if line.startswith("data: "):
+                        self.events.append(line[len("data: "):])
+        except httpx.HTTPError as e:  # a cut connection: what a stream must not end with
+            self.error = e
+        self.ended_at = time.monotonic()
+
+    def wait_started(self, events: int = 3, timeout: float = 60) -> None:
+        deadline = time.monotonic() + timeout
+        while len(self.events) < events:
+            assert self._thread.is_alive() and time.monotonic() < deadline, f"the stream did not start: {self.events}"
+            time.sleep(0.05)
+
+    def join(self, timeout: float = 60) -> "OpenStream":
+        self._thread.join(timeout)
+        assert not self._thread.is_alive(), "the stream did not end"
+        return self
+
+    def error_code(self) -> str | None:
+        """The code of the error event before `data: [DONE]` (None if it did not end that way)."""
+        if self.error is not None or len(self.events) < 2 or self.events[-1] != "[DONE]":
+            return None
+        return json.loads(self.events[-2]).get("error", {}).get("code")

@@ -322,8 +322,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--request-timeout", type=float, default=None,
                    help="seconds a request may live, queueing included; past it the request is aborted "
                         "and answered 504 (default: no limit)")
-    p.add_argument("--shutdown-timeout", type=float, default=10.0,
-                   help="on SIGTERM / SIGINT, seconds in-flight requests get to finish before they are aborted")
+    router_options.add_shutdown_timeout_arg(p)  # `pagoda router`'s --shutdown-timeout too: one option, one default
     p.add_argument("--no-web-ui", action="store_true",
                    help="do not serve the web playground (/) and the engine dashboard (/dashboard); the JSON "
                         "debug API (/v1/debug/...) stays")

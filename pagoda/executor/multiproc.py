@@ -23,8 +23,10 @@ import multiprocessing as mp
 import os
 import signal
 import socket
+import sys
 import threading
 import weakref
+from multiprocessing import resource_tracker
 from typing import Any
 
 import torch
@@ -32,6 +34,7 @@ import torch
 from pagoda.config import EngineConfig
 from pagoda.distributed.parallel_state import serve_rendezvous
 from pagoda.executor.base import WorkerFailedError, Executor
+from pagoda.executor.start_method import check_spawn_is_safe, start_method
 from pagoda.heap import keep_freed_memory
 from pagoda.worker.worker import Worker, cpu_share
 
@@ -157,13 +160,19 @@ def call_every_rank(driver: Worker, method: str, args: tuple, gather: bool) -> A
 
 
 def start_worker_processes(config: EngineConfig, ranks: list[int], master_addr: str, master_port: int):
-    """The processes of ``ranks``, and the queue where a failing one leaves its reason."""
-    ctx = mp.get_context("spawn")  # no fork after torch has started its thread pools
+    """The processes of ``ranks``, and the queue where a failing one leaves its reason. Forked
+    where that is safe, else spawned (pagoda/executor/start_method.py)."""
+    method, why = start_method()
+    if method == "spawn":
+        check_spawn_is_safe(why)
+    else:  # a forked rank would start a resource tracker of its own, which reports rank 0's unlinked segment
+        resource_tracker.ensure_running()
+    ctx = mp.get_context(method)
     errors = ctx.SimpleQueue()
     procs = []
     with _children_allowed():
         for rank in ranks:
-            proc = ctx.Process(target=_worker_main, args=(config, rank, master_addr, master_port, errors),
+            proc = ctx.Process(target=_worker_main, args=(config, rank, master_addr, master_port, errors, method),
                                name=f"pagoda-tp-rank{rank}", daemon=True)
             proc.start()
             procs.append(proc)
@@ -184,18 +193,39 @@ def _children_allowed():
             config["daemon"] = daemon
 
 
-def _worker_main(config: EngineConfig, rank: int, master_addr: str, master_port: int, errors) -> None:
+def _worker_main(config: EngineConfig, rank: int, master_addr: str, master_port: int, errors, method: str) -> None:
     """A non-driver rank: build the shard, then run rank 0's calls until told to stop."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
     _die_with_parent()
-    logging.basicConfig(level=logging.WARNING, format=f"%(levelname)s rank{rank} %(name)s: %(message)s")
+    # force: a forked rank has its parent's handlers, which would keep the rank out of its lines
+    logging.basicConfig(level=logging.WARNING, format=f"%(levelname)s rank{rank} %(name)s: %(message)s", force=True)
+    if method == "fork":
+        # OpenMP's thread pool belongs to the thread that used it, and a fork copies no threads: on
+        # the forking thread, the first parallel region would wait forever for the parent's pool
+        # (if the parent had run one). A new thread starts a pool of its own.
+        failed: list[BaseException] = []
+        runner = threading.Thread(target=_run_rank, args=(config, rank, master_addr, master_port, errors, failed),
+                                  name=f"pagoda-tp-rank{rank}")
+        runner.start()
+        runner.join()
+        if failed:
+            sys.exit(1)
+        return
+    _run_rank(config, rank, master_addr, master_port, errors)
+
+
+def _run_rank(config: EngineConfig, rank: int, master_addr: str, master_port: int, errors,
+              failed: list[BaseException] | None = None) -> None:
     _use_cores(config, rank, len(local_ranks(config)), pin=True)
     try:
         _serve_rank(Worker(config, rank, master_addr, master_port))
     except BaseException as e:
         errors.put(f"rank {rank}: {type(e).__name__}: {e}")
-        raise
+        if failed is None:
+            raise
+        failed.append(e)
+        logger.exception("rank %d failed", rank)
 
 
 def _serve_rank(worker: Worker) -> None:

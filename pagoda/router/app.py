@@ -18,18 +18,15 @@ import asyncio
 import contextlib
 import dataclasses
 import logging
-import secrets
 from dataclasses import dataclass, field
+from collections.abc import Coroutine
 from typing import Any
 
 import httpx
 import orjson
-from starlette.applications import Starlette
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
-from starlette.routing import Route
 
-from pagoda import __version__
 from pagoda.entrypoints.disconnect import GONE, unless_disconnected
 from pagoda.router.affinity import (
     SESSION_HEADER, SESSIONS_PATH, RouteRequest, new_session_id, route_request, session_in_path,
@@ -41,7 +38,7 @@ from pagoda.router.proxy import (
     WORKER_HEADER, BodyTooLarge, OpenAIErrorResponse, RelayResponse, answer_headers, forward_headers,
     is_event_stream, read_body,
 )
-from pagoda.router.workers import BreakerState, Worker, WorkerRegistry, normalize_url
+from pagoda.router.workers import BreakerState, Worker, WorkerRegistry
 
 logger = logging.getLogger("pagoda.router")
 
@@ -104,6 +101,9 @@ class Router:
         self.metrics = RouterMetrics(lambda: list(self.registry.workers.values()))
         self.client: httpx.AsyncClient | None = None
         self._probes: asyncio.Task | None = None
+        self.streams: set[RelayResponse] = set()  # open relays, ended with an error event at shutdown
+        self._forwarding: set[asyncio.Task] = set()  # requests waiting on a worker, answered 503 at shutdown
+        self.ending: str | None = None  # set by abort_all: why requests in flight end
         for url in config.workers:
             self.add_worker(url)
 
@@ -135,7 +135,22 @@ class Router:
         self.client = httpx.AsyncClient(timeout=timeout, limits=httpx.Limits(max_connections=None,
                                                                              max_keepalive_connections=256))
         await self.registry.probe_all(self.client, warm=False)
+        available, total = len(self.registry.available()), len(self.registry.workers)
+        if available < total:
+            logger.warning("%d of %d worker(s) available at start", available, total)
         self._probes = asyncio.create_task(self.registry.probe_forever(self.client, self.config.health_interval))
+
+    def abort_all(self, message: str) -> int:
+        """End every request in flight (at shutdown): a stream with a `shutting_down` error event
+        and `data: [DONE]`, a request still waiting for its worker with 503 `shutting_down`. Either
+        way the worker's connection closes, which aborts the generation there. Returns how many."""
+        self.ending = message
+        streams, waiting = list(self.streams), list(self._forwarding)
+        for relay in streams:
+            relay.end(message)
+        for task in waiting:
+            task.cancel()
+        return len(streams) + len(waiting)
 
     async def stop(self) -> None:
         if self._probes is not None:
@@ -163,13 +178,26 @@ class Router:
         try:
             # a client that left cancels the forwarding: the connection to the worker closes, which
             # aborts the generation there
-            answer = await unless_disconnected(request, self._dispatch(request, path, body))
-            return answer if answer is not GONE else Response(status_code=499)
+            answer = await unless_disconnected(request, self._tracked(self._dispatch(request, path, body)))
+            if answer is GONE:
+                return Response(status_code=499) if self.ending is None else \
+                    OpenAIErrorResponse(self.ending, 503, "server_error", "shutting_down")
+            return answer
         finally:
             if isinstance(answer, RelayResponse):
                 answer.on_close(self.limits.release)  # the slot is held until the stream ends
             else:
                 self.limits.release()
+
+    async def _tracked(self, work: Coroutine[Any, Any, Response]) -> Response:
+        """`work`, cancelled by `abort_all` if it is still waiting for a worker then."""
+        task = asyncio.current_task()
+        assert task is not None
+        self._forwarding.add(task)
+        try:
+            return await work
+        finally:
+            self._forwarding.discard(task)
 
     async def _dispatch(self, request: Request, path: str, body: bytes) -> Response:
         route = route_request(request.headers, _parse_json(body))
@@ -196,7 +224,7 @@ class Router:
                 return outcome
             failure = outcome
         if failure is None:
-            return OpenAIErrorResponse("no worker is available", 503, "server_error", "no_available_worker")
+            return self.no_worker_available()
         if failure.answer is not None:
             return failure.answer
         return OpenAIErrorResponse(f"no worker could answer: {failure.reason}", 502, "server_error", "worker_failed")
@@ -241,6 +269,8 @@ class Router:
                                       on_broken=lambda e: self._failed(worker, "stream", repr(e)))
                 relay.on_close(upstream.aclose)
                 relay.on_close(lease.release)
+                self.streams.add(relay)
+                relay.on_close(lambda: self.streams.discard(relay))
                 handed_over = True
                 return relay
             content = await _read_raw(upstream)
@@ -286,14 +316,19 @@ class Router:
         if not seen and statuses and all(s == 401 for s in statuses):
             return OpenAIErrorResponse("invalid or missing API key", 401, "authentication_error", "invalid_api_key")
         if not seen and not statuses:
-            return OpenAIErrorResponse("no worker is available", 503, "server_error", "no_available_worker")
+            return self.no_worker_available()
         return JSONResponse({"object": "list", "data": list(seen.values())})
 
     def health(self) -> Response:
         available = len(self.registry.available())
         if available:
             return JSONResponse({"status": "ok", "available_workers": available})
-        return OpenAIErrorResponse("no worker is available", 503, "server_error", "no_available_worker")
+        return self.no_worker_available()
+
+    def no_worker_available(self) -> Response:
+        """503, naming each worker and why it takes no requests (or that there are none)."""
+        return OpenAIErrorResponse(f"no worker is available: {self.registry.why_none_available()}", 503,
+                                   "server_error", "no_available_worker")
 
     def describe(self) -> dict:
         return {"policy": self.policy.name, "in_flight": self.limits.in_flight,
@@ -327,111 +362,4 @@ def _bearer_token(request: Request) -> str:
     return auth[7:] if auth[:7].lower() == "bearer " else auth
 
 
-def build_app(config: RouterConfig) -> Starlette:
-    router = Router(config)
-
-    def admin_refusal(request: Request) -> Response | None:
-        if not config.admin_key:
-            return OpenAIErrorResponse("admin routes are off: start the router with --admin-key", 403,
-                                       "permission_error", "admin_disabled")
-        if not secrets.compare_digest(request.headers.get("authorization", ""), f"Bearer {config.admin_key}"):
-            return OpenAIErrorResponse("invalid or missing admin key", 401, "authentication_error", "invalid_api_key")
-        return None
-
-    async def proxied(request: Request) -> Response:
-        return await router.forward(request, request.url.path)
-
-    async def models(request: Request) -> Response:
-        return await router.models(request)
-
-    async def health(_request: Request) -> Response:
-        return router.health()
-
-    async def metrics(_request: Request) -> Response:
-        return Response(router.metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8")
-
-    async def version(_request: Request) -> Response:
-        return JSONResponse({"version": __version__})
-
-    async def list_workers(request: Request) -> Response:
-        return admin_refusal(request) or JSONResponse(router.describe())
-
-    async def worker_url(request: Request) -> str | Response:
-        """The worker URL an admin request names, or the answer that refuses it."""
-        if (refusal := admin_refusal(request)) is not None:
-            return refusal
-        try:
-            return normalize_url(await _url_from(request))
-        except ValueError as e:
-            return OpenAIErrorResponse(str(e), 400, "invalid_request_error", "invalid_worker_url")
-
-    async def add_worker(request: Request) -> Response:
-        if isinstance(url := await worker_url(request), Response):
-            return url
-        known = router.registry.get(url) is not None
-        worker = router.add_worker(url)
-        if not known:
-            assert router.client is not None
-            await router.registry.probe(worker, router.client)  # warm-up starts once it answers
-        return JSONResponse(worker.describe(), status_code=200 if known else 201)
-
-    async def remove_worker(request: Request) -> Response:
-        if isinstance(url := await worker_url(request), Response):
-            return url
-        if not router.remove_worker(url):
-            return OpenAIErrorResponse(f"no worker {url}", 404, "invalid_request_error", "worker_not_found")
-        return JSONResponse({"removed": url})
-
-    @contextlib.asynccontextmanager
-    async def lifespan(_app: Starlette):
-        await router.start()
-        try:
-            yield
-        finally:
-            await router.stop()
-
-    routes = [
-        Route("/health", health, methods=["GET"]),
-        Route("/metrics", metrics, methods=["GET"]),
-        Route("/version", version, methods=["GET"]),
-        Route("/v1/models", models, methods=["GET"]),
-        Route("/workers", list_workers, methods=["GET"]),
-        Route("/workers", add_worker, methods=["POST"]),
-        Route("/workers", remove_worker, methods=["DELETE"]),
-        Route("/v1/sessions/{path:path}", proxied, methods=["GET", "POST", "DELETE"]),  # one replica's sessions
-        Route("/v1/{path:path}", proxied, methods=["POST"]),
-        Route("/tokenize", proxied, methods=["POST"]),
-        Route("/detokenize", proxied, methods=["POST"]),
-    ]
-    app = Starlette(routes=routes, lifespan=lifespan)
-    app.state.router = router
-    return app
-
-
-async def _url_from(request: Request) -> str:
-    """A worker URL from the body ({"url": ...}) or the query (?url=...)."""
-    if url := request.query_params.get("url"):
-        return url
-    try:
-        body = orjson.loads(await request.body())
-    except orjson.JSONDecodeError:
-        body = None
-    if isinstance(body, dict) and isinstance(body.get("url"), str):
-        return body["url"]
-    raise ValueError('give the worker as {"url": "http://HOST:PORT"} or ?url=')
-
-
-def run_router(config: RouterConfig, host: str, port: int, log_level: str = "info") -> int:
-    import uvicorn
-
-    if not config.workers:
-        logger.warning("starting with no workers: add them with POST /workers")
-    app = build_app(config)
-    logging.getLogger("httpx").setLevel(logging.WARNING)  # a line per proxied request otherwise
-    print(f"pagoda {__version__}: router ({config.policy}) for {len(config.workers)} worker(s) on "
-          f"http://{host}:{port}/v1", flush=True)
-    uvicorn.run(app, host=host, port=port, log_level=log_level, access_log=False)
-    return 0
-
-
-__all__ = ["RouterConfig", "Router", "build_app", "run_router", "WORKER_HEADER"]
+__all__ = ["RouterConfig", "Router", "WORKER_HEADER"]

@@ -14,8 +14,9 @@ one command.
   `--max-replica-restarts` times; the router's probes take it out while it is gone and warm it
   up (`--router-warmup-seconds`) when it answers again.
 - SIGINT / SIGTERM: the router stops taking connections and lets its requests finish
-  (`--shutdown-timeout`), then every replica gets SIGTERM and drains the same way; a replica
-  still there after that is killed. The replicas run in sessions of their own, so a Ctrl-C at
+  (`--shutdown-timeout`), then ends the streams still open with a `shutting_down` error event
+  and `data: [DONE]` (as `pagoda serve` does); then every replica gets SIGTERM and drains the
+  same way; a replica still there after that is killed. The replicas run in sessions of their own, so a Ctrl-C at
   the terminal reaches only this process, which stops them in that order; and each gets
   SIGTERM from the kernel if this process dies without stopping them (PR_SET_PDEATHSIG).
 """
@@ -36,6 +37,13 @@ import time
 from dataclasses import dataclass
 
 import httpx
+import uvicorn
+
+from pagoda import __version__
+from pagoda.entrypoints.graceful import bind_listener
+from pagoda.router.app import Router, RouterConfig
+from pagoda.router.options import admin_key
+from pagoda.router.server import RouterServer, build_app
 
 logger = logging.getLogger("pagoda.router")
 
@@ -159,56 +167,14 @@ class ReplicaSet:
                 proc.wait()
 
 
-def _bind(host: str, port: int) -> socket.socket:
-    """The router's socket, bound before the replicas start so that a busy port fails at once."""
-    sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    try:
-        sock.bind((host, port))
-    except OSError as e:
-        sock.close()
-        raise RuntimeError(f"cannot listen on {host}:{port}: {e.strerror or e} (choose another --port)") from None
-    return sock
-
-
-def _server_class():
-    import uvicorn
-
-    class Server(uvicorn.Server):
-        """uvicorn, less its re-raising of the stop signal once it has stopped (that would kill
-        this process before it stops the replicas): the first SIGINT / SIGTERM drains, a second
-        one hurries (the replicas get a second SIGTERM too, which aborts their requests)."""
-
-        def __init__(self, config: uvicorn.Config, replicas: ReplicaSet) -> None:
-            super().__init__(config)
-            self.replicas = replicas
-
-        def handle_exit(self, sig: int, frame) -> None:
-            name = signal.Signals(sig).name
-            if self.should_exit:
-                logger.warning("%s again: stopping now", name)
-                self.force_exit = self.replicas.hurry = True
-                return
-            logger.warning("%s: the router drains (up to %gs), then the replicas do", name,
-                           self.replicas.shutdown_timeout)
-            self.should_exit = True
-
-    return Server
-
-
 def run_data_parallel(ns: argparse.Namespace) -> int:
     """`pagoda serve --data-parallel-size N`: until SIGINT / SIGTERM; returns the exit status."""
-    import uvicorn
-
-    from pagoda import __version__
-    from pagoda.router.app import RouterConfig, build_app
-
     size = ns.data_parallel_size
     if getattr(ns, "nnodes", 1) > 1:
         raise ValueError("--data-parallel-size starts replicas on this host; it does not combine with --nnodes "
                          "(point `pagoda router` at the replicas of other hosts instead)")
-    sock = _bind(ns.host, ns.port)
-    _Server = _server_class()
+    key = admin_key(ns.router_admin_key, "--router-admin-key")
+    sock = bind_listener(ns.host, ns.port)
     replicas = ReplicaSet(list(ns.argv), size, max_restarts=ns.max_replica_restarts,
                           shutdown_timeout=ns.shutdown_timeout)
     print(f"pagoda {__version__}: starting {size} replicas of {ns.model} on "
@@ -216,38 +182,57 @@ def run_data_parallel(ns: argparse.Namespace) -> int:
     try:
         replicas.start()
         config = RouterConfig(
-            workers=[r.url for r in replicas.replicas], policy=ns.router_policy,
-            admin_key=ns.router_admin_key or os.environ.get("PAGODA_ROUTER_ADMIN_KEY"),
+            workers=[r.url for r in replicas.replicas], policy=ns.router_policy, admin_key=key,
             max_requests_in_flight=ns.router_max_requests_in_flight, qps=ns.router_qps,
             qps_per_key=ns.router_qps_per_key, warmup_seconds=ns.router_warmup_seconds,
             health_interval=ns.router_health_interval)
         app = build_app(config)
-        router_lifespan = app.router.lifespan_context
-
-        @contextlib.asynccontextmanager
-        async def lifespan(a):
-            async with router_lifespan(a):
-                watcher = asyncio.create_task(replicas.supervise())
-                try:
-                    yield
-                finally:
-                    replicas.stopping = True
-                    watcher.cancel()
-                    with contextlib.suppress(asyncio.CancelledError):
-                        await watcher
-
-        app.router.lifespan_context = lifespan
+        _supervise_while_serving(app, replicas)
         logging.getLogger("httpx").setLevel(logging.WARNING)
         print(f"pagoda: router ({config.policy}) for {size} replicas serving on http://{ns.host}:{ns.port}/v1",
               flush=True)
-        server = _Server(uvicorn.Config(app, log_level=ns.log_level, access_log=False,
-                                        timeout_graceful_shutdown=ns.shutdown_timeout), replicas)
+        server = _ReplicasFront(uvicorn.Config(app, log_level=ns.log_level, access_log=False), app.state.router,
+                                ns.shutdown_timeout, replicas)
         server.run(sockets=[sock])
     finally:
         replicas.stop()
         sock.close()
     print("pagoda: stopped", flush=True)
     return 0
+
+
+def _supervise_while_serving(app, replicas: ReplicaSet) -> None:
+    """Watch the replicas (restarting those that exit) for as long as the router's app runs."""
+    router_lifespan = app.router.lifespan_context
+
+    @contextlib.asynccontextmanager
+    async def lifespan(a):
+        async with router_lifespan(a):
+            watcher = asyncio.create_task(replicas.supervise())
+            try:
+                yield
+            finally:
+                replicas.stopping = True
+                watcher.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await watcher
+
+    app.router.lifespan_context = lifespan
+
+
+class _ReplicasFront(RouterServer):
+    """The router's server with the replicas behind it. Its stop rules are the router's (and
+    serve's): the first SIGINT / SIGTERM drains the router for --shutdown-timeout, then its open
+    streams end with an error event and `data: [DONE]`; the replicas are stopped after it
+    (ReplicaSet.stop). A second signal hurries: the replicas get a second SIGTERM too, which
+    aborts their requests."""
+
+    def __init__(self, config: uvicorn.Config, router: Router, shutdown_timeout: float, replicas: ReplicaSet) -> None:
+        super().__init__(config, router, shutdown_timeout)
+        self.replicas = replicas
+
+    def on_hurry(self) -> None:
+        self.replicas.hurry = True
 
 
 # --- one replica ------------------------------------------------------------------------------

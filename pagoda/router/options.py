@@ -4,8 +4,29 @@ imports only argparse; the router itself (Starlette, httpx, uvicorn) loads when 
 from __future__ import annotations
 
 import argparse
+import os
 
 from pagoda.router import POLICIES
+
+ADMIN_KEY_ENV = "PAGODA_ROUTER_ADMIN_KEY"
+
+
+def add_shutdown_timeout_arg(p: argparse.ArgumentParser) -> None:
+    """`--shutdown-timeout`, the same for `pagoda serve` and `pagoda router` (both stop by
+    pagoda/entrypoints/graceful.py's rules)."""
+    p.add_argument("--shutdown-timeout", type=float, default=10.0,
+                   help="on SIGTERM / SIGINT, seconds in-flight requests get to finish before they are aborted "
+                        "(a stream ends with a shutting_down error event and [DONE])")
+
+
+def admin_key(value: str | None, option: str) -> str | None:
+    """The admin key from `option` or else the environment; None: the admin routes stay off. An
+    empty one is refused: it is almost always an unset shell variable (`--admin-key "$KEY"`), and
+    taking it silently left the admin routes off with nothing said."""
+    if value is not None and not value.strip():
+        raise ValueError(f"{option} is empty (an unset variable?): give the key, or leave {option} out "
+                         "to keep the admin routes off")
+    return value or os.environ.get(ADMIN_KEY_ENV) or None
 
 
 def add_cli_args(p: argparse.ArgumentParser) -> None:
@@ -40,6 +61,7 @@ def add_cli_args(p: argparse.ArgumentParser) -> None:
                    help="cache_aware: in-flight difference (max - min) beyond which load wins over cache")
     p.add_argument("--balance-rel-threshold", type=float, default=1.5,
                    help="cache_aware: ... and max in flight above this times min")
+    add_shutdown_timeout_arg(p)
 
 
 def add_serve_args(p: argparse.ArgumentParser) -> None:
@@ -67,15 +89,14 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
 
 
 def run(ns: argparse.Namespace) -> int:
-    import os
-
-    from pagoda.router.app import RouterConfig, run_router
+    from pagoda.router.app import RouterConfig
+    from pagoda.router.server import run_router
 
     config = RouterConfig(
-        workers=ns.worker, policy=ns.policy, admin_key=ns.admin_key or os.environ.get("PAGODA_ROUTER_ADMIN_KEY"),
+        workers=ns.worker, policy=ns.policy, admin_key=admin_key(ns.admin_key, "--admin-key"),
         max_requests_in_flight=ns.max_requests_in_flight, qps=ns.qps, qps_per_key=ns.qps_per_key,
         warmup_seconds=ns.warmup_seconds, health_interval=ns.health_interval, request_timeout=ns.request_timeout,
         breaker_failures=ns.breaker_failures, breaker_open_seconds=ns.breaker_open_seconds,
         cache_threshold=ns.cache_threshold, balance_abs_threshold=ns.balance_abs_threshold,
         balance_rel_threshold=ns.balance_rel_threshold)
-    return run_router(config, ns.host, ns.port, ns.log_level)
+    return run_router(config, ns.host, ns.port, ns.log_level, ns.shutdown_timeout)

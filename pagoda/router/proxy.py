@@ -3,6 +3,7 @@ the relay of a worker's SSE stream to the client, and the watch on a client that
 
 from __future__ import annotations
 
+import asyncio
 import logging
 from collections.abc import AsyncIterator, Awaitable, Callable
 
@@ -77,12 +78,12 @@ async def read_body(request: Request, max_bytes: int = MAX_BODY_BYTES) -> bytes:
     return b"".join(parts)
 
 
-def stream_error_event(message: str, *, mid_event: bool) -> bytes:
-    """What ends a stream whose worker failed after bytes went out: an SSE event with an
-    OpenAI-style error (as `pagoda serve` ends a stream that fails), then `data: [DONE]`. A blank
-    line first if the worker stopped in the middle of an event, so the error is an event of its
-    own."""
-    error = orjson.dumps(error_body(message, "server_error", "worker_failed"))
+def stream_error_event(message: str, *, mid_event: bool, code: str = "worker_failed") -> bytes:
+    """What ends a stream the router cannot finish (its worker failed after bytes went out, or the
+    router is shutting down): an SSE event with an OpenAI-style error (as `pagoda serve` ends a
+    stream that fails), then `data: [DONE]`. A blank line first if the stream stopped in the
+    middle of an event, so the error is an event of its own."""
+    error = orjson.dumps(error_body(message, "server_error", code))
     return (b"\n\n" if mid_event else b"") + b"data: " + error + b"\n\ndata: [DONE]\n\n"
 
 
@@ -91,27 +92,41 @@ class RelayResponse(StreamingResponse):
 
     Starts with the chunk already read (the router waits for the first bytes before it commits to
     a worker, so a worker that fails before that can still be swapped for another). If the worker
-    breaks the stream, the client gets `stream_error_event`. Whatever ends the response (the end
-    of the stream, a client that left, a cancelled task) runs the close callbacks once: they
-    close the worker's response and give back the in-flight counts."""
+    breaks the stream, the client gets `stream_error_event`; so it does if the router ends the
+    stream (`end`, at shutdown). Whatever ends the response (the end of the stream, a client that
+    left, a cancelled task) runs the close callbacks once: they close the worker's response and
+    give back the in-flight counts."""
 
     def __init__(self, first: bytes, rest: AsyncIterator[bytes], *, status_code: int, headers: dict[str, str],
                  on_broken: Callable[[Exception], None]) -> None:
         super().__init__(self._relay(first, rest, on_broken), status_code=status_code, headers=headers)
         self._close_callbacks: list[Callable[[], Awaitable[None] | None]] = []
         self._closed = False
+        self._ending: str | None = None  # why the router ends the stream (`end`)
+        self._reader: asyncio.Task | None = None  # the task relaying, while it waits on the worker
 
     def on_close(self, callback: Callable[[], Awaitable[None] | None]) -> None:
         self._close_callbacks.append(callback)
 
-    @staticmethod
-    async def _relay(first: bytes, rest: AsyncIterator[bytes],
+    def end(self, message: str) -> None:
+        """End the stream now with a `shutting_down` error event and `data: [DONE]`. A relay waiting
+        for the worker's next bytes is woken (its wait is cancelled); one sending to the client
+        stops before its next wait."""
+        if self._ending is None and not self._closed:
+            self._ending = message
+            if self._reader is not None:
+                self._reader.cancel()
+
+    async def _relay(self, first: bytes, rest: AsyncIterator[bytes],
                      on_broken: Callable[[Exception], None]) -> AsyncIterator[bytes]:
         last = first
         if first:
             yield first
         try:
-            async for chunk in rest:
+            while self._ending is None:
+                chunk = await self._next(rest)
+                if chunk is None:
+                    break
                 if chunk:
                     last = chunk
                     yield chunk
@@ -119,6 +134,23 @@ class RelayResponse(StreamingResponse):
             on_broken(e)
             yield stream_error_event(f"the worker failed during the stream ({type(e).__name__}); "
                                      "the response is incomplete", mid_event=not last.endswith(b"\n\n"))
+            return
+        if self._ending is not None:
+            yield stream_error_event(self._ending, mid_event=not last.endswith(b"\n\n"), code="shutting_down")
+
+    async def _next(self, rest: AsyncIterator[bytes]) -> bytes | None:
+        """The worker's next chunk; None at the end of its stream, or when `end` cut the wait."""
+        task = asyncio.current_task()
+        self._reader = task
+        try:
+            return await anext(rest, None)
+        except asyncio.CancelledError:
+            if self._ending is None or task is None:
+                raise  # a real cancellation (the client left, the server gave up)
+            task.uncancel()  # ours, from `end`: the stream goes on to its error event
+            return None
+        finally:
+            self._reader = None
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         try:

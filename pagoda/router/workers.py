@@ -102,6 +102,8 @@ class Worker:
     # (the workers the router starts with are not warmed up against each other).
     ready_since: float | None = None
     probe_timeouts: int = 0
+    down_reason: str = "not probed yet"  # why it is down (its state in logs and "no worker" errors)
+    probed: bool = False  # its first health verdict is logged whichever it is
 
     @property
     def available(self) -> bool:
@@ -119,14 +121,28 @@ class Worker:
 
     def mark_up(self, *, warm: bool = True) -> None:
         if not self.healthy:
-            self.healthy = True
+            self.healthy, self.probed = True, True
             self.ready_since = self.clock() if warm else float("-inf")
             logger.info("worker %s is up%s", self.url, " (warming up)" if warm and self.warmup_seconds > 0 else "")
 
     def mark_down(self, reason: str) -> None:
-        if self.healthy:
-            logger.warning("worker %s is down: %s", self.url, reason)
-        self.healthy, self.ready_since = False, None
+        """Logged when it goes down, and at its first probe: a worker that never answers is named
+        in the log from the start, not only through the requests it cannot take."""
+        if self.healthy or not self.probed:
+            logger.warning("worker %s is down: %s (no requests go to it until its /health answers 200)",
+                           self.url, reason)
+        self.healthy, self.ready_since, self.probed, self.down_reason = False, None, True, reason
+
+    def state(self) -> str:
+        """Why it takes requests or not, in words: "available", "down: <reason>", "circuit breaker open"..."""
+        if not self.healthy:
+            return f"down: {self.down_reason}"
+        breaker = self.breaker.state
+        if breaker is BreakerState.OPEN:
+            return f"circuit breaker open after {self.breaker.consecutive_failures} failure(s)"
+        if not self.breaker.allows_request():
+            return "circuit breaker half-open, its trial request in flight"
+        return "available"
 
     def describe(self) -> dict:
         """The worker's state for `GET /workers`."""
@@ -171,6 +187,12 @@ class WorkerRegistry:
     def available(self, exclude: set[str] | frozenset[str] = frozenset()) -> list[Worker]:
         return [w for w in self.workers.values() if w.available and w.url not in exclude]
 
+    def why_none_available(self) -> str:
+        """Each worker and its state, for the "no worker is available" answer."""
+        if not self.workers:
+            return "the router has no workers (give --worker URL, or add one with POST /workers)"
+        return "; ".join(f"{w.url} ({w.state()})" for w in self.workers.values())
+
     def record_success(self, worker: Worker) -> None:
         worker.breaker.record_success()
 
@@ -188,8 +210,8 @@ class WorkerRegistry:
             response = await client.get(f"{worker.url}/health", timeout=self.probe_timeout)
         except httpx.TimeoutException:
             worker.probe_timeouts += 1
-            if worker.probe_timeouts >= PROBE_TIMEOUTS_BEFORE_DOWN:
-                worker.mark_down("health probe timed out")
+            if worker.probe_timeouts >= PROBE_TIMEOUTS_BEFORE_DOWN or not worker.probed:  # never up: say so now
+                worker.mark_down(f"health probe timed out ({self.probe_timeout:g}s)")
             return worker.healthy
         except httpx.HTTPError as e:
             worker.mark_down(f"health probe failed: {type(e).__name__}")

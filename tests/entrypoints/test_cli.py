@@ -16,7 +16,7 @@ import pytest
 from pagoda import LLM, SamplingParams, __version__
 from pagoda.entrypoints import served_models
 from pagoda.entrypoints.cli import build_parser, resolve_log_level
-from server_process import _free_port
+from server_process import OpenStream, _free_port
 
 
 def _run(args: list[str], input_text: str | None = None, timeout: int = 300) -> subprocess.CompletedProcess:
@@ -191,3 +191,43 @@ def test_chat_reset_forgets_and_says_so(tiny_llama):
     assert "conversation reset" in proc.stderr
     replies = [part.split("\n", 1)[0] for part in proc.stdout.split(">>> ")[1:] if part.strip()]
     assert len(replies) == 2 and replies[0] == replies[1]  # the second "Hello" starts afresh
+
+
+def test_a_second_ctrl_c_stops_serve_at_once_without_a_traceback(long_tiny_llama, tmp_path):
+    """The second signal aborts everything and exits; it used to end with uvicorn's lifespan task
+    cancelled under it, printing a CancelledError traceback."""
+    port, log = _free_port(), (tmp_path / "serve.log").open("w+")
+    proc = subprocess.Popen([sys.executable, "-m", "pagoda.entrypoints.cli", "serve", str(long_tiny_llama), "--port",
+                             str(port), "--dtype", "float32", "--kv-cache-memory", "0.05", "--max-model-len", "16384",
+                             "--served-model-name", "tiny", "--shutdown-timeout", "600"],
+                            stdout=log, stderr=subprocess.STDOUT, text=True)
+    base = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 120
+        while not _answers(f"{base}/health"):
+            assert proc.poll() is None and time.monotonic() < deadline, (tmp_path / "serve.log").read_text()
+            time.sleep(0.2)
+        stream = OpenStream(base)
+        stream.wait_started()
+        proc.send_signal(signal.SIGINT)
+        deadline = time.monotonic() + 30
+        while "SIGINT: shutting down" not in (tmp_path / "serve.log").read_text():
+            assert time.monotonic() < deadline, "no drain in the log"
+            time.sleep(0.05)
+        proc.send_signal(signal.SIGINT)
+        assert proc.wait(timeout=30) == 0  # far sooner than the 600 s drain
+        output = (tmp_path / "serve.log").read_text()
+        assert "SIGINT again: aborting 1 request(s) and exiting now" in output
+        assert "Traceback" not in output and "CancelledError" not in output, output
+        assert stream.join().error_code() == "shutting_down"
+    finally:
+        proc.kill()
+        proc.wait()
+        log.close()
+
+
+def _answers(url: str) -> bool:
+    try:
+        return httpx.get(url, timeout=1).status_code == 200
+    except httpx.HTTPError:
+        return False

@@ -5,8 +5,11 @@ of the weights."""
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
+import textwrap
+import time
 from pathlib import Path
 
 import pytest
@@ -100,6 +103,48 @@ with LLM(sys.argv[1], dtype="float32", kv_cache_memory=0.01, tensor_parallel_siz
         print(f"rank {r['rank']}: loading added {r['weights_rss_bytes'] / 2**20:.0f} MiB of resident memory, "
               f"{ratio:.2f} of TP=1's {whole['weights_rss_bytes'] / 2**20:.0f} MiB")
         assert 0.4 < ratio < 0.65
+
+
+def _quickstart(tmp_path: Path, model: Path) -> Path:
+    """A script as vLLM's quickstart writes it: the LLM built at the top level, no main guard."""
+    script = tmp_path / "quickstart.py"
+    script.write_text(textwrap.dedent(f"""
+        import json
+        from pagoda import LLM, SamplingParams
+        llm = LLM(model={str(model)!r}, tensor_parallel_size=2, dtype="float32", kv_cache_memory=0.01)
+        outs = llm.generate({PROMPTS[:3]!r}, SamplingParams(temperature=0, max_tokens=12), use_tqdm=False)
+        print(json.dumps([o.outputs[0].token_ids for o in outs]))
+    """))
+    return script
+
+
+def test_tp2_from_a_plain_script_without_a_main_guard(tiny_llama, tmp_path):
+    """Spawned ranks re-imported the script, whose top level built the LLM again, and
+    multiprocessing refused ("... before the current process has finished its bootstrapping
+    phase"). On CPU the ranks are forked now, as vLLM's are: the script gives TP=1's tokens."""
+    env = {k: v for k, v in os.environ.items() if k != "PAGODA_WORKER_MULTIPROC_METHOD"}
+    out = subprocess.run([sys.executable, str(_quickstart(tmp_path, tiny_llama))], capture_output=True, text=True,
+                         timeout=300, cwd=tmp_path, env=env)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "leaked" not in out.stderr, out.stderr[-3000:]  # the ranks share rank 0's resource tracker
+    with LLM(str(tiny_llama), dtype="float32", kv_cache_memory=0.01) as tp1:
+        want = [o.outputs[0].token_ids
+                for o in tp1.generate(PROMPTS[:3], SamplingParams(temperature=0, max_tokens=12), use_tqdm=False)]
+    assert json.loads(out.stdout.splitlines()[-1]) == want
+
+
+def test_spawned_ranks_and_no_main_guard_fail_at_once_saying_what_to_write(tiny_llama, tmp_path):
+    """Where the ranks must be spawned (CUDA initialized, threads running, or asked for), the same
+    script fails before any rank starts, naming the line and the fix."""
+    env = dict(os.environ, PAGODA_WORKER_MULTIPROC_METHOD="spawn")
+    started = time.monotonic()
+    out = subprocess.run([sys.executable, str(_quickstart(tmp_path, tiny_llama))], capture_output=True, text=True,
+                         timeout=300, cwd=tmp_path, env=env)
+    assert out.returncode == 1
+    assert "quickstart.py again in every rank: line 4 would start the engine" in out.stderr, out.stderr[-3000:]
+    assert 'under `if __name__ == "__main__":`' in out.stderr
+    assert "bootstrapping phase" not in out.stderr
+    print(f"failed in {time.monotonic() - started:.1f}s")
 
 
 def _python(code: str, *args: str) -> str:

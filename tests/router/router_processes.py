@@ -30,7 +30,8 @@ class _FrontProcess:
     """A process whose HTTP front is a router (`pagoda router`, or `pagoda serve
     --data-parallel-size`), on a free port; its log goes to a temporary file (read on failure)."""
 
-    def __init__(self, args: list[str], label: str, timeout: float) -> None:
+    def __init__(self, args: list[str], label: str, timeout: float, wait_healthy: bool = True) -> None:
+        self.wait_healthy = wait_healthy  # else: up once it answers at all (503 with no worker available)
         self.port = _free_port()
         self.base = f"http://127.0.0.1:{self.port}"
         self.log = tempfile.NamedTemporaryFile("w+", prefix=f"pagoda-{label}-", suffix=".log")
@@ -45,7 +46,8 @@ class _FrontProcess:
     def _up(self) -> bool:
         assert self.proc.poll() is None, f"it exited: {self.output()}"
         try:
-            return httpx.get(f"{self.base}/health", timeout=1).status_code == 200
+            status = httpx.get(f"{self.base}/health", timeout=1).status_code
+            return status == 200 or not self.wait_healthy
         except httpx.HTTPError:
             return False
 
@@ -68,9 +70,10 @@ class _FrontProcess:
 class RouterProcess(_FrontProcess):
     """`pagoda router` in front of `workers`."""
 
-    def __init__(self, workers: list[str], *extra: str) -> None:
+    def __init__(self, workers: list[str], *extra: str, wait_healthy: bool = True) -> None:
         super().__init__(["router", "--log-level", "warning", "--health-interval", "0.3", "--admin-key", ADMIN_KEY,
-                          *[arg for url in workers for arg in ("--worker", url)], *extra], "router", timeout=60)
+                          *[arg for url in workers for arg in ("--worker", url)], *extra], "router", timeout=60,
+                         wait_healthy=wait_healthy)
 
 
 class DataParallelServe(_FrontProcess):

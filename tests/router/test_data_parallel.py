@@ -1,7 +1,7 @@
 """`pagoda serve --data-parallel-size 2`: two replicas of the tiny model behind the router in one
 command. Requests work and reach both replicas, each replica runs on its own share of the cores,
-`/workers` lists both; a replica that is killed is started again and rejoins warming up; SIGTERM
-stops everything and exits 0."""
+`/workers` lists both; a replica that is killed is started again and rejoins warming up; Ctrl-C
+stops everything (a stream still open ends with an error event and [DONE]) and exits 0."""
 
 from __future__ import annotations
 
@@ -11,8 +11,8 @@ from pathlib import Path
 
 import httpx
 import pytest
-from router_processes import DataParallelServe, wait_for
-from server_process import child_pids
+from router_processes import LONG_CONTEXT, DataParallelServe, wait_for
+from server_process import OpenStream, child_pids
 
 from pagoda.router.proxy import WORKER_HEADER
 
@@ -33,8 +33,9 @@ def _alive(pid: int) -> bool:
 
 
 @pytest.fixture
-def data_parallel(tiny_llama):
-    serve = DataParallelServe(tiny_llama, 2, "--router-policy", "round_robin", "--router-warmup-seconds", "60")
+def data_parallel(long_tiny_llama):
+    serve = DataParallelServe(long_tiny_llama, 2, "--router-policy", "round_robin", "--router-warmup-seconds", "60",
+                              "--shutdown-timeout", "2", *LONG_CONTEXT)
     yield serve
     serve.stop()
 
@@ -73,8 +74,12 @@ def test_data_parallel_serve(data_parallel):
     for i in range(4):
         _complete(base, i)
 
-    # SIGTERM stops the router and every replica; the command exits 0.
+    # Ctrl-C stops the router and every replica; the command exits 0. A stream still open after
+    # --shutdown-timeout ends with an error event and [DONE] (it used to be cut: no event, no [DONE]).
     survivors = [replicas[1], new[0]]
-    proc.send_signal(signal.SIGTERM)
+    stream = OpenStream(base)
+    stream.wait_started()
+    proc.send_signal(signal.SIGINT)
+    assert stream.join().error_code() == "shutting_down", (stream.error, stream.events[-2:])
     assert proc.wait(timeout=90) == 0, data_parallel.output()
     wait_for(lambda: not any(_alive(p) for p in survivors), timeout=10, what="the replicas to exit")

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import socket
 import subprocess
 import sys
 
@@ -22,3 +23,33 @@ def test_a_bad_worker_url_is_one_clear_line():
                            "--port", "0"], capture_output=True, text=True, timeout=60)
     assert done.returncode == 1
     assert done.stderr.strip() == "pagoda: error: a worker URL must look like http://HOST:PORT, got 'localhost:8000'"
+
+
+def _pagoda(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "pagoda.entrypoints.cli", *args], capture_output=True, text=True,
+                          timeout=60)
+
+
+def test_a_busy_port_fails_before_the_banner_as_serve_does():
+    """The router printed its "router ... on http://..." banner, then uvicorn's bind error, and
+    exited 3; it binds first now (serve's bind_listener), so it fails with one line and 1."""
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        done = _pagoda("router", "--worker", "http://127.0.0.1:9", "--port", str(port))
+    assert done.returncode == 1
+    assert done.stdout == ""  # no banner
+    assert done.stderr.strip() == (f"pagoda: error: cannot listen on 127.0.0.1:{port}: Address already in use (is "
+                                   "another server running there? choose another --port)")
+
+
+def test_an_empty_admin_key_is_refused():
+    """`--admin-key "$KEY"` with KEY unset was taken silently, and the admin routes stayed off."""
+    done = _pagoda("router", "--worker", "http://127.0.0.1:9", "--port", "0", "--admin-key", "")
+    assert done.returncode == 1
+    assert done.stderr.strip() == ("pagoda: error: --admin-key is empty (an unset variable?): give the key, or leave "
+                                   "--admin-key out to keep the admin routes off")
+    # --data-parallel-size's router too, before any replica starts
+    done = _pagoda("serve", "--model", "unused", "--data-parallel-size", "2", "--router-admin-key", " ")
+    assert done.returncode == 1 and "--router-admin-key is empty (an unset variable?)" in done.stderr
