@@ -54,7 +54,7 @@ class ShmComm:
             np.ndarray((size,), np.uint8, self.shm.buf)[:header] = 0
             weakref.finalize(self, _unlink, self.shm)  # also without close(): at exit, or when collected
         else:
-            # Rank 0 unlinks it. (Spawned ranks share rank 0's resource tracker, where opening
+            # Rank 0 unlinks it. (Ranks, forked or spawned, share rank 0's resource tracker, where opening
             # registers the name again: it is one entry, removed by rank 0's unlink.)
             self.shm = shared_memory.SharedMemory(name=name)
         buf = self.shm.buf
