@@ -20,9 +20,9 @@ MAX_PROMPTS = 2048  # prompts in one completions request (as OpenAI bounds an em
 # xgrammar's JSON-schema conversion grows with the cube of the nesting: a schema 64 levels deep
 # converts in ~0.03 s, 300 levels in ~3 s.
 MAX_DEPTH = 64
-# Values (objects, arrays, keys, scalars) in one such value: the grammar compiler's time grows with
-# the schema's size (~25,000 values, a 5,000-property object, compiled in ~2-4 s). 20,000 leaves
-# room for OpenAI's own bound of 5,000 properties in a structured-output schema.
+# Values (keys and items, at any depth) in one such value: the grammar compiler's time grows with
+# the schema's size (a 5,000-property object, ~25,000 values, compiled in ~2-4 s here). 20,000
+# takes an object of ~4,000 simply typed properties, or ~6,500 without a `required` list.
 MAX_JSON_VALUES = 20_000
 # Ollama's `template` field: real TEMPLATEs are a few KB; Jinja compiles 32 KB of nested ranges in ~0.5 s.
 MAX_TEMPLATE_CHARS = 32 * 1024
