@@ -6,6 +6,7 @@ template conventions) for chat templates, so transformers is not needed at run t
 
 from __future__ import annotations
 
+import functools
 import json
 from datetime import datetime
 from pathlib import Path
@@ -122,29 +123,58 @@ def _validate_messages(messages: list[dict]) -> None:
             raise ValueError(f"messages[{i}] must be a dict with a 'role'")
 
 
-_TEMPLATE_CACHE: dict[str, Any] = {}
+class RenderTooLong(ValueError):
+    """A template's output passed the characters it may render (render_bounded)."""
+
+    def __init__(self, limit: int) -> None:
+        super().__init__(f"the template renders to more than {limit} characters")
+        self.limit = limit
 
 
-def _compile_template(source: str):
-    template = _TEMPLATE_CACHE.get(source)
-    if template is None:
-        from jinja2.exceptions import TemplateError
-        from jinja2.ext import loopcontrols
-        from jinja2.sandbox import ImmutableSandboxedEnvironment
+def render_bounded(template, max_chars: int, **context) -> str:
+    """Render a compiled template piece by piece (Jinja's generate), stopping as soon as the text
+    passes `max_chars`: a template a request sends may loop far past any context (RenderTooLong)."""
+    pieces, total = [], 0
+    stream = template.generate(**context)
+    try:
+        for piece in stream:
+            total += len(piece)
+            if total > max_chars:
+                raise RenderTooLong(max_chars)
+            pieces.append(piece)
+    finally:
+        stream.close()
+    return "".join(pieces)
 
-        def raise_exception(message: str):
-            raise TemplateError(message)
 
-        def tojson(value, indent=None, ensure_ascii=False, sort_keys=False):
-            return json.dumps(value, indent=indent, ensure_ascii=ensure_ascii, sort_keys=sort_keys)
+@functools.lru_cache(maxsize=1)
+def _environment():
+    from jinja2.exceptions import TemplateError
+    from jinja2.ext import loopcontrols
+    from jinja2.sandbox import ImmutableSandboxedEnvironment
 
-        env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=[loopcontrols])
-        env.filters["tojson"] = tojson
-        env.globals["raise_exception"] = raise_exception
-        env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
-        try:
-            template = env.from_string(source)
-        except TemplateError as e:
-            raise ValueError(f"invalid chat template: {e}") from None
-        _TEMPLATE_CACHE[source] = template
-    return template
+    def raise_exception(message: str):
+        raise TemplateError(message)
+
+    def tojson(value, indent=None, ensure_ascii=False, sort_keys=False):
+        return json.dumps(value, indent=indent, ensure_ascii=ensure_ascii, sort_keys=sort_keys)
+
+    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=[loopcontrols])
+    env.filters["tojson"] = tojson
+    env.globals["raise_exception"] = raise_exception
+    env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
+    return env
+
+
+def compile_template(source: str):
+    """A Jinja template in pagoda's sandboxed environment (not cached: a request's own template,
+    Ollama's `template` field, compiles anew each time rather than filling a cache)."""
+    from jinja2.exceptions import TemplateError
+
+    try:
+        return _environment().from_string(source)
+    except TemplateError as e:
+        raise ValueError(f"invalid chat template: {e}") from None
+
+
+_compile_template = functools.lru_cache(maxsize=16)(compile_template)  # the model's templates

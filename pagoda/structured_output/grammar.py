@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import json
 import re
+import threading
+from collections import OrderedDict
 
 from pagoda.sampling_params import StructuredOutputsParams
 
@@ -71,10 +73,28 @@ def build_grammar(params: StructuredOutputsParams, name: str | None = None):
         raise ValueError(f"{name} is invalid: {message}") from None
 
 
+# Constraints that built once: the server checks a request's constraint off the event loop, then
+# the engine checks it again on the loop as it takes the request (LLMEngine.prepare_request); a
+# schema xgrammar takes seconds over must not cost that time twice, the second time on the loop.
+_VALID_CACHE_SIZE = 256
+_valid: OrderedDict[tuple, None] = OrderedDict()
+_valid_lock = threading.Lock()
+
+
 def validate_structured_outputs(params: StructuredOutputsParams | None, name: str | None = None) -> None:
     """Check a constraint on the front end, so a bad schema is an HTTP 400, not an engine error."""
-    if params is not None:
-        build_grammar(params, name)
+    if params is None:
+        return
+    key = constraint_key(params)
+    with _valid_lock:
+        if key in _valid:
+            _valid.move_to_end(key)
+            return
+    build_grammar(params, name)
+    with _valid_lock:
+        _valid[key] = None
+        if len(_valid) > _VALID_CACHE_SIZE:
+            _valid.popitem(last=False)
 
 
 def constraint_key(params: StructuredOutputsParams) -> tuple:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import time
+
 import pytest
 
 from pagoda.store.gotemplate import to_jinja
@@ -48,7 +50,22 @@ def test_conditions_variables_and_trim_markers():
     ("{{ slice .Messages 1 }}", "slice"),
     ("{{ with .System }}x{{ end }}", "with"),
     ("{{ .System | html }}", "pipelines"),
+    # what a request's template may nest (each range inside another multiplies the rendering)
+    ("{{ range $.Messages }}" * 3 + "x" + "{{ end }}" * 3, "ranges nested more than 2 deep"),
+    ("{{ if .System }}" * 17 + "x" + "{{ end }}" * 17, "blocks nested more than 16 deep"),
+    ("{{ if " + "(" * 17 + ".System" + ")" * 17 + " }}x{{ end }}", "parentheses nested more than 16 deep"),
+    ("x {{ .Prompt", "never closed"),
 ])
 def test_what_it_cannot_convert_is_named(template, words):
     with pytest.raises(ValueError, match=words.replace(".", r"\.").replace("{", r"\{").replace("}", r"\}")):
         to_jinja(template)
+
+
+def test_two_nested_ranges_and_long_templates_convert_quickly():
+    nested = "{{ range $.Messages }}{{ range $.Messages }}{{ .Role }}{{ end }}{{ end }}"
+    assert _render(nested) == "systemuser" * 2
+    start = time.monotonic()
+    with pytest.raises(ValueError):
+        to_jinja("{{" * 16_000 + "}")  # a lazy regex read to the end from each '{{': 35 s
+    to_jinja("{{ if .System }}x{{ end }}" * 2_000)
+    assert time.monotonic() - start < 2

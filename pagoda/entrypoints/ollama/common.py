@@ -3,7 +3,6 @@ the request bodies (unknown fields ignored, as Ollama does)."""
 
 from __future__ import annotations
 
-import json
 from collections.abc import Callable
 from datetime import UTC, datetime
 from functools import wraps
@@ -12,8 +11,9 @@ from typing import Any
 import orjson
 from fastapi import Request
 from fastapi.responses import Response
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
+from pagoda.entrypoints import input_limits as limits
 from pagoda.entrypoints.openai.serving import OpenAIError
 
 NDJSON = "application/x-ndjson"
@@ -58,7 +58,8 @@ def as_ollama_error(e: BaseException) -> OllamaError:
     if isinstance(e, ValidationError):
         first = e.errors()[0]
         where = ".".join(str(x) for x in first["loc"])
-        return OllamaError(f"{where}: {first['msg']}" if where else first["msg"])
+        message = first["msg"].removeprefix("Value error, ")
+        return OllamaError(f"{where}: {message}" if where and not message.startswith(where) else message)
     if isinstance(e, ValueError):
         return OllamaError(str(e))
     from pagoda.store.registry import RegistryError
@@ -95,9 +96,9 @@ def ollama_errors(handler: Callable):
 async def read_body(request: Request, model: type[BaseModel]) -> BaseModel:
     raw = await request.body()
     try:
-        data = json.loads(raw) if raw.strip() else {}
+        data = limits.parse_json_body(raw)
     except ValueError as e:
-        raise OllamaError(f"invalid JSON body: {e}") from None
+        raise OllamaError(str(e)) from None
     if not isinstance(data, dict):
         raise OllamaError("the body must be a JSON object")
     return model.model_validate(data)
@@ -126,6 +127,19 @@ class GenerateBase(_Body):
     logprobs: bool | None = None
     top_logprobs: int | None = None
 
+    # The limits /v1 has (input_limits.py): a schema's size, the options' nesting, stop's count.
+    @field_validator("format", mode="before")
+    @classmethod
+    def _bounded_format(cls, value: Any) -> Any:
+        return limits.check_json(value, "format")
+
+    @field_validator("options", mode="before")
+    @classmethod
+    def _bounded_options(cls, value: Any) -> Any:
+        if isinstance(value, dict):  # first: the clearer message for 100,000 stop strings
+            limits.check_stop(value.get("stop"), "options.stop")
+        return limits.check_json(value, "options")
+
 
 class GenerateBody(GenerateBase):
     prompt: str | None = None
@@ -136,6 +150,11 @@ class GenerateBody(GenerateBase):
     raw: bool = False
     images: list[str] | None = None
 
+    @field_validator("template", mode="before")
+    @classmethod
+    def _bounded_template(cls, value: Any) -> Any:
+        return limits.check_template(value)
+
 
 class ChatMessageBody(_Body):
     role: str
@@ -145,10 +164,20 @@ class ChatMessageBody(_Body):
     tool_name: str | None = None
     thinking: str | None = None
 
+    @field_validator("tool_calls", mode="before")
+    @classmethod
+    def _bounded_calls(cls, value: Any) -> Any:
+        return limits.check_depth(value, "tool_calls")
+
 
 class ChatBody(GenerateBase):
     messages: list[ChatMessageBody] | None = None
     tools: list[dict[str, Any]] | None = None
+
+    @field_validator("tools", mode="before")
+    @classmethod
+    def _bounded_tools(cls, value: Any) -> Any:
+        return limits.check_json(value, "tools")
 
 
 class ModelBody(_Body):
@@ -184,3 +213,13 @@ class CreateBody(ModelBody):
     messages: list[dict[str, Any]] | None = None
 
     model_config = ConfigDict(extra="allow", populate_by_name=True)
+
+    @field_validator("template", mode="before")
+    @classmethod
+    def _bounded_template(cls, value: Any) -> Any:
+        return limits.check_template(value)
+
+    @field_validator("parameters", "messages", "files", mode="before")
+    @classmethod
+    def _bounded(cls, value: Any, info) -> Any:
+        return limits.check_json(value, info.field_name)

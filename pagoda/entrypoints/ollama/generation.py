@@ -1,13 +1,15 @@
 """`/api/generate` and `/api/chat` on the served model: `options` and `format` to SamplingParams,
-prompts (chat template, Go templates, raw), NDJSON streaming with Ollama's timing fields."""
+the prompts (prompts.py), NDJSON streaming with Ollama's timing fields. A request's prompt and
+sampling parameters are made off the event loop: rendering a template, tokenizing and building a
+`format` schema's grammar take time in proportion to what the request sends."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
 import time
 from collections.abc import AsyncIterator, Callable
-from typing import Any
 
 from fastapi import APIRouter, Request
 from fastapi.responses import Response
@@ -29,11 +31,12 @@ from pagoda.entrypoints.ollama.common import (
     ollama_errors,
     read_body,
 )
+from pagoda.entrypoints.ollama.prompts import chat_prompt, generate_prompt
 from pagoda.entrypoints.openai.lifecycle import shutting_down
 from pagoda.entrypoints.openai.middleware import ReleasingStream
 from pagoda.entrypoints.openai.protocol import random_id
 from pagoda.entrypoints.openai.serving import OpenAIError, Serving, token_logprob_entries
-from pagoda.entrypoints.openai.tool_calls import ToolCallStream, ToolChoice, render_messages
+from pagoda.entrypoints.openai.tool_calls import ToolCallStream, ToolChoice
 from pagoda.sampling_params import SamplingParams, StructuredOutputsParams
 from pagoda.security.context import request_context
 
@@ -168,41 +171,6 @@ def _logprobs_k(body: GenerateBase) -> int | None:
     return body.top_logprobs or 0
 
 
-def _generate_prompt(serving: Serving, body: GenerateBody) -> list[int]:
-    tokenizer = serving.tokenizer
-    prompt = body.prompt or ""
-    serving.check_prompt_chars(len(prompt) + len(body.system or ""))
-    serving.check_input([prompt, body.system or ""])  # the content filter (--moderation-words)
-    if body.raw:
-        if body.system or body.template:
-            raise OllamaError("raw prompts take no `system` or `template`")
-        ids = tokenizer.encode(prompt)
-    else:
-        messages = ([{"role": "system", "content": body.system}] if body.system else []) + \
-                   [{"role": "user", "content": prompt}]
-        if body.template:
-            ids = tokenizer.encode(_render_go_template(serving, body.template, messages), add_special_tokens=False)
-        elif tokenizer.chat_template:
-            ids = serving.encode_chat(messages, True)
-        else:  # no template: the prompt as given (Ollama's default template is `{{ .Prompt }}`)
-            ids = tokenizer.encode(f"{body.system}\n\n{prompt}" if body.system else prompt)
-    return list(body.context or []) + ids
-
-
-def _render_go_template(serving: Serving, template: str, messages: list[dict]) -> str:
-    """A request's `template` (an Ollama Go template), through pagoda's Go → Jinja converter."""
-    from pagoda.store.gotemplate import to_jinja
-    from pagoda.tokenizer import _compile_template
-
-    try:
-        jinja = _compile_template(to_jinja(template))
-        tokenizer = serving.tokenizer
-        return jinja.render(messages=messages, add_generation_prompt=True, bos_token=tokenizer.bos_token or "",
-                            eos_token=tokenizer.eos_token or "")
-    except Exception as e:  # noqa: BLE001 - the converter's ValueError, or jinja's TemplateError
-        raise OllamaError(f"template: {e}") from None
-
-
 def _tools(body: ChatBody) -> ToolChoice | None:
     """The request's `tools` (OpenAI's function schema, as Ollama takes them): the model may call
     them (tool_choice "auto"); a malformed tool is a 400 naming it."""
@@ -210,38 +178,6 @@ def _tools(body: ChatBody) -> ToolChoice | None:
         return ToolChoice.from_request(body.tools, None, parallel=True)
     except ValueError as e:
         raise OllamaError(str(e)) from None
-
-
-def _chat_prompt(serving: Serving, body: ChatBody, tools: ToolChoice | None) -> list[int]:
-    messages = []
-    for i, m in enumerate(body.messages or []):
-        if m.images:
-            raise OllamaError(f"messages.{i}.images: this model does not support images (pagoda serves text models)")
-        message = {"role": m.role, "content": m.content or ""}
-        if m.tool_calls:
-            message["tool_calls"] = [_template_call(call, i) for call in m.tool_calls]
-        if m.tool_name:
-            message["name"] = m.tool_name
-        messages.append(message)
-    serving.check_prompt_chars(sum(len(m["content"]) for m in messages), "messages")
-    serving.check_input([m["content"] for m in messages], "messages")  # the content filter (--moderation-words)
-    template = serving.tokenizer.chat_template
-    if not template:
-        raise OllamaError("this model has no chat template; start the server with --chat-template")
-    try:
-        messages, extra = render_messages(messages, tools, template_takes_tools="tools" in template)
-    except (ValueError, TypeError, KeyError) as e:
-        raise OllamaError(f"messages cannot be rendered with tools: {e!s}") from None
-    return serving.encode_chat(messages, True, **extra)
-
-
-def _template_call(call: Any, i: int) -> dict:
-    """An assistant message's earlier tool call, as Ollama sends it ({"function": {"name",
-    "arguments": {...}}}), in the shape chat templates read (OpenAI's, arguments kept an object)."""
-    function = call.get("function") if isinstance(call, dict) else None
-    if not isinstance(function, dict) or not isinstance(function.get("name"), str):
-        raise OllamaError(f"messages.{i}.tool_calls: each call needs function.name")
-    return {"type": "function", "function": {"name": function["name"], "arguments": function.get("arguments") or {}}}
 
 
 class _ChatReply:
@@ -303,7 +239,7 @@ async def _run(request: Request, body: GenerateBase, ids: list[int], model: str,
     """Run one prompt; stream NDJSON lines or answer one object. `shape(text, finished)` gives a
     line's fields for the text generated since the last one (None: no line yet)."""
     serving = serving_of(request)
-    params = sampling_params(serving, body, len(ids))
+    params = await asyncio.to_thread(sampling_params, serving, body, len(ids))
     k = params.logprobs
     admission = serving.admission()
     try:
@@ -387,7 +323,7 @@ async def generate(request: Request):
         # Ollama's "load the model" request: the model is always loaded here.
         return json_response({"model": model, "created_at": now_iso(), "response": "", "done": True,
                               "done_reason": "load"})
-    ids = _generate_prompt(serving, body)
+    ids = await asyncio.to_thread(generate_prompt, serving, body)
     extra = (lambda generated: {}) if body.raw else (lambda generated: {"context": ids + generated})
     return await _run(request, body, ids, model, lambda text, finished: {"response": text}, extra)
 
@@ -400,5 +336,5 @@ async def chat(request: Request):
         return json_response({"model": model, "created_at": now_iso(), "message": {"role": "assistant", "content": ""},
                               "done": True, "done_reason": "load"})
     tools = _tools(body)
-    ids = _chat_prompt(serving, body, tools)
+    ids = await asyncio.to_thread(chat_prompt, serving, body, tools)
     return await _run(request, body, ids, model, _ChatReply(tools), lambda generated: {})

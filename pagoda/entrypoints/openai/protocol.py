@@ -10,20 +10,14 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, PlainValidator, field_validator
 
+# The bounds on what one request may ask for (n, stop, nesting, sizes) live in input_limits.py,
+# shared with Ollama's bodies (ollama/common.py): one validation path for every API family.
+from pagoda.entrypoints.input_limits import (
+    MAX_LOGIT_BIAS, MAX_N, MAX_PROMPTS, check_count, check_depth, check_json, check_schema, check_stop,
+    check_stop_token_ids, check_template_kwargs,
+)
 from pagoda.sampling_params import INT64_MAX, SamplingParams, StructuredOutputsParams
 from pagoda.structured_output.grammar import validate_structured_outputs
-
-# -- limits -------------------------------------------------------------------------------------
-# Bounds on what one request may ask for, so that an adversarial body is refused at validation,
-# before it costs tokenizing, compiling or generating. Each refusal is a 400 naming the field.
-MAX_N = 128  # choices per prompt: OpenAI's own bound (vLLM has none)
-MAX_STOP = 64  # stop strings (OpenAI takes 4, vLLM has no bound; each is checked on every step)
-MAX_STOP_TOKEN_IDS = 1024
-MAX_LOGIT_BIAS = 1024  # entries (OpenAI takes 300)
-MAX_PROMPTS = 2048  # prompts in one completions request (as OpenAI bounds an embeddings input list)
-# Nesting of the free-form JSON values (schemas, tools, template arguments), which reach
-# recursive code: the grammar compiler, the chat template. Typed fields are bounded by their type.
-MAX_DEPTH = 64
 
 # Every integer field: the engine puts these in int64 tensors (a larger top_k overflowed there).
 Int64 = Annotated[int, Field(ge=-INT64_MAX - 1, le=INT64_MAX)]
@@ -37,33 +31,6 @@ class OpenAIBase(BaseModel):
     # Unknown fields are ignored, as OpenAI does. NaN and Infinity (which Python's JSON parser
     # reads) are refused: no sampling parameter means anything with them.
     model_config = ConfigDict(extra="allow", allow_inf_nan=False)
-
-
-def _too_deep(value: Any, limit: int = MAX_DEPTH) -> bool:
-    """Whether `value` nests lists / objects more than `limit` levels (iterative: no recursion)."""
-    stack = [(value, 1)]
-    while stack:
-        item, depth = stack.pop()
-        children = item.values() if isinstance(item, dict) else item if isinstance(item, list) else None
-        if children is None:
-            continue
-        if depth > limit:
-            return True
-        stack.extend((child, depth + 1) for child in children if isinstance(child, (dict, list)))
-    return False
-
-
-def _check_depth(value: Any, field: str) -> Any:
-    if _too_deep(value):
-        raise ValueError(f"{field} is nested more than {MAX_DEPTH} levels deep")
-    return value
-
-
-def _check_count(value: Any, field: str, limit: int, what: str) -> Any:
-    """Refuses an over-long list / object before pydantic validates each of its items."""
-    if isinstance(value, (list, dict)) and len(value) > limit:
-        raise ValueError(f"{field} may have at most {limit} {what}, got {len(value)}")
-    return value
 
 
 class StreamOptions(OpenAIBase):
@@ -132,22 +99,24 @@ class SamplingFields(RequestBody):
     @field_validator("stop", mode="before")
     @classmethod
     def _stop_bounded(cls, stop: Any) -> Any:
-        return _check_count(stop, "stop", MAX_STOP, "strings")
+        return check_stop(stop)
 
     @field_validator("stop_token_ids", mode="before")
     @classmethod
     def _stop_ids_bounded(cls, ids: Any) -> Any:
-        return _check_count(ids, "stop_token_ids", MAX_STOP_TOKEN_IDS, "token ids")
+        return check_stop_token_ids(ids)
 
     @field_validator("logit_bias", mode="before")
     @classmethod
     def _bias_bounded(cls, bias: Any) -> Any:
-        return _check_count(bias, "logit_bias", MAX_LOGIT_BIAS, "entries")
+        return check_count(bias, "logit_bias", MAX_LOGIT_BIAS, "entries")
 
     @field_validator("response_format", "guided_json", "structured_outputs", mode="before")
     @classmethod
-    def _shallow(cls, value: Any, info) -> Any:
-        return _check_depth(value, info.field_name)
+    def _bounded_schema(cls, value: Any, info) -> Any:
+        if info.field_name == "structured_outputs" and isinstance(value, dict):  # {"json": schema text}
+            check_schema(value.get("json"), "structured_outputs.json")
+        return check_schema(value, info.field_name)
 
     def structured_outputs_params(self) -> StructuredOutputsParams | None:
         """The one constraint this request asks for (None: free text). ValueError names the field."""
@@ -239,7 +208,7 @@ def _prompt(value: Any) -> str | list[str] | list[int] | list[list[int]]:
         raise ValueError(_PROMPT_FORMS)
     if value and all(type(x) is int for x in value):
         return value
-    _check_count(value, "prompt", MAX_PROMPTS, "prompts")
+    check_count(value, "prompt", MAX_PROMPTS, "prompts")
     if all(isinstance(x, str) for x in value):
         return value
     if all(isinstance(x, list) and all(type(t) is int for t in x) for x in value):
@@ -290,7 +259,7 @@ class ChatMessage(OpenAIBase):
     @field_validator("tool_calls", mode="before")
     @classmethod
     def _shallow(cls, value: Any) -> Any:
-        return _check_depth(value, "tool_calls")
+        return check_depth(value, "tool_calls")
 
     def text(self) -> str:
         """The content as one string (text parts joined). ValueError for a part that is not text."""
@@ -313,10 +282,15 @@ class ChatCompletionRequest(SamplingFields):
     tool_choice: str | dict[str, Any] | None = None  # "none" | "auto" | "required" | {"type": "function", ...}
     parallel_tool_calls: bool = True
 
-    @field_validator("chat_template_kwargs", "tools", "tool_choice", mode="before")
+    @field_validator("tools", "tool_choice", mode="before")
     @classmethod
-    def _shallow_chat(cls, value: Any, info) -> Any:
-        return _check_depth(value, info.field_name)
+    def _bounded_tools(cls, value: Any, info) -> Any:
+        return check_json(value, info.field_name)
+
+    @field_validator("chat_template_kwargs", mode="before")
+    @classmethod
+    def _bounded_kwargs(cls, value: Any) -> Any:
+        return check_template_kwargs(value)
 
 
 class SessionCreateRequest(SamplingFields):

@@ -325,7 +325,8 @@ class Serving:
         return model, prompts, params_list
 
     async def completion(self, request: CompletionRequest, admission: Admission | None = None):
-        model, prompts, params_list = self.prepare_completion(request)
+        # Off the event loop: tokenizing and a structured-output grammar take time in proportion to the body.
+        model, prompts, params_list = await asyncio.to_thread(self.prepare_completion, request)
         self.check_capacity(len(prompts), admission)
         request_id = random_id("cmpl")
         n = request.n
@@ -489,7 +490,7 @@ class Serving:
         return self.params(request, max_tokens, k)
 
     async def chat(self, request: ChatCompletionRequest, admission: Admission | None = None):
-        model, ids, params, tools = self.prepare_chat(request)
+        model, ids, params, tools = await asyncio.to_thread(self.prepare_chat, request)  # as completion's
         self.check_capacity(1, admission)
         return await self.answer_chat(request, model, ids, params, tools)
 

@@ -1,0 +1,85 @@
+"""The prompt token ids of `/api/generate` (raw, the model's chat template, or the request's own Go
+`template`) and of `/api/chat` (the chat template, with tools). The routes call these off the event
+loop (generation.py): rendering and tokenizing cost time in proportion to what a request sends."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from jinja2.exceptions import TemplateError
+
+from pagoda.entrypoints.ollama.common import ChatBody, GenerateBody, OllamaError
+from pagoda.entrypoints.openai.serving import Serving
+from pagoda.entrypoints.openai.tool_calls import ToolChoice, render_messages
+from pagoda.store.gotemplate import to_jinja
+from pagoda.tokenizer import RenderTooLong, compile_template, render_bounded
+
+
+def generate_prompt(serving: Serving, body: GenerateBody) -> list[int]:
+    tokenizer = serving.tokenizer
+    prompt = body.prompt or ""
+    serving.check_prompt_chars(len(prompt) + len(body.system or ""))
+    serving.check_input([prompt, body.system or ""])  # the content filter (--moderation-words)
+    if body.raw:
+        if body.system or body.template:
+            raise OllamaError("raw prompts take no `system` or `template`")
+        ids = tokenizer.encode(prompt)
+    else:
+        messages = ([{"role": "system", "content": body.system}] if body.system else []) + \
+                   [{"role": "user", "content": prompt}]
+        if body.template:
+            ids = tokenizer.encode(render_go_template(serving, body.template, messages), add_special_tokens=False)
+        elif tokenizer.chat_template:
+            ids = serving.encode_chat(messages, True)
+        else:  # no template: the prompt as given (Ollama's default template is `{{ .Prompt }}`)
+            ids = tokenizer.encode(f"{body.system}\n\n{prompt}" if body.system else prompt)
+    return list(body.context or []) + ids
+
+
+def render_go_template(serving: Serving, template: str, messages: list[dict]) -> str:
+    """A request's `template` (an Ollama Go template), through pagoda's Go → Jinja converter. The
+    rendering stops once it passes what the whole context could hold (as check_prompt_chars counts
+    it): a template's loops can render far more than it is long."""
+    limit = serving.max_model_len * serving.max_token_chars
+    try:
+        jinja = compile_template(to_jinja(template))
+        tokenizer = serving.tokenizer
+        return render_bounded(jinja, limit, messages=messages, add_generation_prompt=True,
+                              bos_token=tokenizer.bos_token or "", eos_token=tokenizer.eos_token or "")
+    except RenderTooLong:
+        raise OllamaError(f"template: the prompt it renders passes {limit} characters, more than this model's "
+                          f"context of {serving.max_model_len} tokens can hold") from None
+    except (ValueError, TemplateError) as e:  # the converter's ValueError, or Jinja's errors
+        raise OllamaError(f"template: {e}") from None
+
+
+def chat_prompt(serving: Serving, body: ChatBody, tools: ToolChoice | None) -> list[int]:
+    messages = []
+    for i, m in enumerate(body.messages or []):
+        if m.images:
+            raise OllamaError(f"messages.{i}.images: this model does not support images (pagoda serves text models)")
+        message = {"role": m.role, "content": m.content or ""}
+        if m.tool_calls:
+            message["tool_calls"] = [_template_call(call, i) for call in m.tool_calls]
+        if m.tool_name:
+            message["name"] = m.tool_name
+        messages.append(message)
+    serving.check_prompt_chars(sum(len(m["content"]) for m in messages), "messages")
+    serving.check_input([m["content"] for m in messages], "messages")  # the content filter (--moderation-words)
+    template = serving.tokenizer.chat_template
+    if not template:
+        raise OllamaError("this model has no chat template; start the server with --chat-template")
+    try:
+        messages, extra = render_messages(messages, tools, template_takes_tools="tools" in template)
+    except (ValueError, TypeError, KeyError) as e:
+        raise OllamaError(f"messages cannot be rendered with tools: {e!s}") from None
+    return serving.encode_chat(messages, True, **extra)
+
+
+def _template_call(call: Any, i: int) -> dict:
+    """An assistant message's earlier tool call, as Ollama sends it ({"function": {"name",
+    "arguments": {...}}}), in the shape chat templates read (OpenAI's, arguments kept an object)."""
+    function = call.get("function") if isinstance(call, dict) else None
+    if not isinstance(function, dict) or not isinstance(function.get("name"), str):
+        raise OllamaError(f"messages.{i}.tool_calls: each call needs function.name")
+    return {"type": "function", "function": {"name": function["name"], "arguments": function.get("arguments") or {}}}
