@@ -13,6 +13,7 @@ from starlette.datastructures import Headers
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from pagoda.entrypoints.input_limits import NESTED_TOO_DEEPLY
 from pagoda.entrypoints.openai.serving import OpenAIError, dumps
 
 OPEN_PATHS = {"/health", "/version", "/metrics", "/docs", "/openapi.json",
@@ -143,7 +144,7 @@ def http_error(scope: Scope, e: StarletteHTTPException) -> JSONResponse:
 def _unparsable_body(cause: BaseException | None) -> str:
     """Why FastAPI could not read the body as JSON (it says only that it could not)."""
     if isinstance(cause, RecursionError):
-        return "the body is not valid JSON: it is nested too deeply"
+        return NESTED_TOO_DEEPLY
     if isinstance(cause, UnicodeDecodeError):
         return "the body is not valid JSON: it is not UTF-8 text"
     return "the body is not valid JSON"
