@@ -98,7 +98,7 @@ class ModelDispatch:
 
     async def _by_session(self, scope: Scope, receive: Receive, send: Send) -> None:
         session_id = scope["path"][len(SESSION_PATH):].split("/", 1)[0]
-        model = self.pool.loaded_holding(lambda m: session_id in m.app.state.sessions.sessions)
+        model = self.pool.loaded_holding(lambda m: m.app.state.sessions.holds(session_id))
         if model is None:
             error = OpenAIError(f"no session `{session_id}` (it ended, expired, or its model was unloaded)",
                                 status=404, param="session_id", code="session_not_found")
