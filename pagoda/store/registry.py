@@ -39,7 +39,13 @@ import httpx
 from pagoda.store import blobs, manifests
 from pagoda.store.layout import Ref, StoreLayout, digest_hex
 from pagoda.store.manifests import Layer, Manifest
-from pagoda.store.registry_http import RegistryError, RegistryHTTP, check, credentials_from_env, read_capped
+from pagoda.store.registry_http import (
+    RegistryError,
+    RegistryHTTP,
+    check,
+    credentials_from_env,
+    read_capped,
+)
 
 __all__ = ["RegistryClient", "RegistryError", "TransferStats", "describe", "pull", "push"]
 
