@@ -178,9 +178,9 @@ def check(response: httpx.Response, what: str, *ok: int) -> httpx.Response:
     """``response`` if its status is one of ``ok``, else RegistryError with the start of its body."""
     if response.status_code in ok:
         return response
-    try:
-        detail = " ".join(read_capped(response, MAX_ANSWER_BYTES, what).decode(errors="replace")[:300].split()) \
-            if not response.is_stream_consumed else " ".join(response.text[:300].split())
+    try:  # a buffered answer's body, or the start of a streamed one's
+        body = response.content if response.is_stream_consumed else read_capped(response, MAX_ANSWER_BYTES, what)
+        detail = " ".join(body[:300].decode(errors="replace").split())
     except (RegistryError, httpx.HTTPError, httpx.StreamError):
         detail = ""
     raise RegistryError(f"{what}: HTTP {response.status_code} {detail}".strip())
