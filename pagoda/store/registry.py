@@ -15,10 +15,10 @@ The manifest is written last, so a failed pull leaves no model behind.
 
 Auth (``registry_http.py``): a 401 with ``WWW-Authenticate: Basic`` is answered with the
 credentials; ``Bearer realm=..,service=..,scope=..`` with a token fetched from the realm.
-Credentials come from ``PAGODA_REGISTRY_USERNAME`` / ``PAGODA_REGISTRY_PASSWORD`` and go only to
-the registry's own origin (and to a token realm there or on https); a redirect elsewhere is
-followed without them. A manifest is read up to 4 MiB. ``insecure`` (``--insecure``, or an
-``http://`` reference) talks plain HTTP.
+Credentials come from ``PAGODA_REGISTRY_USERNAME`` / ``PAGODA_REGISTRY_PASSWORD`` (for the registry
+``PAGODA_REGISTRY_HOST`` names, when set) and go only to the registry's own origin (and to a token
+realm there or on https); a redirect elsewhere is followed without them. A manifest is read up to
+4 MiB. ``insecure`` (``--insecure``, or an ``http://`` reference) talks plain HTTP.
 """
 
 from __future__ import annotations
@@ -93,7 +93,7 @@ class RegistryClient:
                  chunk_size: int = DEFAULT_CHUNK, progress: bool = False, retries: int = 3,
                  timeout: float = 60.0, transport: httpx.BaseTransport | None = None) -> None:
         self.host = host
-        credentials = credentials if credentials is not None else credentials_from_env()
+        credentials = credentials if credentials is not None else credentials_from_env(host)
         self.chunk_size = chunk_size
         self.progress = progress
         self.retries = retries

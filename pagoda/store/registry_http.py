@@ -1,8 +1,8 @@
 """HTTP to one OCI registry: requests that answer its auth challenges, credentials sent only
 where they belong, and answers read only up to a size.
 
-Where the credentials (``PAGODA_REGISTRY_USERNAME`` / ``PAGODA_REGISTRY_PASSWORD``) go, as docker
-and oras decide it:
+Where the credentials (``PAGODA_REGISTRY_USERNAME`` / ``PAGODA_REGISTRY_PASSWORD``, for the registry
+``PAGODA_REGISTRY_HOST`` names when it is set) go, as docker and oras decide it:
 
 - The registry's own origin (the scheme, host and port the reference named) gets the
   ``Authorization`` header: basic credentials, or the bearer token they bought.
@@ -39,10 +39,16 @@ class RegistryError(RuntimeError):
     pass
 
 
-def credentials_from_env() -> tuple[str, str] | None:
+def credentials_from_env(host: str) -> tuple[str, str] | None:
+    """``PAGODA_REGISTRY_USERNAME`` / ``PAGODA_REGISTRY_PASSWORD``, for ``host`` (``host:port``):
+    with ``PAGODA_REGISTRY_HOST`` set, only for that registry (as ``docker login HOST`` scopes
+    them), so pulling from another registry sends them nowhere."""
     user = os.environ.get("PAGODA_REGISTRY_USERNAME")
     password = os.environ.get("PAGODA_REGISTRY_PASSWORD")
-    return (user, password or "") if user else None
+    scope = os.environ.get("PAGODA_REGISTRY_HOST")
+    if not user or (scope and scope != host):
+        return None
+    return user, password or ""
 
 
 def parse_challenge(header: str) -> tuple[str, dict[str, str]]:

@@ -216,3 +216,21 @@ def test_an_oversize_manifest_in_the_store_is_refused(fresh_home):
     path.write_bytes(json.dumps({"schemaVersion": 2, "pad": "x" * (5 << 20)}).encode())
     with pytest.raises(ValueError, match="a manifest over 4194304 bytes"):
         manifests.read_manifest(layout, ref)
+
+
+def test_registry_host_scopes_the_environments_credentials(hosts, monkeypatch):
+    """With PAGODA_REGISTRY_HOST set, another registry's challenge gets no credentials."""
+    registry = hosts(lambda h: (200, {"Content-Type": manifests.DOCKER_MANIFEST}, _manifest().to_bytes())
+                     if h.headers.get("Authorization") == BASIC else (401, {"WWW-Authenticate": 'Basic realm="r"'}, b""))
+    host = registry.url.removeprefix("http://")
+    ref = parse_ref(f"{host}/library/m:1")
+    monkeypatch.setenv("PAGODA_REGISTRY_USERNAME", "alice")
+    monkeypatch.setenv("PAGODA_REGISTRY_PASSWORD", "s3cret")
+    monkeypatch.setenv("PAGODA_REGISTRY_HOST", "registry.example:5000")
+    with RegistryClient(host, insecure=True) as client, pytest.raises(RegistryError, match="wants a user name"):
+        client.get_manifest(ref)
+    assert registry.authorizations() == []
+    monkeypatch.setenv("PAGODA_REGISTRY_HOST", host)
+    with RegistryClient(host, insecure=True) as client:
+        assert client.get_manifest(ref).digest == _manifest().digest
+    assert registry.authorizations() == [BASIC]
