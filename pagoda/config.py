@@ -16,7 +16,8 @@ from pagoda.engine_args import EngineArgs  # also re-exported: most callers impo
 from pagoda.heap import keep_freed_memory
 from pagoda.loader.catalog import DEFAULT_MODEL  # noqa: F401 - the engine's default, re-exported
 from pagoda.loader.resolve import ModelFiles, resolve_model
-from pagoda.platform import default_device, resolve_dtype, resolve_kv_cache_dtype
+from pagoda.platform import available_memory_bytes, default_device, resolve_dtype, resolve_kv_cache_dtype
+from pagoda.worker.kv_cache import GiB, bytes_per_block, cpu_budget_gib
 
 DEFAULT_KV_CACHE_GIB = 2.0
 # EngineArgs.deterministic when not given. Off: measured on SmolLM2 fp32 (2 threads, AVX-512), it
@@ -232,9 +233,6 @@ def _within_kv_budget(max_model_len: int, hf_config: dict, kv_cache_memory: floa
     exactly): the rotary tables and the batch's token rows are sized from it as the model loads,
     so a file's context_length of 16M does not become gigabytes of tables. On CUDA the budget is a
     share of the memory free after loading, not known here."""
-    from pagoda.platform import available_memory_bytes
-    from pagoda.worker.kv_cache import GiB, bytes_per_block, cpu_budget_gib
-
     heads, hidden = hf_config.get("num_attention_heads"), hf_config.get("hidden_size")
     if device.type != "cpu" or not isinstance(heads, int) or not isinstance(hidden, int) or heads < 1:
         return max_model_len
