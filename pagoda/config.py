@@ -16,7 +16,8 @@ from pagoda.engine_args import EngineArgs  # also re-exported: most callers impo
 from pagoda.heap import keep_freed_memory
 from pagoda.loader.catalog import DEFAULT_MODEL  # noqa: F401 - the engine's default, re-exported
 from pagoda.loader.resolve import ModelFiles, resolve_model
-from pagoda.platform import default_device, resolve_dtype, resolve_kv_cache_dtype
+from pagoda.platform import available_memory_bytes, default_device, resolve_dtype, resolve_kv_cache_dtype
+from pagoda.worker.kv_cache import GiB, bytes_per_block, cpu_budget_gib
 
 DEFAULT_KV_CACHE_GIB = 2.0
 # EngineArgs.deterministic when not given. Off: measured on SmolLM2 fp32 (2 threads, AVX-512), it
@@ -205,14 +206,17 @@ def create_engine_config(args: EngineArgs) -> EngineConfig:
     chat_template = _read_template(args.chat_template)
     quantization = _check_quantization(args.quantization, files, device)
     deterministic = _resolve_deterministic(args, device, dtype)
-    model_config = ModelConfig(files, hf_config, architecture, dtype, device, args.max_model_len or model_max,
+    kv_dtype = resolve_kv_cache_dtype(args.kv_cache_dtype, dtype, quantization)
+    max_model_len = _within_kv_budget(args.max_model_len or model_max, hf_config, args.kv_cache_memory, device,
+                                      kv_dtype)
+    model_config = ModelConfig(files, hf_config, architecture, dtype, device, max_model_len,
                                chat_template, quantization, args.generation_config)
     return EngineConfig(
         model=model_config,
         cache=CacheConfig(args.block_size, args.kv_cache_memory, args.gpu_memory_utilization, args.enable_prefix_caching,
                           args.session_kv_fraction, args.max_session_kv_tokens,
-                          not args.disable_hybrid_kv_cache_manager, resolve_kv_cache_dtype(args.kv_cache_dtype, dtype, quantization)),
-        scheduler=_scheduler_config(args, args.max_model_len or model_max),
+                          not args.disable_hybrid_kv_cache_manager, kv_dtype),
+        scheduler=_scheduler_config(args, max_model_len),
         parallel=parallel,
         seed=args.seed,
         enforce_eager=args.enforce_eager,
@@ -220,6 +224,27 @@ def create_engine_config(args: EngineArgs) -> EngineConfig:
         deterministic=deterministic,
         speculative=_speculative_config(args, model_config),
     )
+
+
+def _within_kv_budget(max_model_len: int, hf_config: dict, kv_cache_memory: float | None, device: torch.device,
+                      kv_dtype: torch.dtype) -> int:
+    """``max_model_len``, capped on the CPU at the tokens the KV budget could hold at one layer's
+    cost per token (at least what the engine finds once the cache is sized, when it caps again,
+    exactly): the rotary tables and the batch's token rows are sized from it as the model loads,
+    so a file's context_length of 16M does not become gigabytes of tables. On CUDA the budget is a
+    share of the memory free after loading, not known here."""
+    heads, hidden = hf_config.get("num_attention_heads"), hf_config.get("hidden_size")
+    if device.type != "cpu" or not isinstance(heads, int) or not isinstance(hidden, int) or heads < 1:
+        return max_model_len
+    kv_heads = hf_config.get("num_key_value_heads") or heads
+    head_dim = hf_config.get("head_dim") or hidden // heads
+    budget = cpu_budget_gib(kv_cache_memory, available_memory_bytes(device)) * GiB
+    bound = max(1, int(budget) // bytes_per_block(1, 1, kv_heads, head_dim, kv_dtype))
+    if bound >= max_model_len:
+        return max_model_len
+    _warn_once(f"max_model_len {max_model_len} is more than the KV cache budget ({budget / GiB:.3g} GiB) could "
+               f"hold; capped at {bound} tokens")
+    return bound
 
 
 def _scheduler_config(args: EngineArgs, max_model_len: int) -> SchedulerConfig:

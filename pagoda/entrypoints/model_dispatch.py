@@ -89,8 +89,7 @@ class ModelDispatch:
                     return
                 raise self._unknown(name, ollama)
             _check_role(spec, name)  # before the pool loads, evicts or unloads anything
-            keep_alive = parse_keep_alive(fields["keep_alive"]) if fields.get("keep_alive") is not None \
-                else "default"
+            keep_alive = _keep_alive(fields)
             if ollama and keep_alive == 0 and _is_load_request(path, fields):  # Ollama's "unload this model"
                 await self.pool.unload_now(spec)
                 await _ollama_unloaded(path, fields["model"])(scope, replay, send)
@@ -98,14 +97,12 @@ class ModelDispatch:
             if spec.name not in self.pool.loaded:
                 _check_limits()
             await self._run(spec, scope, replay, send, keep_alive)
-        except ValueError as e:  # keep_alive
-            await _error(OpenAIError(str(e), param="keep_alive"), ollama)(scope, replay, send)
         except OpenAIError as e:
             await _error(e, ollama)(scope, replay, send)
 
     async def _by_session(self, scope: Scope, receive: Receive, send: Send) -> None:
         session_id = scope["path"][len(SESSION_PATH):].split("/", 1)[0]
-        model = self.pool.loaded_holding(lambda m: session_id in m.app.state.sessions.sessions)
+        model = self.pool.loaded_holding(lambda m: m.app.state.sessions.holds(session_id))
         if model is None:
             error = OpenAIError(f"no session `{session_id}` (it ended, expired, or its model was unloaded)",
                                 status=404, param="session_id", code="session_not_found")
@@ -134,7 +131,11 @@ class ModelDispatch:
     async def _run(self, spec: ModelSpec, scope: Scope, receive: Receive, send: Send, keep_alive) -> None:
         if self.lifecycle.draining:
             raise shutting_down()
-        model = await self.pool.acquire(spec, keep_alive)
+        try:
+            model = await self.pool.acquire(spec, keep_alive)
+        except ValueError as e:  # the loader's word on a bad model file (a tensor's shape, ...)
+            raise OpenAIError(f"the model `{spec.name}` could not be loaded: {e}", status=500, type_="server_error",
+                              code="model_load_failed") from None
         try:
             await model.app(scope, receive, send)
         finally:
@@ -304,6 +305,16 @@ def build_front_app(pool: ModelPool, metric_families, *, api_key: str | None = N
     app.router.on_startup.append(pool.preload)
     app.router.on_shutdown.append(pool.close)
     return app
+
+
+def _keep_alive(fields: dict):
+    """The request's `keep_alive` in seconds ("default" when absent); a bad one is a 400 naming it."""
+    if fields.get("keep_alive") is None:
+        return "default"
+    try:
+        return parse_keep_alive(fields["keep_alive"])
+    except ValueError as e:
+        raise OpenAIError(str(e), param="keep_alive") from None
 
 
 def _expires_at(model) -> str:

@@ -13,11 +13,8 @@ translates:
   reversed dimension order of GGUF shapes. With ``keep_quantized`` (``--quantization gguf``), Q4_0 and
   Q4_1 weights come as ``GGUFPackedWeight`` (the stored blocks) for the int4 kernel instead.
 
-We parse the file ourselves (``read_gguf``) instead of using ``gguf.GGUFReader``: the reader builds a
-numpy view per array element, which takes ~5 s on SmolLM2's 49k-token vocabulary and ~21 s on
-Gemma 3's 262k, on every load. Our parser reads the same fields in well under a second, checks every
-offset against the file size (a truncated file is a clear ``ValueError``, not a numpy traceback), and
-leaves dequantization to ``gguf.quants.dequantize``.
+The file itself is read by ``gguf_file.read_gguf`` (metadata as Python values, capped; tensors as
+views of a mapping).
 """
 
 from __future__ import annotations
@@ -26,14 +23,10 @@ import hashlib
 import json
 import logging
 import math
-import mmap
 import os
 import shutil
-import struct
 import tempfile
 from collections.abc import Callable, Iterator, Mapping
-from dataclasses import dataclass
-from functools import lru_cache
 from pathlib import Path
 from typing import Any
 
@@ -43,6 +36,14 @@ from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 from gguf.quants import dequantize
 
 from pagoda.layers.quantization import PackedWeight
+from pagoda.loader.gguf_file import (
+    _PLAIN_DTYPES,
+    GGUFFile,
+    GGUFTensorInfo,
+    _check_dequantizable,
+    _short_float,
+    read_gguf,
+)
 from pagoda.models.architectures import GGUF_ARCHITECTURES, GGUF_EXPERT_ARCHITECTURES
 
 logger = logging.getLogger(__name__)
@@ -57,243 +58,6 @@ LLAMA_CPP_RENORMALIZES = {"mixtral": True, "qwen2_moe": False, "qwen3_moe": True
 
 # Bumped whenever the converted directory's contents change, so stale caches are not reused.
 _CONVERTER_VERSION = 1
-
-_GGUF_MAGIC = b"GGUF"
-_DEFAULT_ALIGNMENT = 32
-
-
-# --------------------------------------------------------------------------------------------------
-# Reading the file
-# --------------------------------------------------------------------------------------------------
-
-
-# Types stored as plain numbers rather than quantized blocks.
-_PLAIN_DTYPES = {GGMLQuantizationType.F32: np.float32, GGMLQuantizationType.F16: np.float16,
-                 GGMLQuantizationType.F64: np.float64}
-
-
-class _Truncated(Exception):
-    """A read ran past the end of the file."""
-
-
-@dataclass(frozen=True)
-class GGUFTensorInfo:
-    """Where one tensor lives in the file. ``shape`` is in torch order (GGUF stores it reversed)."""
-
-    name: str
-    ggml_type: GGMLQuantizationType
-    shape: tuple[int, ...]
-    offset: int  # absolute, from the start of the file
-    nbytes: int
-
-
-@dataclass
-class GGUFFile:
-    """A parsed GGUF: metadata values as Python objects, tensor locations, and the mapped bytes."""
-
-    path: Path
-    metadata: dict[str, Any]
-    tensors: dict[str, GGUFTensorInfo]
-    buffer: mmap.mmap
-
-    @property
-    def architecture(self) -> str:
-        return str(self.metadata.get("general.architecture", ""))
-
-    def arch_key(self, key: str, default: Any = None) -> Any:
-        """``{architecture}.{key}`` from the metadata."""
-        return self.metadata.get(f"{self.architecture}.{key}", default)
-
-    def stored_array(self, info: GGUFTensorInfo) -> np.ndarray:
-        """The tensor's bytes as ``gguf.quants.dequantize`` takes them: typed for F32/F16/F64, rows of
-        uint8 blocks otherwise. Zero-copy (a view of the mapping)."""
-        dtype = _PLAIN_DTYPES.get(info.ggml_type)
-        if dtype is not None:
-            count = math.prod(info.shape)
-            return np.frombuffer(self.buffer, dtype=dtype, count=count, offset=info.offset).reshape(info.shape)
-        raw = np.frombuffer(self.buffer, dtype=np.uint8, count=info.nbytes, offset=info.offset)
-        return raw.reshape(*info.shape[:-1], -1)
-
-    def dequantized(self, info: GGUFTensorInfo) -> np.ndarray:
-        """The tensor as float32 in its torch shape. Raises ValueError for a type we cannot decode."""
-        _check_dequantizable(info)
-        data = self.stored_array(info)
-        if info.ggml_type == GGMLQuantizationType.F64:
-            return data.astype(np.float32)
-        return np.asarray(dequantize(data, info.ggml_type), dtype=np.float32).reshape(info.shape)
-
-
-class _Cursor:
-    """Sequential little-endian reads from the mapped file, each checked against its end."""
-
-    def __init__(self, buf: mmap.mmap):
-        self.buf = buf
-        self.size = len(buf)
-        self.pos = 0
-
-    def need(self, n: int) -> None:
-        if n < 0 or self.pos + n > self.size:
-            raise _Truncated(f"needed {n} bytes at offset {self.pos}, but the file has {self.size} bytes")
-
-    def scalar(self, fmt: str) -> Any:
-        n = struct.calcsize(fmt)
-        self.need(n)
-        (value,) = struct.unpack_from("<" + fmt, self.buf, self.pos)
-        self.pos += n
-        return value
-
-    def string(self) -> str:
-        n = self.scalar("Q")
-        self.need(n)
-        raw = self.buf[self.pos : self.pos + n]
-        self.pos += n
-        return raw.decode("utf-8", errors="replace")
-
-    def numbers(self, dtype: np.dtype, count: int) -> np.ndarray:
-        n = dtype.itemsize * count
-        self.need(n)
-        values = np.frombuffer(self.buf, dtype=dtype, count=count, offset=self.pos)
-        self.pos += n
-        return values
-
-
-# GGUF metadata value types (gguf.GGUFValueType): id → struct format / numpy dtype.
-_SCALAR_FORMATS = {0: "B", 1: "b", 2: "H", 3: "h", 4: "I", 5: "i", 6: "f", 7: "?", 10: "Q", 11: "q", 12: "d"}
-_ARRAY_DTYPES = {0: "<u1", 1: "<i1", 2: "<u2", 3: "<i2", 4: "<u4", 5: "<i4", 6: "<f4", 7: "?", 10: "<u8",
-                 11: "<i8", 12: "<f8"}
-_FLOAT32, _STRING, _ARRAY = 6, 8, 9
-
-
-def _short_float(value: float) -> float:
-    """A float32 as the shortest decimal that round-trips, so 1e-6 reads back as 1e-06, not 9.99e-07."""
-    return float(str(np.float32(value)))
-
-
-def _read_value(cur: _Cursor, value_type: int) -> Any:
-    if value_type == _STRING:
-        return cur.string()
-    if value_type == _ARRAY:
-        item_type = cur.scalar("I")
-        count = cur.scalar("Q")
-        if item_type == _STRING or item_type == _ARRAY:
-            cur.need(count * 8)  # every item takes at least 8 bytes: fail fast on a corrupt count
-            return [_read_value(cur, item_type) for _ in range(count)]
-        if item_type not in _ARRAY_DTYPES:
-            raise ValueError(f"unknown metadata array item type {item_type}")
-        return cur.numbers(np.dtype(_ARRAY_DTYPES[item_type]), count).tolist()
-    if value_type not in _SCALAR_FORMATS:
-        raise ValueError(f"unknown metadata value type {value_type}")
-    value = cur.scalar(_SCALAR_FORMATS[value_type])
-    return _short_float(value) if value_type == _FLOAT32 else value
-
-
-def _read_header(cur: _Cursor) -> tuple[int, int]:
-    magic = bytes(cur.buf[0:4])
-    if magic != _GGUF_MAGIC:
-        raise ValueError(f"bad magic {magic!r} (expected {_GGUF_MAGIC!r})")
-    cur.pos = 4
-    version = cur.scalar("I")
-    if version not in (2, 3):
-        hint = " (a big-endian file?)" if version & 0xFFFF == 0 else ""
-        raise ValueError(f"unsupported GGUF version {version}{hint}; supported: 2, 3")
-    tensor_count = cur.scalar("Q")
-    kv_count = cur.scalar("Q")
-    if tensor_count > cur.size or kv_count > cur.size:
-        raise ValueError(f"implausible counts: {tensor_count} tensors, {kv_count} metadata keys")
-    return tensor_count, kv_count
-
-
-def _read_tensor_info(cur: _Cursor) -> tuple[str, GGMLQuantizationType, tuple[int, ...], int]:
-    name = cur.string()
-    n_dims = cur.scalar("I")
-    if n_dims > 8:
-        raise ValueError(f"tensor {name!r} has {n_dims} dimensions")
-    ggml_dims = [cur.scalar("Q") for _ in range(n_dims)]
-    type_id = cur.scalar("I")
-    try:
-        ggml_type = GGMLQuantizationType(type_id)
-    except ValueError:
-        raise ValueError(f"tensor {name!r} has unknown ggml type id {type_id}") from None
-    offset = cur.scalar("Q")
-    # GGUF lists dimensions fastest-varying first; torch wants them the other way round.
-    return name, ggml_type, tuple(reversed(ggml_dims)), offset
-
-
-def _tensor_nbytes(name: str, ggml_type: GGMLQuantizationType, shape: tuple[int, ...]) -> int:
-    block_size, type_size = GGML_QUANT_SIZES[ggml_type]
-    row = shape[-1] if shape else 1
-    if row % block_size:
-        raise ValueError(f"tensor {name!r}: row length {row} is not a multiple of the {ggml_type.name} block "
-                         f"size {block_size}")
-    return math.prod(shape) // block_size * type_size
-
-
-def _parse(buf: mmap.mmap) -> tuple[dict[str, Any], dict[str, GGUFTensorInfo]]:
-    cur = _Cursor(buf)
-    tensor_count, kv_count = _read_header(cur)
-    metadata: dict[str, Any] = {}
-    for _ in range(kv_count):
-        key = cur.string()
-        metadata[key] = _read_value(cur, cur.scalar("I"))
-    raw_infos = [_read_tensor_info(cur) for _ in range(tensor_count)]
-
-    alignment = metadata.get("general.alignment", _DEFAULT_ALIGNMENT)
-    if not isinstance(alignment, int) or alignment <= 0 or alignment & (alignment - 1):
-        raise ValueError(f"invalid general.alignment {alignment!r}")
-    data_start = -(-cur.pos // alignment) * alignment
-
-    tensors: dict[str, GGUFTensorInfo] = {}
-    for name, ggml_type, shape, offset in raw_infos:
-        if name in tensors:
-            raise ValueError(f"duplicate tensor {name!r}")
-        nbytes = _tensor_nbytes(name, ggml_type, shape)
-        start = data_start + offset
-        if start + nbytes > cur.size:
-            raise _Truncated(f"tensor {name!r} needs bytes up to {start + nbytes}, but the file has {cur.size}")
-        tensors[name] = GGUFTensorInfo(name, ggml_type, shape, start, nbytes)
-    return metadata, tensors
-
-
-def read_gguf(path: Path | str) -> GGUFFile:
-    """Parse a GGUF file's metadata and tensor table (tensor data stays memory-mapped).
-
-    Raises ValueError saying the file is truncated or not a valid GGUF file.
-    """
-    path = Path(path)
-    try:
-        with open(path, "rb") as f:
-            if os.fstat(f.fileno()).st_size == 0:
-                raise ValueError(f"{path} is not a valid GGUF file: it is empty")
-            buf = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
-    except OSError as exc:
-        raise ValueError(f"{path} could not be opened as a GGUF file: {exc}") from exc
-    try:
-        metadata, tensors = _parse(buf)
-    except _Truncated as exc:
-        raise ValueError(f"{path} is truncated (not a complete GGUF file): {exc}") from None
-    except (ValueError, struct.error, OverflowError, MemoryError, UnicodeDecodeError) as exc:
-        raise ValueError(f"{path} is not a valid GGUF file: {exc}") from None
-    return GGUFFile(path, metadata, tensors, buf)
-
-
-@lru_cache(maxsize=None)
-def _can_dequantize(ggml_type: GGMLQuantizationType) -> bool:
-    if ggml_type in _PLAIN_DTYPES:
-        return True
-    _, type_size = GGML_QUANT_SIZES[ggml_type]
-    try:
-        dequantize(np.zeros((1, type_size), dtype=np.uint8), ggml_type)
-    except NotImplementedError:
-        return False
-    return True
-
-
-def _check_dequantizable(info: GGUFTensorInfo) -> None:
-    if not _can_dequantize(info.ggml_type):
-        supported = sorted(t.name for t in GGMLQuantizationType if _can_dequantize(t))
-        raise ValueError(f"tensor {info.name!r} has ggml type {info.ggml_type.name}, which pagoda cannot "
-                         f"dequantize (supported: {', '.join(supported)})")
-
 
 def _check_architecture(gf: GGUFFile) -> str:
     arch = gf.architecture
@@ -313,6 +77,35 @@ def _required(gf: GGUFFile, key: str) -> Any:
     if value is None:
         raise ValueError(f"{gf.path}: metadata key {gf.architecture}.{key} is missing")
     return value
+
+
+# The longest context a released model has is Llama 4 Scout's 10M tokens: a context_length past
+# this is a corrupt or hostile file, refused before the rotary tables are sized from it.
+MAX_CONTEXT_LENGTH = 1 << 24
+
+
+def _size(gf: GGUFFile, key: str, maximum: int | None = None) -> int:
+    """A required size: a positive integer (at most ``maximum``)."""
+    value = _required(gf, key)
+    if isinstance(value, list):
+        raise ValueError(f"{gf.path}: per-layer values of {gf.architecture}.{key} are not supported")
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1 or (maximum and value > maximum):
+        bound = f" of at most {maximum}" if maximum else ""
+        raise ValueError(f"{gf.path}: metadata {gf.architecture}.{key} = {value!r} is not a positive integer{bound}")
+    return value
+
+
+def _check_sizes_match_tensors(gf: GGUFFile, config: Mapping[str, Any]) -> None:
+    """The layer count and width the model is built with are those of the tensors in the file,
+    so nothing is allocated for layers the file does not hold."""
+    layers = {int(name.split(".")[1]) for name in gf.tensors if name.startswith("blk.") and name.split(".")[1].isdigit()}
+    if layers != set(range(config["num_hidden_layers"])):
+        raise ValueError(f"{gf.path}: metadata {gf.architecture}.block_count = {config['num_hidden_layers']}, but the "
+                         f"file holds tensors for {len(layers)} layers (blk.0 ... blk.{max(layers, default=-1)})")
+    embed = gf.tensors.get("token_embd.weight")
+    if embed is not None and embed.shape[-1] != config["hidden_size"]:
+        raise ValueError(f"{gf.path}: metadata {gf.architecture}.embedding_length = {config['hidden_size']}, but "
+                         f"token_embd.weight has shape {list(embed.shape)}")
 
 
 def _vocab_size(gf: GGUFFile) -> int:
@@ -411,11 +204,11 @@ def _hf_architecture(gf: GGUFFile) -> tuple[str, str]:
 
 
 def _base_config(gf: GGUFFile, arch: str) -> dict[str, Any]:
-    n_heads = _required(gf, "attention.head_count")
+    n_heads = _size(gf, "attention.head_count")
     n_kv_heads = gf.arch_key("attention.head_count_kv", n_heads)
-    if isinstance(n_heads, list) or isinstance(n_kv_heads, list):
+    if isinstance(n_kv_heads, list):
         raise ValueError(f"{gf.path}: per-layer head counts are not supported")
-    hidden = _required(gf, "embedding_length")
+    hidden = _size(gf, "embedding_length")
     head_dim = gf.arch_key("attention.key_length") or hidden // n_heads
     theta = gf.arch_key("rope.freq_base", 10000.0)
     hf_class, model_type = _hf_architecture(gf)
@@ -424,14 +217,14 @@ def _base_config(gf: GGUFFile, arch: str) -> dict[str, Any]:
         "model_type": model_type,
         "hidden_size": hidden,
         "intermediate_size": _required(gf, "feed_forward_length"),
-        "num_hidden_layers": _required(gf, "block_count"),
+        "num_hidden_layers": _size(gf, "block_count"),
         "num_attention_heads": n_heads,
         "num_key_value_heads": n_kv_heads,
         "head_dim": head_dim,
         "hidden_act": "silu",
         "rms_norm_eps": _required(gf, "attention.layer_norm_rms_epsilon"),
         "rope_theta": theta,
-        "max_position_embeddings": _required(gf, "context_length"),
+        "max_position_embeddings": _size(gf, "context_length", MAX_CONTEXT_LENGTH),
         "vocab_size": _vocab_size(gf),
         # llama.cpp writes output.weight only when the LM head is not the embedding.
         "tie_word_embeddings": "output.weight" not in gf.tensors,
@@ -516,6 +309,7 @@ def gguf_to_hf_config(gf: GGUFFile) -> dict[str, Any]:
     """The HF ``config.json`` contents for a parsed GGUF."""
     arch = _check_architecture(gf)
     config = _base_config(gf, arch)
+    _check_sizes_match_tensors(gf, config)
     if arch == "gemma3":
         config = _gemma3_config(gf, config)
     if config["model_type"] in LLAMA_CPP_RENORMALIZES:
@@ -578,14 +372,18 @@ def _bos_eos_post_processor(bos: str | None, eos: str | None, vocab: Mapping[str
 def _convert_tokenizer_with_transformers(gguf_path: Path, model_type: str) -> str:
     """transformers' GGUF tokenizer conversion, as a tokenizer.json string (slow: imports transformers).
 
-    ``model_type`` (the converted config's) names the tokenizer class where transformers knows it:
-    otherwise AutoTokenizer reads the model's config from the file to find the class, and for an
-    architecture its fast GGUF reader does not cover (Gemma 3) that read parses every field of the
-    file, the whole vocabulary included, one element at a time (gemma3-270m: 32 s of 38)."""
+    ``model_type`` (the converted config's) names the tokenizer class where transformers knows it
+    (Gemma 3's class adds its ``<mask>`` token). Where it knows none (llama, mistral, SmolLM2) the
+    tokenizer fields alone are converted: AutoTokenizer would read the model's config from the
+    file to find a class, parsing every field in full, one element at a time (SmolLM2: 11 s where
+    the fields take 1 s; a 500k-item array a hostile 4 MB file adds: ~800 MiB), and the result is
+    the same tokenizer.json."""
     from transformers import AutoTokenizer
     from transformers.models.auto.tokenization_auto import TOKENIZER_MAPPING_NAMES
 
-    by_type = {"tokenizer_type": model_type} if model_type in TOKENIZER_MAPPING_NAMES else {}
+    if model_type not in TOKENIZER_MAPPING_NAMES:
+        return _tokenizer_from_fields(gguf_path)
+    by_type = {"tokenizer_type": model_type}
 
     with tempfile.TemporaryDirectory(prefix="pagoda-gguf-tok-") as tmp:
         # A directory holding only the GGUF, so nothing else next to the file can be picked up.

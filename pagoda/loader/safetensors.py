@@ -42,17 +42,17 @@ def iter_safetensors_weights(model_dir: Path | None, narrow: WeightSlicer | None
         try:
             with safe_open(str(path), framework="pt") as f:
                 for name in f.keys():
-                    yield name, _read(f, name, narrow)
+                    yield name, _read(f, name, narrow, path)
         except SafetensorError as e:
             raise ValueError(f"cannot read weights from {path} (truncated or corrupt safetensors file?): {e}") from None
 
 
-def _read(f, name: str, narrow: WeightSlicer | None) -> torch.Tensor:
-    if narrow is None:
-        return f.get_tensor(name)
-    part = f.get_slice(name)
+def _read(f, name: str, narrow: WeightSlicer | None, path: Path) -> torch.Tensor:
+    part = f.get_slice(name)  # the header's entry: no data read yet
     shape = tuple(part.get_shape())
-    cut = narrow(name, shape)
+    if 0 in shape:  # holds nothing, yet the layer it feeds was built from config.json's sizes
+        raise ValueError(f"{path}: tensor {name!r} has a zero-length dimension: shape {list(shape)}")
+    cut = narrow(name, shape) if narrow is not None else None
     if cut is None:
         return f.get_tensor(name)
     dim, start, length = cut

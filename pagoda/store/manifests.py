@@ -26,6 +26,9 @@ from pagoda.store.layout import Ref, StoreLayout, digest_hex
 DOCKER_MANIFEST = "application/vnd.docker.distribution.manifest.v2+json"
 OCI_MANIFEST = "application/vnd.oci.image.manifest.v1+json"
 MANIFEST_TYPES = (DOCKER_MANIFEST, OCI_MANIFEST)
+# The OCI distribution spec lets a registry refuse manifests over 4 MiB; a model's is a few hundred
+# bytes, so anything bigger (pulled, or found in the store) is refused unread.
+MAX_MANIFEST_BYTES = 4 << 20
 CONFIG = "application/vnd.docker.container.image.v1+json"
 
 MODEL = "application/vnd.ollama.image.model"
@@ -111,9 +114,12 @@ def parse_manifest(data: bytes) -> Manifest:
 def read_manifest(layout: StoreLayout, ref: Ref) -> Manifest | None:
     path = layout.manifest_path(ref)
     try:
-        data = path.read_bytes()
+        with open(path, "rb") as f:
+            data = f.read(MAX_MANIFEST_BYTES + 1)
     except (FileNotFoundError, NotADirectoryError, IsADirectoryError):
         return None
+    if len(data) > MAX_MANIFEST_BYTES:
+        raise ValueError(f"{path}: a manifest over {MAX_MANIFEST_BYTES} bytes: not read")
     try:
         return parse_manifest(data)
     except ValueError as e:

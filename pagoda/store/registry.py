@@ -13,11 +13,12 @@ same blob waits, then finds it done), resumed with ``Range: bytes=<have>-`` afte
 final name only when the digest matches (``DigestMismatch`` otherwise: the partial is removed).
 The manifest is written last, so a failed pull leaves no model behind.
 
-Auth: a 401 with ``WWW-Authenticate: Basic`` is answered with the credentials; ``Bearer
-realm=..,service=..,scope=..`` with a token fetched from the realm (with the credentials as basic
-auth when there are any). Credentials come from ``PAGODA_REGISTRY_USERNAME`` /
-``PAGODA_REGISTRY_PASSWORD``. ``insecure`` (``--insecure``, or an ``http://`` reference) talks
-plain HTTP.
+Auth (``registry_http.py``): a 401 with ``WWW-Authenticate: Basic`` is answered with the
+credentials; ``Bearer realm=..,service=..,scope=..`` with a token fetched from the realm.
+Credentials come from ``PAGODA_REGISTRY_USERNAME`` / ``PAGODA_REGISTRY_PASSWORD`` (for the registry
+``PAGODA_REGISTRY_HOST`` names, when set) and go only to the registry's own origin (and to a token
+realm there or on https); a redirect elsewhere is followed without them. A manifest is read up to
+4 MiB. ``insecure`` (``--insecure``, or an ``http://`` reference) talks plain HTTP.
 """
 
 from __future__ import annotations
@@ -38,15 +39,20 @@ import httpx
 from pagoda.store import blobs, manifests
 from pagoda.store.layout import Ref, StoreLayout, digest_hex
 from pagoda.store.manifests import Layer, Manifest
+from pagoda.store.registry_http import (
+    RegistryError,
+    RegistryHTTP,
+    check,
+    credentials_from_env,
+    read_capped,
+)
+
+__all__ = ["RegistryClient", "RegistryError", "TransferStats", "describe", "pull", "push"]
 
 logger = logging.getLogger(__name__)
 
 DEFAULT_CHUNK = 32 << 20
 ACCEPT = ", ".join(manifests.MANIFEST_TYPES)
-
-
-class RegistryError(RuntimeError):
-    pass
 
 
 @dataclass
@@ -62,17 +68,6 @@ class TransferStats:
     @property
     def throughput(self) -> float:
         return self.bytes / self.seconds if self.seconds > 0 else 0.0
-
-
-def credentials_from_env() -> tuple[str, str] | None:
-    user = os.environ.get("PAGODA_REGISTRY_USERNAME")
-    password = os.environ.get("PAGODA_REGISTRY_PASSWORD")
-    return (user, password or "") if user else None
-
-
-def _parse_challenge(header: str) -> tuple[str, dict[str, str]]:
-    scheme, _, rest = header.strip().partition(" ")
-    return scheme.lower(), dict(re.findall(r'(\w+)="([^"]*)"', rest))
 
 
 class _Progress:
@@ -98,16 +93,14 @@ class RegistryClient:
                  chunk_size: int = DEFAULT_CHUNK, progress: bool = False, retries: int = 3,
                  timeout: float = 60.0, transport: httpx.BaseTransport | None = None) -> None:
         self.host = host
-        self.base = f"{'http' if insecure else 'https'}://{host}"
-        self.credentials = credentials if credentials is not None else credentials_from_env()
+        credentials = credentials if credentials is not None else credentials_from_env(host)
         self.chunk_size = chunk_size
         self.progress = progress
         self.retries = retries
-        self._client = httpx.Client(timeout=httpx.Timeout(timeout, connect=10.0), transport=transport)
-        self._authorization: str | None = None  # the header value that last worked
+        self._http = RegistryHTTP(host, f"{'http' if insecure else 'https'}://{host}", credentials, timeout, transport)
 
     def close(self) -> None:
-        self._client.close()
+        self._http.close()
 
     def __enter__(self) -> RegistryClient:
         return self
@@ -115,84 +108,18 @@ class RegistryClient:
     def __exit__(self, *exc) -> None:
         self.close()
 
-    # -- requests and auth ------------------------------------------------------------------
+    def _request(self, method: str, url: str | httpx.URL, **kwargs) -> httpx.Response:
+        return self._http.request(method, url, **kwargs)
+
     def _url(self, path_or_url: str) -> httpx.URL:
-        return httpx.URL(self.base).join(path_or_url)
-
-    def _request(self, method: str, url: str | httpx.URL, *, stream: bool = False, follow: bool = False,
-                 **kwargs) -> httpx.Response:
-        """One request, answering at most one auth challenge (and once more for a token that
-        expired); a transport failure becomes RegistryError."""
-        url = self._url(str(url))
-        for attempt in range(3):
-            headers = dict(kwargs.get("headers") or {})
-            if self._authorization and "authorization" not in {k.lower() for k in headers}:
-                headers["Authorization"] = self._authorization
-            request = self._client.build_request(method, url, **{**kwargs, "headers": headers})
-            try:
-                response = self._client.send(request, stream=stream, follow_redirects=follow)
-            except httpx.TransportError as e:
-                raise RegistryError(f"{method} {url}: {type(e).__name__}: {e}") from e
-            if response.status_code != 401 or attempt == 2:
-                return response
-            challenge = response.headers.get("www-authenticate", "")
-            response.close()
-            self._answer(challenge, url)
-        raise AssertionError("unreachable")
-
-    def _answer(self, challenge: str, url: httpx.URL) -> None:
-        scheme, params = _parse_challenge(challenge)
-        if scheme == "basic":
-            if not self.credentials:
-                raise RegistryError(f"{self.host} wants a user name and password (basic auth): set "
-                                    "PAGODA_REGISTRY_USERNAME and PAGODA_REGISTRY_PASSWORD")
-            import base64
-
-            token = base64.b64encode(f"{self.credentials[0]}:{self.credentials[1]}".encode()).decode()
-            value = f"Basic {token}"
-        elif scheme == "bearer":
-            value = f"Bearer {self._fetch_token(params)}"
-        else:
-            raise RegistryError(f"{url}: 401 unauthorized, with an auth scheme pagoda does not speak: {challenge!r}")
-        if value == self._authorization:
-            raise RegistryError(f"{url}: 401 unauthorized: the registry refused the credentials")
-        self._authorization = value
-
-    def _fetch_token(self, params: dict[str, str]) -> str:
-        realm = params.get("realm")
-        if not realm:
-            raise RegistryError(f"{self.host}: a bearer challenge without a realm")
-        query = {k: v for k, v in params.items() if k in ("service", "scope") and v}
-        auth = httpx.BasicAuth(*self.credentials) if self.credentials else None
-        try:
-            response = self._client.get(realm, params=query, auth=auth)
-        except httpx.TransportError as e:
-            raise RegistryError(f"token request to {realm}: {type(e).__name__}: {e}") from e
-        if response.status_code != 200:
-            raise RegistryError(f"token request to {realm} answered {response.status_code}: {response.text[:200]}")
-        try:
-            body = response.json()
-            return body.get("token") or body["access_token"]
-        except (ValueError, KeyError):
-            raise RegistryError(f"token request to {realm}: no token in the answer") from None
-
-    @staticmethod
-    def _check(response: httpx.Response, what: str, *ok: int) -> httpx.Response:
-        if response.status_code in ok:
-            return response
-        try:
-            response.read()
-            detail = " ".join(response.text[:300].split())
-        except Exception:
-            detail = ""
-        raise RegistryError(f"{what}: HTTP {response.status_code} {detail}".strip())
+        return self._http.base.join(path_or_url)
 
     # -- blobs ------------------------------------------------------------------------------
     def blob_exists(self, repository: str, digest: str) -> bool:
         response = self._request("HEAD", f"/v2/{repository}/blobs/{digest}", follow=True)
         if response.status_code == 404:
             return False
-        self._check(response, f"HEAD blob {digest}", 200)
+        check(response, f"HEAD blob {digest}", 200)
         return True
 
     def mount_blob(self, repository: str, digest: str, source: str) -> str | None:
@@ -201,13 +128,13 @@ class RegistryClient:
         response = self._request("POST", f"/v2/{repository}/blobs/uploads/", params={"mount": digest, "from": source})
         if response.status_code == 201:
             return None
-        self._check(response, f"mount {digest} from {source}", 202)
-        return response.headers["location"]
+        check(response, f"mount {digest} from {source}", 202)
+        return _location(response)
 
     def start_upload(self, repository: str) -> str:
         response = self._request("POST", f"/v2/{repository}/blobs/uploads/")
-        self._check(response, f"start an upload to {repository}", 202)
-        return response.headers["location"]
+        check(response, f"start an upload to {repository}", 202)
+        return _location(response)
 
     def upload_blob(self, path: Path, digest: str, size: int, location: str, progress: _Progress) -> None:
         offset = 0
@@ -217,15 +144,15 @@ class RegistryClient:
                     "Content-Type": "application/octet-stream",
                     "Content-Range": f"{offset}-{offset + len(chunk) - 1}",
                 })
-                self._check(response, f"upload {digest} (bytes {offset}-)", 202, 204)
-                location = response.headers.get("location", location)
+                check(response, f"upload {digest} (bytes {offset}-)", 202, 204)
+                location = _location(response) if "location" in response.headers else location
                 offset += len(chunk)
                 progress.update(len(chunk))
         if offset != size:
             raise RegistryError(f"blob {digest} is {offset} bytes on disk, the manifest says {size}")
         url = self._url(location).copy_merge_params({"digest": digest})
         response = self._request("PUT", url, content=b"", headers={"Content-Type": "application/octet-stream"})
-        self._check(response, f"finish the upload of {digest}", 201, 204)
+        check(response, f"finish the upload of {digest}", 201, 204)
 
     def download_blob(self, layout: StoreLayout, repository: str, layer: Layer, progress: _Progress,
                       stats: TransferStats) -> None:
@@ -277,13 +204,13 @@ class RegistryClient:
                         f.truncate(0)
                         h, have = hashlib.sha256(), 0
                     elif have:
-                        self._check(response, f"GET blob {digest} from byte {have}", 206)
+                        check(response, f"GET blob {digest} from byte {have}", 206)
                         start = re.match(r"bytes (\d+)-", response.headers.get("content-range", ""))
                         if not start or int(start.group(1)) != have:
                             raise RegistryError(f"GET blob {digest}: asked for bytes {have}-, got "
                                                 f"{response.headers.get('content-range')!r}")
                     else:
-                        self._check(response, f"GET blob {digest}", 200)
+                        check(response, f"GET blob {digest}", 200)
                     for chunk in response.iter_bytes():  # as they arrive: an interruption keeps what came
                         if have + len(chunk) > size:
                             raise blobs.DigestMismatch(f"blob {digest}: the registry sent more than its "
@@ -316,11 +243,16 @@ class RegistryClient:
     # -- manifests --------------------------------------------------------------------------
     def get_manifest(self, ref: Ref) -> Manifest:
         response = self._request("GET", f"/v2/{ref.repository}/manifests/{ref.tag}", headers={"Accept": ACCEPT},
-                                 follow=True)
-        if response.status_code == 404:
-            raise RegistryError(f"{ref}: not found on {self.host} (HTTP 404)")
-        self._check(response, f"GET manifest {ref}", 200)
-        body = response.content
+                                 follow=True, stream=True)
+        try:
+            if response.status_code == 404:
+                raise RegistryError(f"{ref}: not found on {self.host} (HTTP 404)")
+            check(response, f"GET manifest {ref}", 200)
+            body = read_capped(response, manifests.MAX_MANIFEST_BYTES, f"GET manifest {ref}")
+        except httpx.TransportError as e:
+            raise RegistryError(f"GET manifest {ref}: {type(e).__name__}: {e}") from e
+        finally:
+            response.close()
         stated = response.headers.get("docker-content-digest")
         if stated and digest_hex(stated) != hashlib.sha256(body).hexdigest():
             raise blobs.DigestMismatch(f"manifest of {ref}: the registry says {stated}, its bytes hash to "
@@ -334,7 +266,7 @@ class RegistryClient:
         body = manifest.to_bytes()
         response = self._request("PUT", f"/v2/{ref.repository}/manifests/{ref.tag}", content=body,
                                  headers={"Content-Type": manifest.media_type})
-        self._check(response, f"PUT manifest {ref}", 201, 200)
+        check(response, f"PUT manifest {ref}", 201, 200)
         stated = response.headers.get("docker-content-digest")
         if stated and digest_hex(stated) != digest_hex(manifest.digest):
             raise RegistryError(f"the registry stored the manifest of {ref} as {stated}, expected {manifest.digest}")
@@ -395,6 +327,12 @@ class RegistryClient:
         stats.manifest_digest = manifest.digest
         stats.seconds = time.perf_counter() - start
         return stats
+
+
+def _location(response: httpx.Response) -> str:
+    """A response's ``Location`` as an absolute URL: a relative one is relative to the URL that
+    answered (an upload may continue on another host than the registry's)."""
+    return str(response.url.join(response.headers["location"]))
 
 
 def mount_sources(layout: StoreLayout, ref: Ref, manifest: Manifest) -> dict[str, list[str]]:

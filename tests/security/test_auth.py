@@ -256,6 +256,33 @@ def test_another_tenants_session_does_not_exist(srv):
                         ).status_code == 200  # (its pinned prefix goes with it)
 
 
+def test_session_ids_are_per_tenant(srv):
+    """An X-Session-ID another tenant uses answers as an unused one does (no 409 to probe with):
+    each tenant gets its own session of that id; only the same tenant's second one is a 409."""
+    sid = f"chat-{uuid.uuid4().hex[:8]}"
+
+    def create(key: str, system: str) -> httpx.Response:
+        return srv.http.post(f"{srv.base}/v1/sessions", json={"system": system, "max_tokens": 2, "temperature": 0},
+                             headers={"Authorization": f"Bearer {srv.keys[key]}", "X-Session-ID": sid})
+
+    def get(key: str) -> httpx.Response:
+        return srv.http.get(f"{srv.base}/v1/sessions/{sid}", headers={"Authorization": f"Bearer {srv.keys[key]}"})
+
+    assert create("acme1", "You are acme's.").json()["id"] == sid
+    assert create("beta", "You are beta's.").json()["id"] == sid  # before: 409 "already exists"
+    error_of(create("acme2", "again"), 409, "session_exists")  # the same tenant's own id
+    assert get("acme2").json()["messages"][0]["content"] == "You are acme's."
+    assert get("beta").json()["messages"][0]["content"] == "You are beta's."
+    for key in ("beta", "acme1"):  # each a turn of its own (their pinned prefixes are apart)
+        assert post(srv, f"/v1/sessions/{sid}/messages", key, {"content": "Hi"}).json()["session_id"] == sid
+    assert [m["role"] for m in get("acme1").json()["messages"]] == ["system", "user", "assistant"]
+    assert srv.http.delete(f"{srv.base}/v1/sessions/{sid}", headers={"Authorization": f"Bearer {srv.keys['beta']}"}
+                           ).status_code == 200
+    assert get("beta").status_code == 404 and get("acme1").status_code == 200
+    assert srv.http.delete(f"{srv.base}/v1/sessions/{sid}", headers={"Authorization": f"Bearer {srv.keys['acme1']}"}
+                           ).status_code == 200
+
+
 # -- limits ---------------------------------------------------------------------------------------
 def test_role_max_tokens(srv):
     client = sdk(srv, "acme1")

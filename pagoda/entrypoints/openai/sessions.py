@@ -22,7 +22,9 @@ only a single message too long for the context on its own is a 400.
 
 Sessions live in this server's memory (a replica's, behind the router: `X-Session-ID` affinity
 sends every call of a session to the replica that holds it), expire after `--session-ttl`
-seconds idle, and are bounded in number (`--max-sessions`).
+seconds idle, and are bounded in number (`--max-sessions`). With `--auth-config` a session id is
+the tenant's own: the store keys sessions by (tenant, id), so two tenants may choose the same
+`X-Session-ID` without learning of each other (a 409 names only the caller's own sessions).
 """
 
 from __future__ import annotations
@@ -71,6 +73,17 @@ class Session:
     busy: bool = False  # a turn is running: a second message at once is a 409
     tenant: str | None = None  # --auth-config: the tenant that created it; no other tenant sees it
 
+    @property
+    def key(self) -> tuple[str | None, str]:
+        """Where the store keeps it: ids are per tenant."""
+        return self.tenant, self.id
+
+    @property
+    def pin_id(self) -> str:
+        """The engine's name for its pinned prefix, unique across tenants ("/" is in no session
+        id, so a tenant's name cannot be mistaken for one without a tenant)."""
+        return self.id if self.tenant is None else f"tenant/{self.tenant}/{self.id}"
+
     def system_prompt(self) -> str | None:
         if self.summary is None:
             return self.system
@@ -94,7 +107,7 @@ class SessionStore:
         self.serving = serving
         self.ttl = ttl
         self.max_sessions = max_sessions
-        self.sessions: dict[str, Session] = {}
+        self.sessions: dict[tuple[str | None, str], Session] = {}  # by (tenant, id)
         self._sweeper: asyncio.Task | None = None
 
     # -- lifetime ---------------------------------------------------------------------------
@@ -116,19 +129,23 @@ class SessionStore:
 
     def expire(self) -> None:
         limit = time.monotonic() - self.ttl
-        gone = [s.id for s in self.sessions.values() if s.last_used < limit and not s.busy]
-        for sid in gone:
-            del self.sessions[sid]
+        gone = [s for s in self.sessions.values() if s.last_used < limit and not s.busy]
+        for session in gone:
+            del self.sessions[session.key]
         if gone:
             logger.info("%d session(s) expired", len(gone))
-            self.serving.engine.release_sessions(gone)
+            self.serving.engine.release_sessions([s.pin_id for s in gone])
+
+    def holds(self, session_id: str) -> bool:
+        """Whether the caller's tenant has a session of this id here."""
+        return _key(session_id) in self.sessions
 
     def create(self, body: SessionCreateRequest, wanted_id: str | None) -> Session:
         self.expire()
         model = self.serving.check_model(body.model)
         if wanted_id is not None and not SESSION_ID.match(wanted_id):
             raise OpenAIError("X-Session-ID must be 1-128 letters, digits or ._:-", param="X-Session-ID")
-        if wanted_id in self.sessions:
+        if wanted_id is not None and _key(wanted_id) in self.sessions:  # the caller's own: others' do not exist
             raise OpenAIError(f"session {wanted_id!r} already exists", status=409, type_="conflict_error",
                               code="session_exists")
         if len(self.sessions) >= self.max_sessions:
@@ -149,17 +166,13 @@ class SessionStore:
             if not roles <= {"user", "assistant"}:
                 raise OpenAIError("a session's earlier messages are user and assistant turns (the system prompt "
                                   "is `system`)", param="messages")
-        ctx = request_context()
-        session.tenant = ctx.tenant if ctx is not None else None
-        self.sessions[session.id] = session
+        session.tenant = _key(session.id)[0]
+        self.sessions[session.key] = session
         return session
 
     def get(self, session_id: str) -> Session:
         self.expire()
-        session = self.sessions.get(session_id)
-        ctx = request_context()  # --auth-config: another tenant's session does not exist for this one
-        if session is not None and ctx is not None and session.tenant != ctx.tenant:
-            session = None
+        session = self.sessions.get(_key(session_id))  # --auth-config: another tenant's does not exist here
         if session is None:
             raise OpenAIError(f"session {session_id!r} does not exist (it ended or expired after "
                               f"{self.ttl:g} s idle)", status=404, type_="NotFoundError", code="session_not_found")
@@ -167,8 +180,8 @@ class SessionStore:
 
     def delete(self, session_id: str) -> None:
         session = self.get(session_id)
-        del self.sessions[session.id]
-        self.serving.engine.release_sessions([session.id])
+        del self.sessions[session.key]
+        self.serving.engine.release_sessions([session.pin_id])
 
     # -- a turn -----------------------------------------------------------------------------
     async def message(self, session_id: str, body: SessionMessageRequest, admission: Admission | None):
@@ -190,7 +203,7 @@ class SessionStore:
             ids = await self._prompt(session, user, request)
             params = self.serving.chat_params(request, len(ids), "content")
             self.serving.check_capacity(1, admission)
-            turn = ChatTurn(session.id, lambda answer: self._commit(session, user, ids, answer),
+            turn = ChatTurn(session.pin_id, lambda answer: self._commit(session, user, ids, answer),
                             {"session_id": session.id})
             result = await self.serving.answer_chat(request, session.model, ids, params, None, turn)
         except BaseException:
@@ -294,6 +307,12 @@ class SessionStore:
                                                  0, session.defaults.get("cache_salt")):
             text += "".join(c.text for c in out.outputs)
         return text.strip()
+
+
+def _key(session_id: str) -> tuple[str | None, str]:
+    """The store's key for ``session_id`` as the caller names it (its tenant's, under --auth-config)."""
+    ctx = request_context()
+    return (ctx.tenant if ctx is not None else None), session_id
 
 
 def _chat_request(settings: dict, messages: list[dict]) -> ChatCompletionRequest:
