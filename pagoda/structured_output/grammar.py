@@ -78,7 +78,8 @@ def _json_grammar(schema: Any, params: StructuredOutputsParams) -> str:
 
 def _choice_grammar(choices: list[str]) -> str:
     # Lark string literals take JSON's escapes, so json.dumps quotes each choice safely.
-    return llguidance.LLMatcher.grammar_from_lark("start: " + " | ".join(json.dumps(c, ensure_ascii=False) for c in choices))
+    literals = " | ".join(json.dumps(c, ensure_ascii=False) for c in choices)
+    return llguidance.LLMatcher.grammar_from_lark("start: " + literals)
 
 
 def _regex_grammar(regex: str) -> str:
