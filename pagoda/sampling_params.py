@@ -21,8 +21,9 @@ class StructuredOutputsParams:
     """A constraint on the output, exactly one of:
 
     json: a JSON schema (dict or JSON text); json_object: any JSON object; regex: a regular
-    expression; choice: one of these strings; grammar: an EBNF grammar (GBNF-style, root rule
-    `root`). The engine compiles it with xgrammar and masks every sampled token to it.
+    expression; choice: one of these strings; grammar: a GBNF grammar (llama.cpp's EBNF, root
+    rule `root`) or a Lark one (rule `start`). The engine compiles it with llguidance and masks
+    every sampled token to it.
     """
 
     json: dict | str | None = None

@@ -55,8 +55,8 @@ class SchedulerOutput:
     # finished or aborted since the last message: the workers drop their state
     finished_req_ids: set[str] = field(default_factory=set)
     preempted_req_ids: list[str] = field(default_factory=list)
-    # Structured outputs: xgrammar's packed allowed-token bitmask, one row per constrained
-    # request that samples this step (request id → row).
+    # Structured outputs: the packed allowed-token bitmask (int32 [rows, ceil(V / 32)]), one row
+    # per constrained request that samples this step (request id → row).
     grammar_bitmask: torch.Tensor | None = None
     grammar_rows: dict[str, int] = field(default_factory=dict)
 

@@ -41,8 +41,8 @@ class SamplingMetadata:
     banned_rows: torch.Tensor | None = None  # min_tokens: eos / stop ids are banned until reached
     banned_tokens: torch.Tensor | None = None
     max_num_logprobs: int | None = None  # top-k logprobs to return (None: no logprobs)
-    # Structured outputs: allowed tokens as xgrammar's packed bitmask [N, ceil(V / 32)] int32,
-    # applied to these rows only (the constrained requests of the batch).
+    # Structured outputs: allowed tokens as a packed bitmask [N, ceil(V / 32)] int32 (token t is bit
+    # t % 32 of word t // 32), applied to these rows only (the constrained requests of the batch).
     token_bitmask: torch.Tensor | None = None
     bitmask_rows: list[int] | None = None
 

@@ -4,13 +4,18 @@ from __future__ import annotations
 
 import random
 import time
+from concurrent.futures import Future
+
+import llguidance
 
 from pagoda.core.kv_cache_manager import KVCacheManager, cdiv
 from pagoda.core.scheduler import Scheduler
 from pagoda.core.scheduler_output import SchedulerOutput
 from pagoda.outputs import ModelRunnerOutput
 from pagoda.request import Request, RequestStatus
-from pagoda.sampling_params import SamplingParams
+from pagoda.sampling_params import SamplingParams, StructuredOutputsParams
+from pagoda.structured_output import GrammarState, compile_grammar
+from pagoda.structured_output.manager import allocate_token_bitmask
 
 
 def make_scheduler(num_blocks=64, block_size=4, max_num_seqs=8, budget=32, max_model_len=256, caching=False):
@@ -247,11 +252,12 @@ def test_no_leaked_block_with_prefix_caching_under_churn():
 def test_a_request_waits_for_its_grammar_without_holding_up_others():
     """A constrained request is passed over while its grammar compiles; once compiled it runs,
     and it stops as soon as its grammar is complete (here after the one token 7 = "x")."""
-    from concurrent.futures import Future
+    class Vocab:  # llguidance's tokenizer protocol: token 7 is "x", 8 the stop token
+        eos_token_id, bos_token_id, special_token_ids = 8, None, [8]
+        tokens = [b"a"] * 7 + [b"x", b"</s>"]
 
-    import xgrammar as xgr
-
-    from pagoda.structured_output import GrammarState
+        def __call__(self, text: str) -> list[int]:
+            return [7] * len(text)
 
     sched = make_scheduler()
     constrained, free = req("constrained", 5, max_tokens=10, t=0.0), req("free", 5, t=1.0)
@@ -261,16 +267,15 @@ def test_a_request_waits_for_its_grammar_without_holding_up_others():
     sched.add_request(free)
     out, _ = fake_step(sched)
     assert list(out.num_scheduled_tokens) == ["free"]
-    vocab = ["a"] * 7 + ["x", "</s>"]
-    compiler = xgr.GrammarCompiler(xgr.TokenizerInfo(vocab, stop_token_ids=[8]))
-    compiling.set_result(compiler.compile_grammar(xgr.Grammar.from_regex("x")))
+    tokenizer = llguidance.LLTokenizer(llguidance.TokenizerWrapper(Vocab()), n_vocab=9)
+    compiling.set_result(compile_grammar(tokenizer, StructuredOutputsParams(regex="x")))
     out, _ = fake_step(sched)
     assert "constrained" in list(out.num_scheduled_tokens)
     assert constrained.output_token_ids == [7] and constrained.status == RequestStatus.RUNNING
     # After "x" only the stop token is allowed; accepting it completes the grammar.
-    bitmask = xgr.allocate_token_bitmask(1, len(vocab))
+    bitmask = allocate_token_bitmask(1, 9)
     constrained.grammar.fill_bitmask(bitmask, 0)
-    allowed = [t for t in range(len(vocab)) if (int(bitmask[0, t // 32]) >> (t % 32)) & 1]
+    allowed = [t for t in range(9) if (int(bitmask[0, t // 32]) >> (t % 32)) & 1]
     assert allowed == [8]
     sched.update(SchedulerOutput(num_scheduled_tokens={"constrained": 1}), ModelRunnerOutput({"constrained": [8]}))
     assert constrained.status == RequestStatus.FINISHED_STOPPED
