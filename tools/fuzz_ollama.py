@@ -8,6 +8,7 @@ A case fails on a 5xx or no answer; an adversarial case also fails unless it is 
 
 from __future__ import annotations
 
+import json
 import time
 from typing import Any
 
@@ -122,7 +123,8 @@ def _runner(client: httpx.Client, report: FuzzReport, path: str, strategy: st.Se
     def run(body) -> None:
         _cap(path, body)
         try:
-            response = client.post(path, json=body)
+            # json.dumps writes NaN / Infinity as JavaScript does: the server must refuse them
+            response = client.post(path, content=json.dumps(body), headers={"content-type": "application/json"})
         except httpx.HTTPError as e:
             report.record(f"POST {path}", "no answer", f"{type(e).__name__}: {e} for {str(body)[:300]}")
             return
