@@ -36,6 +36,8 @@ def _value(field: FieldDescriptor, depth: int) -> st.SearchStrategy:
     if field.type == FieldDescriptor.TYPE_MESSAGE:
         return message_strategy(field.message_type, depth + 1)
     strategy = _SCALARS[field.type]
+    if field.name == "role":  # mostly real roles, so chats get past the first check
+        strategy = st.sampled_from(["user", "assistant", "system"]) | strategy
     if field.name in CAPS:
         strategy = st.integers(0, CAPS[field.name])
     return strategy
