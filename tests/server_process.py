@@ -8,8 +8,9 @@ import socket
 import subprocess
 import sys
 import threading
+import contextlib
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from typing import TypeVar
 
@@ -102,6 +103,30 @@ def stop_process(proc: subprocess.Popen, timeout: float = 30) -> None:
         except subprocess.TimeoutExpired:
             proc.kill()
             proc.wait()
+
+
+@contextlib.contextmanager
+def background_load(base: str, path: str, bodies: list[dict], headers: dict | None = None) -> Iterator[None]:
+    """While the block runs, post `bodies` to `path` all at once, again and again (a load that a
+    page or a metric can be watched under); the last round finishes before the block exits."""
+    done = threading.Event()
+
+    def load() -> None:
+        with httpx.Client(base_url=base, headers=headers, timeout=120) as client:
+            while not done.is_set():
+                threads = [threading.Thread(target=client.post, args=(path,), kwargs={"json": body}) for body in bodies]
+                for t in threads:
+                    t.start()
+                for t in threads:
+                    t.join()
+
+    loader = threading.Thread(target=load, daemon=True)
+    loader.start()
+    try:
+        yield
+    finally:
+        done.set()
+        loader.join(timeout=120)
 
 
 class OpenStream:

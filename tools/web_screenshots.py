@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import argparse
 import sys
-import threading
 from pathlib import Path
 
 import httpx
@@ -24,7 +23,7 @@ from selenium.webdriver.support.ui import WebDriverWait
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "tests"))
-from server_process import start_server, stop_process  # noqa: E402
+from server_process import background_load, start_server, stop_process  # noqa: E402
 
 QUESTION = "What is the capital of France? Answer in one sentence."
 LOAD_PROMPTS = ["Write a short poem about the sea.", "List three fruits.", "Explain what a CPU does.",
@@ -56,30 +55,13 @@ def playground(driver, base: str, out: Path) -> None:
 
 
 def dashboard(driver, base: str, model: str, out: Path) -> None:
-    done = threading.Event()
-
-    def load() -> None:
-        with httpx.Client(base_url=base, timeout=120) as client:
-            while not done.is_set():
-                threads = [threading.Thread(target=client.post, args=("/v1/chat/completions",), kwargs={"json": {
-                    "model": model, "messages": [{"role": "user", "content": p}], "max_tokens": 96}})
-                    for p in LOAD_PROMPTS]
-                for t in threads:
-                    t.start()
-                for t in threads:
-                    t.join()
-
-    loader = threading.Thread(target=load, daemon=True)
-    loader.start()
-    try:
+    bodies = [{"model": model, "messages": [{"role": "user", "content": p}], "max_tokens": 96} for p in LOAD_PROMPTS]
+    with background_load(base, "/v1/chat/completions", bodies):
         driver.get(f"{base}/dashboard")
         steps = _wait(driver, lambda d: d.find_element(By.ID, "num-steps"))
         _wait(driver, lambda d: steps.text.isdigit() and int(steps.text) > 150)
         _wait(driver, lambda d: len(d.find_elements(By.CSS_SELECTOR, "#requests tr")) > 6)
         driver.save_screenshot(str(out / "dashboard.png"))
-    finally:
-        done.set()
-        loader.join(timeout=120)
 
 
 def main() -> int:

@@ -13,14 +13,13 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import threading
 import time
 from pathlib import Path
 
 import httpx
 import jsonschema
 import pytest
-from server_process import start_server, stop_process
+from server_process import background_load, start_server, stop_process
 
 from pagoda.bench.servers import scrape_metrics
 
@@ -153,21 +152,8 @@ def test_dashboard_figures_move_under_load(browser, server, screenshots):
     _wait(browser, lambda d: steps.text.isdigit())
     idle_steps = int(steps.text)
 
-    done = threading.Event()
-
-    def load() -> None:  # four streams at a time until the test has seen enough
-        with httpx.Client(base_url=server, headers={"Authorization": f"Bearer {API_KEY}"}, timeout=60) as client:
-            while not done.is_set():
-                threads = [threading.Thread(target=client.post, args=("/v1/completions",), kwargs={"json": {
-                    "model": "tiny", "prompt": f"Story {i}: once upon a time", "max_tokens": 200}}) for i in range(4)]
-                for t in threads:
-                    t.start()
-                for t in threads:
-                    t.join()
-
-    loader = threading.Thread(target=load, daemon=True)
-    loader.start()
-    try:
+    bodies = [{"model": "tiny", "prompt": f"Story {i}: once upon a time", "max_tokens": 200} for i in range(4)]
+    with background_load(server, "/v1/completions", bodies, headers={"Authorization": f"Bearer {API_KEY}"}):
         _wait(browser, lambda d: int(steps.text) > idle_steps + 50)
         gen_tps = browser.find_element(By.ID, "gen-tps")
         _wait(browser, lambda d: gen_tps.text not in ("–", "0.0"))  # a whole second of load in the window
@@ -177,9 +163,6 @@ def test_dashboard_figures_move_under_load(browser, server, screenshots):
         assert len(rows) > 4 and browser.find_elements(By.CSS_SELECTOR, "#requests .timeline .decode")
         assert len(browser.find_elements(By.CSS_SELECTOR, "#steps tr")) > 10
         screenshots(browser, "dashboard.png")
-    finally:
-        done.set()
-        loader.join(timeout=60)
 
 
 def test_api_docs_render_offline(browser, server):
