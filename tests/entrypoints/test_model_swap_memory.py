@@ -3,7 +3,7 @@ model's memory back: its resident memory after many swaps stays at the plateau o
 Before pagoda/entrypoints/app_memory.py and the engine's shutdown letting go of its core, each
 load kept the model it replaced: ~ a whole model per swap.
 
-Two random-weight Llamas of ~70 MiB each (fp32), so that a model kept per swap stands far above
+Two random-weight Llamas of 55 MiB each (fp32), so that a model kept per swap stands far above
 the noise of a few MiB. The 100-swap soak (pagoda/bench/swap_soak.py) and its figures:
 benchmarks/model_swap_soak.py, benchmarks/README.md "Swapping models: memory"."""
 
@@ -40,7 +40,7 @@ def test_swapping_two_models_keeps_memory_at_its_first_plateau(tmp_path):
     finally:
         stop_process(proc)
     assert loads == SWAPS  # each request unloaded the other model and loaded its own
-    # A model kept per swap would add ~70 MiB a swap, ~850 MiB by the end: half a model is the bound.
+    # A model kept per swap would add 55 MiB a swap, ~700 MiB by the end: half a model is the bound.
     growth = report.end - report.plateau
     assert growth < weights / 2, (f"RSS grew {growth / MiB:.0f} MiB after the plateau (weights {weights / MiB:.0f} "
                                   f"MiB): {[round(r / MiB) for r in report.rss]}")
