@@ -65,3 +65,16 @@ def keep_freed_memory() -> str:
                         f"{MMAP_THRESHOLD >> 20} MiB" if ok else "malloc's own thresholds (mallopt refused)")
     logger.debug("heap: %s", _applied)
     return _applied
+
+
+def release_freed_memory() -> bool:
+    """Give the kernel back every free page of glibc's heaps, whatever the thresholds above (an
+    unloaded model's weights: the engine that kept its step's working set is gone); whether
+    there was a glibc to ask."""
+    try:
+        trim = ctypes.CDLL(None).malloc_trim
+    except (AttributeError, OSError):
+        return False
+    trim.argtypes, trim.restype = (ctypes.c_size_t,), ctypes.c_int
+    trim(0)
+    return True

@@ -82,3 +82,30 @@ def test_a_cpu_engine_applies_it(tiny_llama, monkeypatch):
         monkeypatch.delenv(name, raising=False)
     LLM(model=str(tiny_llama), kv_cache_memory=0.02)
     assert heap._applied == "malloc keeps up to 512 MiB freed, heap blocks up to 32 MiB"
+
+
+_UNLOAD = """
+import sys, torch
+from pathlib import Path
+from pagoda import heap
+def rss_mb():
+    line = next(l for l in Path("/proc/self/status").read_text().splitlines() if l.startswith("VmRSS:"))
+    return int(line.split()[1]) / 1024
+heap.keep_freed_memory()
+weights = [torch.ones(2 << 20) for _ in range(32)]  # a model's 256 MiB in 8 MiB tensors, from the heap
+loaded = rss_mb()
+del weights
+kept = rss_mb()
+heap.release_freed_memory()
+print(loaded - kept, loaded - rss_mb())
+"""
+
+
+@needs_glibc
+def test_an_unloaded_models_memory_goes_back_to_the_kernel():
+    """The heap keeps freed memory for the next step; an unloaded model's weights it must give
+    back (the model pool's unload calls release_freed_memory)."""
+    clean = {k: v for k, v in os.environ.items() if k not in heap.USER_VARIABLES and k != "GLIBC_TUNABLES"}
+    out = subprocess.run([sys.executable, "-c", _UNLOAD], capture_output=True, text=True, check=True, env=clean)
+    given_back_on_free, given_back_on_release = map(float, out.stdout.split())
+    assert given_back_on_free < 16 and given_back_on_release > 200, out.stdout

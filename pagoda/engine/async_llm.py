@@ -204,4 +204,8 @@ class AsyncLLM:
                 self._loop.call_soon_threadsafe(self.on_fatal, error)
 
     def shutdown(self) -> None:
+        """Stop the engine and let go of its core (model, KV cache): whatever still holds this
+        AsyncLLM after a server unloaded its model (a task not yet ended, a framework's cache)
+        then holds its tokenizer, not its weights."""
         self.client.shutdown()
+        self.engine.core = None

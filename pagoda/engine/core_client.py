@@ -119,6 +119,7 @@ class ThreadCoreClient(_InboxClient):
         self.dead_error: BaseException | None = None
         self._stopped = False
         self._built = threading.Event()
+        self._final_stats: SchedulerStats | None = None  # stats() once shut down
         config = None if self.core is not None else core
         self._thread = threading.Thread(target=self._run, args=(config,), name="pagoda-engine", daemon=True)
         self._thread.start()
@@ -133,13 +134,18 @@ class ThreadCoreClient(_InboxClient):
         return self.dead_error is None and self._thread.is_alive()
 
     def stats(self) -> SchedulerStats:
-        return self.core.stats()
+        return self.core.stats() if self.core is not None else self._final_stats
 
     def shutdown(self) -> None:
+        """Stop the loop and let go of the core (the model and the KV cache): what still holds
+        this client then holds no more than its last stats."""
         self._stopped = True
         self._inbox.put(None)
         self._thread.join(timeout=10)
-        self.core.shutdown()  # the workers of other ranks, if any
+        core, self.core = self.core, None
+        if core is not None:  # not stopped before
+            self._final_stats = core.stats()
+            core.shutdown()  # the workers of other ranks, if any
 
     def _run(self, config: EngineConfig | None) -> None:
         if config is not None:

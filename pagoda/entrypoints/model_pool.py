@@ -24,7 +24,6 @@ a load runs on a thread and the event loop keeps serving the other models meanwh
 from __future__ import annotations
 
 import asyncio
-import gc
 import inspect
 import logging
 import time
@@ -33,6 +32,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from pagoda.entrypoints.app_memory import stop_and_release
 from pagoda.entrypoints.openai.serving import OpenAIError
 from pagoda.entrypoints.served_models import DEFAULT_KEEP_ALIVE, FOREVER
 
@@ -331,10 +331,9 @@ class ModelPool:
             model._timer.cancel()
         model.expires_at = None
         await _run_hooks(model.app.router.on_shutdown)
+        await asyncio.sleep(0)  # a task a hook cancelled (the sessions' sweeper) ends, and lets go of the app
         model.serving.metrics.close()
-        await asyncio.to_thread(model.engine.shutdown)
-        model.app = model.engine = None  # what the engine held goes with the last references
-        await asyncio.to_thread(gc.collect)
+        await asyncio.to_thread(stop_and_release, model)  # the engine stopped, its memory given back
         if self.metrics is not None:
             self.metrics.unloaded(name, reason)
         logger.info("unloaded %s (%s)", name, reason)

@@ -4,7 +4,9 @@ thread that runs the model is the only one that leads an OpenMP team in the serv
 from __future__ import annotations
 
 import asyncio
+import gc
 import threading
+import weakref
 
 import pytest
 
@@ -50,3 +52,16 @@ def test_a_core_that_fails_to_build_on_the_thread_fails_the_front_end(tiny_llama
     engine = LLMEngine(_config(tiny_llama, kv_cache_memory=1e-9), build_core=False)
     with pytest.raises(ValueError, match="does not hold one block"):
         AsyncLLM(engine)
+
+
+def test_a_stopped_engine_lets_go_of_its_core(tiny_llama):
+    """What still holds an AsyncLLM once it is shut down (a task of its unloaded app not yet
+    ended, a framework's cache) holds no model or KV cache."""
+    engine = LLMEngine(_config(tiny_llama, kv_cache_memory=0.05), build_core=False)
+    llm = AsyncLLM(engine)
+    core = weakref.ref(engine.core)
+    llm.shutdown()
+    gc.collect()
+    assert core() is None
+    assert llm.stats().num_running == 0  # the last stats still answer
+    llm.shutdown()  # a second shutdown does nothing
