@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import ctypes
 import logging
 
 import torch
@@ -17,6 +16,7 @@ from pagoda.layers.quantization import check_quantization, quantize_linears
 from pagoda.layers.rotary import RotaryEmbedding
 from pagoda.loader.resolve import ModelFiles
 from pagoda.models.registry import resolve_architecture
+from pagoda.heap import release_freed_memory
 from pagoda.platform import available_memory_bytes
 
 logger = logging.getLogger(__name__)
@@ -51,21 +51,12 @@ def _load(files: ModelFiles, hf_config: dict, dtype: torch.dtype, device: torch.
         count = quantize_linears(model, quantization, packed)
         model.packed_weights = {}  # drop the stored blocks (views of the mapped file)
         logger.info("quantization=%s: %d projection layers quantized", quantization, count)
-        _release_freed_memory()
+        release_freed_memory()  # the float weights quantization freed: glibc would keep their pages
         if device.type == "cpu":
             pack_block_linears(model, getattr(current_backend(), "ops", None), available_memory_bytes(device))
     if device.type == "cpu" and dtype == torch.float32:
         pack_float_linears(model, getattr(current_backend(), "ops", None), available_memory_bytes(device))
     return model
-
-
-def _release_freed_memory() -> None:
-    """Return the float weights that quantization freed to the OS: glibc keeps freed heap pages
-    mapped, so without this the process stays as large as the float model."""
-    try:
-        ctypes.CDLL("libc.so.6").malloc_trim(0)
-    except (OSError, AttributeError):  # not glibc
-        pass
 
 
 def _materialize_on_cpu(model: nn.Module) -> None:
