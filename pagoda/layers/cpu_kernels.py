@@ -14,9 +14,11 @@ would never take them."""
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import functools
 import logging
 import os
+from collections.abc import Iterator
 from pathlib import Path
 
 from pagoda.progress import progress
@@ -161,25 +163,43 @@ def build_kernels(level: str = "native", sources: tuple[str, ...] = _SOURCES):
     build_dir.mkdir(parents=True, exist_ok=True)
     cflags = ["-O3", *ISA_LEVELS[level][0], "-fopenmp", "-ffp-contract=off"]
     header = build_dir.resolve() / _TORCH_HEADERS  # one path (so one ninja command) through any link to the home
-    precompiled = None
-    if not _library_is_current(build_dir, sources):
-        precompiled = _precompile_torch_headers(header, cflags)
-    try:
-        load(
-            name=_LIBRARY,
-            sources=[str(_CSRC / name) for name in sources],
-            extra_cflags=[*cflags, "-include", str(header)],
-            extra_ldflags=["-fopenmp"],
-            build_directory=str(build_dir),
-            verbose=False,
-            is_python_module=False,  # registers torch.ops.pagoda.*
-        )
-    finally:
-        if precompiled is not None:
-            precompiled.unlink(missing_ok=True)  # ~400 MB, only needed while compiling
+    with _build_lock(build_dir):
+        precompiled = None
+        if not _library_is_current(build_dir, sources):
+            precompiled = _precompile_torch_headers(header, cflags)
+        try:
+            load(
+                name=_LIBRARY,
+                sources=[str(_CSRC / name) for name in sources],
+                extra_cflags=[*cflags, "-include", str(header)],
+                extra_ldflags=["-fopenmp"],
+                build_directory=str(build_dir),
+                verbose=False,
+                is_python_module=False,  # registers torch.ops.pagoda.*
+            )
+        finally:
+            if precompiled is not None:
+                precompiled.unlink(missing_ok=True)  # ~400 MB, only needed while compiling
     import torch
 
     return torch.ops.pagoda
+
+
+@contextlib.contextmanager
+def _build_lock(build_dir: Path) -> Iterator[None]:
+    """One build or load of a kernel directory at a time, across processes.
+
+    torch's extension loader guards a build with a `lock` file that only its own release
+    removes: a build killed mid-way (Ctrl-C during a first start) left it behind, and every later
+    start waited on it forever, silently. An flock is released by the kernel when its holder dies,
+    so under it a `lock` file can only be such a leftover, and is removed."""
+    with open(build_dir / "pagoda.lock", "a") as handle:
+        fcntl.flock(handle, fcntl.LOCK_EX)
+        try:
+            (build_dir / "lock").unlink(missing_ok=True)
+            yield
+        finally:
+            fcntl.flock(handle, fcntl.LOCK_UN)
 
 
 @functools.cache
