@@ -85,7 +85,8 @@ class EngineService(pb_grpc.EngineServicer):
     async def Generate(self, request: pb.GenerateRequest, context) -> AsyncIterator[pb.GenerateResponse]:  # noqa: N802
         body = await self._checked(context, lambda: CompletionRequest(**_completion_fields(request)))
         try:
-            model, prompts, params_list = self.serving.prepare_completion(body)
+            # off the event loop, as HTTP does: a prompt's tokenizing and its grammar take time
+            model, prompts, params_list = await asyncio.to_thread(self.serving.prepare_completion, body)
         except OpenAIError as e:
             await _abort(context, e)
         async for piece in self._stream(context, [ids for _, ids in prompts], params_list, body, "cmpl"):
@@ -95,7 +96,7 @@ class EngineService(pb_grpc.EngineServicer):
     async def Chat(self, request: pb.ChatRequest, context) -> AsyncIterator[pb.GenerateResponse]:  # noqa: N802
         body = await self._checked(context, lambda: ChatCompletionRequest(**_chat_fields(request)))
         try:
-            _, ids, params, tools = self.serving.prepare_chat(body)
+            _, ids, params, tools = await asyncio.to_thread(self.serving.prepare_chat, body)
         except OpenAIError as e:
             await _abort(context, e)
         async for piece in self._stream(context, [ids], [params], body, "chatcmpl", tools):
