@@ -68,7 +68,8 @@ def chat_prompt(serving: Serving, body: ChatBody, tools: ToolChoice | None) -> l
     serving.check_input([m["content"] for m in messages], "messages")  # the content filter (--moderation-words)
     template = serving.tokenizer.chat_template
     if not template:
-        raise OllamaError("this model has no chat template; start the server with --chat-template")
+        raise OllamaError("this model has no chat template (a base model: use /api/generate); to chat with it "
+                          "anyway, start the server with --chat-template")
     try:
         messages, extra = render_messages(messages, tools, template_takes_tools="tools" in template)
     except (ValueError, TypeError, KeyError) as e:
