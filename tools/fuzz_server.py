@@ -267,14 +267,17 @@ def drain_log(proc) -> list[str]:
 TESTS = Path(__file__).resolve().parents[1] / "tests"  # server_process and tiny_models: the suite's helpers
 
 
-def _start_tiny_server(max_model_len: int, name: str, grpc_port: int | None):
+def _start_tiny_server(max_model_len: int, name: str, grpc: bool):
+    """(process, base URL, gRPC address or None) of a server of the tiny random model."""
     sys.path.insert(0, str(TESTS))
-    from server_process import start_server
+    from server_process import _free_port, start_server
     from tiny_models import make_tiny_hf_model
 
     model_dir = make_tiny_hf_model("llama", Path(tempfile.mkdtemp(prefix="pagoda-fuzz-")) / "llama")
-    grpc = ["--grpc-port", str(grpc_port)] if grpc_port else []
-    return start_server(model_dir, "--max-model-len", str(max_model_len), *grpc, name=name)
+    grpc_port = _free_port() if grpc else None
+    proc, base = start_server(model_dir, "--max-model-len", str(max_model_len),
+                              *(["--grpc-port", str(grpc_port)] if grpc_port else []), name=name)
+    return proc, base, f"127.0.0.1:{grpc_port}" if grpc_port else None
 
 
 def run_families(base: str, families: tuple[str, ...], args, seed: int, grpc_target: str | None) -> list[FuzzReport]:
@@ -321,13 +324,8 @@ def main(argv: list[str] | None = None) -> int:
     proc, log = None, []
     base, grpc_target = args.url, args.grpc
     if base is None:
-        sys.path.insert(0, str(TESTS))
-        from server_process import _free_port
-
         started = time.monotonic()
-        grpc_port = _free_port() if "grpc" in families else None
-        proc, base = _start_tiny_server(args.max_model_len, args.model_name, grpc_port)
-        grpc_target = f"127.0.0.1:{grpc_port}" if grpc_port else None
+        proc, base, grpc_target = _start_tiny_server(args.max_model_len, args.model_name, "grpc" in families)
         log = drain_log(proc)
         print(f"server up in {time.monotonic() - started:.1f} s at {base}", flush=True)
     try:
