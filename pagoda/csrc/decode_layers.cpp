@@ -33,6 +33,7 @@ at::Tensor project(const at::Tensor& x, const at::Tensor& weight, int64_t block_
 // (silu_mul_block_gemm_tiles quantizes the activations as it makes them, the same bits).
 at::Tensor down_projection(const at::Tensor& gate_up, const at::Tensor& weight, int64_t block_type,
                            const std::optional<at::Tensor>& packed) {
+  if (block_type == pagoda::SUPERBLOCK_PACKED) return pagoda::silu_mul_superblock_gemm(gate_up, weight);
   if (block_type >= 0 && pagoda::holds_tiles(packed))
     return pagoda::silu_mul_block_gemm_tiles(gate_up, *packed, block_type, weight.size(0));
   return project(pagoda::silu_and_mul(gate_up), weight, block_type, packed);

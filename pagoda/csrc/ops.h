@@ -24,6 +24,11 @@ at::Tensor block_gemm_tiles(const at::Tensor& x, const at::Tensor& tiles, int64_
 inline bool holds_tiles(const std::optional<at::Tensor>& packed) {
   return packed.has_value() && packed->defined() && packed->scalar_type() == at::kByte;
 }
+// Weights in ggml's super-block formats (Q4_K ... IQ4_XS) packed at load (superblock_tiles.cpp):
+// block_matmul's type SUPERBLOCK_PACKED, the packed tensor standing for the weight.
+constexpr int64_t SUPERBLOCK_PACKED = 1000;
+at::Tensor superblock_gemm(const at::Tensor& x, const at::Tensor& packed);
+at::Tensor silu_mul_superblock_gemm(const at::Tensor& gate_up, const at::Tensor& packed);
 at::Tensor silu_mul_block_gemm_tiles(const at::Tensor& gate_up, const at::Tensor& tiles, int64_t type,
                                      int64_t out_features);  // block_gemm_tiles.cpp
 at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,

@@ -29,7 +29,7 @@ _CSRC = Path(__file__).resolve().parent.parent / "csrc"
 
 
 _SOURCES = ("paged_attention.cpp", "prefill_attention.cpp", "block_matmul.cpp", "block_gemm_tiles.cpp",
-            "fused_ops.cpp", "small_matmul.cpp", "decode_layers.cpp")
+            "superblock_tiles.cpp", "fused_ops.cpp", "small_matmul.cpp", "decode_layers.cpp")
 
 
 _disabled: bool | None = None  # PAGODA_DISABLE_KERNELS, read once (this is called per layer per step)
@@ -229,6 +229,10 @@ def _register_fakes() -> None:
     @torch.library.register_fake("pagoda::block_matmul")
     def _(x, weight, block_type, packed=None):
         return x.new_empty(x.shape[0], weight.shape[0])
+
+    @torch.library.register_fake("pagoda::superblock_gemm")
+    def _(x, packed, out_features):
+        return x.new_empty(x.shape[0], out_features)
 
     @torch.library.register_fake("pagoda::paged_decode_attention")
     def _(q, k_cache, v_cache, block_tables, seq_lens, scale, window=0, k_scales=None, v_scales=None):

@@ -34,9 +34,10 @@ from collections.abc import Sequence
 import torch
 from torch import nn
 
-from pagoda.layers import ggml_blocks
+from pagoda.layers import ggml_blocks, superblocks
 from pagoda.layers.backend import current_backend
 from pagoda.layers.ggml_blocks import BlockEmbedding, BlockLinear
+from pagoda.layers.superblocks import SuperBlockEmbedding, SuperBlockLinear
 
 logger = logging.getLogger(__name__)
 
@@ -215,23 +216,37 @@ def block_kernels_available() -> bool:
 
 
 def _block_type(shards: Sequence[PackedWeight]) -> int | None:
-    """The one block type ``shards`` stack into (Q4_0 joins Q4_1 as Q4_1), or None."""
+    """The one block type ``shards`` stack into (Q4_0 joins Q4_1 as Q4_1; super-block formats, of
+    one type or several, pack into one ``superblocks.PACKED`` weight), or None."""
     types = {s.ggml_block_type for s in shards}
     if not shards or None in types or len({s.shape[1] for s in shards}) != 1:
         return None
+    if types <= superblocks.SUPERBLOCK_TYPES:
+        return superblocks.PACKED
     if len(types) == 1:
         return types.pop()
     return ggml_blocks.Q4_1 if types <= {ggml_blocks.Q4_0, ggml_blocks.Q4_1} else None
 
 
 def stacked_blocks(shards: Sequence[PackedWeight]) -> tuple[torch.Tensor, int]:
-    """``shards`` stacked along the output dimension as one (blocks, block type)."""
+    """``shards`` stacked along the output dimension as one (blocks, block type); super-block
+    formats as one packed weight (superblocks.repack)."""
     block_type = _block_type(shards)
     if block_type is None:
         raise ValueError("these weights have no common ggml block form")
+    if block_type == superblocks.PACKED:
+        return superblocks.repack([(s.ggml_blocks(), s.ggml_block_type) for s in shards], shards[0].shape[1]), block_type
     parts = [s.ggml_blocks() if s.ggml_block_type == block_type else ggml_blocks.q4_0_to_q4_1(s.ggml_blocks())
              for s in shards]
     return torch.cat(parts), block_type
+
+
+def block_linear(blocks: torch.Tensor, block_type: int, in_features: int,
+                 bias: torch.Tensor | None = None) -> BlockLinear | SuperBlockLinear:
+    """The layer for stacked blocks of ``block_type`` (``stacked_blocks``' result)."""
+    if block_type == superblocks.PACKED:
+        return SuperBlockLinear(blocks, bias)
+    return BlockLinear(blocks, block_type, in_features, bias)
 
 
 def keeps_packed(shards: Sequence[PackedWeight], projection: bool = True) -> bool:
@@ -311,7 +326,7 @@ _FLOAT_BLOCK_TYPE = {"int8": ggml_blocks.Q8_0, "int4": ggml_blocks.Q4_1}
 
 def _block_layer(module: nn.Linear, mode: str, shards: list[PackedWeight] | None, _dtype) -> nn.Module | None:
     if mode == "gguf":
-        return BlockLinear(*stacked_blocks(shards), module.in_features, module.bias) if shards else None
+        return block_linear(*stacked_blocks(shards), module.in_features, module.bias) if shards else None
     if module.in_features % ggml_blocks.BLOCK:
         return None
     return BlockLinear.from_float(module.weight, _FLOAT_BLOCK_TYPE[mode], module.bias)
@@ -346,13 +361,14 @@ def _block_head(model: nn.Module, mode: str, packed: dict[str, list[PackedWeight
     replaced = 0
     if embed_blocks is not None:
         blocks, block_type = embed_blocks
-        model.embed_tokens = BlockEmbedding(blocks, block_type, dim, dtype)
+        model.embed_tokens = (SuperBlockEmbedding(blocks, dtype) if block_type == superblocks.PACKED
+                              else BlockEmbedding(blocks, block_type, dim, dtype))
         if head is None:
-            model.lm_head = BlockLinear(blocks, block_type, dim)
+            model.lm_head = block_linear(blocks, block_type, dim)
         replaced += 1
     if head is not None and head_blocks is not None:
         blocks, block_type = head_blocks
-        model.lm_head = BlockLinear(blocks, block_type, head.in_features, head.bias)
+        model.lm_head = block_linear(blocks, block_type, head.in_features, head.bias)
         replaced += 1
     return replaced
 

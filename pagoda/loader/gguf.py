@@ -698,11 +698,15 @@ def _check_config_matches(gf: GGUFFile, config: Mapping[str, Any]) -> None:
 # GGUF types kept as stored under ``--quantization gguf``: ggml's blocks of 32, which pagoda's block
 # kernels multiply as they are (pagoda/layers/ggml_blocks.py). Without those kernels, Q4_0 / Q4_1
 # map exactly onto torch's int4 kernel groups, and Q8_0 is dequantized like every other type.
-KEPT_QUANTIZED_TYPES = (GGMLQuantizationType.Q4_0, GGMLQuantizationType.Q4_1, GGMLQuantizationType.Q8_0)
+# The super-block formats (K-quants, IQ4) are repacked for pagoda's kernels (layers/superblocks.py).
+KEPT_QUANTIZED_TYPES = (GGMLQuantizationType.Q4_0, GGMLQuantizationType.Q4_1, GGMLQuantizationType.Q8_0,
+                        GGMLQuantizationType.Q4_K, GGMLQuantizationType.Q5_K, GGMLQuantizationType.Q6_K,
+                        GGMLQuantizationType.IQ4_NL, GGMLQuantizationType.IQ4_XS)
 
 
 class GGUFPackedWeight(PackedWeight):
-    """A Q4_0 / Q4_1 / Q8_0 weight as stored: ``blocks`` is [rows, bytes per row] (a view of the file).
+    """A weight of a ``KEPT_QUANTIZED_TYPES`` type as stored: ``blocks`` is [rows, bytes per row]
+    (a view of the file). The super-block formats' layouts are in pagoda/csrc/superblock_formats.h.
 
     Block layout (ggml-common.h): fp16 ``d``, for Q4_1 fp16 ``m``, then the codes: for the 4-bit
     types 16 bytes, element j in the low nibble of byte j and element j + 16 in the high nibble;
@@ -713,7 +717,7 @@ class GGUFPackedWeight(PackedWeight):
         if ggml_type not in KEPT_QUANTIZED_TYPES:
             raise ValueError(f"{ggml_type.name} is not kept quantized (only {[t.name for t in KEPT_QUANTIZED_TYPES]})")
         self.ggml_type, self.blocks, self.shape = ggml_type, blocks, tuple(shape)
-        self.int4_exact = ggml_type != GGMLQuantizationType.Q8_0
+        self.int4_exact = ggml_type in (GGMLQuantizationType.Q4_0, GGMLQuantizationType.Q4_1)
         self.ggml_block_type = int(ggml_type)  # the GGMLQuantizationType values ggml_blocks uses
 
     def rows(self, start: int, stop: int) -> GGUFPackedWeight:

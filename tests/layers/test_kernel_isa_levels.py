@@ -2,7 +2,8 @@
 (PAGODA_KERNEL_ISA) takes the path it names, and every path gives the native build's bits and the
 reference arithmetic.
 
-The fallback levels (avx-vnni, avx2, scalar) are built from block_matmul.cpp, block_gemm_tiles.cpp (which it calls), small_matmul.cpp
+The fallback levels (avx-vnni, avx2, scalar) are built from block_matmul.cpp, block_gemm_tiles.cpp and
+superblock_tiles.cpp (which it calls), small_matmul.cpp
 (its batch-invariance switch), fused_ops.cpp (silu_and_mul, against which the down projection's
 fused activation quantization is checked) and prefill_attention.cpp (the flash-style prefill kernel) alone, each in a subprocess, since two builds register the same
 ops and cannot share a process. Each build is cached under $PAGODA_HOME/kernels/<cpu>-<level>-...;
@@ -20,12 +21,15 @@ import numpy as np
 import pytest
 import torch
 from gguf import GGMLQuantizationType, quants
+from superblock_data import kernel_cases
 
 from pagoda.layers import cpu_kernels, ggml_blocks
 from pagoda.layers.backend import select_backend
 from pagoda.layers.cpu_kernels import ISA_LEVELS, load_cpu_kernels
 from pagoda.layers.ggml_blocks import dequantize_blocks
 from pagoda.platform import cpu_flags
+
+TYPE_IDS = {"Q4_K": 12, "Q5_K": 13, "Q6_K": 14, "IQ4_NL": 20, "IQ4_XS": 23}
 
 REPO = Path(__file__).resolve().parents[2]
 GGML = {ggml_blocks.Q4_0: GGMLQuantizationType.Q4_0, ggml_blocks.Q4_1: GGMLQuantizationType.Q4_1,
@@ -39,9 +43,12 @@ needs_kernels = pytest.mark.skipif(load_cpu_kernels() is None, reason="pagoda's 
 _CHILD = """
 import sys, torch
 from pagoda.layers.cpu_kernels import build_kernels
-level, cases, out = sys.argv[1:]
-ops = build_kernels(level, ("block_matmul.cpp", "block_gemm_tiles.cpp", "small_matmul.cpp", "fused_ops.cpp",
-                           "prefill_attention.cpp"))
+level, cases, superblock_cases, out = sys.argv[1:]
+ops = build_kernels(level, ("block_matmul.cpp", "block_gemm_tiles.cpp", "superblock_tiles.cpp", "small_matmul.cpp",
+                           "fused_ops.cpp", "prefill_attention.cpp"))
+TYPE_IDS = {"Q4_K": 12, "Q5_K": 13, "Q6_K": 14, "IQ4_NL": 20, "IQ4_XS": 23}
+superblock = [ops.superblock_gemm(x, ops.superblock_repack([b], [TYPE_IDS[t]], x.shape[1]), b.shape[0])
+              for t, x, b in torch.load(superblock_cases)]
 ops.set_batch_invariant(True)
 cases = torch.load(cases)
 outputs = [ops.block_matmul(x, w, t) for t, x, w in cases]
@@ -56,7 +63,8 @@ attn = {"q": torch.randn(70, 9, 64, generator=g), "k": torch.randn(12, 3, 16, 64
 attn["out"] = [ops.paged_prefill_attention(attn["q"], attn["k"], attn["v"], attn["table"], 100, 0.125, w)
                for w in (0, 40)]
 torch.save({"isa": ops.block_matmul_isa(), "outputs": outputs, "tiles_isa": ops.block_gemm_tiles_isa(), "tiles": tiles,
-            "down": [down(t, x, w) for t, x, w in cases], "attn": attn}, out)
+            "down": [down(t, x, w) for t, x, w in cases], "attn": attn, "superblock": superblock,
+            "superblock_isa": ops.superblock_isa()}, out)
 """
 
 
@@ -160,11 +168,18 @@ def test_fallback_build_gives_the_native_bits(level, cases, tmp_path):
         # the same #ifdef paths as the native build, which every other kernel test runs (a 5-file build saved)
         pytest.skip("the native build takes the avx2 paths on this CPU")
     path, data = cases
-    out = tmp_path / "out.pt"
-    subprocess.run([sys.executable, "-c", _CHILD, level, str(path), str(out)], cwd=REPO, check=True)
+    out, superblock_path = tmp_path / "out.pt", tmp_path / "superblock_cases.pt"
+    superblock_data = kernel_cases()
+    torch.save(superblock_data, superblock_path)
+    subprocess.run([sys.executable, "-c", _CHILD, level, str(path), str(superblock_path), str(out)], cwd=REPO, check=True)
     result = torch.load(out)
     assert result["isa"] == result["tiles_isa"] == level
+    assert result["superblock_isa"] == ("avx2" if level == "avx-vnni" else level)
     ops = load_cpu_kernels()
+    for (qtype, x, blocks), got in zip(superblock_data, result["superblock"], strict=True):
+        # the super-block GEMM: every path's integer sums are exact and its float steps in one order
+        packed = ops.superblock_repack([blocks], [TYPE_IDS[qtype]], x.shape[1])
+        assert torch.equal(got, ops.superblock_gemm(x, packed, blocks.shape[0])), (level, qtype, x.shape[0])
     with select_backend("cpu").batch_invariant(True):
         for (block_type, x, blocks), got, tiles in zip(data, result["outputs"], result["tiles"], strict=True):
             # the integer dot products are exact and every path sums the floats in one documented order

@@ -1,0 +1,280 @@
+// The GEMM on super-block tiles (superblock_formats.h): R activation rows against C tiles of 16
+// weight rows. Per block of 32 an exact integer dot product of codes and int8 activations (as
+// block_gemm_tiles.cpp, llama.cpp's q8_0 activations), then, per output, these float steps in
+// this order, on every instruction set (so every path gives the same bits):
+//   Q4_K, Q5_K  acc = fma(float(isum), (d * sc) * dx, acc);  acc = fma(-(dmin * mn), sx, acc)
+//   Q6_K        per half of 16: acc = fma(float(isum_h), (d * sc_h) * dx, acc)
+//   IQ4_XS/NL   acc = fma(float(isum), (d * sc) * dx, acc)        (IQ4_NL: sc = 1)
+// isum is the dot product of the signed values (Q6_K code - 32, IQ4 the table's value) with the
+// int8 codes; dx, sx the activation block's scale and scale * sum of codes.
+#pragma once
+
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+
+#include "ggml_blocks.h"
+#include "superblock_formats.h"
+
+namespace pagoda::superblock {
+
+// The activations as the kernels read them, for rows m .. of a QuantizedActivations.
+struct Rows {
+  const int8_t* q;     // [R, K]
+  const float* dx;     // [R, nb]
+  const float* sx;     // [R, nb]
+  const int32_t* sum;  // [R, nb]: sum of a block's codes
+  const int32_t* low;  // [R, nb]: sum of its first 16 codes (Q6_K's halves; null otherwise)
+  int64_t K, nb;
+};
+
+inline float fp16(const uint8_t* p) { return pagoda::ggml::half_to_float(p); }
+
+// ---- scalar: lane by lane, the reference for the vector paths --------------------------------
+
+template <int64_t T>
+void gemm_scalar(const uint8_t* tile, int64_t ns, const Rows& x, int R, float* y, int64_t ldy, int64_t N, int64_t n0) {
+  constexpr int64_t SUPER = super_elements(T), REC = record_bytes(T);
+  for (int r = 0; r < R; ++r)
+    for (int64_t c = 0; c < COLS && n0 + c < N; ++c) {
+      float acc = 0.f;
+      for (int64_t s = 0; s < ns; ++s) {
+        const uint8_t* rec = tile + s * REC;
+        const float d = fp16(rec + 2 * c), dmin = has_mins(T) ? fp16(rec + 32 + 2 * c) : 0.f;
+        for (int64_t e0 = 0; e0 < SUPER; e0 += BLOCK) {
+          const int64_t b = (s * SUPER + e0) / BLOCK;
+          const int8_t* q = x.q + r * x.K + b * BLOCK;
+          const float dx = x.dx[r * x.nb + b];
+          for (int64_t h0 = 0; h0 < BLOCK; h0 += (T == Q6_K ? 16 : BLOCK)) {
+            int32_t isum = 0;
+            for (int64_t k = h0; k < h0 + (T == Q6_K ? 16 : BLOCK); ++k)
+              isum += code_value(T, record_code(rec, T, c, e0 + k)) * q[k];
+            const float dsc = d * static_cast<float>(record_scale(rec, T, c, e0 + h0));
+            acc = std::fma(static_cast<float>(isum), dsc * dx, acc);
+          }
+          if (has_mins(T))
+            acc = std::fma(-(dmin * static_cast<float>(record_min(rec, T, c, e0))), x.sx[r * x.nb + b], acc);
+        }
+      }
+      y[r * ldy + n0 + c] = acc;
+    }
+}
+
+#if defined(PAGODA_AVX512_VNNI)
+inline __m512i broadcast4(const int8_t* p) {
+  int32_t v;
+  std::memcpy(&v, p, 4);
+  return _mm512_set1_epi32(v);
+}
+
+// Vector j's low-nibble codes (elements 4j..) and high-nibble codes (16+4j..) of a block's vectors,
+// unsigned as vpdpbusd multiplies them (IQ4: the table's values + 128).
+template <int64_t T>
+inline void codes512(const uint8_t* codes, int j, __m512i& lo, __m512i& hi) {
+  const __m512i low = _mm512_set1_epi8(0x0F);
+  const __m512i z = _mm512_loadu_si512(codes + 64 * j);
+  lo = _mm512_and_si512(z, low);
+  hi = _mm512_and_si512(_mm512_srli_epi16(z, 4), low);
+  if constexpr (T == Q5_K) {
+    const __m512i bits = _mm512_loadu_si512(codes + 256), five = _mm512_set1_epi8(0x10);
+    lo = _mm512_or_si512(lo, _mm512_and_si512(_mm512_slli_epi16(bits, 4 - j), five));
+    hi = _mm512_or_si512(hi, _mm512_and_si512(_mm512_srli_epi16(bits, j), five));
+  } else if constexpr (T == Q6_K) {
+    const __m512i h0 = _mm512_loadu_si512(codes + 256), h1 = _mm512_loadu_si512(codes + 320);
+    const __m512i two = _mm512_set1_epi8(0x30);
+    const auto place = [j](__m512i h) { return j == 3 ? _mm512_srli_epi16(h, 2) : _mm512_slli_epi16(h, 4 - 2 * j); };
+    lo = _mm512_or_si512(lo, _mm512_and_si512(place(h0), two));
+    hi = _mm512_or_si512(hi, _mm512_and_si512(place(h1), two));
+  } else if constexpr (is_iq4(T)) {
+    alignas(16) uint8_t table[16];
+    for (int i = 0; i < 16; ++i) table[i] = static_cast<uint8_t>(kIQ4Values[i] + 128);
+    const __m512i values = _mm512_broadcast_i32x4(_mm_load_si128(reinterpret_cast<const __m128i*>(table)));
+    lo = _mm512_shuffle_epi8(values, lo);
+    hi = _mm512_shuffle_epi8(values, hi);
+  }
+}
+
+inline __m512 bytes_to_ps(const uint8_t* p, bool is_signed) {
+  const __m128i v = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  return _mm512_cvtepi32_ps(is_signed ? _mm512_cvtepi8_epi32(v) : _mm512_cvtepu8_epi32(v));
+}
+
+template <int64_t T, int R, int C>
+void gemm_avx512(const uint8_t* tiles, int64_t tile_bytes, int64_t ns, const Rows& x, float* y, int64_t ldy,
+                 int64_t N, int64_t n0) {
+  constexpr int64_t BLOCKS = blocks_per_super(T), SB = scale_bytes(T), CB = block_code_bytes(T), REC = record_bytes(T);
+  constexpr int H = T == Q6_K ? 2 : 1;  // integer sums per block (Q6_K: one per 16 elements)
+  __m512 acc[R][C];
+  for (int r = 0; r < R; ++r)
+    for (int c = 0; c < C; ++c) acc[r][c] = _mm512_setzero_ps();
+  for (int64_t s = 0; s < ns; ++s) {
+    const uint8_t* rec[C];
+    __m512 d[C], dmin[C];
+    for (int c = 0; c < C; ++c) {
+      rec[c] = tiles + c * tile_bytes + s * REC;
+      d[c] = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(rec[c])));
+      if constexpr (has_mins(T)) dmin[c] = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(rec[c] + 32)));
+    }
+    for (int64_t sub = 0; sub < BLOCKS; ++sub) {
+      const int64_t b = s * BLOCKS + sub;
+      __m512i isum[R][C][H];
+      for (int r = 0; r < R; ++r)
+        for (int c = 0; c < C; ++c)
+          for (int h = 0; h < H; ++h) isum[r][c][h] = _mm512_setzero_si512();
+      for (int j = 0; j < 4; ++j) {
+        __m512i lo[C], hi[C];
+        for (int c = 0; c < C; ++c) codes512<T>(rec[c] + SB + sub * CB, j, lo[c], hi[c]);
+        for (int r = 0; r < R; ++r) {
+          const int8_t* q = x.q + r * x.K + b * BLOCK;
+          const __m512i xl = broadcast4(q + 4 * j), xh = broadcast4(q + 16 + 4 * j);
+          for (int c = 0; c < C; ++c) {
+            isum[r][c][0] = _mm512_dpbusd_epi32(isum[r][c][0], lo[c], xl);
+            isum[r][c][H - 1] = _mm512_dpbusd_epi32(isum[r][c][H - 1], hi[c], xh);
+          }
+        }
+      }
+      __m512 scale[C][H], mins[C];
+      for (int c = 0; c < C; ++c) {
+        if constexpr (T == Q6_K) {
+          scale[c][0] = _mm512_mul_ps(d[c], bytes_to_ps(rec[c] + 32 + 16 * (2 * sub), true));
+          scale[c][1] = _mm512_mul_ps(d[c], bytes_to_ps(rec[c] + 32 + 16 * (2 * sub + 1), true));
+        } else if constexpr (has_mins(T)) {
+          scale[c][0] = _mm512_mul_ps(d[c], bytes_to_ps(rec[c] + 64 + 16 * sub, false));
+          mins[c] = _mm512_mul_ps(dmin[c], bytes_to_ps(rec[c] + 192 + 16 * sub, false));
+        } else if constexpr (T == IQ4_XS) {
+          scale[c][0] = _mm512_mul_ps(d[c], bytes_to_ps(rec[c] + 32 + 16 * sub, true));
+        } else {
+          scale[c][0] = _mm512_mul_ps(d[c], _mm512_set1_ps(1.f));
+        }
+      }
+      for (int r = 0; r < R; ++r) {
+        const __m512 dx = _mm512_set1_ps(x.dx[r * x.nb + b]);
+        const int32_t total = x.sum[r * x.nb + b];
+        for (int c = 0; c < C; ++c) {
+          if constexpr (T == Q6_K) {
+            const int32_t low = x.low[r * x.nb + b];
+            const __m512i a = _mm512_sub_epi32(isum[r][c][0], _mm512_set1_epi32(32 * low));
+            const __m512i z = _mm512_sub_epi32(isum[r][c][1], _mm512_set1_epi32(32 * (total - low)));
+            acc[r][c] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(a), _mm512_mul_ps(scale[c][0], dx), acc[r][c]);
+            acc[r][c] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(z), _mm512_mul_ps(scale[c][1], dx), acc[r][c]);
+          } else {
+            __m512i i = isum[r][c][0];
+            if constexpr (is_iq4(T)) i = _mm512_sub_epi32(i, _mm512_set1_epi32(128 * total));
+            acc[r][c] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(i), _mm512_mul_ps(scale[c][0], dx), acc[r][c]);
+            if constexpr (has_mins(T))
+              acc[r][c] = _mm512_fnmadd_ps(mins[c], _mm512_set1_ps(x.sx[r * x.nb + b]), acc[r][c]);
+          }
+        }
+      }
+    }
+  }
+  for (int r = 0; r < R; ++r)
+    for (int c = 0; c < C; ++c) {
+      const int64_t n = n0 + c * COLS;
+      if (n + COLS <= N) _mm512_storeu_ps(y + r * ldy + n, acc[r][c]);
+      else if (n < N) _mm512_mask_storeu_ps(y + r * ldy + n, static_cast<__mmask16>((1u << (N - n)) - 1), acc[r][c]);
+    }
+}
+#endif  // PAGODA_AVX512_VNNI
+
+#if defined(PAGODA_AVX2) && !defined(PAGODA_AVX512_VNNI)
+inline __m256i broadcast4_256(const int8_t* p) {
+  int32_t v;
+  std::memcpy(&v, p, 4);
+  return _mm256_set1_epi32(v);
+}
+
+// acc + the 4-product sums of signed values w (as bytes) and int8 x: AVX2 has no u8 x s8 dot of
+// 4, so |w| x sign(x, w) through maddubs (pairs at most 2 * 127 * 127: no saturation), widened.
+inline __m256i dot4_signed(__m256i acc, __m256i w, __m256i x) {
+  const __m256i pairs = _mm256_maddubs_epi16(_mm256_sign_epi8(w, w), _mm256_sign_epi8(x, w));
+  return _mm256_add_epi32(acc, _mm256_madd_epi16(pairs, _mm256_set1_epi16(1)));
+}
+
+// Half h (rows 8h .. 8h+7) of vector j's codes as signed values (Q6_K: code - 32; IQ4: the table's).
+template <int64_t T>
+inline void codes256(const uint8_t* codes, int j, int h, __m256i& lo, __m256i& hi) {
+  const __m256i low = _mm256_set1_epi8(0x0F);
+  const __m256i z = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(codes + 64 * j + 32 * h));
+  lo = _mm256_and_si256(z, low);
+  hi = _mm256_and_si256(_mm256_srli_epi16(z, 4), low);
+  if constexpr (T == Q5_K) {
+    const __m256i bits = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(codes + 256 + 32 * h));
+    const __m256i five = _mm256_set1_epi8(0x10);
+    lo = _mm256_or_si256(lo, _mm256_and_si256(_mm256_slli_epi16(bits, 4 - j), five));
+    hi = _mm256_or_si256(hi, _mm256_and_si256(_mm256_srli_epi16(bits, j), five));
+  } else if constexpr (T == Q6_K) {
+    const __m256i h0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(codes + 256 + 32 * h));
+    const __m256i h1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(codes + 320 + 32 * h));
+    const __m256i two = _mm256_set1_epi8(0x30), off = _mm256_set1_epi8(32);
+    const auto place = [j](__m256i v) { return j == 3 ? _mm256_srli_epi16(v, 2) : _mm256_slli_epi16(v, 4 - 2 * j); };
+    lo = _mm256_sub_epi8(_mm256_or_si256(lo, _mm256_and_si256(place(h0), two)), off);
+    hi = _mm256_sub_epi8(_mm256_or_si256(hi, _mm256_and_si256(place(h1), two)), off);
+  } else if constexpr (is_iq4(T)) {
+    const __m256i values = _mm256_broadcastsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(kIQ4Values)));
+    lo = _mm256_shuffle_epi8(values, lo);
+    hi = _mm256_shuffle_epi8(values, hi);
+  }
+}
+
+inline __m256 bytes_to_ps8(const uint8_t* p, bool is_signed) {
+  const __m128i v = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(p));
+  return _mm256_cvtepi32_ps(is_signed ? _mm256_cvtepi8_epi32(v) : _mm256_cvtepu8_epi32(v));
+}
+
+// R rows against half h of one tile (8 outputs). The signed products need no code offsets.
+template <int64_t T, int R>
+void gemm_avx2_half(const uint8_t* tile, int64_t ns, const Rows& x, float* y, int64_t ldy, int64_t N, int64_t n0,
+                    int h) {
+  constexpr int64_t BLOCKS = blocks_per_super(T), SB = scale_bytes(T), CB = block_code_bytes(T), REC = record_bytes(T);
+  constexpr int H = T == Q6_K ? 2 : 1;
+  __m256 acc[R];
+  for (int r = 0; r < R; ++r) acc[r] = _mm256_setzero_ps();
+  for (int64_t s = 0; s < ns; ++s) {
+    const uint8_t* rec = tile + s * REC;
+    const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(rec + 16 * h)));
+    const __m256 dmin = has_mins(T) ? _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(rec + 32 + 16 * h)))
+                                    : _mm256_setzero_ps();
+    for (int64_t sub = 0; sub < BLOCKS; ++sub) {
+      const int64_t b = s * BLOCKS + sub;
+      __m256i isum[R][H];
+      for (int r = 0; r < R; ++r)
+        for (int k = 0; k < H; ++k) isum[r][k] = _mm256_setzero_si256();
+      for (int j = 0; j < 4; ++j) {
+        __m256i lo, hi;
+        codes256<T>(rec + SB + sub * CB, j, h, lo, hi);
+        for (int r = 0; r < R; ++r) {
+          const int8_t* q = x.q + r * x.K + b * BLOCK;
+          isum[r][0] = dot4_signed(isum[r][0], lo, broadcast4_256(q + 4 * j));
+          isum[r][H - 1] = dot4_signed(isum[r][H - 1], hi, broadcast4_256(q + 16 + 4 * j));
+        }
+      }
+      __m256 scale[H], mins = _mm256_setzero_ps();
+      if constexpr (T == Q6_K) {
+        scale[0] = _mm256_mul_ps(d, bytes_to_ps8(rec + 32 + 16 * (2 * sub) + 8 * h, true));
+        scale[H - 1] = _mm256_mul_ps(d, bytes_to_ps8(rec + 32 + 16 * (2 * sub + 1) + 8 * h, true));
+      } else if constexpr (has_mins(T)) {
+        scale[0] = _mm256_mul_ps(d, bytes_to_ps8(rec + 64 + 16 * sub + 8 * h, false));
+        mins = _mm256_mul_ps(dmin, bytes_to_ps8(rec + 192 + 16 * sub + 8 * h, false));
+      } else if constexpr (T == IQ4_XS) {
+        scale[0] = _mm256_mul_ps(d, bytes_to_ps8(rec + 32 + 16 * sub + 8 * h, true));
+      } else {
+        scale[0] = _mm256_mul_ps(d, _mm256_set1_ps(1.f));
+      }
+      for (int r = 0; r < R; ++r) {
+        const __m256 dx = _mm256_set1_ps(x.dx[r * x.nb + b]);
+        for (int k = 0; k < H; ++k)
+          acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum[r][k]), _mm256_mul_ps(scale[k], dx), acc[r]);
+        if constexpr (has_mins(T)) acc[r] = _mm256_fnmadd_ps(mins, _mm256_set1_ps(x.sx[r * x.nb + b]), acc[r]);
+      }
+    }
+  }
+  for (int r = 0; r < R; ++r) {
+    alignas(32) float lanes[8];
+    _mm256_store_ps(lanes, acc[r]);
+    for (int c = 0; c < 8 && n0 + 8 * h + c < N; ++c) y[r * ldy + n0 + 8 * h + c] = lanes[c];
+  }
+}
+#endif  // PAGODA_AVX2 && !PAGODA_AVX512_VNNI
+
+}  // namespace pagoda::superblock

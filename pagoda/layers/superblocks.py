@@ -1,0 +1,96 @@
+"""Weights in ggml's super-block formats, multiplied without dequantizing: the K-quants (Q4_K,
+Q5_K, Q6_K, what a Q4_K_M / Q5_K_M / Q6_K GGUF holds) and the non-linear IQ4_XS / IQ4_NL.
+
+At load the file's blocks are repacked once into tiles of 16 weight rows
+(``torch.ops.pagoda.superblock_repack``, pagoda/csrc/superblock_formats.h) that keep each format's
+scale hierarchy, so the copy takes the file's bytes (within 2 %) and replaces them: no second copy
+of the weight is kept. ``superblock_gemm`` multiplies it at every row count, as the Q4_0 / Q4_1 /
+Q8_0 tiles are multiplied (int8 activations per block of 32, exact integer dot products, fp32
+scaling). A merged projection whose shards differ in type (a Q4_K_M file's Q4_K ``attn_q`` beside
+its Q6_K ``attn_v``) is one packed weight of several parts.
+
+These layers need pagoda's compiled kernels; without them the loader dequantizes such weights.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+from torch import nn
+
+from pagoda.layers.backend import current_backend
+
+Q4_K, Q5_K, Q6_K, IQ4_NL, IQ4_XS = 12, 13, 14, 20, 23  # GGMLQuantizationType values
+TYPE_NAMES = {Q4_K: "Q4_K", Q5_K: "Q5_K", Q6_K: "Q6_K", IQ4_NL: "IQ4_NL", IQ4_XS: "IQ4_XS"}
+SUPERBLOCK_TYPES = frozenset(TYPE_NAMES)
+PACKED = 1000  # block_matmul's block type for a packed super-block weight (csrc/ops.h)
+_HEADER_WORDS = 32  # the packed tensor's header: int64 magic, K, N, parts, (type, rows) per part
+
+
+def header(packed: torch.Tensor) -> tuple[int, int, list[tuple[int, int]]]:
+    """(in_features, out_features, [(type, rows) per part]) of a packed weight."""
+    words = packed[: 8 * _HEADER_WORDS].view(torch.int64).tolist()
+    return words[1], words[2], [(words[4 + 2 * p], words[5 + 2 * p]) for p in range(words[3])]
+
+
+def repack(parts: Sequence[tuple[torch.Tensor, int]], in_features: int) -> torch.Tensor:
+    """Row-parts of stored blocks ``(uint8 [rows, bytes], type)`` → one packed weight; neighbouring
+    parts of one type become one part."""
+    merged: list[tuple[list[torch.Tensor], int]] = []
+    for blocks, block_type in parts:
+        if merged and merged[-1][1] == block_type:
+            merged[-1][0].append(blocks)
+        else:
+            merged.append(([blocks], block_type))
+    ops = current_backend().ops
+    return ops.superblock_repack([torch.cat(b) if len(b) > 1 else b[0] for b, _ in merged],
+                                 [t for _, t in merged], in_features)
+
+
+class SuperBlockLinear(nn.Module):
+    """``y = x @ W.T + bias`` with W packed from super-block formats (``blocks``: the packed tensor).
+
+    It stands where a ``BlockLinear`` would (block type ``PACKED``, which the decode stack's
+    ``block_matmul`` takes)."""
+
+    def __init__(self, packed: torch.Tensor, bias: torch.Tensor | None = None) -> None:
+        super().__init__()
+        self.in_features, self.out_features, parts = header(packed)
+        self.block_type = PACKED
+        self.types = [TYPE_NAMES[t] for t, _ in parts]
+        self.backend = current_backend()
+        self.register_buffer("blocks", packed)
+        self.register_buffer("bias", bias)
+        self.packed: torch.Tensor | None = None  # the blocks are the packed copy
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gemm = self.backend.ops.superblock_gemm
+        if x.dim() == 2 and self.bias is None and x.dtype == torch.float32:
+            return gemm(x, self.blocks, self.out_features)
+        y = gemm(x.reshape(-1, self.in_features).float(), self.blocks, self.out_features).to(x.dtype)
+        if self.bias is not None:
+            y = y + self.bias
+        return y.reshape(*x.shape[:-1], self.out_features)
+
+    def dequantize(self) -> torch.Tensor:
+        return self.backend.ops.superblock_rows(self.blocks, torch.arange(self.out_features))
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, {'+'.join(self.types)}"
+
+
+class SuperBlockEmbedding(nn.Module):
+    """An embedding table packed from super-block formats; a lookup dequantizes its rows. A tied
+    output head is a ``SuperBlockLinear`` over the same tensor."""
+
+    def __init__(self, packed: torch.Tensor, dtype: torch.dtype) -> None:
+        super().__init__()
+        k, self.num_embeddings, _ = header(packed)
+        self.embedding_dim, self.dtype = k, dtype
+        self.ops = current_backend().ops
+        self.register_buffer("blocks", packed)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        rows = self.ops.superblock_rows(self.blocks, ids.reshape(-1))
+        return rows.to(self.dtype).reshape(*ids.shape, self.embedding_dim)
