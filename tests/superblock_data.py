@@ -53,19 +53,20 @@ def block_tensors(hf_tensors, types: dict[str, str], seed: int = 0):
 
 def kernel_cases(seed: int = 7) -> list[tuple[str, "torch.Tensor", "torch.Tensor"]]:
     """(format, activations [M, K], blocks uint8 [N, bytes]) for every format at every kernel row
-    count (1-4 rows a call, ragged ends) and an odd number of weight rows (a lone last tile half)."""
+    count (1-4 rows a call, ragged ends) and tile count a call (1-4)."""
     import torch
 
     rng = np.random.default_rng(seed)
     g = torch.Generator().manual_seed(seed)
     cases = []
     for qtype in TYPES:
-        n, k = 37, 512
-        blocks = torch.from_numpy(random_blocks(qtype, n, k, rng))
-        for m in (1, 2, 3, 4, 5, 9, 33):
-            x = torch.randn(m, k, generator=g) * torch.rand(m, 1, generator=g) * 4
-            x[0, 32:64] = 0.0  # an all-zero activation block: scale 0
-            cases.append((qtype, x, blocks))
+        # 37 rows: a lone last tile half; 70: one row's kernel takes 4 tiles a call, then 1
+        for n, k, rows in ((37, 512, (1, 2, 3, 4, 5, 9, 33)), (70, 256, (1, 2))):
+            blocks = torch.from_numpy(random_blocks(qtype, n, k, rng))
+            for m in rows:
+                x = torch.randn(m, k, generator=g) * torch.rand(m, 1, generator=g) * 4
+                x[0, 32:64] = 0.0  # an all-zero activation block: scale 0
+                cases.append((qtype, x, blocks))
     return cases
 
 

@@ -69,18 +69,19 @@ inline __m512i broadcast4(const int8_t* p) {
 
 // Vector j's low-nibble codes (elements 4j..) and high-nibble codes (16+4j..) of a block's vectors,
 // unsigned as vpdpbusd multiplies them (IQ4: the table's values + 128).
+// `high`: the block's high-bit vectors (Q5_K one, Q6_K two), loaded once for its 4 j.
 template <int64_t T>
-inline void codes512(const uint8_t* codes, int j, __m512i& lo, __m512i& hi) {
+inline void codes512(const uint8_t* codes, const __m512i* high, int j, __m512i& lo, __m512i& hi) {
   const __m512i low = _mm512_set1_epi8(0x0F);
   const __m512i z = _mm512_loadu_si512(codes + 64 * j);
   lo = _mm512_and_si512(z, low);
   hi = _mm512_and_si512(_mm512_srli_epi16(z, 4), low);
   if constexpr (T == Q5_K) {
-    const __m512i bits = _mm512_loadu_si512(codes + 256), five = _mm512_set1_epi8(0x10);
+    const __m512i bits = high[0], five = _mm512_set1_epi8(0x10);
     lo = _mm512_or_si512(lo, _mm512_and_si512(_mm512_slli_epi16(bits, 4 - j), five));
     hi = _mm512_or_si512(hi, _mm512_and_si512(_mm512_srli_epi16(bits, j), five));
   } else if constexpr (T == Q6_K) {
-    const __m512i h0 = _mm512_loadu_si512(codes + 256), h1 = _mm512_loadu_si512(codes + 320);
+    const __m512i h0 = high[0], h1 = high[1];
     const __m512i two = _mm512_set1_epi8(0x30);
     const auto place = [j](__m512i h) { return j == 3 ? _mm512_srli_epi16(h, 2) : _mm512_slli_epi16(h, 4 - 2 * j); };
     lo = _mm512_or_si512(lo, _mm512_and_si512(place(h0), two));
@@ -103,7 +104,9 @@ template <int64_t T, int R, int C>
 void gemm_avx512(const uint8_t* tiles, int64_t tile_bytes, int64_t ns, const Rows& x, float* y, int64_t ldy,
                  int64_t N, int64_t n0) {
   constexpr int64_t BLOCKS = blocks_per_super(T), SB = scale_bytes(T), CB = block_code_bytes(T), REC = record_bytes(T);
-  constexpr int H = T == Q6_K ? 2 : 1;  // integer sums per block (Q6_K: one per 16 elements)
+  // Two integer sums per block, the low nibbles' and the high ones' (Q6_K scales them apart; the
+  // others add them): two dependency chains of 4 vpdpbusd instead of one of 8.
+  constexpr int H = 2;
   __m512 acc[R][C];
   for (int r = 0; r < R; ++r)
     for (int c = 0; c < C; ++c) acc[r][c] = _mm512_setzero_ps();
@@ -121,15 +124,18 @@ void gemm_avx512(const uint8_t* tiles, int64_t tile_bytes, int64_t ns, const Row
       for (int r = 0; r < R; ++r)
         for (int c = 0; c < C; ++c)
           for (int h = 0; h < H; ++h) isum[r][c][h] = _mm512_setzero_si512();
+      __m512i high[C][2];
+      for (int c = 0; c < C; ++c)
+        for (int v = 0; v < high_vectors(T); ++v) high[c][v] = _mm512_loadu_si512(rec[c] + SB + sub * CB + 256 + 64 * v);
       for (int j = 0; j < 4; ++j) {
         __m512i lo[C], hi[C];
-        for (int c = 0; c < C; ++c) codes512<T>(rec[c] + SB + sub * CB, j, lo[c], hi[c]);
+        for (int c = 0; c < C; ++c) codes512<T>(rec[c] + SB + sub * CB, high[c], j, lo[c], hi[c]);
         for (int r = 0; r < R; ++r) {
           const int8_t* q = x.q + r * x.K + b * BLOCK;
           const __m512i xl = broadcast4(q + 4 * j), xh = broadcast4(q + 16 + 4 * j);
           for (int c = 0; c < C; ++c) {
             isum[r][c][0] = _mm512_dpbusd_epi32(isum[r][c][0], lo[c], xl);
-            isum[r][c][H - 1] = _mm512_dpbusd_epi32(isum[r][c][H - 1], hi[c], xh);
+            isum[r][c][1] = _mm512_dpbusd_epi32(isum[r][c][1], hi[c], xh);
           }
         }
       }
@@ -158,7 +164,7 @@ void gemm_avx512(const uint8_t* tiles, int64_t tile_bytes, int64_t ns, const Row
             acc[r][c] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(a), _mm512_mul_ps(scale[c][0], dx), acc[r][c]);
             acc[r][c] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(z), _mm512_mul_ps(scale[c][1], dx), acc[r][c]);
           } else {
-            __m512i i = isum[r][c][0];
+            __m512i i = _mm512_add_epi32(isum[r][c][0], isum[r][c][1]);
             if constexpr (is_iq4(T)) i = _mm512_sub_epi32(i, _mm512_set1_epi32(128 * total));
             acc[r][c] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(i), _mm512_mul_ps(scale[c][0], dx), acc[r][c]);
             if constexpr (has_mins(T))
