@@ -204,7 +204,9 @@ def create_engine_config(args: EngineArgs) -> EngineConfig:
     parallel = _parallel_config(args)
     check_tensor_parallel(parallel.tensor_parallel_size, hf_config)
     chat_template = _read_template(args.chat_template)
-    quantization = _check_quantization(args.quantization, files, device)
+    quantization = _check_quantization(args.quantization, files, device, args.dtype)
+    if quantization == "gguf" and str(args.dtype).lower() == "auto":
+        dtype = torch.float32  # the block kernels' activations, and the decode stack's dtype
     deterministic = _resolve_deterministic(args, device, dtype)
     kv_dtype = resolve_kv_cache_dtype(args.kv_cache_dtype, dtype, quantization)
     max_model_len = _within_kv_budget(args.max_model_len or model_max, hf_config, args.kv_cache_memory, device,
@@ -371,9 +373,18 @@ def _warn_once(message: str) -> None:
         logging.getLogger(__name__).warning(message)
 
 
-def _check_quantization(quantization: str | None, files: ModelFiles, device: torch.device) -> str | None:
+def _check_quantization(quantization: str | None, files: ModelFiles, device: torch.device,
+                        dtype: str | torch.dtype | None = None) -> str | None:
+    """The mode asked for, checked; or, for auto (the default; a draft model: none), what
+    layers/auto_quantization.py picks, said at start-up."""
+    from pagoda.layers.auto_quantization import announce, choose_quantization
     from pagoda.layers.quantization import check_quantization
 
+    if dtype is None and (quantization is None or str(quantization).lower() == "auto"):
+        return None
+    quantization, why = choose_quantization(quantization, files.format, device, dtype or "auto")
+    if why != "asked for":
+        announce(quantization, why)
     mode = check_quantization(quantization)
     if mode is not None and device.type != "cpu":
         raise ValueError(f"quantization={mode!r} uses torch's CPU kernels; it needs device 'cpu', got {device.type!r}")

@@ -24,7 +24,7 @@ if TYPE_CHECKING:
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 KV_CACHE_DTYPES = ("auto", "float32", "fp32", "bfloat16", "bf16", "float16", "fp16", "int8", "fp8", "fp8_e4m3",
                    "fp8_e5m2")
-QUANTIZATIONS = ("none", "int8", "int4", "gguf")
+QUANTIZATIONS = ("auto", "none", "int8", "int4", "gguf")
 DISTRIBUTED_BACKENDS = ("mp", "ray", "uni")
 BLOCK_SIZES = (8, 16, 32, 64, 128)
 SCHEDULING_POLICIES = ("fcfs", "priority")  # how the scheduler orders its queues (pagoda/core/scheduler.py)
@@ -94,8 +94,10 @@ class EngineArgs:
         "offline throughput; default: off)"))
     quantization: str | None = field(default=None, metadata=_option(
         "weight-only quantization in ggml blocks on pagoda's CPU kernels: int8 = Q8_0, "
-        "int4 = Q4_1 (head Q8_0); gguf keeps a GGUF's Q4_0/Q4_1/Q8_0 blocks as stored, the "
-        "fast way to run a quantized GGUF (default: none, weights dequantized to the dtype)",
+        "int4 = Q4_1 (head Q8_0); gguf keeps a GGUF's blocks as stored (Q4_0/Q4_1/Q8_0, "
+        "Q4_K/Q5_K/Q6_K, IQ4_XS/IQ4_NL); none dequantizes the weights to the dtype. Default auto: "
+        "gguf for a GGUF, int8 for an HF checkpoint, none where --dtype is named (exact "
+        "transformers parity) or off the CPU",
         choices=QUANTIZATIONS))
     device: str | None = field(default=None, metadata=_option(
         "torch device, e.g. cpu or cuda:0 (default: cuda when available and PAGODA_DEVICE is not cpu, else cpu)"))

@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
@@ -38,6 +39,9 @@ from pagoda.layers import ggml_blocks, superblocks
 from pagoda.layers.backend import current_backend
 from pagoda.layers.ggml_blocks import BlockEmbedding, BlockLinear
 from pagoda.layers.superblocks import SuperBlockEmbedding, SuperBlockLinear
+
+if TYPE_CHECKING:
+    from pagoda.loader.repacked_cache import RepackCache
 
 logger = logging.getLogger(__name__)
 
@@ -228,14 +232,17 @@ def _block_type(shards: Sequence[PackedWeight]) -> int | None:
     return ggml_blocks.Q4_1 if types <= {ggml_blocks.Q4_0, ggml_blocks.Q4_1} else None
 
 
-def stacked_blocks(shards: Sequence[PackedWeight]) -> tuple[torch.Tensor, int]:
+def stacked_blocks(shards: Sequence[PackedWeight], cache: RepackCache | None = None,
+                   name: str = "") -> tuple[torch.Tensor, int]:
     """``shards`` stacked along the output dimension as one (blocks, block type); super-block
-    formats as one packed weight (superblocks.repack)."""
+    formats as one packed weight (superblocks.repack; with ``cache``, as packed at an earlier
+    start, under ``name``)."""
     block_type = _block_type(shards)
     if block_type is None:
         raise ValueError("these weights have no common ggml block form")
     if block_type == superblocks.PACKED:
-        return superblocks.repack([(s.ggml_blocks(), s.ggml_block_type) for s in shards], shards[0].shape[1]), block_type
+        parts = [(s.ggml_blocks, s.ggml_block_type, s.shape[0]) for s in shards]
+        return superblocks.repack(parts, shards[0].shape[1], cache, name), block_type
     parts = [s.ggml_blocks() if s.ggml_block_type == block_type else ggml_blocks.q4_0_to_q4_1(s.ggml_blocks())
              for s in shards]
     return torch.cat(parts), block_type
@@ -286,7 +293,8 @@ def check_quantization(mode: str | None) -> str | None:
 
 
 def quantize_linears(model: nn.Module, mode: str, packed: dict[str, list[PackedWeight]] | None = None,
-                     compute_dtype: torch.dtype | None = None, quantize_head: bool | None = None) -> int:
+                     compute_dtype: torch.dtype | None = None, quantize_head: bool | None = None,
+                     cache: RepackCache | None = None) -> int:
     """Replace the model's projection layers (``QUANTIZED_LINEARS``) with quantized ones, in place.
 
     ``int8``/``int4`` quantize the loaded float weights. ``gguf`` keeps the stored blocks in
@@ -294,7 +302,8 @@ def quantize_linears(model: nn.Module, mode: str, packed: dict[str, list[PackedW
     form stays float. The output head: with the block kernels, ``gguf`` keeps it as stored (a tied
     embedding shares its blocks) and ``int8``/``int4`` make it Q8_0 unless ``quantize_head`` (default
     ``QUANTIZE_LM_HEAD``) is False; with torch's kernels it becomes int8 only if ``quantize_head``
-    is True. ``compute_dtype`` (torch's kernels only) defaults to ``COMPUTE_DTYPE``.
+    is True. ``compute_dtype`` (torch's kernels only) defaults to ``COMPUTE_DTYPE``. ``cache``
+    keeps repacked super-block weights between starts (loader/repacked_cache.py).
     Returns how many layers were replaced.
     """
     mode = check_quantization(mode)
@@ -303,8 +312,9 @@ def quantize_linears(model: nn.Module, mode: str, packed: dict[str, list[PackedW
     for name, module in list(model.named_modules()):
         if not isinstance(module, nn.Linear) or name.rsplit(".", 1)[-1] not in QUANTIZED_LINEARS:
             continue
-        new = (_block_layer if blocks else _torch_kernel_layer)(module, mode, (packed or {}).get(f"{name}.weight"),
-                                                                 compute_dtype or COMPUTE_DTYPE)
+        shards = (packed or {}).get(f"{name}.weight")
+        new = (_block_layer(module, mode, shards, cache, name) if blocks
+               else _torch_kernel_layer(module, mode, shards, compute_dtype or COMPUTE_DTYPE))
         if new is None:
             kept.append(name)
             continue
@@ -315,7 +325,7 @@ def quantize_linears(model: nn.Module, mode: str, packed: dict[str, list[PackedW
                     mode, len(kept), kept[:3])
     head = QUANTIZE_LM_HEAD if quantize_head is None else quantize_head
     if blocks:
-        replaced += _block_head(model, mode, packed or {}, head is not False)
+        replaced += _block_head(model, mode, packed or {}, head is not False, cache)
     elif head and mode in ("int8", "int4"):
         replaced += _quantize_head(model, compute_dtype or COMPUTE_DTYPE)
     return replaced
@@ -324,9 +334,10 @@ def quantize_linears(model: nn.Module, mode: str, packed: dict[str, list[PackedW
 _FLOAT_BLOCK_TYPE = {"int8": ggml_blocks.Q8_0, "int4": ggml_blocks.Q4_1}
 
 
-def _block_layer(module: nn.Linear, mode: str, shards: list[PackedWeight] | None, _dtype) -> nn.Module | None:
+def _block_layer(module: nn.Linear, mode: str, shards: list[PackedWeight] | None, cache: RepackCache | None,
+                 name: str) -> nn.Module | None:
     if mode == "gguf":
-        return block_linear(*stacked_blocks(shards), module.in_features, module.bias) if shards else None
+        return block_linear(*stacked_blocks(shards, cache, name), module.in_features, module.bias) if shards else None
     if module.in_features % ggml_blocks.BLOCK:
         return None
     return BlockLinear.from_float(module.weight, _FLOAT_BLOCK_TYPE[mode], module.bias)
@@ -343,7 +354,8 @@ def _torch_kernel_layer(module: nn.Linear, mode: str, shards: list[PackedWeight]
     return None
 
 
-def _block_head(model: nn.Module, mode: str, packed: dict[str, list[PackedWeight]], quantize_floats: bool) -> int:
+def _block_head(model: nn.Module, mode: str, packed: dict[str, list[PackedWeight]], quantize_floats: bool,
+                cache: RepackCache | None = None) -> int:
     """The embedding and output head as blocks: a GGUF's stored ones under ``gguf``, Q8_0 from the
     float weights under ``int8``/``int4``. A tied head shares the embedding's blocks."""
     embed, head = getattr(model, "embed_tokens", None), getattr(model, "lm_head", None)
@@ -351,8 +363,9 @@ def _block_head(model: nn.Module, mode: str, packed: dict[str, list[PackedWeight
         return 0
     dim, dtype = embed.embedding_dim, embed.weight.dtype
     if mode == "gguf":
-        embed_blocks = stacked_blocks(packed["embed_tokens.weight"]) if "embed_tokens.weight" in packed else None
-        head_blocks = stacked_blocks(packed["lm_head.weight"]) if "lm_head.weight" in packed else None
+        embed_blocks = (stacked_blocks(packed["embed_tokens.weight"], cache, "embed_tokens")
+                        if "embed_tokens.weight" in packed else None)
+        head_blocks = stacked_blocks(packed["lm_head.weight"], cache, "lm_head") if "lm_head.weight" in packed else None
     elif quantize_floats and dim % ggml_blocks.BLOCK == 0:
         embed_blocks = (ggml_blocks.quantize_q8_0(embed.weight), ggml_blocks.Q8_0) if head is None else None
         head_blocks = None if head is None else (ggml_blocks.quantize_q8_0(head.weight), ggml_blocks.Q8_0)

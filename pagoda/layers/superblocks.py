@@ -14,12 +14,16 @@ These layers need pagoda's compiled kernels; without them the loader dequantizes
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
 
 from pagoda.layers.backend import current_backend
+
+if TYPE_CHECKING:
+    from pagoda.loader.repacked_cache import RepackCache
 
 Q4_K, Q5_K, Q6_K, IQ4_NL, IQ4_XS = 12, 13, 14, 20, 23  # GGMLQuantizationType values
 TYPE_NAMES = {Q4_K: "Q4_K", Q5_K: "Q5_K", Q6_K: "Q6_K", IQ4_NL: "IQ4_NL", IQ4_XS: "IQ4_XS"}
@@ -34,18 +38,41 @@ def header(packed: torch.Tensor) -> tuple[int, int, list[tuple[int, int]]]:
     return words[1], words[2], [(words[4 + 2 * p], words[5 + 2 * p]) for p in range(words[3])]
 
 
-def repack(parts: Sequence[tuple[torch.Tensor, int]], in_features: int) -> torch.Tensor:
-    """Row-parts of stored blocks ``(uint8 [rows, bytes], type)`` → one packed weight; neighbouring
-    parts of one type become one part."""
-    merged: list[tuple[list[torch.Tensor], int]] = []
-    for blocks, block_type in parts:
+# per type: elements in a super-block, and bytes of a tile's record for one (csrc/superblock_formats.h)
+SUPER_ELEMENTS = {Q4_K: 256, Q5_K: 256, Q6_K: 256, IQ4_XS: 256, IQ4_NL: 32}
+RECORD_BYTES = {Q4_K: 2368, Q5_K: 2880, Q6_K: 3360, IQ4_XS: 2208, IQ4_NL: 288}
+HEADER_BYTES = 8 * _HEADER_WORDS
+
+
+def packed_bytes(parts: Sequence[tuple[int, int]], in_features: int) -> int:
+    """The size of a packed weight of ``[(type, rows)]`` parts."""
+    return HEADER_BYTES + sum((rows + 15) // 16 * (in_features // SUPER_ELEMENTS[t]) * RECORD_BYTES[t]
+                              for t, rows in parts)
+
+
+def repack(parts: Sequence[tuple[Callable[[], torch.Tensor], int, int]], in_features: int,
+           cache: RepackCache | None = None, name: str = "") -> torch.Tensor:
+    """Row-parts of stored blocks ``(blocks(), type, rows)`` (``blocks()``: uint8 [rows, bytes])
+    → one packed weight; neighbouring parts of one type become one part. With ``cache``, the
+    weight ``name`` packed at an earlier start is mapped instead, the blocks never read."""
+    merged: list[tuple[list, int, int]] = []
+    for blocks, block_type, rows in parts:
         if merged and merged[-1][1] == block_type:
             merged[-1][0].append(blocks)
+            merged[-1] = (merged[-1][0], block_type, merged[-1][2] + rows)
         else:
-            merged.append(([blocks], block_type))
-    ops = current_backend().ops
-    return ops.superblock_repack([torch.cat(b) if len(b) > 1 else b[0] for b, _ in merged],
-                                 [t for _, t in merged], in_features)
+            merged.append(([blocks], block_type, rows))
+    shape = [(t, rows) for _, t, rows in merged]
+
+    def make() -> torch.Tensor:
+        stacked = [torch.cat([b() for b in group]) if len(group) > 1 else group[0]() for group, _, _ in merged]
+        return current_backend().ops.superblock_repack(stacked, [t for t, _ in shape], in_features)
+
+    def expected(packed: torch.Tensor) -> bool:
+        n = sum(rows for _, rows in shape)
+        return packed.numel() == packed_bytes(shape, in_features) and header(packed) == (in_features, n, shape)
+
+    return make() if cache is None else cache.get(name, expected, make)
 
 
 class SuperBlockLinear(nn.Module):

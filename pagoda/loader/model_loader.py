@@ -14,6 +14,7 @@ from pagoda.layers.backend import building_with as building_backend
 from pagoda.layers.packed_weights import pack_block_linears, pack_float_linears
 from pagoda.layers.quantization import check_quantization, quantize_linears
 from pagoda.layers.rotary import RotaryEmbedding
+from pagoda.loader.repacked_cache import RepackCache, cache_directory
 from pagoda.loader.resolve import ModelFiles
 from pagoda.models.registry import resolve_architecture
 from pagoda.heap import release_freed_memory
@@ -48,15 +49,28 @@ def _load(files: ModelFiles, hf_config: dict, dtype: torch.dtype, device: torch.
     model = model.to(device=device, dtype=dtype).eval()
     if quantization is not None:
         packed = getattr(model, "packed_weights", None)
-        count = quantize_linears(model, quantization, packed)
+        cache = _repack_cache(files, tp)
+        count = quantize_linears(model, quantization, packed, cache=cache)
         model.packed_weights = {}  # drop the stored blocks (views of the mapped file)
         logger.info("quantization=%s: %d projection layers quantized", quantization, count)
+        if cache is not None and cache.hits + cache.misses:
+            logger.info("super-block weights: %d mapped as repacked at an earlier start, %d repacked now (kept in %s)",
+                        cache.hits, cache.misses, cache.directory)
         release_freed_memory()  # the float weights quantization freed: glibc would keep their pages
         if device.type == "cpu":
             pack_block_linears(model, getattr(current_backend(), "ops", None), available_memory_bytes(device))
     if device.type == "cpu" and dtype == torch.float32:
         pack_float_linears(model, getattr(current_backend(), "ops", None), available_memory_bytes(device))
     return model
+
+
+def _repack_cache(files: ModelFiles, tp: TensorParallelGroup) -> RepackCache | None:
+    """Where a GGUF's repacked weights are kept between starts; none for an encrypted model (its
+    weights never reach the disk decrypted)."""
+    if files.gguf_file is None or files.encryption is not None:
+        return None
+    directory = cache_directory(files.gguf_file, tp.rank, tp.world_size)
+    return RepackCache(directory) if directory is not None else None
 
 
 def _materialize_on_cpu(model: nn.Module) -> None:

@@ -13,7 +13,9 @@ from tiny_models import make_tiny_hf_model
 from pagoda import LLM, SamplingParams
 from pagoda.layers.cpu_kernels import load_cpu_kernels
 from pagoda.layers.superblocks import SuperBlockEmbedding, SuperBlockLinear
+from pagoda.loader.gguf import GGUFPackedWeight
 from pagoda.loader.gguf_writer import _hf_tensors, write_gguf
+from pagoda.loader import model_loader
 from pagoda.loader.model_loader import load_model
 from pagoda.loader.resolve import resolve_model
 
@@ -83,3 +85,39 @@ def test_scores_stay_close_to_the_dequantized_weights(mix, superblock_ggufs):
     # these random models' logits spread widely, and the mean moved by 0.03-0.05 (measured). A
     # wrongly wired part, row order or permutation moves it by more than 1.
     assert sum(diffs) / len(diffs) < LOGPROB_BOUND
+
+
+def test_repacked_weights_are_kept_for_the_next_start(superblock_ggufs, tmp_path, monkeypatch):
+    """The first load repacks and writes every super-block weight; the next maps them (the GGUF's
+    blocks unread) and holds the same bytes; a damaged file is repacked and written again."""
+    where = tmp_path / "repacked"
+    monkeypatch.setattr(model_loader, "cache_directory", lambda path, rank, size: where)
+    files = resolve_model(str(superblock_ggufs["k-quants"]))
+    config = files.hf_config()
+
+    def load():
+        return load_model(files, config, torch.float32, torch.device("cpu"), 64, quantization="gguf")
+
+    first = load()
+    kept = sorted(where.glob("*.tiles"))
+    assert len(kept) == 2 * 4 + 1  # qkv, o, gate_up, down of both layers, and the tied embedding
+    monkeypatch.setattr(GGUFPackedWeight, "ggml_blocks", lambda self: pytest.fail("read the GGUF's blocks again"))
+    second = load()
+    for (name, a), b in zip(first.named_buffers(), second.buffers()):
+        assert torch.equal(a, b), name
+    damaged = next(p for p in kept if p.name.startswith("layers.1.mlp.down_proj"))
+    damaged.write_bytes(damaged.read_bytes()[:-10])
+    monkeypatch.undo()
+    monkeypatch.setattr(model_loader, "cache_directory", lambda path, rank, size: where)
+    third = load()
+    assert torch.equal(third.layers[1].mlp.down_proj.blocks, first.layers[1].mlp.down_proj.blocks)
+    assert damaged.stat().st_size == first.layers[1].mlp.down_proj.blocks.numel()  # written again, whole
+
+
+def test_the_cache_is_per_tensor_parallel_slice_and_off_when_asked(superblock_ggufs, monkeypatch):
+    from pagoda.loader.repacked_cache import cache_directory
+
+    path = superblock_ggufs["k-quants"]
+    assert cache_directory(path) != cache_directory(path, 1, 2)  # a tensor-parallel rank's slice apart
+    monkeypatch.setenv("PAGODA_REPACK_CACHE", "0")
+    assert cache_directory(path) is None

@@ -335,3 +335,26 @@ def test_serve_with_engine_process_and_key_file(sealed_dir, key_file, tiny_llm, 
     expected = tiny_llm.generate([PROMPTS[0]], GREEDY, use_tqdm=False)[0].outputs[0].text
     assert got == expected
     assert _meta_dirs() - before == set()
+
+
+def test_an_encrypted_models_repacked_weights_never_reach_the_disk(work, key_file):
+    """A plain GGUF's super-block weights are kept repacked on disk between starts
+    (loader/repacked_cache.py); an encrypted one's stay in memory."""
+    from superblock_data import block_tensors
+    from tiny_models import make_tiny_hf_model
+
+    from pagoda.layers.superblocks import SuperBlockLinear
+    from pagoda.loader.gguf_writer import _hf_tensors, write_gguf
+
+    hf = make_tiny_hf_model("llama", work / "hf-256", hidden_size=256, intermediate_size=512, head_dim=64,
+                            tie_word_embeddings=True)
+    path = write_gguf(hf, work / "tiny-q4k.gguf", "F32", tensors=block_tensors(_hf_tensors(hf), {"*": "Q4_K"}))
+    sealed = enc.encrypt_model(path, work / "tiny-q4k.pgenc", enc.load_key(key_file))
+    repacked = Path(os.environ["PAGODA_HOME"]) / "repacked"
+    before = sorted(repacked.rglob("*")) if repacked.exists() else []
+    llm = LLM(model=str(sealed), model_key_file=str(key_file), quantization="gguf", **ENGINE)
+    assert any(isinstance(m, SuperBlockLinear) for m in llm.engine.core.model.modules())
+    assert (sorted(repacked.rglob("*")) if repacked.exists() else []) == before
+    plain = LLM(model=str(path), quantization="gguf", **ENGINE)
+    assert _tokens(llm) == _tokens(plain)
+    assert sorted(repacked.rglob("*.tiles"))  # the plain file's were kept
