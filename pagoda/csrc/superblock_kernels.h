@@ -104,9 +104,7 @@ template <int64_t T, int R, int C>
 void gemm_avx512(const uint8_t* tiles, int64_t tile_bytes, int64_t ns, const Rows& x, float* y, int64_t ldy,
                  int64_t N, int64_t n0) {
   constexpr int64_t BLOCKS = blocks_per_super(T), SB = scale_bytes(T), CB = block_code_bytes(T), REC = record_bytes(T);
-  // Two integer sums per block, the low nibbles' and the high ones' (Q6_K scales them apart; the
-  // others add them): two dependency chains of 4 vpdpbusd instead of one of 8.
-  constexpr int H = 2;
+  constexpr int H = T == Q6_K ? 2 : 1;  // integer sums per block (Q6_K: one per 16 elements)
   __m512 acc[R][C];
   for (int r = 0; r < R; ++r)
     for (int c = 0; c < C; ++c) acc[r][c] = _mm512_setzero_ps();
@@ -135,7 +133,7 @@ void gemm_avx512(const uint8_t* tiles, int64_t tile_bytes, int64_t ns, const Row
           const __m512i xl = broadcast4(q + 4 * j), xh = broadcast4(q + 16 + 4 * j);
           for (int c = 0; c < C; ++c) {
             isum[r][c][0] = _mm512_dpbusd_epi32(isum[r][c][0], lo[c], xl);
-            isum[r][c][1] = _mm512_dpbusd_epi32(isum[r][c][1], hi[c], xh);
+            isum[r][c][H - 1] = _mm512_dpbusd_epi32(isum[r][c][H - 1], hi[c], xh);
           }
         }
       }
@@ -164,7 +162,7 @@ void gemm_avx512(const uint8_t* tiles, int64_t tile_bytes, int64_t ns, const Row
             acc[r][c] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(a), _mm512_mul_ps(scale[c][0], dx), acc[r][c]);
             acc[r][c] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(z), _mm512_mul_ps(scale[c][1], dx), acc[r][c]);
           } else {
-            __m512i i = _mm512_add_epi32(isum[r][c][0], isum[r][c][1]);
+            __m512i i = isum[r][c][0];
             if constexpr (is_iq4(T)) i = _mm512_sub_epi32(i, _mm512_set1_epi32(128 * total));
             acc[r][c] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(i), _mm512_mul_ps(scale[c][0], dx), acc[r][c]);
             if constexpr (has_mins(T))
