@@ -10,11 +10,15 @@ from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 
 from pagoda.loader.gguf_writer import BlockTensor
 
-TYPES = ("Q4_K", "Q5_K", "Q6_K", "IQ4_XS", "IQ4_NL")
-# where each format keeps its fp16 d (and Q4_K / Q5_K their dmin, 2 bytes on)
-_D_OFFSET = {"Q4_K": 0, "Q5_K": 0, "Q6_K": 208, "IQ4_XS": 0, "IQ4_NL": 0}
+TYPES = ("Q4_K", "Q5_K", "Q6_K", "IQ4_XS", "IQ4_NL", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0")
+TYPE_IDS = {name: int(GGMLQuantizationType[name]) for name in TYPES}
+# where each format keeps its fp16 d (and Q4_K / Q5_K their dmin, Q4_1 / Q5_1 their m, 2 bytes on)
+_D_OFFSET = {"Q6_K": 208}
 # a d that makes weights of the tiny models' size (std ~0.08) from each format's codes
-_D_SCALE = {"Q4_K": 3e-4, "Q5_K": 1.5e-4, "Q6_K": 6e-5, "IQ4_XS": 6e-5, "IQ4_NL": 1.1e-3}
+_D_SCALE = {"Q4_K": 3e-4, "Q5_K": 1.5e-4, "Q6_K": 6e-5, "IQ4_XS": 6e-5, "IQ4_NL": 1.1e-3, "Q4_0": 0.017,
+            "Q4_1": 0.017, "Q5_0": 0.009, "Q5_1": 0.009, "Q8_0": 0.001}
+# the offset that centres d * code + m on 0 (Q4_K / Q5_K: dmin = d times it, their 6-bit scales' mean)
+_CENTRE = {"Q4_K": 7.5, "Q5_K": 15.5, "Q4_1": 7.5, "Q5_1": 15.5}
 
 
 def random_blocks(qtype: str, rows: int, cols: int, rng: np.random.Generator) -> np.ndarray:
@@ -24,11 +28,11 @@ def random_blocks(qtype: str, rows: int, cols: int, rng: np.random.Generator) ->
         raise ValueError(f"{qtype} rows take multiples of {block} columns, got {cols}")
     b = rng.integers(0, 256, size=(rows, cols // block, size), dtype=np.uint8)
     d = rng.uniform(0.5, 1.5, size=(rows, cols // block)) * _D_SCALE[qtype]
-    at = _D_OFFSET[qtype]
+    at = _D_OFFSET.get(qtype, 0)
     b[..., at:at + 2] = d.astype(np.float16)[..., None].view(np.uint8)
-    if qtype in ("Q4_K", "Q5_K"):  # dmin near the mean of d * sc * code: weights centred on 0
-        dmin = d * (7.5 if qtype == "Q4_K" else 15.5)
-        b[..., 2:4] = dmin.astype(np.float16)[..., None].view(np.uint8)
+    if qtype in _CENTRE:  # Q4_K / Q5_K's dmin, Q4_1 / Q5_1's m: weights centred on 0
+        m = d * _CENTRE[qtype] * (1 if qtype.endswith("_K") else -1)
+        b[..., 2:4] = m.astype(np.float16)[..., None].view(np.uint8)
     return b.reshape(rows, -1)
 
 

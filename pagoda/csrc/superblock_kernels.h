@@ -3,10 +3,11 @@
 // block_gemm_tiles.cpp, llama.cpp's q8_0 activations), then, per output, these float steps in
 // this order, on every instruction set (so every path gives the same bits):
 //   Q4_K, Q5_K  acc = fma(float(isum), (d * sc) * dx, acc);  acc = fma(-(dmin * mn), sx, acc)
+//   Q4_1, Q5_1  the same with sc = mn = 1 and dmin = -m
 //   Q6_K        per half of 16: acc = fma(float(isum_h), (d * sc_h) * dx, acc)
-//   IQ4_XS/NL   acc = fma(float(isum), (d * sc) * dx, acc)        (IQ4_NL: sc = 1)
-// isum is the dot product of the signed values (Q6_K code - 32, IQ4 the table's value) with the
-// int8 codes; dx, sx the activation block's scale and scale * sum of codes.
+//   the others  acc = fma(float(isum), (d * sc) * dx, acc)        (sc = 1 but for IQ4_XS)
+// isum is the dot product of the signed values (code - code_offset, IQ4 the table's value) with
+// the int8 codes; dx, sx the activation block's scale and scale * sum of codes.
 #pragma once
 
 #include <cmath>
@@ -72,11 +73,16 @@ inline __m512i broadcast4(const int8_t* p) {
 // `high`: the block's high-bit vectors (Q5_K one, Q6_K two), loaded once for its 4 j.
 template <int64_t T>
 inline void codes512(const uint8_t* codes, const __m512i* high, int j, __m512i& lo, __m512i& hi) {
+  if constexpr (T == Q8_0) {  // whole bytes, + 128
+    lo = _mm512_loadu_si512(codes + 64 * j);
+    hi = _mm512_loadu_si512(codes + 256 + 64 * j);
+    return;
+  }
   const __m512i low = _mm512_set1_epi8(0x0F);
   const __m512i z = _mm512_loadu_si512(codes + 64 * j);
   lo = _mm512_and_si512(z, low);
   hi = _mm512_and_si512(_mm512_srli_epi16(z, 4), low);
-  if constexpr (T == Q5_K) {
+  if constexpr (has_fifth_bit(T)) {
     const __m512i bits = high[0], five = _mm512_set1_epi8(0x10);
     lo = _mm512_or_si512(lo, _mm512_and_si512(_mm512_slli_epi16(bits, 4 - j), five));
     hi = _mm512_or_si512(hi, _mm512_and_si512(_mm512_srli_epi16(bits, j), five));
@@ -124,7 +130,7 @@ void gemm_avx512(const uint8_t* tiles, int64_t tile_bytes, int64_t ns, const Row
           for (int h = 0; h < H; ++h) isum[r][c][h] = _mm512_setzero_si512();
       __m512i high[C][2];
       for (int c = 0; c < C; ++c)
-        for (int v = 0; v < high_vectors(T); ++v) high[c][v] = _mm512_loadu_si512(rec[c] + SB + sub * CB + 256 + 64 * v);
+        for (int v = 0; v < (T == Q8_0 ? 0 : high_vectors(T)); ++v) high[c][v] = _mm512_loadu_si512(rec[c] + SB + sub * CB + 256 + 64 * v);
       for (int j = 0; j < 4; ++j) {
         __m512i lo[C], hi[C];
         for (int c = 0; c < C; ++c) codes512<T>(rec[c] + SB + sub * CB, high[c], j, lo[c], hi[c]);
@@ -142,13 +148,14 @@ void gemm_avx512(const uint8_t* tiles, int64_t tile_bytes, int64_t ns, const Row
         if constexpr (T == Q6_K) {
           scale[c][0] = _mm512_mul_ps(d[c], bytes_to_ps(rec[c] + 32 + 16 * (2 * sub), true));
           scale[c][1] = _mm512_mul_ps(d[c], bytes_to_ps(rec[c] + 32 + 16 * (2 * sub + 1), true));
-        } else if constexpr (has_mins(T)) {
+        } else if constexpr (has_min_bytes(T)) {
           scale[c][0] = _mm512_mul_ps(d[c], bytes_to_ps(rec[c] + 64 + 16 * sub, false));
           mins[c] = _mm512_mul_ps(dmin[c], bytes_to_ps(rec[c] + 192 + 16 * sub, false));
         } else if constexpr (T == IQ4_XS) {
           scale[c][0] = _mm512_mul_ps(d[c], bytes_to_ps(rec[c] + 32 + 16 * sub, true));
         } else {
           scale[c][0] = _mm512_mul_ps(d[c], _mm512_set1_ps(1.f));
+          if constexpr (has_mins(T)) mins[c] = _mm512_mul_ps(dmin[c], _mm512_set1_ps(1.f));
         }
       }
       for (int r = 0; r < R; ++r) {
@@ -164,6 +171,7 @@ void gemm_avx512(const uint8_t* tiles, int64_t tile_bytes, int64_t ns, const Row
           } else {
             __m512i i = isum[r][c][0];
             if constexpr (is_iq4(T)) i = _mm512_sub_epi32(i, _mm512_set1_epi32(128 * total));
+            if constexpr (code_offset(T) != 0) i = _mm512_sub_epi32(i, _mm512_set1_epi32(code_offset(T) * total));
             acc[r][c] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(i), _mm512_mul_ps(scale[c][0], dx), acc[r][c]);
             if constexpr (has_mins(T))
               acc[r][c] = _mm512_fnmadd_ps(mins[c], _mm512_set1_ps(x.sx[r * x.nb + b]), acc[r][c]);
@@ -198,11 +206,17 @@ inline __m256i dot4_signed(__m256i acc, __m256i w, __m256i x) {
 // Half h (rows 8h .. 8h+7) of vector j's codes as signed values (Q6_K: code - 32; IQ4: the table's).
 template <int64_t T>
 inline void codes256(const uint8_t* codes, int j, int h, __m256i& lo, __m256i& hi) {
+  if constexpr (T == Q8_0) {  // whole bytes, + 128: back to the int8 codes
+    const __m256i flip = _mm256_set1_epi8(static_cast<char>(0x80));
+    lo = _mm256_xor_si256(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(codes + 64 * j + 32 * h)), flip);
+    hi = _mm256_xor_si256(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(codes + 256 + 64 * j + 32 * h)), flip);
+    return;
+  }
   const __m256i low = _mm256_set1_epi8(0x0F);
   const __m256i z = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(codes + 64 * j + 32 * h));
   lo = _mm256_and_si256(z, low);
   hi = _mm256_and_si256(_mm256_srli_epi16(z, 4), low);
-  if constexpr (T == Q5_K) {
+  if constexpr (has_fifth_bit(T)) {
     const __m256i bits = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(codes + 256 + 32 * h));
     const __m256i five = _mm256_set1_epi8(0x10);
     lo = _mm256_or_si256(lo, _mm256_and_si256(_mm256_slli_epi16(bits, 4 - j), five));
@@ -214,6 +228,11 @@ inline void codes256(const uint8_t* codes, int j, int h, __m256i& lo, __m256i& h
     const auto place = [j](__m256i v) { return j == 3 ? _mm256_srli_epi16(v, 2) : _mm256_slli_epi16(v, 4 - 2 * j); };
     lo = _mm256_sub_epi8(_mm256_or_si256(lo, _mm256_and_si256(place(h0), two)), off);
     hi = _mm256_sub_epi8(_mm256_or_si256(hi, _mm256_and_si256(place(h1), two)), off);
+  }
+  if constexpr (T == Q4_0 || T == Q5_0) {  // signed values
+    const __m256i off = _mm256_set1_epi8(static_cast<char>(code_offset(T)));
+    lo = _mm256_sub_epi8(lo, off);
+    hi = _mm256_sub_epi8(hi, off);
   } else if constexpr (is_iq4(T)) {
     const __m256i values = _mm256_broadcastsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(kIQ4Values)));
     lo = _mm256_shuffle_epi8(values, lo);
@@ -257,13 +276,14 @@ void gemm_avx2_half(const uint8_t* tile, int64_t ns, const Rows& x, float* y, in
       if constexpr (T == Q6_K) {
         scale[0] = _mm256_mul_ps(d, bytes_to_ps8(rec + 32 + 16 * (2 * sub) + 8 * h, true));
         scale[H - 1] = _mm256_mul_ps(d, bytes_to_ps8(rec + 32 + 16 * (2 * sub + 1) + 8 * h, true));
-      } else if constexpr (has_mins(T)) {
+      } else if constexpr (has_min_bytes(T)) {
         scale[0] = _mm256_mul_ps(d, bytes_to_ps8(rec + 64 + 16 * sub + 8 * h, false));
         mins = _mm256_mul_ps(dmin, bytes_to_ps8(rec + 192 + 16 * sub + 8 * h, false));
       } else if constexpr (T == IQ4_XS) {
         scale[0] = _mm256_mul_ps(d, bytes_to_ps8(rec + 32 + 16 * sub + 8 * h, true));
       } else {
         scale[0] = _mm256_mul_ps(d, _mm256_set1_ps(1.f));
+        if constexpr (has_mins(T)) mins = _mm256_mul_ps(dmin, _mm256_set1_ps(1.f));
       }
       for (int r = 0; r < R; ++r) {
         const __m256 dx = _mm256_set1_ps(x.dx[r * x.nb + b]);

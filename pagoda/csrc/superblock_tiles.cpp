@@ -125,6 +125,11 @@ void rows_of_group(const Part& p, int64_t first, int64_t count, const Rows& all,
 void rows_of_group(const Part& p, int64_t first, int64_t count, const Rows& x, int64_t m0, int64_t m1, float* y,
                    int64_t ldy) {
   switch (p.type) {
+    case Q4_0: return rows_of_group<Q4_0>(p, first, count, x, m0, m1, y, ldy);
+    case Q4_1: return rows_of_group<Q4_1>(p, first, count, x, m0, m1, y, ldy);
+    case Q5_0: return rows_of_group<Q5_0>(p, first, count, x, m0, m1, y, ldy);
+    case Q5_1: return rows_of_group<Q5_1>(p, first, count, x, m0, m1, y, ldy);
+    case Q8_0: return rows_of_group<Q8_0>(p, first, count, x, m0, m1, y, ldy);
     case Q4_K: return rows_of_group<Q4_K>(p, first, count, x, m0, m1, y, ldy);
     case Q5_K: return rows_of_group<Q5_K>(p, first, count, x, m0, m1, y, ldy);
     case Q6_K: return rows_of_group<Q6_K>(p, first, count, x, m0, m1, y, ldy);
@@ -209,7 +214,8 @@ at::Tensor superblock_repack(at::TensorList blocks, at::IntArrayRef types, int64
   int64_t total = HEADER_BYTES, N = 0;
   for (size_t p = 0; p < blocks.size(); ++p) {
     const int64_t t = types[p];
-    TORCH_CHECK(is_type(t), "superblock_repack: type ", t, " is not Q4_K, Q5_K, Q6_K, IQ4_NL or IQ4_XS");
+    TORCH_CHECK(is_type(t), "superblock_repack: type ", t,
+                " is not Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K, IQ4_NL or IQ4_XS");
     TORCH_CHECK(in_features % super_elements(t) == 0, "superblock_repack: ", in_features, " inputs are not whole ",
                 type_name(t), " super-blocks of ", super_elements(t));
     TORCH_CHECK(blocks[p].dim() == 2 && blocks[p].scalar_type() == at::kByte && blocks[p].size(0) > 0 &&

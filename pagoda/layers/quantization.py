@@ -220,16 +220,17 @@ def block_kernels_available() -> bool:
 
 
 def _block_type(shards: Sequence[PackedWeight]) -> int | None:
-    """The one block type ``shards`` stack into (Q4_0 joins Q4_1 as Q4_1; super-block formats, of
-    one type or several, pack into one ``superblocks.PACKED`` weight), or None."""
+    """The one block type ``shards`` stack into: Q4_0, Q4_1 or Q8_0 alone as they are (Q4_0 joins
+    Q4_1 as Q4_1); any other mix of the types superblocks.py holds, one ``superblocks.PACKED``
+    weight; else None."""
     types = {s.ggml_block_type for s in shards}
     if not shards or None in types or len({s.shape[1] for s in shards}) != 1:
         return None
-    if types <= superblocks.SUPERBLOCK_TYPES:
-        return superblocks.PACKED
-    if len(types) == 1:
+    if len(types) == 1 and types <= superblocks.BLOCK32_TYPES:
         return types.pop()
-    return ggml_blocks.Q4_1 if types <= {ggml_blocks.Q4_0, ggml_blocks.Q4_1} else None
+    if types <= {ggml_blocks.Q4_0, ggml_blocks.Q4_1}:
+        return ggml_blocks.Q4_1
+    return superblocks.PACKED if types <= superblocks.SUPERBLOCK_TYPES else None
 
 
 def stacked_blocks(shards: Sequence[PackedWeight], cache: RepackCache | None = None,

@@ -1,5 +1,6 @@
 """Weights in ggml's super-block formats, multiplied without dequantizing: the K-quants (Q4_K,
-Q5_K, Q6_K, what a Q4_K_M / Q5_K_M / Q6_K GGUF holds) and the non-linear IQ4_XS / IQ4_NL.
+Q5_K, Q6_K, what a Q4_K_M / Q5_K_M / Q6_K GGUF holds), the non-linear IQ4_XS / IQ4_NL, and the
+blocks of 32 a file mixes with them (Q5_0 / Q5_1; Q4_0 / Q4_1 / Q8_0 beside another type).
 
 At load the file's blocks are repacked once into tiles of 16 weight rows
 (``torch.ops.pagoda.superblock_repack``, pagoda/csrc/superblock_formats.h) that keep each format's
@@ -25,9 +26,15 @@ from pagoda.layers.backend import current_backend
 if TYPE_CHECKING:
     from pagoda.loader.repacked_cache import RepackCache
 
-Q4_K, Q5_K, Q6_K, IQ4_NL, IQ4_XS = 12, 13, 14, 20, 23  # GGMLQuantizationType values
-TYPE_NAMES = {Q4_K: "Q4_K", Q5_K: "Q5_K", Q6_K: "Q6_K", IQ4_NL: "IQ4_NL", IQ4_XS: "IQ4_XS"}
+Q4_0, Q4_1, Q5_0, Q5_1, Q8_0 = 2, 3, 6, 7, 8  # GGMLQuantizationType values
+Q4_K, Q5_K, Q6_K, IQ4_NL, IQ4_XS = 12, 13, 14, 20, 23
+TYPE_NAMES = {Q4_0: "Q4_0", Q4_1: "Q4_1", Q5_0: "Q5_0", Q5_1: "Q5_1", Q8_0: "Q8_0", Q4_K: "Q4_K", Q5_K: "Q5_K",
+              Q6_K: "Q6_K", IQ4_NL: "IQ4_NL", IQ4_XS: "IQ4_XS"}
+# Every type these tiles hold. Q4_0 / Q4_1 / Q8_0 alone keep their own tiles (packed_weights.py);
+# they join a packed weight where a file mixes them with the others (a small model's Q4_K_M:
+# Q5_0 q/k beside a Q8_0 v, where rows are not whole super-blocks).
 SUPERBLOCK_TYPES = frozenset(TYPE_NAMES)
+BLOCK32_TYPES = frozenset({Q4_0, Q4_1, Q8_0})
 PACKED = 1000  # block_matmul's block type for a packed super-block weight (csrc/ops.h)
 _HEADER_WORDS = 32  # the packed tensor's header: int64 magic, K, N, parts, (type, rows) per part
 
@@ -39,8 +46,10 @@ def header(packed: torch.Tensor) -> tuple[int, int, list[tuple[int, int]]]:
 
 
 # per type: elements in a super-block, and bytes of a tile's record for one (csrc/superblock_formats.h)
-SUPER_ELEMENTS = {Q4_K: 256, Q5_K: 256, Q6_K: 256, IQ4_XS: 256, IQ4_NL: 32}
-RECORD_BYTES = {Q4_K: 2368, Q5_K: 2880, Q6_K: 3360, IQ4_XS: 2208, IQ4_NL: 288}
+SUPER_ELEMENTS = {Q4_K: 256, Q5_K: 256, Q6_K: 256, IQ4_XS: 256, IQ4_NL: 32, Q4_0: 32, Q4_1: 32, Q5_0: 32, Q5_1: 32,
+                  Q8_0: 32}
+RECORD_BYTES = {Q4_K: 2368, Q5_K: 2880, Q6_K: 3360, IQ4_XS: 2208, IQ4_NL: 288, Q4_0: 288, Q4_1: 320, Q5_0: 352,
+                Q5_1: 384, Q8_0: 544}
 HEADER_BYTES = 8 * _HEADER_WORDS
 
 

@@ -698,8 +698,10 @@ def _check_config_matches(gf: GGUFFile, config: Mapping[str, Any]) -> None:
 # GGUF types kept as stored under ``--quantization gguf``: ggml's blocks of 32, which pagoda's block
 # kernels multiply as they are (pagoda/layers/ggml_blocks.py). Without those kernels, Q4_0 / Q4_1
 # map exactly onto torch's int4 kernel groups, and Q8_0 is dequantized like every other type.
-# The super-block formats (K-quants, IQ4) are repacked for pagoda's kernels (layers/superblocks.py).
+# The super-block formats (K-quants, IQ4) and Q5_0 / Q5_1 are repacked for pagoda's kernels
+# (layers/superblocks.py).
 KEPT_QUANTIZED_TYPES = (GGMLQuantizationType.Q4_0, GGMLQuantizationType.Q4_1, GGMLQuantizationType.Q8_0,
+                        GGMLQuantizationType.Q5_0, GGMLQuantizationType.Q5_1,
                         GGMLQuantizationType.Q4_K, GGMLQuantizationType.Q5_K, GGMLQuantizationType.Q6_K,
                         GGMLQuantizationType.IQ4_NL, GGMLQuantizationType.IQ4_XS)
 

@@ -21,7 +21,7 @@ import numpy as np
 import pytest
 import torch
 from gguf import GGMLQuantizationType, quants
-from superblock_data import kernel_cases
+from superblock_data import TYPE_IDS, kernel_cases
 
 from pagoda.layers import cpu_kernels, ggml_blocks
 from pagoda.layers.backend import select_backend
@@ -29,7 +29,6 @@ from pagoda.layers.cpu_kernels import ISA_LEVELS, load_cpu_kernels
 from pagoda.layers.ggml_blocks import dequantize_blocks
 from pagoda.platform import cpu_flags
 
-TYPE_IDS = {"Q4_K": 12, "Q5_K": 13, "Q6_K": 14, "IQ4_NL": 20, "IQ4_XS": 23}
 
 REPO = Path(__file__).resolve().parents[2]
 GGML = {ggml_blocks.Q4_0: GGMLQuantizationType.Q4_0, ggml_blocks.Q4_1: GGMLQuantizationType.Q4_1,
@@ -46,8 +45,8 @@ from pagoda.layers.cpu_kernels import build_kernels
 level, cases, superblock_cases, out = sys.argv[1:]
 ops = build_kernels(level, ("block_matmul.cpp", "block_gemm_tiles.cpp", "superblock_tiles.cpp", "small_matmul.cpp",
                            "fused_ops.cpp", "prefill_attention.cpp"))
-TYPE_IDS = {"Q4_K": 12, "Q5_K": 13, "Q6_K": 14, "IQ4_NL": 20, "IQ4_XS": 23}
-superblock = [ops.superblock_gemm(x, ops.superblock_repack([b], [TYPE_IDS[t]], x.shape[1]), b.shape[0])
+from gguf import GGMLQuantizationType
+superblock = [ops.superblock_gemm(x, ops.superblock_repack([b], [int(GGMLQuantizationType[t])], x.shape[1]), b.shape[0])
               for t, x, b in torch.load(superblock_cases)]
 ops.set_batch_invariant(True)
 cases = torch.load(cases)

@@ -1,4 +1,5 @@
-"""The super-block formats (Q4_K, Q5_K, Q6_K, IQ4_XS, IQ4_NL) repacked into tiles: the tiles hold
+"""The super-block formats (Q4_K, Q5_K, Q6_K, IQ4_XS, IQ4_NL, and the blocks of 32 Q4_0, Q4_1,
+Q5_0, Q5_1, Q8_0 a file mixes with them) repacked into tiles: the tiles hold
 the file's weights exactly, the GEMM is the reference arithmetic (int8 activations per block of
 32, exact weights) at every row count, a row's result does not depend on the rows beside it or on
 the other parts of a merged weight, and bad input is refused with a message naming it."""
@@ -8,13 +9,12 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from superblock_data import TYPES, dequantized, int8_reference, kernel_cases, random_blocks
+from superblock_data import TYPE_IDS, TYPES, dequantized, int8_reference, kernel_cases, random_blocks
 
 from pagoda.layers import superblocks
 from pagoda.layers.cpu_kernels import load_cpu_kernels
 
 pytestmark = pytest.mark.skipif(load_cpu_kernels() is None, reason="pagoda's C++ kernels cannot be built here")
-TYPE_IDS = {"Q4_K": 12, "Q5_K": 13, "Q6_K": 14, "IQ4_NL": 20, "IQ4_XS": 23}
 
 
 @pytest.fixture(scope="module")
@@ -63,7 +63,7 @@ def test_a_rows_result_depends_on_no_other_row_or_part(ops):
     parts in three types gives each part's own results."""
     rng = np.random.default_rng(2)
     g = torch.Generator().manual_seed(2)
-    parts = [("Q4_K", 32), ("Q6_K", 16), ("Q4_K", 21), ("IQ4_XS", 5)]
+    parts = [("Q4_K", 32), ("Q6_K", 16), ("Q4_K", 21), ("IQ4_XS", 5), ("Q5_0", 16), ("Q8_0", 3)]
     blocks = [torch.from_numpy(random_blocks(q, n, 256, rng)) for q, n in parts]
     merged = ops.superblock_repack(blocks, [TYPE_IDS[q] for q, _ in parts], 256)
     x = torch.randn(70, 256, generator=g)
@@ -72,9 +72,9 @@ def test_a_rows_result_depends_on_no_other_row_or_part(ops):
     assert torch.equal(together, alone)
     for i in (0, 5, 69):
         assert torch.equal(_gemm(ops, x[i:i + 1], merged), together[i:i + 1])
-    rows = ops.superblock_rows(merged, torch.tensor([0, 40, 69, 73]))
+    rows = ops.superblock_rows(merged, torch.tensor([0, 40, 69, 73, 80, 92]))
     weights = torch.cat([torch.from_numpy(dequantized(b.numpy(), q, 256)) for b, (q, _) in zip(blocks, parts)])
-    assert torch.equal(rows, weights[[0, 40, 69, 73]])
+    assert torch.equal(rows, weights[[0, 40, 69, 73, 80, 92]])
 
 
 def test_fused_down_projection_is_silu_and_mul_then_the_gemm(ops):
@@ -90,8 +90,8 @@ def test_bad_input_is_refused_with_a_message_naming_it(ops):
     blocks = torch.from_numpy(random_blocks("Q4_K", 4, 256, rng))
     with pytest.raises(RuntimeError, match=r"part 0 is not \[rows, 144\] bytes of Q4_K"):
         ops.superblock_repack([blocks[:, :100]], [12], 256)
-    with pytest.raises(RuntimeError, match="type 2 is not Q4_K, Q5_K, Q6_K, IQ4_NL or IQ4_XS"):
-        ops.superblock_repack([blocks], [2], 256)
+    with pytest.raises(RuntimeError, match="type 9 is not Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K, IQ4_NL or IQ4_XS"):
+        ops.superblock_repack([blocks], [9], 256)
     with pytest.raises(RuntimeError, match="100 inputs are not whole Q4_K super-blocks of 256"):
         ops.superblock_repack([blocks], [12], 100)
     packed = ops.superblock_repack([blocks], [12], 256)
