@@ -228,7 +228,7 @@ def measure(quant: str, specs: list[PathSpec], trees: dict[str, Path], prompts: 
     paths, runs, skipped = {}, {}, {}
     try:
         for spec in specs:
-            if spec.kind == "llama-server" and quant != "gguf":
+            if spec.kind == "llama-server" and quant not in ("gguf", "auto"):  # auto: a GGUF on its blocks
                 continue
             print(f"{quant}: starting {spec.name}", file=sys.stderr, flush=True)
             tree = trees[spec.server.ref]

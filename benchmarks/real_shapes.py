@@ -107,7 +107,8 @@ def make(shape: str, types: list[str], out_dir: Path, llama_quantize: str | None
         if qtype != "F16" and not path.exists():
             if not llama_quantize:
                 raise SystemExit(f"{path} is missing: pass --llama-quantize to make it")
-            subprocess.run([llama_quantize, str(f16), str(path), qtype], check=True, stdout=subprocess.DEVNULL)
+            subprocess.run([llama_quantize, str(f16), str(path), qtype], check=True, stdout=subprocess.DEVNULL,
+                           stderr=subprocess.DEVNULL)
         paths[qtype] = path
     return paths
 

@@ -87,7 +87,7 @@ def main() -> int:
 
     record = {"date": date.today().isoformat(), "command": " ".join(sys.argv), "cpu": cpu_model(),
               "cpu_flags": benchmark_cpu_flags(), "nproc": os.cpu_count(),
-              "bandwidth_gb_s": memory_bandwidth.measure(1024, 10), "points": []}
+              "bandwidth_gb_s": memory_bandwidth.measure(1024, 20), "points": []}
     print(f"read bandwidth {record['bandwidth_gb_s']['read']:.1f} GB/s", flush=True)
     save = ns.save or HERE / "results" / f"size-sweep-{record['date']}.json"
     for shape in ns.shapes.split(","):
@@ -95,7 +95,8 @@ def main() -> int:
         paths = real_shapes.make(shape, types, ns.files, ns.llama_quantize)
         for qtype in types:
             size = paths[qtype].stat().st_size
-            tok_s = {name: m["decode_tok_s"] for name, m in (medians := one_point(paths[qtype], ns)).items()}
+            medians = one_point(paths[qtype], ns)
+            tok_s = {name: m["decode_tok_s"] for name, m in medians.items()}
             roof = record["bandwidth_gb_s"]["read"] * 1e9 / size
             record["points"].append({"shape": shape, "type": qtype, "bytes": size, "tok_s": tok_s, "medians": medians,
                                      "roofline_tok_s": roof})
