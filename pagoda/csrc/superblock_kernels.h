@@ -263,13 +263,30 @@ void gemm_avx2_half(const uint8_t* tile, int64_t ns, const Rows& x, float* y, in
       __m256i isum[R][H];
       for (int r = 0; r < R; ++r)
         for (int k = 0; k < H; ++k) isum[r][k] = _mm256_setzero_si256();
-      for (int j = 0; j < 4; ++j) {
-        __m256i lo, hi;
-        codes256<T>(rec + SB + sub * CB, j, h, lo, hi);
-        for (int r = 0; r < R; ++r) {
-          const int8_t* q = x.q + r * x.K + b * BLOCK;
-          isum[r][0] = dot4_signed(isum[r][0], lo, broadcast4_256(q + 4 * j));
-          isum[r][H - 1] = dot4_signed(isum[r][H - 1], hi, broadcast4_256(q + 16 + 4 * j));
+      if constexpr (T == Q4_K || T == Q4_1) {
+        // unsigned codes <= 15: maddubs takes them as they are, and a block's 8 pairs of products
+        // sum to at most 8 * 2 * 15 * 127 = 30,480, so they stay in int16 and widen once
+        __m256i s16[R];
+        for (int r = 0; r < R; ++r) s16[r] = _mm256_setzero_si256();
+        for (int j = 0; j < 4; ++j) {
+          __m256i lo, hi;
+          codes256<T>(rec + SB + sub * CB, j, h, lo, hi);
+          for (int r = 0; r < R; ++r) {
+            const int8_t* q = x.q + r * x.K + b * BLOCK;
+            s16[r] = _mm256_add_epi16(s16[r], _mm256_maddubs_epi16(lo, broadcast4_256(q + 4 * j)));
+            s16[r] = _mm256_add_epi16(s16[r], _mm256_maddubs_epi16(hi, broadcast4_256(q + 16 + 4 * j)));
+          }
+        }
+        for (int r = 0; r < R; ++r) isum[r][0] = _mm256_madd_epi16(s16[r], _mm256_set1_epi16(1));
+      } else {
+        for (int j = 0; j < 4; ++j) {
+          __m256i lo, hi;
+          codes256<T>(rec + SB + sub * CB, j, h, lo, hi);
+          for (int r = 0; r < R; ++r) {
+            const int8_t* q = x.q + r * x.K + b * BLOCK;
+            isum[r][0] = dot4_signed(isum[r][0], lo, broadcast4_256(q + 4 * j));
+            isum[r][H - 1] = dot4_signed(isum[r][H - 1], hi, broadcast4_256(q + 16 + 4 * j));
+          }
         }
       }
       __m256 scale[H], mins = _mm256_setzero_ps();
