@@ -373,6 +373,7 @@ at::Tensor block_matmul(const at::Tensor& x, const at::Tensor& weight, int64_t t
                         const std::optional<at::Tensor>& packed) {
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat, "block_matmul: x must be float32 [M, K]");
   if (type == pagoda::SUPERBLOCK_PACKED) return pagoda::superblock_gemm(x, weight);
+  if (type == pagoda::HALF_PACKED) return pagoda::half_gemm_packed(x, weight);
   TORCH_CHECK(weight.dim() == 2 && weight.scalar_type() == at::kByte, "block_matmul: weight must be uint8 [N, bytes]");
   const int64_t M = x.size(0), K = x.size(1), N = weight.size(0), bb = block_bytes(type);
   TORCH_CHECK(K % QK == 0, "block_matmul: K (", K, ") must be a multiple of 32");

@@ -29,6 +29,9 @@ inline bool holds_tiles(const std::optional<at::Tensor>& packed) {
 constexpr int64_t SUPERBLOCK_PACKED = 1000;
 at::Tensor superblock_gemm(const at::Tensor& x, const at::Tensor& packed);
 at::Tensor silu_mul_superblock_gemm(const at::Tensor& gate_up, const at::Tensor& packed);
+// F16 / BF16 weights packed at load (half_weights.cpp): block_matmul's type HALF_PACKED.
+constexpr int64_t HALF_PACKED = 1001;
+at::Tensor half_gemm_packed(const at::Tensor& x, const at::Tensor& packed);
 at::Tensor silu_mul_block_gemm_tiles(const at::Tensor& gate_up, const at::Tensor& tiles, int64_t type,
                                      int64_t out_features);  // block_gemm_tiles.cpp
 at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,

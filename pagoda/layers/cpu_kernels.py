@@ -29,7 +29,7 @@ _CSRC = Path(__file__).resolve().parent.parent / "csrc"
 
 
 _SOURCES = ("paged_attention.cpp", "prefill_attention.cpp", "block_matmul.cpp", "block_gemm_tiles.cpp",
-            "superblock_tiles.cpp", "fused_ops.cpp", "small_matmul.cpp", "decode_layers.cpp")
+            "superblock_tiles.cpp", "half_weights.cpp", "fused_ops.cpp", "small_matmul.cpp", "decode_layers.cpp")
 
 
 _disabled: bool | None = None  # PAGODA_DISABLE_KERNELS, read once (this is called per layer per step)
@@ -231,6 +231,10 @@ def _register_fakes() -> None:
         return x.new_empty(x.shape[0], weight.shape[0])
 
     @torch.library.register_fake("pagoda::superblock_gemm")
+    def _(x, packed, out_features):
+        return x.new_empty(x.shape[0], out_features)
+
+    @torch.library.register_fake("pagoda::half_gemm")
     def _(x, packed, out_features):
         return x.new_empty(x.shape[0], out_features)
 

@@ -35,9 +35,10 @@ from typing import TYPE_CHECKING
 import torch
 from torch import nn
 
-from pagoda.layers import ggml_blocks, superblocks
+from pagoda.layers import ggml_blocks, half_weights, superblocks
 from pagoda.layers.backend import current_backend
 from pagoda.layers.ggml_blocks import BlockEmbedding, BlockLinear
+from pagoda.layers.half_weights import HalfEmbedding, HalfLinear
 from pagoda.layers.superblocks import SuperBlockEmbedding, SuperBlockLinear
 
 if TYPE_CHECKING:
@@ -226,6 +227,8 @@ def _block_type(shards: Sequence[PackedWeight]) -> int | None:
     types = {s.ggml_block_type for s in shards}
     if not shards or None in types or len({s.shape[1] for s in shards}) != 1:
         return None
+    if len(types) == 1 and types <= half_weights.HALF_TYPES:
+        return half_weights.PACKED
     if len(types) == 1 and types <= superblocks.BLOCK32_TYPES:
         return types.pop()
     if types <= {ggml_blocks.Q4_0, ggml_blocks.Q4_1}:
@@ -244,16 +247,20 @@ def stacked_blocks(shards: Sequence[PackedWeight], cache: RepackCache | None = N
     if block_type == superblocks.PACKED:
         parts = [(s.ggml_blocks, s.ggml_block_type, s.shape[0]) for s in shards]
         return superblocks.repack(parts, shards[0].shape[1], cache, name), block_type
+    if block_type == half_weights.PACKED:
+        return half_weights.repack(torch.cat([s.ggml_blocks() for s in shards]), shards[0].ggml_block_type), block_type
     parts = [s.ggml_blocks() if s.ggml_block_type == block_type else ggml_blocks.q4_0_to_q4_1(s.ggml_blocks())
              for s in shards]
     return torch.cat(parts), block_type
 
 
 def block_linear(blocks: torch.Tensor, block_type: int, in_features: int,
-                 bias: torch.Tensor | None = None) -> BlockLinear | SuperBlockLinear:
+                 bias: torch.Tensor | None = None) -> BlockLinear | SuperBlockLinear | HalfLinear:
     """The layer for stacked blocks of ``block_type`` (``stacked_blocks``' result)."""
     if block_type == superblocks.PACKED:
         return SuperBlockLinear(blocks, bias)
+    if block_type == half_weights.PACKED:
+        return HalfLinear(blocks, bias)
     return BlockLinear(blocks, block_type, in_features, bias)
 
 
@@ -376,6 +383,7 @@ def _block_head(model: nn.Module, mode: str, packed: dict[str, list[PackedWeight
     if embed_blocks is not None:
         blocks, block_type = embed_blocks
         model.embed_tokens = (SuperBlockEmbedding(blocks, dtype) if block_type == superblocks.PACKED
+                              else HalfEmbedding(blocks, dtype) if block_type == half_weights.PACKED
                               else BlockEmbedding(blocks, block_type, dim, dtype))
         if head is None:
             model.lm_head = block_linear(blocks, block_type, dim)

@@ -699,9 +699,10 @@ def _check_config_matches(gf: GGUFFile, config: Mapping[str, Any]) -> None:
 # kernels multiply as they are (pagoda/layers/ggml_blocks.py). Without those kernels, Q4_0 / Q4_1
 # map exactly onto torch's int4 kernel groups, and Q8_0 is dequantized like every other type.
 # The super-block formats (K-quants, IQ4) and Q5_0 / Q5_1 are repacked for pagoda's kernels
-# (layers/superblocks.py).
+# (layers/superblocks.py), F16 / BF16 weights too (layers/half_weights.py).
 KEPT_QUANTIZED_TYPES = (GGMLQuantizationType.Q4_0, GGMLQuantizationType.Q4_1, GGMLQuantizationType.Q8_0,
                         GGMLQuantizationType.Q5_0, GGMLQuantizationType.Q5_1,
+                        GGMLQuantizationType.F16, GGMLQuantizationType.BF16,
                         GGMLQuantizationType.Q4_K, GGMLQuantizationType.Q5_K, GGMLQuantizationType.Q6_K,
                         GGMLQuantizationType.IQ4_NL, GGMLQuantizationType.IQ4_XS)
 
@@ -726,7 +727,10 @@ class GGUFPackedWeight(PackedWeight):
         return GGUFPackedWeight(self.ggml_type, self.blocks[start:stop], (stop - start, *self.shape[1:]))
 
     def ggml_blocks(self) -> torch.Tensor:
-        """A copy of the stored rows (the file mapping is closed after loading)."""
+        """A copy of the stored rows (the file mapping is closed after loading); F16 / BF16 as
+        [rows, columns] int16 holding the stored bits."""
+        if self.ggml_type in (GGMLQuantizationType.F16, GGMLQuantizationType.BF16):
+            return torch.from_numpy(np.array(self.blocks).view(np.int16).reshape(self.shape))
         return torch.from_numpy(np.array(self.blocks, dtype=np.uint8).reshape(self.shape[0], -1))
 
     def dequantize(self) -> torch.Tensor:

@@ -19,6 +19,7 @@ from torch import nn
 from pagoda.forward_context import AttentionMetadata
 from pagoda.layers.ggml_blocks import BlockLinear
 from pagoda.layers.packed_weights import packed_of
+from pagoda.layers.half_weights import HalfLinear
 from pagoda.layers.superblocks import SuperBlockLinear
 
 _FLOAT = -1  # block type of a float projection
@@ -27,7 +28,7 @@ _CACHE_DTYPES = (torch.float32, torch.bfloat16, torch.float16)  # the ops widen 
 
 def _projection(module: nn.Module) -> tuple[torch.Tensor, int, torch.Tensor | None] | None:
     """(weight or blocks, block type, the weight's copy packed at load or None)."""
-    if isinstance(module, (BlockLinear, SuperBlockLinear)) and module.bias is None:
+    if isinstance(module, (BlockLinear, SuperBlockLinear, HalfLinear)) and module.bias is None:
         return module.blocks, module.block_type, module.packed
     if type(module) is nn.Linear and module.bias is None and module.weight.dtype == torch.float32:
         return module.weight, _FLOAT, packed_of(module)

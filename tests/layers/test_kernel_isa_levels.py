@@ -43,7 +43,13 @@ _CHILD = """
 import sys, torch
 from pagoda.layers.cpu_kernels import build_kernels
 level, cases, superblock_cases, out = sys.argv[1:]
-ops = build_kernels(level, ("block_matmul.cpp", "block_gemm_tiles.cpp", "superblock_tiles.cpp", "small_matmul.cpp",
+def half_outputs(ops):  # F16 / BF16 weights (half_weights.cpp) at 1 to 5 rows
+    g = torch.Generator().manual_seed(5)
+    w, x = torch.randn(37, 96, generator=g), torch.randn(5, 96, generator=g)
+    return [ops.half_gemm(x[:m], ops.half_repack(w.to(d).view(torch.int16), t), 37)
+            for t, d in ((1, torch.float16), (30, torch.bfloat16)) for m in (1, 4, 5)]
+ops = build_kernels(level, ("block_matmul.cpp", "block_gemm_tiles.cpp", "superblock_tiles.cpp", "half_weights.cpp",
+                           "small_matmul.cpp",
                            "fused_ops.cpp", "prefill_attention.cpp"))
 from gguf import GGMLQuantizationType
 superblock = [ops.superblock_gemm(x, ops.superblock_repack([b], [int(GGMLQuantizationType[t])], x.shape[1]), b.shape[0])
@@ -63,7 +69,7 @@ attn["out"] = [ops.paged_prefill_attention(attn["q"], attn["k"], attn["v"], attn
                for w in (0, 40)]
 torch.save({"isa": ops.block_matmul_isa(), "outputs": outputs, "tiles_isa": ops.block_gemm_tiles_isa(), "tiles": tiles,
             "down": [down(t, x, w) for t, x, w in cases], "attn": attn, "superblock": superblock,
-            "superblock_isa": ops.superblock_isa()}, out)
+            "superblock_isa": ops.superblock_isa(), "half": half_outputs(ops)}, out)
 """
 
 
@@ -175,6 +181,12 @@ def test_fallback_build_gives_the_native_bits(level, cases, tmp_path):
     assert result["isa"] == result["tiles_isa"] == level
     assert result["superblock_isa"] == ("avx2" if level == "avx-vnni" else level)
     ops = load_cpu_kernels()
+    g = torch.Generator().manual_seed(5)  # the child's half_outputs, here on the native build
+    w, x = torch.randn(37, 96, generator=g), torch.randn(5, 96, generator=g)
+    native = [ops.half_gemm(x[:m], ops.half_repack(w.to(d).view(torch.int16), t), 37)
+              for t, d in ((1, torch.float16), (30, torch.bfloat16)) for m in (1, 4, 5)]
+    for got, want in zip(result["half"], native, strict=True):
+        assert torch.equal(got, want), level  # one fma per input, in order, on every path
     for (qtype, x, blocks), got in zip(superblock_data, result["superblock"], strict=True):
         # the super-block GEMM: every path's integer sums are exact and its float steps in one order
         packed = ops.superblock_repack([blocks], [TYPE_IDS[qtype]], x.shape[1])
