@@ -64,8 +64,9 @@ def kernel_cases(seed: int = 7) -> list[tuple[str, "torch.Tensor", "torch.Tensor
     g = torch.Generator().manual_seed(seed)
     cases = []
     for qtype in TYPES:
-        # 37 rows: a lone last tile half; 70: one row's kernel takes 4 tiles a call, then 1
-        for n, k, rows in ((37, 512, (1, 2, 3, 4, 5, 9, 33)), (70, 256, (1, 2))):
+        # 37 rows: a lone last tile half; 70: one row's kernel takes 4 tiles a call, then 1;
+        # from 32 rows on AMX tiles take the super-block formats where the CPU has them: 32 + 1, 16 + 4
+        for n, k, rows in ((37, 512, (1, 2, 3, 4, 5, 9, 33)), (70, 256, (1, 2, 52))):
             blocks = torch.from_numpy(random_blocks(qtype, n, k, rng))
             for m in rows:
                 x = torch.randn(m, k, generator=g) * torch.rand(m, 1, generator=g) * 4

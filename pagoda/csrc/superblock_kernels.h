@@ -27,6 +27,15 @@ struct Rows {
   const int32_t* sum;  // [R, nb]: sum of a block's codes
   const int32_t* low;  // [R, nb]: sum of its first 16 codes (Q6_K's halves; null otherwise)
   int64_t K, nb;
+  // The codes again block by block, [nb][M][32] from these rows on (superblock_amx.h's tiles read a
+  // block's rows as one run; null where that path does not run) and the stride of its blocks.
+  const int8_t* blocked = nullptr;
+  int64_t block_stride = 0;
+
+  Rows from(int64_t m) const {  // rows m .. of these
+    return {q + m * K, dx + m * nb, sx + m * nb, sum + m * nb, low ? low + m * nb : nullptr, K, nb,
+            blocked ? blocked + m * BLOCK : nullptr, block_stride};
+  }
 };
 
 inline float fp16(const uint8_t* p) { return pagoda::ggml::half_to_float(p); }
@@ -106,6 +115,52 @@ inline __m512 bytes_to_ps(const uint8_t* p, bool is_signed) {
   return _mm512_cvtepi32_ps(is_signed ? _mm512_cvtepi8_epi32(v) : _mm512_cvtepu8_epi32(v));
 }
 
+// A block's per-output scales (Q6_K: one per half of 16) and minimums, d and dmin applied.
+template <int64_t T>
+inline void block_scales(const uint8_t* rec, __m512 d, __m512 dmin, int64_t sub, __m512* scale, __m512& mins) {
+  if constexpr (T == Q6_K) {
+    scale[0] = _mm512_mul_ps(d, bytes_to_ps(rec + 32 + 16 * (2 * sub), true));
+    scale[1] = _mm512_mul_ps(d, bytes_to_ps(rec + 32 + 16 * (2 * sub + 1), true));
+  } else if constexpr (has_min_bytes(T)) {
+    scale[0] = _mm512_mul_ps(d, bytes_to_ps(rec + 64 + 16 * sub, false));
+    mins = _mm512_mul_ps(dmin, bytes_to_ps(rec + 192 + 16 * sub, false));
+  } else if constexpr (T == IQ4_XS) {
+    scale[0] = _mm512_mul_ps(d, bytes_to_ps(rec + 32 + 16 * sub, true));
+  } else {
+    scale[0] = _mm512_mul_ps(d, _mm512_set1_ps(1.f));
+    if constexpr (has_mins(T)) mins = _mm512_mul_ps(dmin, _mm512_set1_ps(1.f));
+  }
+}
+
+// The float steps of block b for activation row r against 16 outputs, from the integer sums of the
+// unsigned codes (Q6_K: one a half), in the order the header gives: every path's bits.
+template <int64_t T>
+inline __m512 finish_block(__m512 acc, const __m512i* isum, const __m512* scale, __m512 mins, const Rows& x, int r,
+                           int64_t b) {
+  const __m512 dx = _mm512_set1_ps(x.dx[r * x.nb + b]);
+  const int32_t total = x.sum[r * x.nb + b];
+  if constexpr (T == Q6_K) {
+    const int32_t low = x.low[r * x.nb + b];
+    const __m512i a = _mm512_sub_epi32(isum[0], _mm512_set1_epi32(32 * low));
+    const __m512i z = _mm512_sub_epi32(isum[1], _mm512_set1_epi32(32 * (total - low)));
+    acc = _mm512_fmadd_ps(_mm512_cvtepi32_ps(a), _mm512_mul_ps(scale[0], dx), acc);
+    return _mm512_fmadd_ps(_mm512_cvtepi32_ps(z), _mm512_mul_ps(scale[1], dx), acc);
+  } else {
+    __m512i i = isum[0];
+    if constexpr (is_iq4(T)) i = _mm512_sub_epi32(i, _mm512_set1_epi32(128 * total));
+    if constexpr (code_offset(T) != 0) i = _mm512_sub_epi32(i, _mm512_set1_epi32(code_offset(T) * total));
+    acc = _mm512_fmadd_ps(_mm512_cvtepi32_ps(i), _mm512_mul_ps(scale[0], dx), acc);
+    if constexpr (has_mins(T)) acc = _mm512_fnmadd_ps(mins, _mm512_set1_ps(x.sx[r * x.nb + b]), acc);
+    return acc;
+  }
+}
+
+// 16 outputs from column n on (the last tile's may run past N: those are not written).
+inline void store_outputs(__m512 acc, float* y, int64_t N, int64_t n) {
+  if (n + COLS <= N) _mm512_storeu_ps(y + n, acc);
+  else if (n < N) _mm512_mask_storeu_ps(y + n, static_cast<__mmask16>((1u << (N - n)) - 1), acc);
+}
+
 template <int64_t T, int R, int C>
 void gemm_avx512(const uint8_t* tiles, int64_t tile_bytes, int64_t ns, const Rows& x, float* y, int64_t ldy,
                  int64_t N, int64_t n0) {
@@ -144,48 +199,13 @@ void gemm_avx512(const uint8_t* tiles, int64_t tile_bytes, int64_t ns, const Row
         }
       }
       __m512 scale[C][H], mins[C];
-      for (int c = 0; c < C; ++c) {
-        if constexpr (T == Q6_K) {
-          scale[c][0] = _mm512_mul_ps(d[c], bytes_to_ps(rec[c] + 32 + 16 * (2 * sub), true));
-          scale[c][1] = _mm512_mul_ps(d[c], bytes_to_ps(rec[c] + 32 + 16 * (2 * sub + 1), true));
-        } else if constexpr (has_min_bytes(T)) {
-          scale[c][0] = _mm512_mul_ps(d[c], bytes_to_ps(rec[c] + 64 + 16 * sub, false));
-          mins[c] = _mm512_mul_ps(dmin[c], bytes_to_ps(rec[c] + 192 + 16 * sub, false));
-        } else if constexpr (T == IQ4_XS) {
-          scale[c][0] = _mm512_mul_ps(d[c], bytes_to_ps(rec[c] + 32 + 16 * sub, true));
-        } else {
-          scale[c][0] = _mm512_mul_ps(d[c], _mm512_set1_ps(1.f));
-          if constexpr (has_mins(T)) mins[c] = _mm512_mul_ps(dmin[c], _mm512_set1_ps(1.f));
-        }
-      }
-      for (int r = 0; r < R; ++r) {
-        const __m512 dx = _mm512_set1_ps(x.dx[r * x.nb + b]);
-        const int32_t total = x.sum[r * x.nb + b];
-        for (int c = 0; c < C; ++c) {
-          if constexpr (T == Q6_K) {
-            const int32_t low = x.low[r * x.nb + b];
-            const __m512i a = _mm512_sub_epi32(isum[r][c][0], _mm512_set1_epi32(32 * low));
-            const __m512i z = _mm512_sub_epi32(isum[r][c][1], _mm512_set1_epi32(32 * (total - low)));
-            acc[r][c] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(a), _mm512_mul_ps(scale[c][0], dx), acc[r][c]);
-            acc[r][c] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(z), _mm512_mul_ps(scale[c][1], dx), acc[r][c]);
-          } else {
-            __m512i i = isum[r][c][0];
-            if constexpr (is_iq4(T)) i = _mm512_sub_epi32(i, _mm512_set1_epi32(128 * total));
-            if constexpr (code_offset(T) != 0) i = _mm512_sub_epi32(i, _mm512_set1_epi32(code_offset(T) * total));
-            acc[r][c] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(i), _mm512_mul_ps(scale[c][0], dx), acc[r][c]);
-            if constexpr (has_mins(T))
-              acc[r][c] = _mm512_fnmadd_ps(mins[c], _mm512_set1_ps(x.sx[r * x.nb + b]), acc[r][c]);
-          }
-        }
-      }
+      for (int c = 0; c < C; ++c) block_scales<T>(rec[c], d[c], dmin[c], sub, scale[c], mins[c]);
+      for (int r = 0; r < R; ++r)
+        for (int c = 0; c < C; ++c) acc[r][c] = finish_block<T>(acc[r][c], isum[r][c], scale[c], mins[c], x, r, b);
     }
   }
   for (int r = 0; r < R; ++r)
-    for (int c = 0; c < C; ++c) {
-      const int64_t n = n0 + c * COLS;
-      if (n + COLS <= N) _mm512_storeu_ps(y + r * ldy + n, acc[r][c]);
-      else if (n < N) _mm512_mask_storeu_ps(y + r * ldy + n, static_cast<__mmask16>((1u << (N - n)) - 1), acc[r][c]);
-    }
+    for (int c = 0; c < C; ++c) store_outputs(acc[r][c], y + r * ldy, N, n0 + c * COLS);
 }
 #endif  // PAGODA_AVX512_VNNI
 

@@ -18,6 +18,7 @@
 #include <vector>
 
 #include "ops.h"
+#include "superblock_amx.h"
 #include "superblock_kernels.h"
 
 namespace {
@@ -106,12 +107,25 @@ void rows_against_group(const Part& p, int64_t first, int64_t count, const Rows&
 #endif
 }
 
+#if defined(PAGODA_AMX_INT8)
+// From this many rows of a work item on, the AMX tiles (superblock_amx.h) take the super-block
+// formats' (Q4_K, Q5_K, Q6_K, IQ4_XS) products. Below it, and for the blocks of 32 that have one
+// scale a block and no more, the AVX-512 path is as fast or faster (benchmarks/README.md, "AMX").
+constexpr int64_t AMX_MIN_ROWS = 32;
+#endif
+
 template <int64_t T>
 void rows_of_group(const Part& p, int64_t first, int64_t count, const Rows& all, int64_t m0, int64_t m1, float* y,
                    int64_t ldy) {
+#if defined(PAGODA_AMX_INT8)
+  if constexpr (is_k_quant(T)) {
+    if (all.blocked != nullptr && m1 - m0 >= AMX_MIN_ROWS)
+      return amx_rows_of_tiles<T>(p.data + first * p.tile_bytes, p.tile_bytes, p.supers, count, all, m0, m1,
+                                  y + p.col, ldy, p.rows, first * COLS);
+  }
+#endif
   for (int64_t m = m0; m < m1; m += 4) {
-    const Rows x{all.q + m * all.K, all.dx + m * all.nb, all.sx + m * all.nb, all.sum + m * all.nb,
-                 all.low ? all.low + m * all.nb : nullptr, all.K, all.nb};
+    const Rows x = all.from(m);
     float* ym = y + m * ldy + p.col;
     switch (std::min<int64_t>(4, m1 - m)) {
       case 4: rows_against_group<T, 4>(p, first, count, x, ym, ldy); break;
@@ -163,13 +177,21 @@ void product(const Header& h, const Rows& x, int64_t M, float* y) {
 
 // The instruction set this build's superblock kernels run on (AVX-VNNI builds take the AVX2 path).
 const char* isa() {
-#if defined(PAGODA_AVX512_VNNI)
+#if defined(PAGODA_AMX_INT8)
+  return amx_usable() ? "amx-int8" : "avx512-vnni";
+#elif defined(PAGODA_AVX512_VNNI)
   return "avx512-vnni";
 #elif defined(PAGODA_AVX2)
   return "avx2";
 #else
   return "scalar";
 #endif
+}
+
+bool has_k_quant(const Header& h) {
+  for (const Part& p : h.parts)
+    if (is_k_quant(p.type)) return true;
+  return false;
 }
 
 bool has_q6_k(const Header& h) {
@@ -198,7 +220,20 @@ at::Tensor gemm(const at::Tensor& rows, int64_t K, const at::Tensor& packed, con
       }
     });
   }
-  const Rows x{a.q.data(), a.d.data(), a.s.data(), a.sum.data(), low.empty() ? nullptr : low.data(), K, nb};
+  Rows x{a.q.data(), a.d.data(), a.s.data(), a.sum.data(), low.empty() ? nullptr : low.data(), K, nb};
+  std::vector<int8_t> blocked;
+#if defined(PAGODA_AMX_INT8)
+  // the AMX tiles read a block's rows as one run (K bytes apart they fall in one or two cache sets)
+  if (M >= AMX_MIN_ROWS && amx_usable() && has_k_quant(h)) {
+    blocked.resize(M * K);
+    at::parallel_for(0, nb, 16, [&](int64_t begin, int64_t end) {
+      for (int64_t b = begin; b < end; ++b)
+        for (int64_t m = 0; m < M; ++m) std::memcpy(&blocked[(b * M + m) * BLOCK], &a.q[m * K + b * BLOCK], BLOCK);
+    });
+    x.blocked = blocked.data();
+    x.block_stride = M * BLOCK;
+  }
+#endif
   product(h, x, M, out.data_ptr<float>());
   return out;
 }

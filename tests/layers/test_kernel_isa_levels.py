@@ -2,7 +2,7 @@
 (PAGODA_KERNEL_ISA) takes the path it names, and every path gives the native build's bits and the
 reference arithmetic.
 
-The fallback levels (avx-vnni, avx2, scalar) are built from block_matmul.cpp, block_gemm_tiles.cpp and
+The fallback levels (avx512-vnni where the native build has AMX, avx-vnni, avx2, scalar) are built from block_matmul.cpp, block_gemm_tiles.cpp and
 superblock_tiles.cpp (which it calls), small_matmul.cpp
 (its batch-invariance switch), fused_ops.cpp (silu_and_mul, against which the down projection's
 fused activation quantization is checked) and prefill_attention.cpp (the flash-style prefill kernel) alone, each in a subprocess, since two builds register the same
@@ -119,9 +119,18 @@ def cases(tmp_path_factory) -> tuple[Path, list]:
     return path, data
 
 
+def _expected_superblock_isa() -> str:
+    """The super-block GEMM's path: AMX-INT8 tiles where the CPU has them, else block_matmul's
+    (AVX-VNNI builds take its AVX2 path)."""
+    if {"amx_tile", "amx_int8"} <= cpu_flags() and _expected_native_isa() == "avx512-vnni":
+        return "amx-int8"
+    return "avx2" if _expected_native_isa() == "avx-vnni" else _expected_native_isa()
+
+
 @needs_kernels
 def test_native_build_takes_the_widest_path_this_cpu_has():
     assert load_cpu_kernels().block_matmul_isa() == _expected_native_isa()
+    assert load_cpu_kernels().superblock_isa() == _expected_superblock_isa()
     assert f"block_matmul: {_expected_native_isa()}" in cpu_kernels.kernel_isa()
 
 
@@ -165,10 +174,12 @@ def test_fused_down_projection_is_silu_and_mul_then_the_tiles(cases):
 
 
 @needs_kernels
-@pytest.mark.parametrize("level", ["avx-vnni", "avx2", "scalar"])
+@pytest.mark.parametrize("level", ["avx512-vnni", "avx-vnni", "avx2", "scalar"])
 def test_fallback_build_gives_the_native_bits(level, cases, tmp_path):
     if not _runs_here(level):
         pytest.skip(f"this CPU cannot run {level}")
+    if level == "avx512-vnni" and _expected_superblock_isa() != "amx-int8":
+        pytest.skip("the native build takes the avx512-vnni paths on this CPU")  # only AMX's tiles differ
     if level == _expected_native_isa() == "avx2":
         # the same #ifdef paths as the native build, which every other kernel test runs (a 5-file build saved)
         pytest.skip("the native build takes the avx2 paths on this CPU")
