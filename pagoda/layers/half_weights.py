@@ -9,10 +9,16 @@ pagoda's compiled kernels (without them the loader dequantizes).
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from typing import TYPE_CHECKING
+
 import torch
 from torch import nn
 
 from pagoda.layers.backend import current_backend
+
+if TYPE_CHECKING:
+    from pagoda.loader.repacked_cache import RepackCache
 
 F16, BF16 = 1, 30  # GGMLQuantizationType values
 TYPE_NAMES = {F16: "F16", BF16: "BF16"}
@@ -26,9 +32,29 @@ def header(packed: torch.Tensor) -> tuple[int, int, int]:
     return words[1], words[2], words[3]
 
 
-def repack(values: torch.Tensor, half_type: int) -> torch.Tensor:
-    """[N, K] 2-byte values (any 2-byte dtype holding the stored bits) → the packed weight."""
-    return current_backend().ops.half_repack(values, half_type)
+HEADER_BYTES = 64  # csrc/half_weights.cpp's: int64 MAGIC, K, N, type
+MAGIC = 0x3146414850474150
+
+
+def packed_bytes(out_features: int, in_features: int) -> int:
+    """The size of a packed [out_features, in_features] weight (rows padded to tiles of 16)."""
+    return HEADER_BYTES + (out_features + 15) // 16 * 16 * in_features * 2
+
+
+def repack(values: Callable[[], torch.Tensor], half_type: int, shape: tuple[int, int],
+           cache: RepackCache | None = None, name: str = "") -> torch.Tensor:
+    """``values()``: [N, K] 2-byte values (any 2-byte dtype holding the stored bits) of ``shape``
+    → the packed weight. With ``cache``, the weight ``name`` packed at an earlier start is mapped
+    instead, the values never read."""
+    def make() -> torch.Tensor:
+        return current_backend().ops.half_repack(values(), half_type)
+
+    def expected(packed: torch.Tensor) -> bool:
+        n, k = shape
+        return (packed.numel() == packed_bytes(n, k) and packed[:8].view(torch.int64).item() == MAGIC
+                and header(packed) == (k, n, half_type))
+
+    return make() if cache is None else cache.get(name, expected, make)
 
 
 class HalfLinear(nn.Module):

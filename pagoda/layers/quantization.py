@@ -239,8 +239,8 @@ def _block_type(shards: Sequence[PackedWeight]) -> int | None:
 def stacked_blocks(shards: Sequence[PackedWeight], cache: RepackCache | None = None,
                    name: str = "") -> tuple[torch.Tensor, int]:
     """``shards`` stacked along the output dimension as one (blocks, block type); super-block
-    formats as one packed weight (superblocks.repack; with ``cache``, as packed at an earlier
-    start, under ``name``)."""
+    formats and F16 / BF16 as one packed weight (superblocks.repack, half_weights.repack; with
+    ``cache``, as packed at an earlier start, under ``name``)."""
     block_type = _block_type(shards)
     if block_type is None:
         raise ValueError("these weights have no common ggml block form")
@@ -248,7 +248,10 @@ def stacked_blocks(shards: Sequence[PackedWeight], cache: RepackCache | None = N
         parts = [(s.ggml_blocks, s.ggml_block_type, s.shape[0]) for s in shards]
         return superblocks.repack(parts, shards[0].shape[1], cache, name), block_type
     if block_type == half_weights.PACKED:
-        return half_weights.repack(torch.cat([s.ggml_blocks() for s in shards]), shards[0].ggml_block_type), block_type
+        rows = sum(s.shape[0] for s in shards)
+        packed = half_weights.repack(lambda: torch.cat([s.ggml_blocks() for s in shards]), shards[0].ggml_block_type,
+                                     (rows, shards[0].shape[1]), cache, name)
+        return packed, block_type
     parts = [s.ggml_blocks() if s.ggml_block_type == block_type else ggml_blocks.q4_0_to_q4_1(s.ggml_blocks())
              for s in shards]
     return torch.cat(parts), block_type

@@ -54,7 +54,7 @@ def _load(files: ModelFiles, hf_config: dict, dtype: torch.dtype, device: torch.
         model.packed_weights = {}  # drop the stored blocks (views of the mapped file)
         logger.info("quantization=%s: %d projection layers quantized", quantization, count)
         if cache is not None and cache.hits + cache.misses:
-            logger.info("super-block weights: %d mapped as repacked at an earlier start, %d repacked now (kept in %s)",
+            logger.info("repacked weights: %d mapped as repacked at an earlier start, %d repacked now (kept in %s)",
                         cache.hits, cache.misses, cache.directory)
         release_freed_memory()  # the float weights quantization freed: glibc would keep their pages
         if device.type == "cpu":

@@ -1,4 +1,5 @@
-"""Weights repacked at load (layers/superblocks.py's tiles), kept on disk for the next start.
+"""Weights repacked at load (layers/superblocks.py's tiles, layers/half_weights.py's F16 / BF16
+rows side by side), kept on disk for the next start.
 
 Repacking a 1B model's K-quant blocks takes seconds at every start; the tiles depend only on the
 file's bytes and on the repacking code, so the first start writes each packed weight under
@@ -25,7 +26,7 @@ import torch
 
 logger = logging.getLogger(__name__)
 
-FORMAT_VERSION = 1  # of csrc/superblock_formats.h's tiles and superblock_tiles.cpp's header
+FORMAT_VERSION = 1  # of csrc/superblock_formats.h's tiles and superblock_tiles.cpp's header (and half_weights.cpp's)
 
 
 def cache_directory(gguf_path: Path, tp_rank: int = 0, tp_size: int = 1) -> Path | None:

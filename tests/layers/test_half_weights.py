@@ -1,6 +1,7 @@
 """F16 / BF16 GGUF weights kept as stored (layers/half_weights.py): the packed tiles hold the file's
 values exactly, the GEMM sums exact products in input order on every row count, and a model served
-on them gives the dequantized model's logprobs to float-order precision."""
+on them gives the dequantized model's logprobs to float-order precision, and the packed weights
+are kept for the next start."""
 
 from __future__ import annotations
 
@@ -11,6 +12,8 @@ from gguf_export import export_gguf
 from pagoda import LLM, SamplingParams
 from pagoda.layers.cpu_kernels import load_cpu_kernels
 from pagoda.layers.half_weights import BF16, F16, HalfEmbedding, HalfLinear
+from pagoda.loader import model_loader
+from pagoda.loader.gguf import GGUFPackedWeight
 from pagoda.loader.model_loader import load_model
 from pagoda.loader.resolve import resolve_model
 
@@ -57,3 +60,24 @@ def test_a_half_gguf_is_served_on_its_own_values(qtype, tiny_model_dirs, tmp_pat
     got = [p[t].logprob for t, p in zip(fast.outputs[0].token_ids, fast.outputs[0].logprobs)]
     want = [p[t].logprob for t, p in zip(exact.outputs[0].token_ids, exact.outputs[0].logprobs)]
     torch.testing.assert_close(torch.tensor(got), torch.tensor(want), atol=1e-3, rtol=0)
+
+
+def test_packed_halves_are_kept_for_the_next_start(tiny_model_dirs, tmp_path, monkeypatch):
+    """As the super-block tiles: the first load writes each packed weight, the next maps them
+    without reading the GGUF's values and holds the same bytes."""
+    where = tmp_path / "repacked"
+    monkeypatch.setattr(model_loader, "cache_directory", lambda path, rank, size: where)
+    files = resolve_model(str(export_gguf(tiny_model_dirs["gemma3"], tmp_path / "tiny-F16.gguf", "F16")))
+    config = files.hf_config()
+
+    def load():
+        return load_model(files, config, torch.float32, torch.device("cpu"), 64, quantization="gguf")
+
+    first = load()
+    assert len(list(where.glob("*.tiles"))) == 4 * 4 + 1  # every projection, and the tied embedding
+    monkeypatch.setattr(GGUFPackedWeight, "ggml_blocks", lambda self: pytest.fail("read the GGUF's values again"))
+    second = load()
+    halves = [(name, m.blocks) for name, m in first.named_modules() if isinstance(m, (HalfLinear, HalfEmbedding))]
+    again = dict(second.named_modules())
+    for name, blocks in halves:
+        assert torch.equal(again[name].blocks, blocks), name
