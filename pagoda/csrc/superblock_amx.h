@@ -83,6 +83,8 @@ void unpack_tile(const uint8_t* tile, int64_t ns, uint8_t* codes) {
 
 // The integer sums of block b: chunks CH (16 rows each) x tiles C, from the activations' blocked
 // codes and the tiles' unpacked ones, stored to sums[chunk][tile] (16 rows x 16 int32).
+// Written out per tile: GCC's tile intrinsics are macros that paste the tile number into the
+// instruction's text, so it cannot be a template or function argument.
 template <int CH, int C>
 inline void tile_products(const int8_t* a, const uint8_t* const* codes, int32_t (*sums)[2][256]) {
   _tile_loadd(4, a, BLOCK);
