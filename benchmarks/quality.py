@@ -44,6 +44,8 @@ MODES: dict[str, dict] = {
     "int8": {"dtype": "float32", "quantization": "int8"},
     "int4": {"dtype": "float32", "quantization": "int4"},
     "gguf": {"dtype": "float32", "quantization": "gguf"},
+    # batch-invariant: a prefill's many rows on the integer kernels, not the bf16 route (AMX-BF16)
+    "gguf-deterministic": {"dtype": "float32", "quantization": "gguf", "deterministic": True},
     # --kv-cache-dtype: the prompt in chunks of 64 tokens, so the perplexity reads the cache too
     # (one whole prefill attends over its fresh fp32 K/V); fp32-chunked shows chunking alone
     "fp32-chunked": {"dtype": "float32", "max_num_batched_tokens": 64},

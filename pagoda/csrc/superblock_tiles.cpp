@@ -8,7 +8,7 @@
 // The activations are quantized once for all parts (int8 per block of 32, ggml_blocks.h).
 //
 // Registered as torch.ops.pagoda.superblock_repack / superblock_gemm / silu_mul_superblock_gemm /
-// superblock_rows / superblock_isa; block_matmul takes a weight of type PACKED (1000) here.
+// superblock_rows / superblock_isa / superblock_bf16_rows; block_matmul takes a weight of type PACKED (1000) here.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
@@ -19,6 +19,7 @@
 
 #include "ops.h"
 #include "superblock_amx.h"
+#include "superblock_amx_bf16.h"
 #include "superblock_kernels.h"
 
 namespace {
@@ -136,44 +137,66 @@ void rows_of_group(const Part& p, int64_t first, int64_t count, const Rows& all,
   }
 }
 
-void rows_of_group(const Part& p, int64_t first, int64_t count, const Rows& x, int64_t m0, int64_t m1, float* y,
-                   int64_t ldy) {
-  switch (p.type) {
-    case Q4_0: return rows_of_group<Q4_0>(p, first, count, x, m0, m1, y, ldy);
-    case Q4_1: return rows_of_group<Q4_1>(p, first, count, x, m0, m1, y, ldy);
-    case Q5_0: return rows_of_group<Q5_0>(p, first, count, x, m0, m1, y, ldy);
-    case Q5_1: return rows_of_group<Q5_1>(p, first, count, x, m0, m1, y, ldy);
-    case Q8_0: return rows_of_group<Q8_0>(p, first, count, x, m0, m1, y, ldy);
-    case Q4_K: return rows_of_group<Q4_K>(p, first, count, x, m0, m1, y, ldy);
-    case Q5_K: return rows_of_group<Q5_K>(p, first, count, x, m0, m1, y, ldy);
-    case Q6_K: return rows_of_group<Q6_K>(p, first, count, x, m0, m1, y, ldy);
-    case IQ4_XS: return rows_of_group<IQ4_XS>(p, first, count, x, m0, m1, y, ldy);
-    default: return rows_of_group<IQ4_NL>(p, first, count, x, m0, m1, y, ldy);
+// f(std::integral_constant<int64_t, type>) for a part's type.
+template <typename F>
+void with_type(int64_t type, const F& f) {
+  switch (type) {
+    case Q4_0: return f(std::integral_constant<int64_t, Q4_0>{});
+    case Q4_1: return f(std::integral_constant<int64_t, Q4_1>{});
+    case Q5_0: return f(std::integral_constant<int64_t, Q5_0>{});
+    case Q5_1: return f(std::integral_constant<int64_t, Q5_1>{});
+    case Q8_0: return f(std::integral_constant<int64_t, Q8_0>{});
+    case Q4_K: return f(std::integral_constant<int64_t, Q4_K>{});
+    case Q5_K: return f(std::integral_constant<int64_t, Q5_K>{});
+    case Q6_K: return f(std::integral_constant<int64_t, Q6_K>{});
+    case IQ4_XS: return f(std::integral_constant<int64_t, IQ4_XS>{});
+    default: return f(std::integral_constant<int64_t, IQ4_NL>{});
   }
 }
 
-// Every part's tiles against all M rows; work items (a block of rows x a run of tile groups) go to
-// whichever thread is free, as block_gemm_tiles.cpp hands them out.
-void product(const Header& h, const Rows& x, int64_t M, float* y) {
-  const int64_t GROUP = M == 1 ? WIDE_GROUP : ::GROUP;
+// work(part, first tile, tiles, m0, m1) for every part's tiles against all M rows; the work items (a
+// block of rows x a run of tile groups) go to whichever thread is free, as block_gemm_tiles.cpp
+// hands them out.
+template <typename Work>
+void for_work_items(const Header& h, int64_t M, int64_t row_block, int64_t group, const Work& work) {
   for (const Part& p : h.parts) {
-    const int64_t groups = (p.tiles + GROUP - 1) / GROUP;
+    const int64_t groups = (p.tiles + group - 1) / group;
     const int64_t threads = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), groups));
     const int64_t run = std::max<int64_t>(1, groups / (threads * RUNS_PER_THREAD));
-    const int64_t runs = (groups + run - 1) / run, items = (M + ROW_BLOCK - 1) / ROW_BLOCK * runs;
+    const int64_t runs = (groups + run - 1) / run, items = (M + row_block - 1) / row_block * runs;
     std::atomic<int64_t> next{0};
     at::parallel_for(0, threads, 1, [&](int64_t, int64_t) {
       for (int64_t item = next++; item < items; item = next++) {
-        const int64_t m0 = item / runs * ROW_BLOCK, m1 = std::min(M, m0 + ROW_BLOCK);
+        const int64_t m0 = item / runs * row_block, m1 = std::min(M, m0 + row_block);
         const int64_t g0 = item % runs * run, g1 = std::min(groups, g0 + run);
-        for (int64_t g = g0; g < g1; ++g) {
-          const int64_t first = g * GROUP;
-          rows_of_group(p, first, std::min(GROUP, p.tiles - first), x, m0, m1, y, h.N);
-        }
+        for (int64_t g = g0; g < g1; ++g) work(p, g * group, std::min(group, p.tiles - g * group), m0, m1);
       }
     });
   }
 }
+
+void product(const Header& h, const Rows& x, int64_t M, float* y) {
+  for_work_items(h, M, ROW_BLOCK, M == 1 ? WIDE_GROUP : GROUP,
+                 [&](const Part& p, int64_t first, int64_t count, int64_t m0, int64_t m1) {
+                   with_type(p.type, [&](auto t) { rows_of_group<decltype(t)::value>(p, first, count, x, m0, m1, y, h.N); });
+                 });
+}
+
+#if defined(PAGODA_AMX_BF16)
+// The bf16 route (superblock_amx_bf16.h): from this many rows, outside deterministic inference.
+constexpr int64_t BF16_MIN_ROWS = 32;
+constexpr int64_t BF16_ROW_BLOCK = 256;  // rows a work item takes: its tiles are dequantized once for them
+
+void bf16_product(const Header& h, const at::Tensor& x, int64_t M, float* y) {
+  const std::vector<uint16_t> a = blocked_bf16(x.data_ptr<float>(), M, h.K);
+  for_work_items(h, M, BF16_ROW_BLOCK, 2, [&](const Part& p, int64_t first, int64_t count, int64_t m0, int64_t m1) {
+    with_type(p.type, [&](auto t) {
+      bf16_rows_of_tiles<decltype(t)::value>(p.data + first * p.tile_bytes, p.tile_bytes, p.supers, count, a.data(), M,
+                                             m0, m1, y + p.col, h.N, p.rows, first * COLS);
+    });
+  });
+}
+#endif
 
 // The instruction set this build's superblock kernels run on (AVX-VNNI builds take the AVX2 path).
 const char* isa() {
@@ -200,14 +223,22 @@ bool has_q6_k(const Header& h) {
   return false;
 }
 
-template <typename Quantize>
-at::Tensor gemm(const at::Tensor& rows, int64_t K, const at::Tensor& packed, const Quantize& quantize) {
+// `floats()`: the activations as float32 [M, K] (the bf16 route's input).
+template <typename Quantize, typename Floats>
+at::Tensor gemm(const at::Tensor& rows, int64_t K, const at::Tensor& packed, const Quantize& quantize,
+                const Floats& floats) {
   const Header h = read_header(packed);
   TORCH_CHECK(K == h.K, "superblock_gemm: x has ", K, " features, the weight takes ", h.K);
   const int64_t M = rows.size(0), nb = K / BLOCK;
   at::Tensor out = at::empty({M, h.N}, rows.options());
   if (M == 0) return out;
   const at::Tensor xc = rows.contiguous();
+#if defined(PAGODA_AMX_BF16)
+  if (M >= BF16_MIN_ROWS && !pagoda::batch_invariant() && amx_usable()) {
+    bf16_product(h, floats(xc).contiguous(), M, out.data_ptr<float>());
+    return out;
+  }
+#endif
   const QuantizedActivations a = quantize(xc.data_ptr<float>(), M, K);
   std::vector<int32_t> low;  // Q6_K scales each 16: the sum of a block's first 16 codes
   if (has_q6_k(h)) {
@@ -288,7 +319,7 @@ at::Tensor superblock_repack(at::TensorList blocks, at::IntArrayRef types, int64
 
 at::Tensor superblock_gemm(const at::Tensor& x, const at::Tensor& packed) {
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat, "superblock_gemm: x must be float32 [M, K]");
-  return gemm(x, x.size(1), packed, pagoda::ggml::quantize_rows);
+  return gemm(x, x.size(1), packed, pagoda::ggml::quantize_rows, [](const at::Tensor& rows) { return rows; });
 }
 
 // The registered op names the output width, so that torch.compile's shape-only version knows it.
@@ -303,7 +334,8 @@ at::Tensor superblock_linear(const at::Tensor& x, const at::Tensor& packed, int6
 at::Tensor silu_mul_superblock_gemm(const at::Tensor& gate_up, const at::Tensor& packed) {
   TORCH_CHECK(gate_up.dim() == 2 && gate_up.scalar_type() == at::kFloat && gate_up.size(1) % 2 == 0,
               "silu_mul_superblock_gemm: gate_up must be float32 [M, 2K]");
-  return gemm(gate_up, gate_up.size(1) / 2, packed, pagoda::ggml::quantize_silu_mul_rows);
+  return gemm(gate_up, gate_up.size(1) / 2, packed, pagoda::ggml::quantize_silu_mul_rows,
+              [](const at::Tensor& rows) { return pagoda::silu_and_mul(rows); });
 }
 
 // Rows `ids` of the packed weight, dequantized to float32 [len(ids), K] (an embedding's lookup):
@@ -344,6 +376,14 @@ TORCH_LIBRARY_FRAGMENT(pagoda, m) {
   m.def("silu_mul_superblock_gemm(Tensor gate_up, Tensor packed) -> Tensor");
   m.def("superblock_rows(Tensor packed, Tensor ids) -> Tensor");
   m.def("superblock_isa() -> str", []() { return std::string(isa()); });
+  // from how many rows superblock_gemm takes the bf16 route outside deterministic inference (0: none here)
+  m.def("superblock_bf16_rows() -> int", []() -> int64_t {
+#if defined(PAGODA_AMX_BF16)
+    return amx_usable() ? BF16_MIN_ROWS : 0;
+#else
+    return 0;
+#endif
+  });
 }
 
 TORCH_LIBRARY_IMPL(pagoda, CPU, m) {

@@ -12,6 +12,7 @@ import torch
 from superblock_data import TYPE_IDS, TYPES, dequantized, int8_reference, kernel_cases, random_blocks
 
 from pagoda.layers import superblocks
+from pagoda.layers.backend import select_backend
 from pagoda.layers.cpu_kernels import load_cpu_kernels
 
 pytestmark = pytest.mark.skipif(load_cpu_kernels() is None, reason="pagoda's C++ kernels cannot be built here")
@@ -44,7 +45,15 @@ def test_tiles_hold_the_files_weights_exactly(ops, qtype):
         assert packed.numel() - 256 <= 1.03 * file_bytes
 
 
-def test_gemm_is_the_reference_arithmetic_at_every_row_count(ops):
+@pytest.fixture
+def batch_invariant():
+    """Deterministic inference: every row count on the integer kernels (outside it, many rows may
+    take the bf16 route, tested on its own below)."""
+    with select_backend("cpu").batch_invariant(True):
+        yield
+
+
+def test_gemm_is_the_reference_arithmetic_at_every_row_count(ops, batch_invariant):
     for qtype, x, blocks in kernel_cases():
         k = x.shape[1]
         weight = torch.from_numpy(dequantized(blocks.numpy(), qtype, k))
@@ -58,7 +67,7 @@ def test_block_matmul_takes_a_packed_weight(ops):
     assert torch.equal(ops.block_matmul(x, packed, superblocks.PACKED), _gemm(ops, x, packed))
 
 
-def test_a_rows_result_depends_on_no_other_row_or_part(ops):
+def test_a_rows_result_depends_on_no_other_row_or_part(ops, batch_invariant):
     """Batch invariance (a row's bits are the same alone or in a batch of 70), and a merged weight of
     parts in three types gives each part's own results."""
     rng = np.random.default_rng(2)
@@ -75,6 +84,30 @@ def test_a_rows_result_depends_on_no_other_row_or_part(ops):
     rows = ops.superblock_rows(merged, torch.tensor([0, 40, 69, 73, 80, 92]))
     weights = torch.cat([torch.from_numpy(dequantized(b.numpy(), q, 256)) for b, (q, _) in zip(blocks, parts)])
     assert torch.equal(rows, weights[[0, 40, 69, 73, 80, 92]])
+
+
+@pytest.mark.skipif(not (load_cpu_kernels() and load_cpu_kernels().superblock_bf16_rows()),
+                    reason="no bf16 route here (it needs AMX-BF16)")
+@pytest.mark.parametrize("qtype", TYPES)
+def test_many_rows_take_the_bf16_route_outside_deterministic_inference(ops, qtype):
+    """From superblock_bf16_rows() rows, outside deterministic inference: the bf16 GEMM of the
+    activations and the file's weights each rounded to bf16 (fp32 sums); below it, and under batch
+    invariance at any count, the integer kernels' rows, as a row alone gives them."""
+    rng = np.random.default_rng(4)
+    g = torch.Generator().manual_seed(4)
+    blocks = torch.from_numpy(random_blocks(qtype, 37, 512, rng))
+    packed, weight = _packed(ops, blocks, qtype, 512), torch.from_numpy(dequantized(blocks.numpy(), qtype, 512))
+    first = ops.superblock_bf16_rows()
+    for m in (first, first + 1, 70, 300):  # one row chunk, a ragged one, several work items
+        x = torch.randn(m, 512, generator=g)
+        bf16 = (x.bfloat16().double() @ weight.bfloat16().double().T)
+        got = _gemm(ops, x, packed)
+        assert ((got.double() - bf16).abs().max() / bf16.abs().max()).item() < 1e-5, (qtype, m)
+        alone = torch.cat([_gemm(ops, x[i:i + 1], packed) for i in range(m)])
+        with select_backend("cpu").batch_invariant(True):
+            assert torch.equal(_gemm(ops, x, packed), alone), (qtype, m)
+    x = torch.randn(first - 1, 512, generator=g)
+    assert torch.equal(_gemm(ops, x, packed), torch.cat([_gemm(ops, x[i:i + 1], packed) for i in range(first - 1)]))
 
 
 def test_fused_down_projection_is_silu_and_mul_then_the_gemm(ops):

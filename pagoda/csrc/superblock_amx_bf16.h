@@ -1,0 +1,167 @@
+// Many activation rows (a prefill chunk, a large decode batch) against super-block tiles as a bf16
+// GEMM on AMX tiles, where the CPU has AMX-BF16 and inference is not batch-invariant.
+//
+// The integer route (superblock_amx.h) is bound by its float steps per block of 32 (the scales of
+// the int8 activations and of the weights' blocks). Here each work item dequantizes its weight
+// tiles once into bf16, in the B-tile layout (per block of 32 inputs, 16 rows of 16 outputs x 2
+// consecutive inputs), and tdpbf16ps accumulates in fp32 over the whole K in the tile registers:
+// nothing per block but the tile instructions, and the dequantization is shared by all the rows.
+// The activations are rounded to bf16 instead of int8 per 32 (relative error <= 2^-9 each, as the
+// weights rounded to bf16 and as block_matmul's oneDNN route, which this mirrors for the super-block
+// formats). Like that route, a row's result depends on how many rows came with it, so it is taken
+// only outside deterministic inference (pagoda::batch_invariant).
+#pragma once
+
+#include <vector>
+
+#include "superblock_amx.h"
+
+#if defined(PAGODA_AMX_INT8) && defined(__AMX_BF16__) && defined(__AVX512BF16__)
+#define PAGODA_AMX_BF16 1
+
+namespace pagoda::superblock {
+
+// bf16 values of one block of one tile (16 outputs x 32 inputs) in the B tile's layout: row r holds
+// inputs 2r, 2r + 1 of each output.
+constexpr int64_t BF16_BLOCK = 16 * 32;
+
+template <int Q>
+inline __m512 quarter_weights(__m512i codes, __m512 scale, __m512 bias) {
+  // lane l of quarter Q is output 4Q + l / 4, input l % 4 of the vector's 4
+  const __m512i column = _mm512_add_epi32(_mm512_set1_epi32(4 * Q),
+                                          _mm512_srli_epi32(_mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4,
+                                                                              3, 2, 1, 0), 2));
+  const __m512 v = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm512_extracti32x4_epi32(codes, Q)));
+  return _mm512_fmsub_ps(_mm512_permutexvar_ps(column, scale), v, _mm512_permutexvar_ps(column, bias));
+}
+
+// One vector of codes (16 outputs x 4 consecutive inputs, as codes512 gives them) → the 2 B-tile
+// rows of those inputs' pairs: w = scale * code - bias per output, rounded to bf16.
+inline void store_pairs(__m512i codes, __m512 scale, __m512 bias, uint16_t* rows) {
+  const __m512i low = reinterpret_cast<__m512i>(_mm512_cvtne2ps_pbh(quarter_weights<1>(codes, scale, bias),
+                                                                    quarter_weights<0>(codes, scale, bias)));
+  const __m512i high = reinterpret_cast<__m512i>(_mm512_cvtne2ps_pbh(quarter_weights<3>(codes, scale, bias),
+                                                                     quarter_weights<2>(codes, scale, bias)));
+  // 32-bit unit 2c + p of `low` is output c's pair p (c < 8); `high` the same for outputs 8..15
+  const __m512i first = _mm512_set_epi32(30, 28, 26, 24, 22, 20, 18, 16, 14, 12, 10, 8, 6, 4, 2, 0);
+  const __m512i second = _mm512_add_epi32(first, _mm512_set1_epi32(1));
+  _mm512_storeu_si512(rows, _mm512_permutex2var_epi32(low, first, high));
+  _mm512_storeu_si512(rows + 32, _mm512_permutex2var_epi32(low, second, high));
+}
+
+// A tile's weights for all K as bf16 B tiles, block after block (value = d * sc * (code - offset)
+// - dmin * mn, as superblock_rows computes it, before the rounding).
+template <int64_t T>
+void dequantize_tile_bf16(const uint8_t* tile, int64_t ns, uint16_t* out) {
+  constexpr int64_t BLOCKS = blocks_per_super(T), SB = scale_bytes(T), CB = block_code_bytes(T), REC = record_bytes(T);
+  constexpr int H = T == Q6_K ? 2 : 1;
+  constexpr float OFFSET = is_iq4(T) ? 128.f : static_cast<float>(code_offset(T));
+  for (int64_t s = 0; s < ns; ++s) {
+    const uint8_t* rec = tile + s * REC;
+    const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(rec)));
+    const __m512 dmin = has_mins(T) ? _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(rec + 32)))
+                                    : _mm512_setzero_ps();
+    for (int64_t sub = 0; sub < BLOCKS; ++sub, out += BF16_BLOCK) {
+      __m512 scale[H], mins = _mm512_setzero_ps(), bias[H];
+      block_scales<T>(rec, d, dmin, sub, scale, mins);
+      for (int h = 0; h < H; ++h) bias[h] = _mm512_fmadd_ps(scale[h], _mm512_set1_ps(OFFSET), mins);
+      const uint8_t* block = rec + SB + sub * CB;
+      __m512i high[2];
+      for (int v = 0; v < (T == Q8_0 ? 0 : high_vectors(T)); ++v) high[v] = _mm512_loadu_si512(block + 256 + 64 * v);
+      for (int j = 0; j < 4; ++j) {
+        __m512i lo, hi;
+        codes512<T>(block, high, j, lo, hi);
+        store_pairs(lo, scale[0], bias[0], out + 2 * j * 32);         // inputs 4j .. 4j + 3
+        store_pairs(hi, scale[H - 1], bias[H - 1], out + (8 + 2 * j) * 32);  // 16 + 4j ..
+      }
+    }
+  }
+}
+
+// Tiles 0..3 the sums C[chunk][tile] (fp32), 4..5 A[chunk] (rows x 32 bf16), 6..7 B[tile].
+inline void configure_bf16_tiles(int rows0, int rows1) {
+  TileConfig cfg;
+  const int rows[2] = {rows0, rows1};
+  for (int t = 0; t < 2; ++t) {
+    if (rows[t] == 0) continue;
+    cfg.rows[2 * t] = cfg.rows[2 * t + 1] = cfg.rows[4 + t] = static_cast<uint8_t>(rows[t]);
+    cfg.colsb[2 * t] = cfg.colsb[2 * t + 1] = cfg.colsb[4 + t] = 64;
+  }
+  cfg.rows[6] = cfg.rows[7] = 16;
+  cfg.colsb[6] = cfg.colsb[7] = 64;
+  _tile_loadconfig(&cfg);
+}
+
+// `rows` (1..32) rows of bf16 activations (blocked: block b's rows at a + b * stride, 32 apart)
+// against C tiles of dequantized weights w[c] (nb blocks each), outputs n0 ...
+template <int CH, int C>
+void gemm_bf16(const uint16_t* const* w, int64_t nb, const uint16_t* a, int64_t stride, int rows, float* y,
+               int64_t ldy, int64_t N, int64_t n0) {
+  configure_bf16_tiles(std::min(rows, 16), rows - std::min(rows, 16));
+  _tile_zero(0);
+  if constexpr (C == 2) _tile_zero(1);
+  if constexpr (CH == 2) _tile_zero(2);
+  if constexpr (CH == 2 && C == 2) _tile_zero(3);
+  for (int64_t b = 0; b < nb; ++b) {
+    _tile_loadd(4, a + b * stride, 64);
+    if constexpr (CH == 2) _tile_loadd(5, a + b * stride + 16 * 32, 64);
+    _tile_loadd(6, w[0] + b * BF16_BLOCK, 64);
+    if constexpr (C == 2) _tile_loadd(7, w[1] + b * BF16_BLOCK, 64);
+    _tile_dpbf16ps(0, 4, 6);
+    if constexpr (C == 2) _tile_dpbf16ps(1, 4, 7);
+    if constexpr (CH == 2) _tile_dpbf16ps(2, 5, 6);
+    if constexpr (CH == 2 && C == 2) _tile_dpbf16ps(3, 5, 7);
+  }
+  alignas(64) float sums[4][256];
+  _tile_stored(0, sums[0], 64);
+  if constexpr (C == 2) _tile_stored(1, sums[1], 64);
+  if constexpr (CH == 2) _tile_stored(2, sums[2], 64);
+  if constexpr (CH == 2 && C == 2) _tile_stored(3, sums[3], 64);
+  _tile_release();
+  for (int r = 0; r < rows; ++r)
+    for (int c = 0; c < C; ++c)
+      store_outputs(_mm512_load_ps(sums[2 * (r / 16) + c] + 16 * (r % 16)), y + r * ldy, N, n0 + 16 * c);
+}
+
+// x [M, K] as bf16 block by block ([K / 32][M][32]: a block's rows one run for the tile loads).
+inline std::vector<uint16_t> blocked_bf16(const float* x, int64_t M, int64_t K) {
+  std::vector<uint16_t> out(M * K);
+  at::parallel_for(0, K / BLOCK, 16, [&](int64_t begin, int64_t end) {
+    for (int64_t b = begin; b < end; ++b)
+      for (int64_t m = 0; m < M; ++m) {
+        const float* src = x + m * K + b * BLOCK;
+        const __m512bh v = _mm512_cvtne2ps_pbh(_mm512_loadu_ps(src + 16), _mm512_loadu_ps(src));
+        _mm512_storeu_si512(&out[(b * M + m) * BLOCK], reinterpret_cast<__m512i>(v));
+      }
+  });
+  return out;
+}
+
+// Rows m0 .. m1 of the blocked activations against `count` tiles from `tiles` (outputs n0 ..):
+// each pair of tiles dequantized once, then taken by 32 rows at a time.
+template <int64_t T>
+void bf16_rows_of_tiles(const uint8_t* tiles, int64_t tile_bytes, int64_t ns, int64_t count, const uint16_t* a,
+                        int64_t M, int64_t m0, int64_t m1, float* y, int64_t ldy, int64_t N, int64_t n0) {
+  const int64_t nb = ns * blocks_per_super(T);
+  thread_local std::vector<uint16_t> buffer;
+  buffer.resize(2 * nb * BF16_BLOCK + 32);
+  uint16_t* base = buffer.data() + (32 - reinterpret_cast<uintptr_t>(buffer.data()) / 2 % 32) % 32;
+  const uint16_t* w[2] = {base, base + nb * BF16_BLOCK};
+  for (int64_t t = 0; t < count; t += 2, tiles += 2 * tile_bytes, n0 += 2 * COLS) {
+    const bool pair = count - t >= 2;
+    dequantize_tile_bf16<T>(tiles, ns, base);
+    if (pair) dequantize_tile_bf16<T>(tiles + tile_bytes, ns, base + nb * BF16_BLOCK);
+    for (int64_t m = m0; m < m1; m += 32) {
+      const int rows = static_cast<int>(std::min<int64_t>(32, m1 - m));
+      const uint16_t* am = a + m * 32;
+      float* ym = y + m * ldy;
+      if (rows > 16 && pair) gemm_bf16<2, 2>(w, nb, am, M * 32, rows, ym, ldy, N, n0);
+      else if (rows > 16) gemm_bf16<2, 1>(w, nb, am, M * 32, rows, ym, ldy, N, n0);
+      else if (pair) gemm_bf16<1, 2>(w, nb, am, M * 32, rows, ym, ldy, N, n0);
+      else gemm_bf16<1, 1>(w, nb, am, M * 32, rows, ym, ldy, N, n0);
+    }
+  }
+}
+
+}  // namespace pagoda::superblock
+#endif  // AMX-BF16
