@@ -1,9 +1,10 @@
 """The super-block GEMM per kernel build, side by side: GOP/s at Llama-3.2-1B's projection shapes.
 
-    python benchmarks/superblock_gemm.py --levels native,avx512-vnni --rounds 3
+    python benchmarks/superblock_gemm.py --levels native,native-deterministic,avx512-vnni --rounds 3
 
-Each build (a ``PAGODA_KERNEL_ISA`` level; ``native`` takes the AMX tiles on a CPU with AMX-INT8)
-runs in a process of its own, since two builds register the same ops; the levels take turns,
+Each build (a ``PAGODA_KERNEL_ISA`` level; ``native`` takes the AMX tiles on a CPU with AMX-INT8,
+and from 32 rows the bf16 route where it has AMX-BF16; ``-deterministic`` runs a level under batch
+invariance, which keeps the integer kernels at every row count) runs in a process of its own, since two builds register the same ops; the levels take turns,
 ``--rounds`` times, and each cell is the best call of all its rounds (other work on a shared
 machine only adds time). GOP/s = 2 M N K / 1e9 per call. The weights are random blocks of each
 format (speed does not depend on the values), warm in the caches between calls.
@@ -32,8 +33,9 @@ import numpy as np, torch
 sys.path[:0] = [sys.argv[1], sys.argv[1] + "/tests"]
 from pagoda.layers.cpu_kernels import load_cpu_kernels
 from superblock_data import TYPE_IDS, random_blocks
-ops, (shapes, ms, threads, budget) = load_cpu_kernels(), json.loads(sys.argv[2])
+ops, (shapes, ms, threads, budget, invariant) = load_cpu_kernels(), json.loads(sys.argv[2])
 torch.set_num_threads(threads)
+ops.set_batch_invariant(invariant)
 rng, cells = np.random.default_rng(0), []
 for name, n, k, qtype in shapes:
     packed = ops.superblock_repack([torch.from_numpy(random_blocks(qtype, n, k, rng))], [TYPE_IDS[qtype]], k)
@@ -49,8 +51,9 @@ print(json.dumps({"isa": ops.superblock_isa(), "cells": cells}))
 
 
 def run_level(level: str, ms: list[int], threads: int, budget: float) -> dict:
-    env = {**os.environ, "PAGODA_KERNEL_ISA": level}
-    args = json.dumps([SHAPES, ms, threads, budget])
+    build = level.removesuffix("-deterministic")
+    env = {**os.environ, "PAGODA_KERNEL_ISA": build}
+    args = json.dumps([SHAPES, ms, threads, budget, level.endswith("-deterministic")])
     out = subprocess.run([sys.executable, "-c", _CHILD, str(HERE.parent), args], env=env, check=True,
                          capture_output=True, text=True).stdout
     return json.loads(out.strip().splitlines()[-1])
@@ -58,7 +61,8 @@ def run_level(level: str, ms: list[int], threads: int, budget: float) -> dict:
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--levels", default="native,avx512-vnni", help="PAGODA_KERNEL_ISA levels to compare")
+    parser.add_argument("--levels", default="native,native-deterministic,avx512-vnni",
+                        help="PAGODA_KERNEL_ISA levels to compare (-deterministic: under batch invariance)")
     parser.add_argument("--ms", default="1,4,8,16,32,64,128", help="activation row counts")
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--rounds", type=int, default=3)

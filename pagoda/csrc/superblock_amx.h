@@ -1,13 +1,14 @@
-// The super-block GEMM on AMX-INT8 tiles (Sapphire Rapids and later), for many activation rows.
+// The super-block GEMM on AMX-INT8 tiles (Sapphire Rapids and later), for many activation rows
+// under deterministic inference (outside it the bf16 route, superblock_amx_bf16.h, takes them).
 //
 // One tdpbsud multiplies 16 activation rows by 16 outputs over a block of 32 (Q6_K: a half of 16),
 // where superblock_kernels.h's AVX-512 path spends 64 vpdpbusd. What is left are the float steps
 // per block, superblock_kernels.h's own (finish_block): the same integer sums, the same float
 // operations in the same order, so the same bits as every other path, and a row's result does not
 // depend on which path its batch took. Those steps (4-5 vector instructions per 16 outputs, row and
-// block of 32: the activations' scales are per 32) now bound the GEMM, so the tiles gain 1.05-1.16x
-// over the AVX-512 path at 32-128 rows on the Sapphire Rapids measured, not the tile unit's 5-9x
-// (benchmarks/README.md, "AMX").
+// block of 32: the activations' scales are per 32) now bound the GEMM, so the tiles gain 1.06-1.2x
+// over the AVX-512 path at 32-512 rows on the Sapphire Rapids measured, not the tile unit's 5-9x
+// (benchmarks/README.md, "A Sapphire Rapids with AMX").
 //
 // Per block, a tile's codes are unpacked (codes512: the bytes vpdpbusd would multiply) into the
 // layout a B tile takes, which is the tile's own: row j of the B tile holds, for each of the 16

@@ -110,8 +110,10 @@ void rows_against_group(const Part& p, int64_t first, int64_t count, const Rows&
 
 #if defined(PAGODA_AMX_INT8)
 // From this many rows of a work item on, the AMX tiles (superblock_amx.h) take the super-block
-// formats' (Q4_K, Q5_K, Q6_K, IQ4_XS) products. Below it, and for the blocks of 32 that have one
-// scale a block and no more, the AVX-512 path is as fast or faster (benchmarks/README.md, "AMX").
+// formats' (Q4_K, Q5_K, Q6_K, IQ4_XS) products (under deterministic inference: outside it the bf16
+// route takes these row counts). Below it, and for the blocks of 32 that have one scale a block
+// and no more, the AVX-512 path is as fast or faster (benchmarks/README.md, "A Sapphire Rapids
+// with AMX").
 constexpr int64_t AMX_MIN_ROWS = 32;
 #endif
 
