@@ -35,7 +35,6 @@
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
-#include <atomic>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -43,6 +42,7 @@
 #include <vector>
 
 #include "ggml_blocks.h"
+#include "work_items.h"
 
 namespace {
 
@@ -50,7 +50,6 @@ using namespace pagoda::ggml;
 
 constexpr int64_t COLS = 16;  // weight rows (output columns) in a tile: one vector of 16 int32 lanes
 constexpr int64_t ROW_BLOCK_BYTES = 192 * 1024;  // activation codes a thread runs its tiles against at once
-constexpr int64_t RUNS_PER_THREAD = 8;            // runs of tiles a row block is cut into, per thread
 
 // A tile holds, for each block in order, its 16 rows' codes (64-byte vectors):
 //   Q8_0: 8 vectors, vector l holding elements 4l .. 4l+3 of each row (row c at bytes 4c .. 4c+3)
@@ -626,25 +625,11 @@ void tiles_product(const QuantizedActivations& a, int64_t M, int64_t K, const at
   // while its tiles go by (a prefill's 2,048 rows of 576 are 1.2 MB: read again for every tile,
   // they came from L3). Which rows go together never changes a row's result.
   const int64_t row_block = std::max<int64_t>(TILE_ROWS, ROW_BLOCK_BYTES / K / TILE_ROWS * TILE_ROWS);
-  // The work, a row block against a run of tile groups at a time, goes to whichever thread is
-  // free, in order (both threads on one row block, each on its own tiles): on a shared machine a
-  // thread may lose its core for milliseconds, and the other then takes its share instead of
-  // waiting for it at the end, as ggml's mul_mat hands out its chunks.
-  const int64_t threads = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), groups));
-  const int64_t run = std::max<int64_t>(1, groups / (threads * RUNS_PER_THREAD));
-  const int64_t runs = (groups + run - 1) / run, items = (M + row_block - 1) / row_block * runs;
-  std::atomic<int64_t> next{0};
-  at::parallel_for(0, threads, 1, [&](int64_t, int64_t) {
-    for (int64_t item = next++; item < items; item = next++) {
-      const int64_t m0 = item / runs * row_block, m1 = std::min(M, m0 + row_block);
-      const int64_t g0 = item % runs * run, g1 = std::min(groups, g0 + run);
-      for (int64_t g = g0; g < g1; ++g) {
-        const int64_t first = g * TILE_GROUP, count = std::min<int64_t>(TILE_GROUP, num_tiles - first);
-        const uint8_t* group = t + first * tile_bytes;
-        if (TILE_GROUP == 2 && count == 2) rows_of_group<TILE_GROUP>(group, type, nb, a, m0, m1, K, y, N, first * COLS);
-        else rows_of_group<1>(group, type, nb, a, m0, m1, K, y, N, first * COLS);
-      }
-    }
+  pagoda::for_work_items(M, row_block, groups, [&](int64_t g, int64_t m0, int64_t m1) {
+    const int64_t first = g * TILE_GROUP, count = std::min<int64_t>(TILE_GROUP, num_tiles - first);
+    const uint8_t* group = t + first * tile_bytes;
+    if (TILE_GROUP == 2 && count == 2) rows_of_group<TILE_GROUP>(group, type, nb, a, m0, m1, K, y, N, first * COLS);
+    else rows_of_group<1>(group, type, nb, a, m0, m1, K, y, N, first * COLS);
   });
 }
 

@@ -13,7 +13,6 @@
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
-#include <atomic>
 #include <string>
 #include <vector>
 
@@ -21,6 +20,7 @@
 #include "superblock_amx.h"
 #include "superblock_amx_bf16.h"
 #include "superblock_kernels.h"
+#include "work_items.h"
 
 namespace {
 
@@ -31,7 +31,6 @@ constexpr int64_t MAGIC = 0x3154425347415050;  // "PPAGSBT1"
 constexpr int64_t HEADER_BYTES = 256;
 constexpr int64_t MAX_PARTS = (HEADER_BYTES / 8 - 4) / 2;
 constexpr int64_t ROW_BLOCK = 64;         // activation rows a work item takes (their codes stay in L2)
-constexpr int64_t RUNS_PER_THREAD = 8;    // runs of tile groups per thread: a preempted thread's share moves
 #if defined(PAGODA_AVX512_VNNI)
 constexpr int64_t GROUP = 2;  // tiles a kernel call takes (32 outputs)
 // ... for one row (a stream's decode): each tile a stream of reads, and more streams at once
@@ -156,25 +155,14 @@ void with_type(int64_t type, const F& f) {
   }
 }
 
-// work(part, first tile, tiles, m0, m1) for every part's tiles against all M rows; the work items (a
-// block of rows x a run of tile groups) go to whichever thread is free, as block_gemm_tiles.cpp
-// hands them out.
+// work(part, first tile, tiles, m0, m1) for every part's tile groups against all M rows
+// (work_items.h hands them to the threads).
 template <typename Work>
 void for_work_items(const Header& h, int64_t M, int64_t row_block, int64_t group, const Work& work) {
-  for (const Part& p : h.parts) {
-    const int64_t groups = (p.tiles + group - 1) / group;
-    const int64_t threads = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), groups));
-    const int64_t run = std::max<int64_t>(1, groups / (threads * RUNS_PER_THREAD));
-    const int64_t runs = (groups + run - 1) / run, items = (M + row_block - 1) / row_block * runs;
-    std::atomic<int64_t> next{0};
-    at::parallel_for(0, threads, 1, [&](int64_t, int64_t) {
-      for (int64_t item = next++; item < items; item = next++) {
-        const int64_t m0 = item / runs * row_block, m1 = std::min(M, m0 + row_block);
-        const int64_t g0 = item % runs * run, g1 = std::min(groups, g0 + run);
-        for (int64_t g = g0; g < g1; ++g) work(p, g * group, std::min(group, p.tiles - g * group), m0, m1);
-      }
+  for (const Part& p : h.parts)
+    pagoda::for_work_items(M, row_block, (p.tiles + group - 1) / group, [&](int64_t g, int64_t m0, int64_t m1) {
+      work(p, g * group, std::min(group, p.tiles - g * group), m0, m1);
     });
-  }
 }
 
 void product(const Header& h, const Rows& x, int64_t M, float* y) {
