@@ -47,20 +47,50 @@ struct alignas(64) TileConfig {
 };
 
 // rows0 / rows1 activation rows in the two chunks (rows1 may be 0: its tiles stay unconfigured),
-// `step` inputs a product covers (32, Q6_K 16).
-inline void configure_tiles(int rows0, int rows1, int step) {
+// `a_bytes` bytes of an A row (the inputs a product covers), `b_rows` rows of a B tile.
+inline void configure_tiles(int rows0, int rows1, int a_bytes, int b_rows) {
   TileConfig cfg;
   const int rows[2] = {rows0, rows1};
   for (int t = 0; t < 2; ++t) {
     if (rows[t] == 0) continue;
-    cfg.rows[2 * t] = cfg.rows[2 * t + 1] = static_cast<uint8_t>(rows[t]);
+    cfg.rows[2 * t] = cfg.rows[2 * t + 1] = cfg.rows[4 + t] = static_cast<uint8_t>(rows[t]);
     cfg.colsb[2 * t] = cfg.colsb[2 * t + 1] = 64;
-    cfg.rows[4 + t] = static_cast<uint8_t>(rows[t]);
-    cfg.colsb[4 + t] = static_cast<uint16_t>(step);
+    cfg.colsb[4 + t] = static_cast<uint16_t>(a_bytes);
   }
-  cfg.rows[6] = cfg.rows[7] = static_cast<uint8_t>(step / 4);
+  cfg.rows[6] = cfg.rows[7] = static_cast<uint8_t>(b_rows);
   cfg.colsb[6] = cfg.colsb[7] = 64;
   _tile_loadconfig(&cfg);
+}
+
+// This thread's scratch of n elements, 64-byte aligned, reused from call to call.
+template <typename E>
+E* scratch(int64_t n) {
+  thread_local std::vector<E> buffer;
+  buffer.resize(n + 64 / sizeof(E));
+  const uintptr_t address = reinterpret_cast<uintptr_t>(buffer.data());
+  return buffer.data() + (64 - address % 64) % 64 / sizeof(E);
+}
+
+// For the `count` tiles from `tiles` (outputs n0 ..) two at a time (the last may be alone):
+// prepare(c, tile) for each of the pair, then gemm(CH, C, tiles, m, rows, n) for rows m0 .. m1, 32
+// (two chunks of 16) at a time, CH and C as std::integral_constant.
+template <typename Prepare, typename Gemm>
+void by_tile_pairs(const uint8_t* tiles, int64_t tile_bytes, int64_t count, int64_t m0, int64_t m1, int64_t n0,
+                   const Prepare& prepare, const Gemm& gemm) {
+  using One = std::integral_constant<int, 1>;
+  using Two = std::integral_constant<int, 2>;
+  for (int64_t t = 0; t < count; t += 2, tiles += 2 * tile_bytes, n0 += 2 * COLS) {
+    const bool pair = count - t >= 2;
+    prepare(0, tiles);
+    if (pair) prepare(1, tiles + tile_bytes);
+    for (int64_t m = m0; m < m1; m += 32) {
+      const int rows = static_cast<int>(std::min<int64_t>(32, m1 - m));
+      if (rows > 16 && pair) gemm(Two{}, Two{}, tiles, m, rows, n0);
+      else if (rows > 16) gemm(Two{}, One{}, tiles, m, rows, n0);
+      else if (pair) gemm(One{}, Two{}, tiles, m, rows, n0);
+      else gemm(One{}, One{}, tiles, m, rows, n0);
+    }
+  }
 }
 
 // A tile's codes, unpacked into the B tile's layout, block after block (8 rows of 64 bytes each),
@@ -83,34 +113,28 @@ void unpack_tile(const uint8_t* tile, int64_t ns, uint8_t* codes) {
 }
 
 // The integer sums of block b: chunks CH (16 rows each) x tiles C, from the activations' blocked
-// codes and the tiles' unpacked ones, stored to sums[chunk][tile] (16 rows x 16 int32).
-// Written out per tile: GCC's tile intrinsics are macros that paste the tile number into the
-// instruction's text, so it cannot be a template or function argument.
+// codes and the tiles' unpacked ones, stored to sums[chunk][tile] (16 rows x 16 int32). GCC's tile
+// intrinsics are macros that paste the tile number into the instruction's text, so the number
+// cannot be a template or function argument: a macro takes the place of a helper.
+#define PAGODA_TILE_SUMS(SUM, A, B, OUT) \
+  do {                                   \
+    _tile_zero(SUM);                     \
+    _tile_dpbsud(SUM, A, B);             \
+    _tile_stored(SUM, OUT, 64);          \
+  } while (0)
+
 template <int CH, int C>
 inline void tile_products(const int8_t* a, const uint8_t* const* codes, int32_t (*sums)[2][256]) {
   _tile_loadd(4, a, BLOCK);
   if constexpr (CH == 2) _tile_loadd(5, a + 16 * BLOCK, BLOCK);
   _tile_loadd(6, codes[0], 64);
   if constexpr (C == 2) _tile_loadd(7, codes[1], 64);
-  _tile_zero(0);
-  _tile_dpbsud(0, 4, 6);
-  _tile_stored(0, sums[0][0], 64);
-  if constexpr (C == 2) {
-    _tile_zero(1);
-    _tile_dpbsud(1, 4, 7);
-    _tile_stored(1, sums[0][1], 64);
-  }
-  if constexpr (CH == 2) {
-    _tile_zero(2);
-    _tile_dpbsud(2, 5, 6);
-    _tile_stored(2, sums[1][0], 64);
-    if constexpr (C == 2) {
-      _tile_zero(3);
-      _tile_dpbsud(3, 5, 7);
-      _tile_stored(3, sums[1][1], 64);
-    }
-  }
+  PAGODA_TILE_SUMS(0, 4, 6, sums[0][0]);
+  if constexpr (C == 2) PAGODA_TILE_SUMS(1, 4, 7, sums[0][1]);
+  if constexpr (CH == 2) PAGODA_TILE_SUMS(2, 5, 6, sums[1][0]);
+  if constexpr (CH == 2 && C == 2) PAGODA_TILE_SUMS(3, 5, 7, sums[1][1]);
 }
+#undef PAGODA_TILE_SUMS
 
 // `rows` (1..32) activation rows against C tiles whose codes unpack_tile wrote (codes[c]): what
 // gemm_avx512<T, rows, C> computes. Block b + 1's integer sums are started before block b's float
@@ -120,7 +144,7 @@ void gemm_amx(const uint8_t* tiles, int64_t tile_bytes, const uint8_t* const* co
               int rows, float* y, int64_t ldy, int64_t N, int64_t n0) {
   constexpr int64_t BLOCKS = blocks_per_super(T), REC = record_bytes(T);
   constexpr int H = T == Q6_K ? 2 : 1, STEP = BLOCK / H;
-  configure_tiles(std::min(rows, 16), rows - std::min(rows, 16), STEP);
+  configure_tiles(std::min(rows, 16), rows - std::min(rows, 16), STEP, STEP / 4);
   alignas(64) int32_t sums[2][H][2][2][256];
   const auto start = [&](int64_t b) {
     for (int h = 0; h < H; ++h) {  // Q6_K: B rows 0..3 for elements 0..15, 4..7 for 16..31
@@ -160,25 +184,15 @@ void gemm_amx(const uint8_t* tiles, int64_t tile_bytes, const uint8_t* const* co
 template <int64_t T>
 void amx_rows_of_tiles(const uint8_t* tiles, int64_t tile_bytes, int64_t ns, int64_t count, const Rows& all, int64_t m0,
                        int64_t m1, float* y, int64_t ldy, int64_t N, int64_t n0) {
-  thread_local std::vector<uint8_t> buffer;  // 64-byte aligned below
   const int64_t bytes = ns * blocks_per_super(T) * 8 * 64;
-  buffer.resize(2 * bytes + 64);
-  uint8_t* base = buffer.data() + (64 - reinterpret_cast<uintptr_t>(buffer.data()) % 64) % 64;
+  uint8_t* base = scratch<uint8_t>(2 * bytes);
   const uint8_t* codes[2] = {base, base + bytes};
-  for (int64_t t = 0; t < count; t += 2, tiles += 2 * tile_bytes, n0 += 2 * COLS) {
-    const bool pair = count - t >= 2;
-    unpack_tile<T>(tiles, ns, base);
-    if (pair) unpack_tile<T>(tiles + tile_bytes, ns, base + bytes);
-    for (int64_t m = m0; m < m1; m += 32) {
-      const int rows = static_cast<int>(std::min<int64_t>(32, m1 - m));
-      const Rows x = all.from(m);
-      float* ym = y + m * ldy;
-      if (rows > 16 && pair) gemm_amx<T, 2, 2>(tiles, tile_bytes, codes, ns, x, rows, ym, ldy, N, n0);
-      else if (rows > 16) gemm_amx<T, 2, 1>(tiles, tile_bytes, codes, ns, x, rows, ym, ldy, N, n0);
-      else if (pair) gemm_amx<T, 1, 2>(tiles, tile_bytes, codes, ns, x, rows, ym, ldy, N, n0);
-      else gemm_amx<T, 1, 1>(tiles, tile_bytes, codes, ns, x, rows, ym, ldy, N, n0);
-    }
-  }
+  by_tile_pairs(tiles, tile_bytes, count, m0, m1, n0,
+                [&](int c, const uint8_t* tile) { unpack_tile<T>(tile, ns, base + c * bytes); },
+                [&](auto ch, auto cols, const uint8_t* pair, int64_t m, int rows, int64_t n) {
+                  constexpr int CH = decltype(ch)::value, C = decltype(cols)::value;
+                  gemm_amx<T, CH, C>(pair, tile_bytes, codes, ns, all.from(m), rows, y + m * ldy, ldy, N, n);
+                });
 }
 
 }  // namespace pagoda::superblock

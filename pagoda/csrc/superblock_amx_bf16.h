@@ -12,8 +12,6 @@
 // only outside deterministic inference (pagoda::batch_invariant).
 #pragma once
 
-#include <vector>
-
 #include "superblock_amx.h"
 
 #if defined(PAGODA_AMX_INT8) && defined(__AMX_BF16__) && defined(__AVX512BF16__)
@@ -78,26 +76,13 @@ void dequantize_tile_bf16(const uint8_t* tile, int64_t ns, uint16_t* out) {
   }
 }
 
-// Tiles 0..3 the sums C[chunk][tile] (fp32), 4..5 A[chunk] (rows x 32 bf16), 6..7 B[tile].
-inline void configure_bf16_tiles(int rows0, int rows1) {
-  TileConfig cfg;
-  const int rows[2] = {rows0, rows1};
-  for (int t = 0; t < 2; ++t) {
-    if (rows[t] == 0) continue;
-    cfg.rows[2 * t] = cfg.rows[2 * t + 1] = cfg.rows[4 + t] = static_cast<uint8_t>(rows[t]);
-    cfg.colsb[2 * t] = cfg.colsb[2 * t + 1] = cfg.colsb[4 + t] = 64;
-  }
-  cfg.rows[6] = cfg.rows[7] = 16;
-  cfg.colsb[6] = cfg.colsb[7] = 64;
-  _tile_loadconfig(&cfg);
-}
-
 // `rows` (1..32) rows of bf16 activations (blocked: block b's rows at a + b * stride, 32 apart)
 // against C tiles of dequantized weights w[c] (nb blocks each), outputs n0 ...
 template <int CH, int C>
 void gemm_bf16(const uint16_t* const* w, int64_t nb, const uint16_t* a, int64_t stride, int rows, float* y,
                int64_t ldy, int64_t N, int64_t n0) {
-  configure_bf16_tiles(std::min(rows, 16), rows - std::min(rows, 16));
+  // tiles 0..3 the sums C[chunk][tile] (fp32), 4..5 A[chunk] (rows x 32 bf16), 6..7 B[tile]
+  configure_tiles(std::min(rows, 16), rows - std::min(rows, 16), 64, 16);
   _tile_zero(0);
   if constexpr (C == 2) _tile_zero(1);
   if constexpr (CH == 2) _tile_zero(2);
@@ -124,14 +109,15 @@ void gemm_bf16(const uint16_t* const* w, int64_t nb, const uint16_t* a, int64_t 
 }
 
 // x [M, K] as bf16 block by block ([K / 32][M][32]: a block's rows one run for the tile loads).
-inline std::vector<uint16_t> blocked_bf16(const float* x, int64_t M, int64_t K) {
-  std::vector<uint16_t> out(M * K);
+inline at::Tensor blocked_bf16(const float* x, int64_t M, int64_t K) {
+  at::Tensor out = at::empty({M * K}, at::kBFloat16);  // every element written below
+  uint16_t* o = reinterpret_cast<uint16_t*>(out.data_ptr<at::BFloat16>());
   at::parallel_for(0, K / BLOCK, 16, [&](int64_t begin, int64_t end) {
     for (int64_t b = begin; b < end; ++b)
       for (int64_t m = 0; m < M; ++m) {
         const float* src = x + m * K + b * BLOCK;
         const __m512bh v = _mm512_cvtne2ps_pbh(_mm512_loadu_ps(src + 16), _mm512_loadu_ps(src));
-        _mm512_storeu_si512(&out[(b * M + m) * BLOCK], reinterpret_cast<__m512i>(v));
+        _mm512_storeu_si512(o + (b * M + m) * BLOCK, reinterpret_cast<__m512i>(v));
       }
   });
   return out;
@@ -143,24 +129,14 @@ template <int64_t T>
 void bf16_rows_of_tiles(const uint8_t* tiles, int64_t tile_bytes, int64_t ns, int64_t count, const uint16_t* a,
                         int64_t M, int64_t m0, int64_t m1, float* y, int64_t ldy, int64_t N, int64_t n0) {
   const int64_t nb = ns * blocks_per_super(T);
-  thread_local std::vector<uint16_t> buffer;
-  buffer.resize(2 * nb * BF16_BLOCK + 32);
-  uint16_t* base = buffer.data() + (32 - reinterpret_cast<uintptr_t>(buffer.data()) / 2 % 32) % 32;
+  uint16_t* base = scratch<uint16_t>(2 * nb * BF16_BLOCK);
   const uint16_t* w[2] = {base, base + nb * BF16_BLOCK};
-  for (int64_t t = 0; t < count; t += 2, tiles += 2 * tile_bytes, n0 += 2 * COLS) {
-    const bool pair = count - t >= 2;
-    dequantize_tile_bf16<T>(tiles, ns, base);
-    if (pair) dequantize_tile_bf16<T>(tiles + tile_bytes, ns, base + nb * BF16_BLOCK);
-    for (int64_t m = m0; m < m1; m += 32) {
-      const int rows = static_cast<int>(std::min<int64_t>(32, m1 - m));
-      const uint16_t* am = a + m * 32;
-      float* ym = y + m * ldy;
-      if (rows > 16 && pair) gemm_bf16<2, 2>(w, nb, am, M * 32, rows, ym, ldy, N, n0);
-      else if (rows > 16) gemm_bf16<2, 1>(w, nb, am, M * 32, rows, ym, ldy, N, n0);
-      else if (pair) gemm_bf16<1, 2>(w, nb, am, M * 32, rows, ym, ldy, N, n0);
-      else gemm_bf16<1, 1>(w, nb, am, M * 32, rows, ym, ldy, N, n0);
-    }
-  }
+  by_tile_pairs(tiles, tile_bytes, count, m0, m1, n0,
+                [&](int c, const uint8_t* tile) { dequantize_tile_bf16<T>(tile, ns, base + c * nb * BF16_BLOCK); },
+                [&](auto ch, auto cols, const uint8_t*, int64_t m, int rows, int64_t n) {
+                  constexpr int CH = decltype(ch)::value, C = decltype(cols)::value;
+                  gemm_bf16<CH, C>(w, nb, a + m * BLOCK, M * BLOCK, rows, y + m * ldy, ldy, N, n);
+                });
 }
 
 }  // namespace pagoda::superblock

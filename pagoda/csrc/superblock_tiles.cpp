@@ -8,7 +8,8 @@
 // The activations are quantized once for all parts (int8 per block of 32, ggml_blocks.h).
 //
 // Registered as torch.ops.pagoda.superblock_repack / superblock_gemm / silu_mul_superblock_gemm /
-// superblock_rows / superblock_isa / superblock_bf16_rows; block_matmul takes a weight of type PACKED (1000) here.
+// superblock_rows / superblock_isa / superblock_bf16_rows; block_matmul takes a weight of type
+// PACKED (1000) here.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
@@ -168,7 +169,9 @@ void for_work_items(const Header& h, int64_t M, int64_t row_block, int64_t group
 void product(const Header& h, const Rows& x, int64_t M, float* y) {
   for_work_items(h, M, ROW_BLOCK, M == 1 ? WIDE_GROUP : GROUP,
                  [&](const Part& p, int64_t first, int64_t count, int64_t m0, int64_t m1) {
-                   with_type(p.type, [&](auto t) { rows_of_group<decltype(t)::value>(p, first, count, x, m0, m1, y, h.N); });
+                   with_type(p.type, [&](auto t) {
+                     rows_of_group<decltype(t)::value>(p, first, count, x, m0, m1, y, h.N);
+                   });
                  });
 }
 
@@ -178,10 +181,11 @@ constexpr int64_t BF16_MIN_ROWS = 32;
 constexpr int64_t BF16_ROW_BLOCK = 256;  // rows a work item takes: its tiles are dequantized once for them
 
 void bf16_product(const Header& h, const at::Tensor& x, int64_t M, float* y) {
-  const std::vector<uint16_t> a = blocked_bf16(x.data_ptr<float>(), M, h.K);
+  const at::Tensor blocked = blocked_bf16(x.data_ptr<float>(), M, h.K);
+  const uint16_t* a = reinterpret_cast<const uint16_t*>(blocked.data_ptr<at::BFloat16>());
   for_work_items(h, M, BF16_ROW_BLOCK, 2, [&](const Part& p, int64_t first, int64_t count, int64_t m0, int64_t m1) {
     with_type(p.type, [&](auto t) {
-      bf16_rows_of_tiles<decltype(t)::value>(p.data + first * p.tile_bytes, p.tile_bytes, p.supers, count, a.data(), M,
+      bf16_rows_of_tiles<decltype(t)::value>(p.data + first * p.tile_bytes, p.tile_bytes, p.supers, count, a, M,
                                              m0, m1, y + p.col, h.N, p.rows, first * COLS);
     });
   });
@@ -242,16 +246,17 @@ at::Tensor gemm(const at::Tensor& rows, int64_t K, const at::Tensor& packed, con
     });
   }
   Rows x{a.q.data(), a.d.data(), a.s.data(), a.sum.data(), low.empty() ? nullptr : low.data(), K, nb};
-  std::vector<int8_t> blocked;
+  at::Tensor blocked;
 #if defined(PAGODA_AMX_INT8)
   // the AMX tiles read a block's rows as one run (K bytes apart they fall in one or two cache sets)
   if (M >= AMX_MIN_ROWS && amx_usable() && has_k_quant(h)) {
-    blocked.resize(M * K);
+    blocked = at::empty({M * K}, at::kChar);  // every byte copied below
+    int8_t* codes = blocked.data_ptr<int8_t>();
     at::parallel_for(0, nb, 16, [&](int64_t begin, int64_t end) {
       for (int64_t b = begin; b < end; ++b)
-        for (int64_t m = 0; m < M; ++m) std::memcpy(&blocked[(b * M + m) * BLOCK], &a.q[m * K + b * BLOCK], BLOCK);
+        for (int64_t m = 0; m < M; ++m) std::memcpy(codes + (b * M + m) * BLOCK, &a.q[m * K + b * BLOCK], BLOCK);
     });
-    x.blocked = blocked.data();
+    x.blocked = codes;
     x.block_stride = M * BLOCK;
   }
 #endif
