@@ -60,6 +60,7 @@ PEAK_LOOPS = {  # isa_peak.c function -> OP per call per iteration per thread
     "avx_vnni256 (int8, AVX-VNNI)": ("avx_vnni256", 12 * 64),
     "avx2_maddubs256 (int8, AVX2)": ("avx2_maddubs256", 12 * 64),
     "avx2_maddubs_i16_256 (int8, AVX2, int16 sums)": ("avx2_maddubs_i16_256", 12 * 64),
+    "amx_bf16 (bf16 tiles, AMX)": ("amx_bf16", 4 * 16 * 16 * 32 * 2),
 }
 
 

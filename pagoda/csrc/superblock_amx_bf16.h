@@ -23,28 +23,26 @@ namespace pagoda::superblock {
 // inputs 2r, 2r + 1 of each output.
 constexpr int64_t BF16_BLOCK = 16 * 32;
 
-template <int Q>
-inline __m512 quarter_weights(__m512i codes, __m512 scale, __m512 bias) {
-  // lane l of quarter Q is output 4Q + l / 4, input l % 4 of the vector's 4
-  const __m512i column = _mm512_add_epi32(_mm512_set1_epi32(4 * Q),
-                                          _mm512_srli_epi32(_mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4,
-                                                                              3, 2, 1, 0), 2));
-  const __m512 v = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm512_extracti32x4_epi32(codes, Q)));
-  return _mm512_fmsub_ps(_mm512_permutexvar_ps(column, scale), v, _mm512_permutexvar_ps(column, bias));
-}
+// Word i of the product of cvtne2ps(second, first) (first's 16 values, then second's) that goes
+// to word i of a B-tile row: output o's pair of inputs side by side, words 2o and 2o + 1.
+alignas(64) inline constexpr uint16_t PAIR_WORDS[32] = {0, 16, 1, 17, 2, 18, 3, 19, 4, 20, 5, 21, 6, 22, 7, 23,
+                                                       8, 24, 9, 25, 10, 26, 11, 27, 12, 28, 13, 29, 14, 30, 15, 31};
 
-// One vector of codes (16 outputs x 4 consecutive inputs, as codes512 gives them) → the 2 B-tile
-// rows of those inputs' pairs: w = scale * code - bias per output, rounded to bf16.
+// One vector of codes (lane o: output o's 4 consecutive inputs, a byte each, as codes512 gives
+// them) → the 2 B-tile rows of those inputs' pairs: w = scale * code - bias per output, rounded
+// to bf16. Byte k of every lane is input k of every output, so the per-output scale and bias
+// apply lane for lane.
 inline void store_pairs(__m512i codes, __m512 scale, __m512 bias, uint16_t* rows) {
-  const __m512i low = reinterpret_cast<__m512i>(_mm512_cvtne2ps_pbh(quarter_weights<1>(codes, scale, bias),
-                                                                    quarter_weights<0>(codes, scale, bias)));
-  const __m512i high = reinterpret_cast<__m512i>(_mm512_cvtne2ps_pbh(quarter_weights<3>(codes, scale, bias),
-                                                                     quarter_weights<2>(codes, scale, bias)));
-  // 32-bit unit 2c + p of `low` is output c's pair p (c < 8); `high` the same for outputs 8..15
-  const __m512i first = _mm512_set_epi32(30, 28, 26, 24, 22, 20, 18, 16, 14, 12, 10, 8, 6, 4, 2, 0);
-  const __m512i second = _mm512_add_epi32(first, _mm512_set1_epi32(1));
-  _mm512_storeu_si512(rows, _mm512_permutex2var_epi32(low, first, high));
-  _mm512_storeu_si512(rows + 32, _mm512_permutex2var_epi32(low, second, high));
+  const __m512i byte = _mm512_set1_epi32(0xFF);
+  const auto weights = [&](__m512i c) { return _mm512_fmsub_ps(scale, _mm512_cvtepi32_ps(c), bias); };
+  const __m512 w0 = weights(_mm512_and_si512(codes, byte));
+  const __m512 w1 = weights(_mm512_and_si512(_mm512_srli_epi32(codes, 8), byte));
+  const __m512 w2 = weights(_mm512_and_si512(_mm512_srli_epi32(codes, 16), byte));
+  const __m512 w3 = weights(_mm512_srli_epi32(codes, 24));
+  const __m512i pairs = _mm512_load_si512(PAIR_WORDS);
+  _mm512_storeu_si512(rows, _mm512_permutexvar_epi16(pairs, reinterpret_cast<__m512i>(_mm512_cvtne2ps_pbh(w1, w0))));
+  _mm512_storeu_si512(rows + 32,
+                      _mm512_permutexvar_epi16(pairs, reinterpret_cast<__m512i>(_mm512_cvtne2ps_pbh(w3, w2))));
 }
 
 // A tile's weights for all K as bf16 B tiles, block after block (value = d * sc * (code - offset)
