@@ -91,7 +91,7 @@ async def _drive(base: str, streams: int, tokens: int) -> dict:
 
 def _micro(terms_file: str, pieces: list[str]) -> dict:
     """The filter alone: the streamed token texts through one guard per stream-sized run."""
-    from pagoda.security.moderation import WordFilter
+    from pagoda.engine.content_filter import WordFilter
 
     t = time.perf_counter()
     word_filter = WordFilter.from_files([terms_file])
@@ -131,7 +131,7 @@ def main() -> None:
     work = Path(tempfile.mkdtemp(prefix="moderation-bench-"))
     terms_file = work / "synthetic.txt"
     terms = synthetic_terms(ns.terms)
-    from pagoda.security.moderation import WordFilter
+    from pagoda.engine.content_filter import WordFilter
 
     probe = WordFilter({"probe": terms})  # pseudo-words can be English words: keep the prompts clean
     in_prompts = {h.term for p in PROMPTS for h in probe.scan(p)}

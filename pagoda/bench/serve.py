@@ -25,7 +25,7 @@ from datetime import datetime
 from typing import TYPE_CHECKING
 
 from pagoda.bench import datasets
-from pagoda.bench.metrics import (DEFAULT_PERCENTILES, RequestResult, format_summary, parse_slos, percentile,
+from pagoda.bench.metrics import (DEFAULT_PERCENTILES, RequestResult, percentile,
                                  spec_summary, summarize)
 from pagoda.bench.servers import scrape_spec_decode
 
@@ -302,27 +302,3 @@ def save_json(path: str, record: dict) -> None:
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(record, indent=2, default=str))
     print(f"saved {out}")
-
-
-def main(ns: argparse.Namespace) -> int:
-    tokenizer = datasets.load_tokenizer(ns.tokenizer or ns.model)
-    if tokenizer is None:
-        if ns.tokenizer:
-            raise ValueError(f"--tokenizer {ns.tokenizer!r} is not a local model directory, .gguf file or catalog name")
-        print("note: no tokenizer (pass --tokenizer MODEL): prompt lengths are estimates and output tokens "
-              "come from the server's usage or the chunk count", file=sys.stderr)
-    slos = parse_slos(ns.goodput)
-    percentiles = parse_percentiles(ns.percentiles)
-    cfg = config_from_args(ns)
-    label = ns.label or cfg.base_url
-    if ns.sweep_concurrency:
-        from pagoda.bench import sweep
-
-        return sweep.main(ns, cfg, tokenizer, slos, percentiles, label)
-    requests = datasets.build_requests(ns, tokenizer, ns.num_prompts or 64, as_text=ns.prompt_format == "text")
-    summary, _ = asyncio.run(benchmark(cfg, requests, tokenizer=tokenizer, slos=slos, percentiles=percentiles,
-                                       warmup=ns.warmup))
-    print(format_summary(summary, f"Serving Benchmark Result: {label}"))
-    if ns.save_result:
-        save_json(ns.save_result, {**environment(ns), "label": label, "model": cfg.model, "result": summary})
-    return 0 if summary["completed"] else 1

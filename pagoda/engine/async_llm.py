@@ -96,7 +96,7 @@ class AsyncLLM:
                        priority: int = 0, cache_salt: str | None = None,
                        session_id: str | None = None, moderation=None) -> AsyncIterator[RequestOutput]:
         """Yield DELTA outputs for one request until it finishes; abort it if the caller stops.
-        `moderation` (pagoda.security.moderation.Moderation) filters its output text."""
+        `moderation` (pagoda.engine.content_filter.Moderation) filters its output text."""
         if not self.healthy:
             state = "restarting" if self.restarting else f"not running: {self.dead_error}"
             raise EngineDeadError(f"the engine is {state}")

@@ -8,6 +8,7 @@ from collections.abc import Sequence
 from tqdm import tqdm
 
 from pagoda.config import DEFAULT_MODEL, EngineArgs
+from pagoda.engine.content_filter import Moderation
 from pagoda.engine.llm_engine import LLMEngine, PromptType
 from pagoda.outputs import RequestOutput
 from pagoda.sampling_params import RequestOutputKind, SamplingParams
@@ -31,8 +32,6 @@ class LLM:
         masked); pagoda.lang's in-process Engine takes the same keywords."""
         moderation = None
         if moderation_words:
-            from pagoda.security.moderation import Moderation
-
             moderation = Moderation.from_files(moderation_words, moderation_action)
         self.engine = LLMEngine.from_engine_args(EngineArgs(model=model, **kwargs))
         self.engine.moderation = moderation

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from pagoda.config import EngineArgs, EngineConfig
+from pagoda.engine.content_filter import ContentFilterError
 from pagoda.engine.core import EngineCore, RequestLimits
 from pagoda.engine.output_processor import OutputProcessor
 from pagoda.generation_defaults import sampling_defaults
@@ -55,7 +56,7 @@ class LLMEngine:
         self.eos_token_ids = set(self.tokenizer.eos_token_ids)
         # The model's own defaults for what a request leaves unset (generation_defaults.py)
         self.sampling_defaults = sampling_defaults(config.model.generation_config, config.model.files.metadata_dir)
-        # The content filter of add_request's requests (pagoda.security.moderation.Moderation;
+        # The content filter of add_request's requests (pagoda.engine.content_filter.Moderation;
         # LLM(moderation_words=...)): prompts checked, output filtered as it is generated.
         self.moderation = None
 
@@ -114,8 +115,6 @@ class LLMEngine:
         moderation = moderation if moderation is not None else self.moderation
         prepared = self.prepare_request(request_id, prompt, params, priority, arrival_time, cache_salt, session_id)
         if moderation is not None:
-            from pagoda.security.moderation import ContentFilterError
-
             text = prepared.prompt if prepared.prompt is not None else self.tokenizer.decode(prepared.prompt_token_ids)
             name = moderation.check_input(text)
             if name is not None:

@@ -38,7 +38,7 @@ class SampleState:
     sent_text: int = 0  # DELTA mode: chars / tokens / logprob entries already handed out
     sent_tokens: int = 0
     sent_finish: bool = False
-    # The content filter (pagoda/security/moderation.py), when the request has one: its guard,
+    # The content filter (pagoda/engine/content_filter.py), when the request has one: its guard,
     # how much of the text it has taken, and the text it let through (what is handed out).
     guard: Any = None
     guard_fed: int = 0
@@ -73,7 +73,7 @@ class OutputProcessor:
 
     def add_request(self, request_id: str, prompt: str | None, prompt_token_ids: list[int],
                     samples: list[tuple[str, SamplingParams]], arrival_time: float, moderation: Any = None) -> None:
-        """`moderation` (a pagoda.security.moderation.Moderation) checks each sample's text as it
+        """`moderation` (a pagoda.engine.content_filter.Moderation) checks each sample's text as it
         is generated: held back, masked, or the sample stopped with finish_reason "content_filter"."""
         first = samples[0][1]
         state = RequestState(

@@ -233,9 +233,9 @@ def cmd_bench_throughput(ns: argparse.Namespace) -> int:
 
 
 def cmd_bench_serve(ns: argparse.Namespace) -> int:
-    from pagoda.bench import serve
+    from pagoda.bench import serve_command
 
-    return serve.main(ns)
+    return serve_command.main(ns)
 
 
 def cmd_bench_plot(ns: argparse.Namespace) -> int:

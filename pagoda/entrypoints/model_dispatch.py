@@ -34,13 +34,14 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 from pagoda import __version__
 from pagoda.entrypoints import ollama
 from pagoda.entrypoints.ollama import common as ollama_common, models as ollama_models
-from pagoda.entrypoints.model_pool import ModelPool, ModelSpec
+from pagoda.entrypoints.model_pool import ModelPool
+from pagoda.entrypoints.openai.error_handlers import install_error_handlers
 from pagoda.entrypoints.openai.lifecycle import Lifecycle, shutting_down
 from pagoda.entrypoints.openai.middleware import (
     MAX_BODY_BYTES, APIKeyCheck, BodyLimit, FastJSONResponse, error_response,
 )
-from pagoda.entrypoints.openai.serving import OpenAIError
-from pagoda.entrypoints.served_models import FOREVER, parse_keep_alive
+from pagoda.entrypoints.openai.errors import OpenAIError
+from pagoda.entrypoints.served_models import FOREVER, ModelSpec, parse_keep_alive
 from pagoda.entrypoints.web.api_docs import install_api_docs
 from pagoda.entrypoints.web.pages import install_pages
 from pagoda.security.context import request_context
@@ -232,8 +233,6 @@ def _json_object(body: bytes) -> dict | None:
 def build_front_app(pool: ModelPool, metric_families, *, api_key: str | None = None,
                     max_body_bytes: int = MAX_BODY_BYTES, web_ui: bool = True) -> FastAPI:
     """The app `pagoda serve` runs with several models (module docstring)."""
-    from pagoda.entrypoints.openai.api_server import install_error_handlers
-
     app = FastAPI(title="pagoda", version=__version__, default_response_class=FastJSONResponse, docs_url=None)
     install_api_docs(app)  # the vendored Swagger UI: /docs works offline
     app.state.pool = pool

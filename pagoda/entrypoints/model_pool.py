@@ -33,8 +33,8 @@ from pathlib import Path
 from typing import Any
 
 from pagoda.entrypoints.app_memory import stop_and_release
-from pagoda.entrypoints.openai.serving import OpenAIError
-from pagoda.entrypoints.served_models import DEFAULT_KEEP_ALIVE, FOREVER
+from pagoda.entrypoints.openai.errors import OpenAIError
+from pagoda.entrypoints.served_models import DEFAULT_KEEP_ALIVE, FOREVER, ModelSpec
 
 logger = logging.getLogger("pagoda.server")
 
@@ -42,27 +42,6 @@ GiB = 1 << 30
 
 
 # -- what is served -------------------------------------------------------------------------------
-@dataclass
-class ModelSpec:
-    """One model the server may serve: its names, the namespace of serve flags it loads with
-    (the command line's, with the model's own engine flags from a models file), keep_alive."""
-
-    names: list[str]
-    args: Any  # argparse.Namespace of `pagoda serve`, `model` set to this model
-    keep_alive: float | None = DEFAULT_KEEP_ALIVE
-    preload: bool = False
-    aliases: list[str] = field(default_factory=list)  # other names requests may use (catalog names)
-    config: Any = None  # the EngineConfig (files, dtype, context), resolved at start-up
-    description: dict | None = None  # Ollama's description of it (model_dispatch._description)
-
-    @property
-    def name(self) -> str:
-        return self.names[0]
-
-    def accepts(self, name: str) -> bool:
-        return name in self.names or name in self.aliases
-
-
 @dataclass
 class LoadedModel:
     """A model that is loaded: its app, engine and the pool's bookkeeping."""

@@ -21,18 +21,38 @@ from __future__ import annotations
 import argparse
 import copy
 import re
-from dataclasses import fields
+from dataclasses import dataclass, field, fields
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from pagoda.engine_args import EngineArgs
-
-if TYPE_CHECKING:
-    from pagoda.entrypoints.model_pool import ModelSpec
+from pagoda.loader.catalog import catalog_aliases
 
 SPEC_KEYS = {"model", "served_model_name", "keep_alive", "preload"}
 DEFAULT_KEEP_ALIVE = 300.0  # Ollama's default: five minutes
 FOREVER = None  # keep_alive of a model that stays loaded until the server stops
+
+
+@dataclass
+class ModelSpec:
+    """One model the server may serve: its names, the namespace of serve flags it loads with
+    (the command line's, with the model's own engine flags from a models file), keep_alive."""
+
+    names: list[str]
+    args: Any  # argparse.Namespace of `pagoda serve`, `model` set to this model
+    keep_alive: float | None = DEFAULT_KEEP_ALIVE
+    preload: bool = False
+    aliases: list[str] = field(default_factory=list)  # other names requests may use (catalog names)
+    config: Any = None  # the EngineConfig (files, dtype, context), resolved at start-up
+    description: dict | None = None  # Ollama's description of it (model_dispatch._description)
+
+    @property
+    def name(self) -> str:
+        return self.names[0]
+
+    def accepts(self, name: str) -> bool:
+        return name in self.names or name in self.aliases
+
 
 
 # -- keep_alive values: Ollama's durations ------------------------------------------------------
@@ -142,9 +162,6 @@ def model_specs(args: argparse.Namespace) -> list[ModelSpec]:
 
 
 def _spec(args: argparse.Namespace, entry: dict, default_keep_alive: float | None) -> ModelSpec:
-    from pagoda.entrypoints.model_pool import ModelSpec
-    from pagoda.entrypoints.openai.api_server import _catalog_aliases
-
     ns = copy.copy(args)
     ns.model, ns.models = entry["model"], None
     for key, value in entry.items():
@@ -156,7 +173,7 @@ def _spec(args: argparse.Namespace, entry: dict, default_keep_alive: float | Non
     keep_alive = _keep_alive(entry["keep_alive"], f"keep_alive of {entry['model']}") \
         if "keep_alive" in entry else default_keep_alive
     return ModelSpec(names=list(names), args=ns, keep_alive=keep_alive, preload=bool(entry.get("preload", False)),
-                     aliases=[a for a in _catalog_aliases(entry["model"], names) if a not in names])
+                     aliases=[a for a in catalog_aliases(entry["model"], names) if a not in names])
 
 
 def _keep_alive(value: Any, where: str) -> float | None:

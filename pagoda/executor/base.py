@@ -52,20 +52,3 @@ class Executor(ABC):
 
     def shutdown(self) -> None:
         self.driver_worker.shutdown()
-
-
-def make_executor(config: EngineConfig) -> Executor:
-    backend = config.parallel.backend
-    if backend == "uni":
-        from pagoda.executor.uniproc import UniProcExecutor
-
-        return UniProcExecutor(config)
-    if backend == "mp":
-        from pagoda.executor.multiproc import MultiprocExecutor
-
-        return MultiprocExecutor(config)
-    if backend == "ray":
-        from pagoda.executor.ray import RayExecutor
-
-        return RayExecutor(config)
-    raise ValueError(f"unknown distributed executor backend {backend!r}")

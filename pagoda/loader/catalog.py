@@ -279,3 +279,13 @@ def list_models() -> list[dict[str, Any]]:
             "chat": entry.chat,
         })
     return rows
+
+
+def catalog_aliases(model_root: str | None, served_model_names: list[str]) -> list[str]:
+    """Other names of the served model: a catalog model's name and aliases, when `--model` (a
+    catalog name, or the path of the catalog's own file) or a served name is a catalog model."""
+    entries = [resolve_catalog_name(name) for name in [model_root or "", *served_model_names]]
+    if model_root:
+        given = Path(model_root).expanduser()
+        entries += [e for e in CATALOG if given in (model_path(e), model_path(e).parent)]
+    return [name for e in dict.fromkeys(e for e in entries if e is not None) for name in (e.name, *e.aliases)]

@@ -27,6 +27,8 @@ import time
 from contextvars import ContextVar
 from typing import TYPE_CHECKING
 
+from pagoda.entrypoints.openai.errors import OpenAIError
+
 if TYPE_CHECKING:
     from pagoda.security.auth import KeyEntry, Role
     from pagoda.security.limits import TenantLimits
@@ -190,8 +192,6 @@ def note_filter_hit(name: str) -> None:
 
 
 def _error(message: str, status: int, type_: str, code: str, param: str | None = None, headers: dict | None = None):
-    from pagoda.entrypoints.openai.serving import OpenAIError
-
     return OpenAIError(message, status=status, type_=type_, param=param, code=code, headers=headers)
 
 

@@ -21,6 +21,7 @@ import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from pagoda.store.blobs import digest_bytes, has_blob, write_blob
 from pagoda.store.layout import Ref, StoreLayout, digest_hex
 
 DOCKER_MANIFEST = "application/vnd.docker.distribution.manifest.v2+json"
@@ -79,7 +80,6 @@ class Manifest:
 
     @property
     def digest(self) -> str:
-        from pagoda.store.blobs import digest_bytes
 
         return digest_bytes(self.to_bytes())
 
@@ -128,7 +128,6 @@ def read_manifest(layout: StoreLayout, ref: Ref) -> Manifest | None:
 
 def write_manifest(layout: StoreLayout, ref: Ref, manifest: Manifest) -> Path:
     """Write atomically, after checking every blob it names is present."""
-    from pagoda.store.blobs import has_blob
 
     layout.check_writable()
     missing = [layer.digest for layer in manifest.blobs() if not has_blob(layout, layer.digest)]
@@ -206,7 +205,6 @@ def make_config(layers: list[Layer], info: dict | None = None) -> bytes:
 
 def build_manifest(layout: StoreLayout, layers: list[Layer], info: dict | None = None) -> Manifest:
     """A manifest over ``layers`` (already in the store), writing its config blob."""
-    from pagoda.store.blobs import write_blob
 
     config_bytes = make_config(layers, info)
     digest = write_blob(layout, config_bytes)

@@ -191,7 +191,8 @@ def test_pages_and_each_models_debug_data(server):
 # -- the pool in-process: count limit, LRU order, the bounded wait, a model too large ---------------
 def _pool(tmp_dirs: dict, names: list[str], **settings):
     from pagoda.engine_args import EngineArgs
-    from pagoda.entrypoints.model_pool import ModelPool, ModelSpec
+    from pagoda.entrypoints.model_pool import ModelPool
+    from pagoda.entrypoints.served_models import ModelSpec
     from pagoda.entrypoints.openai.api_server import _model_app
     from pagoda.metrics import MetricFamilies
 
@@ -210,7 +211,7 @@ def _pool(tmp_dirs: dict, names: list[str], **settings):
 
 
 def test_pool_unloads_least_recently_used_and_bounds_the_wait(tiny_model_dirs):
-    from pagoda.entrypoints.openai.serving import OpenAIError
+    from pagoda.entrypoints.openai.errors import OpenAIError
 
     pool = _pool(tiny_model_dirs, ["llama", "qwen2", "llama-2"], memory_budget=1 << 30, max_loaded=2,
                  load_timeout=0.5)
@@ -262,7 +263,7 @@ def test_a_keep_alive_of_zero_unloads_after_the_request_not_before(tiny_model_di
 
 
 def test_pool_refuses_a_model_larger_than_the_budget(tiny_model_dirs):
-    from pagoda.entrypoints.openai.serving import OpenAIError
+    from pagoda.entrypoints.openai.errors import OpenAIError
 
     pool = _pool(tiny_model_dirs, ["llama"], memory_budget=10 << 20, max_loaded=2, load_timeout=5)
 

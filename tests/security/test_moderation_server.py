@@ -15,7 +15,7 @@ import httpx
 import pytest
 from server_process import kill_all, side_by_side, start_server
 
-from pagoda.security.moderation import WordFilter, normalize
+from pagoda.engine.content_filter import WordFilter, normalize
 
 PROMPT, CLEAN = "The quick brown fox", "def main():"
 CHAT = [{"role": "user", "content": "Hello there"}]

@@ -27,7 +27,8 @@ from pydantic import ValidationError
 from pagoda.entrypoints.grpc_api import pagoda_pb2 as pb
 from pagoda.entrypoints.grpc_api import pagoda_pb2_grpc as pb_grpc
 from pagoda.entrypoints.openai.protocol import ChatCompletionRequest, CompletionRequest, random_id
-from pagoda.entrypoints.openai.serving import OpenAIError, Serving
+from pagoda.entrypoints.openai.errors import OpenAIError
+from pagoda.entrypoints.openai.serving import Serving
 from pagoda.entrypoints.openai.tool_calls import ToolChoice
 from pagoda.outputs import RequestOutput
 from pagoda.security.access import grpc_context

@@ -14,7 +14,7 @@ from fastapi.responses import Response
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 from pagoda.entrypoints import input_limits as limits
-from pagoda.entrypoints.openai.serving import OpenAIError
+from pagoda.entrypoints.openai.errors import OpenAIError
 
 NDJSON = "application/x-ndjson"
 # Ollama's defaults for what `options` leaves out (its api.DefaultOptions). repeat_penalty's

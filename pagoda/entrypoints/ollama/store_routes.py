@@ -34,7 +34,7 @@ from pagoda.entrypoints.ollama.common import (
     read_body,
 )
 from pagoda.security.options import DEFAULT_BLOB_GRACE, DEFAULT_MAX_BLOB_GIB
-from pagoda.store import blobs
+from pagoda.store import blobs, prune
 from pagoda.store.layout import default_layout
 
 logger = logging.getLogger("pagoda.ollama")
@@ -77,10 +77,10 @@ def _policy(request: Request) -> BlobPolicy:
 
 
 def _prune(policy: BlobPolicy) -> None:
-    """Delete the store's blobs no manifest names, older than the grace (blobs.prune_unreferenced)."""
+    """Delete the store's blobs no manifest names, older than the grace (pagoda.store.prune)."""
     if policy.grace is None:
         return
-    removed = blobs.prune_unreferenced(default_layout(), policy.grace)
+    removed = prune.prune_unreferenced(default_layout(), policy.grace)
     if removed:
         logger.info("pruned %d unreferenced blob(s) older than %g s: %s", len(removed), policy.grace,
                     ", ".join(p.name for p in removed))

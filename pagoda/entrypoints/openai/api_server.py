@@ -9,9 +9,7 @@ import os
 import torch
 import uvicorn
 from fastapi import FastAPI, Request
-from fastapi.exceptions import RequestValidationError
 from fastapi.responses import Response
-from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from pagoda import __version__
 from pagoda.engine.async_llm import AsyncLLM
@@ -22,60 +20,21 @@ from pagoda.entrypoints.web import install_web
 from pagoda.entrypoints.web.api_docs import install_api_docs
 from pagoda.entrypoints.openai.lifecycle import DrainingServer, Lifecycle, bind_listener, shutting_down
 from pagoda.entrypoints.openai.middleware import (
-    MAX_BODY_BYTES, APIKeyCheck, BodyLimit, FastJSONResponse, ReleasingStream, error_response, http_error,
+    MAX_BODY_BYTES, APIKeyCheck, BodyLimit, FastJSONResponse, ReleasingStream, error_response,
 )
 from pagoda.entrypoints.openai.protocol import (
     ChatCompletionRequest, CompletionRequest, DetokenizeRequest, SessionCreateRequest, SessionMessageRequest,
-    TokenizeRequest, describe_validation_errors, now,
+    TokenizeRequest, now,
 )
-from pagoda.entrypoints.openai.serving import OpenAIError, Serving, bad_value
+from pagoda.entrypoints.openai.error_handlers import install_error_handlers
+from pagoda.entrypoints.openai.errors import OpenAIError
+from pagoda.entrypoints.openai.serving import Serving
 from pagoda.entrypoints.openai.sessions import SessionStore
+from pagoda.loader.catalog import catalog_aliases
 from pagoda.security.context import request_context
 from pagoda.threads import openmp_settings
 
 logger = logging.getLogger("pagoda.server")
-
-
-def _catalog_aliases(model_root: str | None, served_model_names: list[str]) -> list[str]:
-    """Other names of the served model: a catalog model's name and aliases, when `--model` (a
-    catalog name, or the path of the catalog's own file) or a served name is a catalog model."""
-    from pathlib import Path
-
-    from pagoda.loader import catalog
-
-    entries = [catalog.resolve_catalog_name(name) for name in [model_root or "", *served_model_names]]
-    if model_root:
-        given = Path(model_root).expanduser()
-        entries += [e for e in catalog.CATALOG if given in (catalog.model_path(e), catalog.model_path(e).parent)]
-    return [name for e in dict.fromkeys(e for e in entries if e is not None) for name in (e.name, *e.aliases)]
-
-
-def install_error_handlers(app: FastAPI) -> None:
-    """OpenAI-style error bodies for what the routes raise, and a bare 500 for a bug."""
-
-    @app.exception_handler(OpenAIError)
-    async def on_openai_error(_request: Request, e: OpenAIError):
-        return error_response(e)
-
-    @app.exception_handler(RequestValidationError)
-    async def on_validation_error(_request: Request, e: RequestValidationError):
-        message, param = describe_validation_errors(e.errors())
-        return error_response(OpenAIError(message, param=param))
-
-    @app.exception_handler(StarletteHTTPException)
-    async def on_http_error(request: Request, e: StarletteHTTPException):
-        return http_error(request.scope, e)
-
-    @app.exception_handler(ValueError)
-    async def on_value_error(_request: Request, e: ValueError):
-        return error_response(bad_value(e))
-
-    @app.exception_handler(Exception)
-    async def on_unexpected_error(request: Request, e: Exception):
-        """A bug, not the client's fault: a 500 that says no more; the traceback goes to the log
-        (Starlette re-raises the exception after this response, and uvicorn logs it)."""
-        logger.error("internal error on %s %s: %s", request.method, request.url.path, type(e).__name__)
-        return error_response(OpenAIError("internal error", status=500, type_="server_error", code="internal_error"))
 
 
 def build_app(engine: AsyncLLM, served_model_names: list[str], *, api_key: str | None = None,
@@ -90,7 +49,7 @@ def build_app(engine: AsyncLLM, served_model_names: list[str], *, api_key: str |
     app = FastAPI(title="pagoda", version=__version__, default_response_class=FastJSONResponse, docs_url=None)
     install_api_docs(app)  # the vendored Swagger UI: /docs works offline
     serving = Serving(engine, served_model_names, max_queue_len,
-                      aliases=_catalog_aliases(model_root, served_model_names), request_timeout=request_timeout,
+                      aliases=catalog_aliases(model_root, served_model_names), request_timeout=request_timeout,
                       metric_families=metric_families)
     app.state.serving = serving
     if not serving.tokenizer.chat_template:
@@ -227,7 +186,7 @@ def run_server(args) -> int:
     from pagoda.entrypoints.served_models import serves_several
 
     from pagoda.security import tls
-    from pagoda.security.moderation import read_list
+    from pagoda.engine.content_filter import read_list
 
     several = serves_several(args)
     engine_args = EngineArgs.from_cli_args(args)

@@ -12,7 +12,7 @@ from fastapi import FastAPI
 
 from pagoda.engine.async_llm import AsyncLLM, ShuttingDownError
 from pagoda.entrypoints.graceful import GracefulServer, bind_listener  # bind_listener: serve's, from here
-from pagoda.entrypoints.openai.serving import OpenAIError
+from pagoda.entrypoints.openai.errors import OpenAIError
 
 logger = logging.getLogger("pagoda.server")
 

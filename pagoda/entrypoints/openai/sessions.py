@@ -41,7 +41,8 @@ from pydantic import ValidationError
 from pagoda.entrypoints.openai.protocol import (
     ChatCompletionRequest, SessionCreateRequest, SessionMessageRequest, describe_validation_errors, now,
 )
-from pagoda.entrypoints.openai.serving import Admission, ChatTurn, OpenAIError, Serving
+from pagoda.entrypoints.openai.errors import OpenAIError
+from pagoda.entrypoints.openai.serving import Admission, ChatTurn, Serving
 from pagoda.security.context import request_context
 
 logger = logging.getLogger("pagoda.sessions")

@@ -15,7 +15,8 @@ from fastapi import APIRouter, Query, Request
 from fastapi.responses import StreamingResponse
 
 from pagoda.engine.async_llm import EngineUnavailableError
-from pagoda.entrypoints.openai.serving import OpenAIError, Serving, sse
+from pagoda.entrypoints.openai.errors import OpenAIError
+from pagoda.entrypoints.openai.serving import Serving, sse
 
 router = APIRouter()
 
