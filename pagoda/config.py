@@ -15,7 +15,8 @@ import torch
 from pagoda.engine_args import EngineArgs  # also re-exported: most callers import it from here
 from pagoda.heap import keep_freed_memory
 from pagoda.loader.catalog import DEFAULT_MODEL  # noqa: F401 - the engine's default, re-exported
-from pagoda.loader.resolve import ModelFiles, resolve_model
+from pagoda.loader.model_files import ModelFiles
+from pagoda.loader.resolve import resolve_model
 from pagoda.platform import available_memory_bytes, default_device, resolve_dtype, resolve_kv_cache_dtype
 from pagoda.worker.kv_cache import GiB, bytes_per_block, cpu_budget_gib
 

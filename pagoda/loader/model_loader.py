@@ -15,7 +15,7 @@ from pagoda.layers.packed_weights import pack_block_linears, pack_float_linears
 from pagoda.layers.quantization import check_quantization, quantize_linears
 from pagoda.layers.rotary import RotaryEmbedding
 from pagoda.loader.repacked_cache import RepackCache, cache_directory
-from pagoda.loader.resolve import ModelFiles
+from pagoda.loader.model_files import ModelFiles
 from pagoda.models.registry import resolve_architecture
 from pagoda.heap import release_freed_memory
 from pagoda.platform import available_memory_bytes
@@ -99,8 +99,8 @@ def _init_buffers(model: nn.Module) -> None:
 
 
 def _weights(files: ModelFiles, hf_config: dict, keep_quantized: bool = False, narrow=None):
-    if files.encryption is not None:  # decrypted into memory, never to disk (pagoda/security/encryption.py)
-        from pagoda.security.encryption import open_encrypted_weights
+    if files.encryption is not None:  # decrypted into memory, never to disk (pagoda/loader/encrypted_model.py)
+        from pagoda.loader.encrypted_model import open_encrypted_weights
 
         return open_encrypted_weights(files, hf_config, keep_quantized=keep_quantized, narrow=narrow)
     if files.gguf_file is not None:

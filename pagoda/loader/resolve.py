@@ -3,41 +3,11 @@ registry-qualified, or `ollama:NAME[:TAG]` in Ollama's store), a catalog name, o
 
 from __future__ import annotations
 
-import json
 import os
-from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
-
-if TYPE_CHECKING:
-    from pagoda.security.encryption import EncryptedModel
-
-
-@dataclass(frozen=True)
-class ModelFiles:
-    """Where a model's metadata (config.json, tokenizer) and weights live."""
-
-    name: str  # what the user asked for
-    metadata_dir: Path  # config.json, tokenizer.json, tokenizer_config.json, generation_config.json
-    gguf_file: Path | None = None  # weights come from here when set, else *.safetensors in metadata_dir
-    # An encrypted container (pagoda/security/encryption.py): metadata_dir holds its decrypted
-    # metadata (a private temporary directory), the weights are decrypted into memory at load.
-    encryption: EncryptedModel | None = None
-
-    @property
-    def format(self) -> str:
-        if self.encryption is not None:
-            return self.encryption.format
-        return "gguf" if self.gguf_file else "safetensors"
-
-    def hf_config(self) -> dict:
-        path = self.metadata_dir / "config.json"
-        try:
-            return json.loads(path.read_text())
-        except FileNotFoundError:
-            raise ValueError(f"{self.metadata_dir} has no config.json") from None
-        except ValueError as e:
-            raise ValueError(f"{path} is not valid JSON: {e}") from None
+from pagoda.loader.encrypted_container import is_encrypted_model
+from pagoda.loader.encrypted_model import resolve_encrypted_model
+from pagoda.loader.model_files import ModelFiles
 
 
 def resolve_model(model: str, key_file: str | None = None) -> ModelFiles:
@@ -46,8 +16,6 @@ def resolve_model(model: str, key_file: str | None = None) -> ModelFiles:
     if path.is_dir():
         return _resolve_dir(model, path)
     if path.is_file():
-        from pagoda.security.encryption import is_encrypted_model, resolve_encrypted_model
-
         if is_encrypted_model(path):  # recognised by its magic bytes, whatever its name
             return resolve_encrypted_model(model, path, key_file)
         if path.suffix != ".gguf":

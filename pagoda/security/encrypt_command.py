@@ -8,7 +8,7 @@
 
 The key comes from a file (--key-file) or an environment variable (--key-env, default
 PAGODA_MODEL_KEY), never from the command line, where other users could read it (ps, shell history).
-``add_parser`` imports nothing heavy; ``run`` imports pagoda.security.encryption (and cryptography).
+``add_parser`` imports nothing heavy; ``run`` imports pagoda.security.encryption and the container's loader modules (cryptography loads when a key is derived).
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ import os
 import re
 import sys
 
-KEY_ENV = "PAGODA_MODEL_KEY"  # = pagoda.security.encryption.KEY_ENV, without importing it here
+KEY_ENV = "PAGODA_MODEL_KEY"  # = pagoda.loader.model_keys.KEY_ENV, without importing it here
 _ENV_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
 _HEX_KEY = re.compile(r"[0-9a-fA-F]{64}")
 
@@ -48,6 +48,8 @@ def add_parser(sub) -> argparse.ArgumentParser:
 
 
 def run(ns: argparse.Namespace) -> int:
+    from pagoda.loader.encrypted_container import DEFAULT_CHUNK_SIZE, EncryptedModelReader
+    from pagoda.loader.model_keys import load_key
     from pagoda.security import encryption
 
     if ns.key_env is not None:  # the messages never repeat the value: it may be a key typed by mistake
@@ -71,12 +73,12 @@ def run(ns: argparse.Namespace) -> int:
         key_file = path
     if ns.model is None:
         raise ValueError("give the MODEL to encrypt (or --generate-key KEY_FILE)")
-    key = encryption.load_key(key_file, key_env)
+    key = load_key(key_file, key_env)
 
     if ns.verify:
         if ns.output is not None:
             raise ValueError("--verify checks MODEL in place; it takes no --output")
-        with encryption.EncryptedModelReader(ns.model, key) as reader:
+        with EncryptedModelReader(ns.model, key) as reader:
             total = reader.verify()
             print(f"{ns.model}: OK, {reader.format} model, {len(reader.members)} files, {total} bytes, "
                   f"every chunk authenticated")
@@ -86,7 +88,7 @@ def run(ns: argparse.Namespace) -> int:
 
     if ns.output is None:
         raise ValueError("give the encrypted model's path with -o/--output")
-    chunk_size = ns.chunk_size or encryption.DEFAULT_CHUNK_SIZE
+    chunk_size = ns.chunk_size or DEFAULT_CHUNK_SIZE
     out = encryption.encrypt_model(ns.model, ns.output, key, chunk_size=chunk_size, force=ns.force)
     how = f"--model-key-file {key_file}" if key_file is not None else f"(the key in ${KEY_ENV})"
     print(f"wrote {out}; serve it with: pagoda serve --model {out} {how}", file=sys.stderr)

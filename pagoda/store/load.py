@@ -71,7 +71,7 @@ def _catalog_copy(manifest: Manifest) -> Path | None:
 
 def model_files(name: str, layout: StoreLayout, manifest: Manifest):
     from pagoda.loader.gguf import load_gguf_model_dir
-    from pagoda.loader.resolve import ModelFiles
+    from pagoda.loader.model_files import ModelFiles
 
     gguf_path = _catalog_copy(manifest) or create.model_path_of(layout, manifest)
     meta = load_gguf_model_dir(gguf_path)

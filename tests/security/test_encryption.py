@@ -1,4 +1,5 @@
-"""Encrypted models at rest (pagoda/security/encryption.py, `pagoda encrypt`): the container
+"""Encrypted models at rest (`pagoda encrypt`: pagoda/security/encryption.py; the container and its
+loading: pagoda/loader/encrypted_container.py, encrypted_model.py, model_keys.py): the container
 round-trips the tiny Llama (safetensors directory and GGUF) to the plain model's greedy tokens,
 weights never reach the disk, and a wrong key, a flipped byte, a truncated file or swapped chunks
 are a ValueError at load, never output."""
@@ -23,6 +24,8 @@ from server_process import start_server, stop_process
 from pagoda import LLM, SamplingParams
 from pagoda.loader import gguf as gguf_loader
 from pagoda.loader.resolve import resolve_model
+from pagoda.loader import encrypted_container as container
+from pagoda.loader import model_keys
 from pagoda.security import encryption as enc
 
 CHUNK = 64 * 1024  # the tiny models are ~0.5 MB: several chunks per weight file
@@ -52,12 +55,12 @@ def tiny_gguf(tiny_llama, work) -> Path:
 
 @pytest.fixture(scope="module")
 def sealed_dir(tiny_llama, work, key_file) -> Path:
-    return enc.encrypt_model(tiny_llama, work / "tiny-hf.pgenc", enc.load_key(key_file), chunk_size=CHUNK)
+    return enc.encrypt_model(tiny_llama, work / "tiny-hf.pgenc", model_keys.load_key(key_file), chunk_size=CHUNK)
 
 
 @pytest.fixture(scope="module")
 def sealed_gguf(tiny_gguf, work, key_file) -> Path:
-    return enc.encrypt_model(tiny_gguf, work / "tiny-gguf.pgenc", enc.load_key(key_file), chunk_size=CHUNK)
+    return enc.encrypt_model(tiny_gguf, work / "tiny-gguf.pgenc", model_keys.load_key(key_file), chunk_size=CHUNK)
 
 
 @pytest.fixture(scope="module")
@@ -88,7 +91,7 @@ def _plaintext_weights_under(roots: list[Path], weights: dict[int, set[str]]) ->
                 p = Path(dirpath) / name
                 try:
                     size = p.stat().st_size
-                    if enc.is_weight_member(name) or (
+                    if container.is_weight_member(name) or (
                             size in weights and hashlib.sha256(p.read_bytes()).hexdigest() in weights[size]):
                         hits.append(p)
                 except OSError:
@@ -127,7 +130,7 @@ def test_safetensors_container_serves_the_same_tokens_and_writes_no_weights(
         assert set(sealed_dir.parent.iterdir()) == before
         # What goes to an engine process: the key file's path, never the key.
         pickled = pickle.dumps(llm.engine.config)
-        secret = enc.load_key(key_file).secret
+        secret = model_keys.load_key(key_file).secret
         assert secret not in pickled and secret.hex().encode() not in pickled
         assert pickle.loads(pickled).model.files.encryption.key_file == key_file.absolute()
     finally:
@@ -147,7 +150,7 @@ def test_gguf_container_serves_the_same_tokens(tiny_gguf, sealed_gguf, key_file,
 def test_quantized_gguf_keeps_its_blocks_from_memory(tiny_llama, work, key_file):
     """--quantization gguf keeps the Q8_0 blocks as views of the decrypted (in-memory) mapping."""
     q8 = export_gguf(tiny_llama, work / "tiny-q8.gguf", "Q8_0")
-    sealed = enc.encrypt_model(q8, work / "tiny-q8.pgenc", enc.load_key(key_file))
+    sealed = enc.encrypt_model(q8, work / "tiny-q8.pgenc", model_keys.load_key(key_file))
     plain = LLM(model=str(q8), quantization="gguf", **ENGINE)
     llm = LLM(model=str(sealed), model_key_file=str(key_file), quantization="gguf", **ENGINE)
     assert _tokens(llm) == _tokens(plain)
@@ -161,8 +164,8 @@ def test_a_store_name_is_encrypted_with_its_overlays(tiny_gguf, key_file, tmp_pa
     modelfile = tmp_path / "Modelfile"
     modelfile.write_text(f'FROM {tiny_gguf}\nPARAMETER num_ctx 128\nSYSTEM """Be brief."""\n')
     assert main(["create", "brief", "-f", str(modelfile)]) == 0, capsys.readouterr().err
-    sealed = enc.encrypt_model("brief", tmp_path / "brief.pgenc", enc.load_key(key_file))
-    with enc.EncryptedModelReader(sealed, enc.load_key(key_file)) as reader:
+    sealed = enc.encrypt_model("brief", tmp_path / "brief.pgenc", model_keys.load_key(key_file))
+    with container.EncryptedModelReader(sealed, model_keys.load_key(key_file)) as reader:
         assert reader.members[-1].name == "model.gguf"
     files = resolve_model(str(sealed), key_file=str(key_file))
     assert files.hf_config()["max_position_embeddings"] == 128
@@ -182,14 +185,14 @@ def test_passphrase_and_raw_key_files(tiny_llama, tmp_path):
     raw = tmp_path / "raw"
     raw.write_bytes(bytes(range(200, 232)))
     for key_path, kdf in ((passphrase, "scrypt"), (raw, "none")):
-        key = enc.load_key(key_path)
+        key = model_keys.load_key(key_path)
         out = enc.encrypt_model(tiny_llama, tmp_path / f"{kdf}.pgenc", key)
-        assert enc.container_summary(out, key)["kdf"] == kdf
-        with enc.EncryptedModelReader(out, key) as reader:
+        assert container.container_summary(out, key)["kdf"] == kdf
+        with container.EncryptedModelReader(out, key) as reader:
             config = reader.read_member(reader.member("config.json"))
         assert config == (tiny_llama / "config.json").read_bytes()
     with pytest.raises(ValueError, match="wrong key or corrupted/tampered.*passphrase"):
-        enc.EncryptedModelReader(tmp_path / "none.pgenc", enc.load_key(passphrase))
+        container.EncryptedModelReader(tmp_path / "none.pgenc", model_keys.load_key(passphrase))
 
 
 def test_gguf_metadata_converted_again_from_memory(tiny_gguf, sealed_gguf, key_file, tmp_path, monkeypatch):
@@ -218,10 +221,10 @@ def test_wrong_or_missing_key(sealed_dir, tmp_path, monkeypatch):
 
 
 def _chunk_offset(path: Path, key_file: Path, member: str, chunk: int) -> int:
-    with enc.EncryptedModelReader(path, enc.load_key(key_file)) as reader:
+    with container.EncryptedModelReader(path, model_keys.load_key(key_file)) as reader:
         m = reader.member(member)
         assert m.chunks > chunk
-        return m.offset + chunk * (reader.chunk_size + enc.TAG_SIZE)
+        return m.offset + chunk * (reader.chunk_size + container.TAG_SIZE)
 
 
 def test_flipped_byte_in_a_weight_chunk_fails_the_load(sealed_dir, key_file, tmp_path):
@@ -242,9 +245,9 @@ def test_any_flipped_byte_is_caught(sealed_dir, key_file, tmp_path, where):
     data[offset] ^= 0x80
     bad = tmp_path / "bad.pgenc"
     bad.write_bytes(bytes(data))
-    key = enc.load_key(key_file)
+    key = model_keys.load_key(key_file)
     with pytest.raises(ValueError, match="not a pagoda encrypted model" if where == "magic" else "corrupted/tampered"):
-        with enc.EncryptedModelReader(bad, key) as reader:
+        with container.EncryptedModelReader(bad, key) as reader:
             reader.verify()
 
 
@@ -261,21 +264,21 @@ def test_truncated_or_extended_file(sealed_dir, key_file, tmp_path):
 
 def test_swapped_or_dropped_chunks(sealed_dir, key_file, tmp_path):
     data = bytearray(sealed_dir.read_bytes())
-    size = CHUNK + enc.TAG_SIZE
+    size = CHUNK + container.TAG_SIZE
     a = _chunk_offset(sealed_dir, key_file, "model.safetensors", 1)
     b = _chunk_offset(sealed_dir, key_file, "model.safetensors", 2)
     swapped = bytearray(data)
     swapped[a:a + size], swapped[b:b + size] = data[b:b + size], data[a:a + size]
-    key = enc.load_key(key_file)
+    key = model_keys.load_key(key_file)
     path = tmp_path / "swapped.pgenc"
     path.write_bytes(bytes(swapped))
     with pytest.raises(ValueError, match="chunk 1 of 'model.safetensors' does not authenticate"):
-        enc.EncryptedModelReader(path, key).verify()
+        container.EncryptedModelReader(path, key).verify()
     # A dropped chunk with a copy of another appended, so the length is still right.
     dropped = data[:a] + data[a + size:] + data[b:b + size]
     path.write_bytes(bytes(dropped))
     with pytest.raises(ValueError, match="wrong key or corrupted/tampered"):
-        enc.EncryptedModelReader(path, key).verify()
+        container.EncryptedModelReader(path, key).verify()
 
 
 # -- the command line -----------------------------------------------------------------------------
@@ -295,7 +298,7 @@ def test_cli_keys_come_from_a_file_or_the_environment_never_the_command_line(tin
     out = tmp_path / "a.pgenc"
     done = _cli("encrypt", str(tiny_llama), "-o", str(out), "--key-file", str(key))
     assert done.returncode == 0, done.stderr
-    assert enc.is_encrypted_model(out)
+    assert container.is_encrypted_model(out)
     verified = _cli("encrypt", "--verify", str(out), "--key-file", str(key))
     assert verified.returncode == 0 and "every chunk authenticated" in verified.stdout
     assert "model.safetensors" in verified.stdout
@@ -349,7 +352,7 @@ def test_an_encrypted_models_repacked_weights_never_reach_the_disk(work, key_fil
     hf = make_tiny_hf_model("llama", work / "hf-256", hidden_size=256, intermediate_size=512, head_dim=64,
                             tie_word_embeddings=True)
     path = write_gguf(hf, work / "tiny-q4k.gguf", "F32", tensors=block_tensors(_hf_tensors(hf), {"*": "Q4_K"}))
-    sealed = enc.encrypt_model(path, work / "tiny-q4k.pgenc", enc.load_key(key_file))
+    sealed = enc.encrypt_model(path, work / "tiny-q4k.pgenc", model_keys.load_key(key_file))
     repacked = Path(os.environ["PAGODA_HOME"]) / "repacked"
     before = sorted(repacked.rglob("*")) if repacked.exists() else []
     llm = LLM(model=str(sealed), model_key_file=str(key_file), quantization="gguf", **ENGINE)
