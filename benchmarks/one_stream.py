@@ -86,6 +86,7 @@ def _child_main(kind: str, model: str, flags: list[str]) -> None:
     """Load the engine, then for each JSON line {"prompt", "output_len", "id"} on stdin run it and
     print {"stamps": [seconds since submission of each token]}: offline through LLMEngine.outputs
     (the loop of LLM.generate), async through AsyncLLM with its engine thread."""
+    from pagoda.config import create_engine_config
     from pagoda.engine.llm_engine import LLMEngine
     from pagoda.engine_args import EngineArgs
     from pagoda.sampling_params import RequestOutputKind, SamplingParams
@@ -93,7 +94,7 @@ def _child_main(kind: str, model: str, flags: list[str]) -> None:
     parser = argparse.ArgumentParser()
     EngineArgs.add_cli_args(parser)
     args = EngineArgs.from_cli_args(parser.parse_args(["--model", model, *flags]))
-    engine = LLMEngine(args.create_engine_config())
+    engine = LLMEngine(create_engine_config(args))
     async_engine = None
     if kind == "async":
         from pagoda.engine.async_llm import AsyncLLM

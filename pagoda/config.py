@@ -12,15 +12,15 @@ from pathlib import Path
 
 import torch
 
+from pagoda.dtypes import resolve_dtype, resolve_kv_cache_dtype
 from pagoda.engine_args import EngineArgs  # also re-exported: most callers import it from here
 from pagoda.heap import keep_freed_memory
 from pagoda.loader.catalog import DEFAULT_MODEL  # noqa: F401 - the engine's default, re-exported
 from pagoda.loader.model_files import ModelFiles
 from pagoda.loader.resolve import resolve_model
-from pagoda.platform import available_memory_bytes, default_device, resolve_dtype, resolve_kv_cache_dtype
+from pagoda.platform import available_memory_bytes, default_device
 from pagoda.worker.kv_cache import GiB, bytes_per_block, cpu_budget_gib
 
-DEFAULT_KV_CACHE_GIB = 2.0
 # EngineArgs.deterministic when not given. Off: measured on SmolLM2 fp32 (2 threads, AVX-512), it
 # cost 10-12 % of offline throughput (64 x 128/128 tokens) and up to ~30 % of a long (2048-token)
 # prefill, the invariant GEMM running at ~0.65-0.9x MKL's speed from 128 rows; decode steps ~0.

@@ -4,7 +4,7 @@ Every field carries its command-line option in its metadata (`_option`): `add_cl
 "engine" argument group from the fields and `from_cli_args` reads a parsed namespace back, so a new
 knob is one field. The module is light on purpose (standard library and the model catalog, no torch,
 no numpy): `pagoda --help` builds its parser from it at once. Resolving the knobs against a model
-and a device is `pagoda.config.create_engine_config`, imported when called.
+and a device is `pagoda.config.create_engine_config(args)`.
 """
 
 from __future__ import annotations
@@ -13,13 +13,10 @@ import argparse
 import typing
 from dataclasses import Field, dataclass, field, fields
 from types import NoneType, UnionType
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from pagoda.core.prefill_chunks import check_prefill_chunking
 from pagoda.loader.catalog import DEFAULT_MODEL
-
-if TYPE_CHECKING:
-    from pagoda.config import EngineConfig
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 KV_CACHE_DTYPES = ("auto", "float32", "fp32", "bfloat16", "bf16", "float16", "fp16", "int8", "fp8", "fp8_e4m3",
@@ -162,12 +159,6 @@ class EngineArgs:
     def from_cli_args(cls, namespace: argparse.Namespace) -> EngineArgs:
         """The EngineArgs of a namespace parsed by a parser that `add_cli_args` filled."""
         return cls(**{f.name: getattr(namespace, f.name) for f in _option_fields(cls)})
-
-    def create_engine_config(self) -> EngineConfig:
-        """Resolve against the model and the device (pagoda.config, which imports torch)."""
-        from pagoda.config import create_engine_config
-
-        return create_engine_config(self)
 
     def _validate(self) -> None:
         """Check the values that need neither the model nor the device; a ValueError names the field."""

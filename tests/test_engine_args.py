@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 import pagoda
-from pagoda.config import ParallelConfig
+from pagoda.config import ParallelConfig, create_engine_config
 from pagoda.engine_args import EngineArgs
 from pagoda.entrypoints.cli import build_parser
 
@@ -92,14 +92,14 @@ def test_the_parser_rejects_bad_values(argv):
 ])
 def test_bad_values_name_the_field(kwargs, message):
     with pytest.raises(ValueError, match=message):
-        EngineArgs(model="not-even-resolved", **kwargs).create_engine_config()  # checked before the model
+        create_engine_config(EngineArgs(model="not-even-resolved", **kwargs))  # checked before the model
 
 
 def test_scheduler_and_parallel_knobs_reach_the_config(tiny_llama, monkeypatch):
     monkeypatch.delenv("MASTER_ADDR", raising=False)
     monkeypatch.delenv("MASTER_PORT", raising=False)
-    config = EngineArgs(model=str(tiny_llama), aging_seconds=0.0, admission_pressure_threshold=0.5,
-                        short_chunk_tokens=8, distributed_timeout_seconds=9.0).create_engine_config()
+    config = create_engine_config(EngineArgs(model=str(tiny_llama), aging_seconds=0.0, admission_pressure_threshold=0.5,
+                        short_chunk_tokens=8, distributed_timeout_seconds=9.0))
     assert (config.scheduler.aging_seconds, config.scheduler.admission_pressure_threshold) == (0.0, 0.5)
     assert config.scheduler.short_chunk_tokens == 8
     assert config.parallel == ParallelConfig(timeout_seconds=9.0)
@@ -111,16 +111,16 @@ def test_the_backend_follows_the_size_and_the_rendezvous_the_environment(tiny_ll
     monkeypatch.setenv("MASTER_ADDR", "10.1.2.3")
     monkeypatch.setenv("MASTER_PORT", "29501")
     # 4 ranks over the tiny Llama's 2 KV heads: each KV head is replicated on 2 ranks
-    parallel = EngineArgs(model=str(tiny_llama), tensor_parallel_size=4).create_engine_config().parallel
+    parallel = create_engine_config(EngineArgs(model=str(tiny_llama), tensor_parallel_size=4)).parallel
     assert (parallel.backend, parallel.world_size) == ("mp", 4)
     assert (parallel.master_addr, parallel.master_port) == ("10.1.2.3", 29501)
     given = EngineArgs(model=str(tiny_llama), tensor_parallel_size=2, nnodes=2, node_rank=1,
                        distributed_executor_backend="ray", master_addr="10.9.9.9", master_port=1234)
-    parallel = given.create_engine_config().parallel
+    parallel = create_engine_config(given).parallel
     assert parallel == ParallelConfig(2, "ray", 2, 1, "10.9.9.9", 1234, 60.0)
     monkeypatch.setenv("MASTER_PORT", "http")
     with pytest.raises(ValueError, match="MASTER_PORT must be a port number"):
-        EngineArgs(model=str(tiny_llama)).create_engine_config()
+        create_engine_config(EngineArgs(model=str(tiny_llama)))
 
 
 def _model_with(tiny_llama: Path, tmp_path: Path, **config_changes) -> str:
@@ -139,7 +139,7 @@ def _model_with(tiny_llama: Path, tmp_path: Path, **config_changes) -> str:
 ])
 def test_tensor_parallel_size_must_fit_the_model(tiny_llama, tmp_path, changes, tp, message):
     with pytest.raises(ValueError, match=message):
-        EngineArgs(model=_model_with(tiny_llama, tmp_path, **changes), tensor_parallel_size=tp).create_engine_config()
+        create_engine_config(EngineArgs(model=_model_with(tiny_llama, tmp_path, **changes), tensor_parallel_size=tp))
 
 
 def _imports(path: Path) -> set[tuple[str, str]]:

@@ -85,7 +85,8 @@ def main(argv: list[str] | None = None) -> None:
     import uvicorn
 
     from pagoda.bench.baselines import load_transformers_model
-    from pagoda.config import EngineArgs
+    from pagoda.config import create_engine_config
+    from pagoda.engine_args import EngineArgs
     from pagoda.tokenizer import Tokenizer
 
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -95,7 +96,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--port", type=int, default=8001)
     ap.add_argument("--served-model-name", default=None)
     args = ap.parse_args(argv)
-    config = EngineArgs(model=args.model, dtype=args.dtype).create_engine_config()  # files and dtype as pagoda resolves them
+    config = create_engine_config(EngineArgs(model=args.model, dtype=args.dtype))  # files and dtype as pagoda resolves them
     model = load_transformers_model(args.model, config.model.dtype)
     tokenizer = Tokenizer(config.model.files.metadata_dir)
     app = build_app(model, tokenizer, args.served_model_name or args.model)

@@ -26,6 +26,7 @@ import time
 from pagoda.bench import baselines, datasets
 from pagoda.bench.metrics import format_spec, spec_from_stats, spec_summary
 from pagoda.bench.serve import loadavg
+from pagoda.config import create_engine_config
 
 BACKENDS = ("pagoda", "hf", "llamacpp")
 
@@ -129,7 +130,7 @@ def main(ns: argparse.Namespace, engine_args) -> int:
 
     backends = _parse_backends(ns.backend)
     batch_sizes = [int(x) for x in ns.hf_batch_sizes.split(",") if x.strip()]
-    config = engine_args.create_engine_config()
+    config = create_engine_config(engine_args)
     tokenizer = Tokenizer(config.model.files.metadata_dir, config.model.chat_template)
     requests = datasets.build_requests(ns, tokenizer, ns.num_prompts or 64, as_text=False)
     prompts = [r.prompt if isinstance(r.prompt, list) else tokenizer.encode(r.prompt) for r in requests]

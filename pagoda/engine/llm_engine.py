@@ -14,7 +14,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
-from pagoda.config import EngineArgs, EngineConfig
+from pagoda.config import EngineArgs, EngineConfig, create_engine_config
 from pagoda.engine.content_filter import ContentFilterError
 from pagoda.engine.core import EngineCore, RequestLimits
 from pagoda.engine.output_processor import OutputProcessor
@@ -62,7 +62,7 @@ class LLMEngine:
 
     @classmethod
     def from_engine_args(cls, args: EngineArgs) -> "LLMEngine":
-        return cls(args.create_engine_config())
+        return cls(create_engine_config(args))
 
     @property
     def max_model_len(self) -> int:

@@ -23,6 +23,7 @@ import torch
 import torch.nn.functional as F
 
 from pagoda.forward_context import AttentionMetadata, PrefillSeq
+from pagoda.layers.ggml_formats import dequantize_blocks
 from pagoda.scoped import Scoped
 from pagoda.worker.kv_cache import SCALED_KV_DTYPES
 
@@ -76,8 +77,6 @@ class TorchBackend:
     def block_matmul(self, x: torch.Tensor, blocks: torch.Tensor, block_type: int,
                      packed: torch.Tensor | None = None) -> torch.Tensor:
         """``packed``: the CPU kernels' packed copy of the weight (layers/packed_weights.py), if any."""
-        from pagoda.layers.ggml_blocks import dequantize_blocks
-
         return x.float() @ dequantize_blocks(blocks, block_type).T
 
     # -- paged attention --------------------------------------------------------------------
@@ -165,8 +164,9 @@ class TorchBackend:
         return out.squeeze(0).transpose(0, 1)
 
     # -- the model as a whole ---------------------------------------------------------------
-    def decode_stack(self, model):
-        """The one-call decoder stack for ``model``, or None (the Python layers run)."""
+    def decode_stack_ops(self):
+        """The compiled ops the one-call decoder stack (models/decode_stack.py) runs on, or None:
+        the Python layers run."""
         return None
 
     @contextlib.contextmanager
@@ -257,10 +257,8 @@ class CpuKernelBackend(TorchBackend):
                                                     scale, window or 0, k_scales, v_scales)
         return super().prefill_attention(q, k, v, k_cache, v_cache, seq, scale, window, k_scales, v_scales)
 
-    def decode_stack(self, model):
-        from pagoda.models.decode_stack import DecodeStack
-
-        return DecodeStack.build(model, self.ops)
+    def decode_stack_ops(self):
+        return self.ops
 
     @contextlib.contextmanager
     def batch_invariant(self, enabled: bool) -> Iterator[bool]:

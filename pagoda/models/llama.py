@@ -183,7 +183,8 @@ class LlamaForCausalLM(nn.Module):
         first, last = self.layers[0], self.layers[-1]
         key = (id(first.self_attn.attn.k_cache), id(first.self_attn.qkv_proj), id(last.mlp.down_proj))
         if getattr(self, "_stack_key", None) != key:
-            self._stack_key, self._stack = key, self.backend.decode_stack(self)
+            ops = self.backend.decode_stack_ops()
+            self._stack_key, self._stack = key, DecodeStack.build(self, ops) if ops is not None else None
         return self._stack
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:

@@ -91,7 +91,8 @@ def _auto_dtype(args) -> str:
     """What `--dtype auto` resolves to on the engine's device (float32 on the CPU)."""
     import torch
 
-    from pagoda.platform import default_device, resolve_dtype
+    from pagoda.dtypes import resolve_dtype
+    from pagoda.platform import default_device
 
     device = torch.device(args.device) if args.device else default_device()
     return str(resolve_dtype("auto", device)).removeprefix("torch.")

@@ -8,6 +8,7 @@ import mmap
 import torch
 
 GiB = 1 << 30
+DEFAULT_KV_CACHE_GIB = 2.0  # the CPU cache budget without --kv-cache-memory (at most half of what is available)
 
 # Caches that store each (token, head) row of K or V as narrow codes and one float scale (the
 # row's largest magnitude over the code's largest value): int8 as llama.cpp's q8_0 with a row for
@@ -31,8 +32,6 @@ def bytes_per_block(num_slots: int, block_size: int, num_kv_heads: int, head_dim
 def cpu_budget_gib(requested_gib: float | None, available_bytes: int) -> float:
     """The CPU cache's budget: ``--kv-cache-memory``, else 2 GiB but never more than half of what
     the machine has available (the worker allocates it; the model pool counts it)."""
-    from pagoda.config import DEFAULT_KV_CACHE_GIB
-
     return requested_gib if requested_gib is not None else min(DEFAULT_KV_CACHE_GIB, available_bytes / 2 / GiB)
 
 

@@ -9,6 +9,7 @@ import time
 
 import pytest
 
+from pagoda.config import create_engine_config
 from pagoda.core.kv_cache_manager import KVCacheManager
 from pagoda.core.prefill_chunks import PrefillChunking, resolve_long_prefill_threshold
 from pagoda.core.scheduler import Scheduler
@@ -165,7 +166,7 @@ def test_the_flags_reach_the_config(tiny_llama):
     args = EngineArgs.from_cli_args(parser.parse_args([
         "serve", "--model", str(tiny_llama), "--long-prefill-token-threshold", "64", "--max-num-partial-prefills", "4",
         "--max-long-partial-prefills", "2", "--scheduling-policy", "fcfs"]))
-    sc = args.create_engine_config().scheduler
+    sc = create_engine_config(args).scheduler
     assert (sc.long_prefill_token_threshold, sc.max_num_partial_prefills, sc.max_long_partial_prefills,
             sc.policy) == (64, 4, 2, "fcfs")
     with pytest.raises(SystemExit):

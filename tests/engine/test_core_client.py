@@ -10,6 +10,7 @@ import weakref
 
 import pytest
 
+from pagoda.config import create_engine_config
 from pagoda.engine import core_client
 from pagoda.engine.async_llm import AsyncLLM
 from pagoda.engine.llm_engine import LLMEngine
@@ -18,7 +19,7 @@ from pagoda.sampling_params import SamplingParams
 
 
 def _config(model_dir, **kw):
-    return EngineArgs(model=str(model_dir), device="cpu", dtype="float32", **kw).create_engine_config()
+    return create_engine_config(EngineArgs(model=str(model_dir), device="cpu", dtype="float32", **kw))
 
 
 def test_a_front_end_without_a_core_gets_one_built_on_the_engine_thread(tiny_llama, monkeypatch):

@@ -13,6 +13,7 @@ import random
 import pytest
 
 from pagoda import LLM, SamplingParams
+from pagoda.config import create_engine_config
 from pagoda.layers.cpu_kernels import load_cpu_kernels
 
 pytestmark = pytest.mark.skipif(load_cpu_kernels() is None, reason="batch invariance needs pagoda's C++ kernels")
@@ -128,7 +129,7 @@ def test_the_switch_reaches_the_runner(tiny_llama, caplog, monkeypatch):
     monkeypatch.setattr(config, "_warned", set())  # the warning is logged once per process
 
     def resolved(**kw):
-        return EngineArgs(model=str(tiny_llama), device="cpu", **kw).create_engine_config().deterministic
+        return create_engine_config(EngineArgs(model=str(tiny_llama), device="cpu", **kw)).deterministic
 
     assert resolved(dtype="float32") == DETERMINISTIC_DEFAULT
     assert resolved(dtype="float32", deterministic=True) and not resolved(dtype="float32", deterministic=False)

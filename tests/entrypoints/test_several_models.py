@@ -190,6 +190,7 @@ def test_pages_and_each_models_debug_data(server):
 
 # -- the pool in-process: count limit, LRU order, the bounded wait, a model too large ---------------
 def _pool(tmp_dirs: dict, names: list[str], **settings):
+    from pagoda.config import create_engine_config
     from pagoda.engine_args import EngineArgs
     from pagoda.entrypoints.model_pool import ModelPool
     from pagoda.entrypoints.served_models import ModelSpec
@@ -204,8 +205,7 @@ def _pool(tmp_dirs: dict, names: list[str], **settings):
         args.engine_process, args.max_engine_restarts, args.max_queue_len = False, 0, None
         args.request_timeout, args.session_ttl, args.max_sessions = None, 60.0, 10
         spec = ModelSpec(names=[name], args=args, keep_alive=None)
-        spec.config = EngineArgs(**{k: v for k, v in vars(args).items() if k in vars(EngineArgs())}) \
-            .create_engine_config()
+        spec.config = create_engine_config(EngineArgs(**{k: v for k, v in vars(args).items() if k in vars(EngineArgs())}))
         specs.append(spec)
     return ModelPool(specs, load=lambda s: _model_app(s.args, s.config, s.names, None, families), **settings)
 

@@ -8,7 +8,7 @@ import logging
 import torch
 
 from pagoda.layers import dtype_choice
-from pagoda.platform import resolve_dtype
+from pagoda.dtypes import resolve_dtype
 
 
 def test_the_measurement_times_both_dtypes_and_follows_its_rule():

@@ -12,7 +12,8 @@ import torch.nn.functional as F
 from tiny_models import make_tiny_hf_model
 
 from pagoda import LLM, SamplingParams
-from pagoda.config import EngineArgs
+from pagoda.config import create_engine_config
+from pagoda.engine_args import EngineArgs
 from pagoda.layers import ggml_blocks, quantization
 from pagoda.layers.ggml_blocks import BlockEmbedding, BlockLinear
 from pagoda.layers.quantization import (
@@ -192,12 +193,12 @@ def test_check_quantization_names_the_choices():
 
 def test_engine_args_reject_bad_quantization(tiny_llama):
     with pytest.raises(ValueError, match="quantization must be one of"):
-        EngineArgs(model=str(tiny_llama), quantization="awq").create_engine_config()
+        create_engine_config(EngineArgs(model=str(tiny_llama), quantization="awq"))
     with pytest.raises(ValueError, match="quantization='gguf'.*not a GGUF"):
-        EngineArgs(model=str(tiny_llama), quantization="gguf").create_engine_config()
+        create_engine_config(EngineArgs(model=str(tiny_llama), quantization="gguf"))
     with pytest.raises(ValueError, match="needs device 'cpu'"):
-        EngineArgs(model=str(tiny_llama), quantization="int8", device="cuda").create_engine_config()
-    config = EngineArgs(model=str(tiny_llama), quantization="int4").create_engine_config()
+        create_engine_config(EngineArgs(model=str(tiny_llama), quantization="int8", device="cuda"))
+    config = create_engine_config(EngineArgs(model=str(tiny_llama), quantization="int4"))
     assert config.model.quantization == "int4"
 
 

@@ -73,11 +73,13 @@ def test_stack_steps_aside_where_it_does_not_apply(tiny_model_dirs, monkeypatch)
     qwen2 = LLM(model=str(tiny_model_dirs["qwen2"]), dtype="float32", kv_cache_memory=0.02)  # qkv biases
     bf16 = LLM(model=str(tiny_model_dirs["llama"]), dtype="bfloat16", kv_cache_memory=0.02)
     for llm in (qwen3, qwen2, bf16):
-        assert llm.engine.core.model.backend.decode_stack(llm.engine.core.model) is None
+        model = llm.engine.core.model
+        assert DecodeStack.build(model, model.backend.decode_stack_ops()) is None
         assert len(_run(llm)) == len(PROMPTS)
     assert not calls
     llama = LLM(model=str(tiny_model_dirs["llama"]), dtype="float32", kv_cache_memory=0.02)
-    stack = llama.engine.core.model.backend.decode_stack(llama.engine.core.model)
+    model = llama.engine.core.model
+    stack = DecodeStack.build(model, model.backend.decode_stack_ops())
     assert stack is not None and len(stack.k_caches) == len(llama.engine.core.model.layers)
     hidden = torch.zeros(4, 8)
     from pagoda.forward_context import AttentionMetadata, PrefillSeq

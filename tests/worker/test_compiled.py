@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from pagoda import LLM, SamplingParams
+from pagoda.config import create_engine_config
 
 PROMPTS = ["Hello", "The quick brown fox jumps over the lazy dog.", "Paris is the capital of France. Berlin is",
            "def main():", "Once upon a time"]
@@ -27,4 +28,4 @@ def test_compiled_equals_eager(tiny_llama, tiny_llm, tmp_path, monkeypatch):
 def test_enforce_eager_wins(tiny_llama):
     from pagoda.config import EngineArgs
 
-    assert EngineArgs(model=str(tiny_llama), compile=True, enforce_eager=True).create_engine_config().compile is False
+    assert create_engine_config(EngineArgs(model=str(tiny_llama), compile=True, enforce_eager=True)).compile is False

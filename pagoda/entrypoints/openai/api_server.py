@@ -12,6 +12,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import Response
 
 from pagoda import __version__
+from pagoda.config import create_engine_config
 from pagoda.engine.async_llm import AsyncLLM
 from pagoda.entrypoints.disconnect import GONE, unless_disconnected
 from pagoda.entrypoints.ollama import router as ollama_router
@@ -196,7 +197,7 @@ def run_server(args) -> int:
     if engine_args.node_rank > 0:  # another node of a multi-node engine: its ranks only, no HTTP
         from pagoda.executor.multiproc import run_headless
 
-        return run_headless(engine_args.create_engine_config())
+        return run_headless(create_engine_config(engine_args))
     if several and args.grpc_port is not None:
         raise ValueError("--grpc-port serves one model: it cannot be combined with several models yet")
     from pagoda.security.access import access_from_args, install as install_access
@@ -264,7 +265,7 @@ def _model_app(args, config, names: list[str], api_key: str | None, metric_famil
 
 def _one_model_app(args, engine_args, api_key: str | None) -> tuple[FastAPI, AsyncLLM]:
     names = args.served_model_name or [args.model]
-    app, async_engine = _model_app(args, engine_args.create_engine_config(), names, api_key)
+    app, async_engine = _model_app(args, create_engine_config(engine_args), names, api_key)
     engine = async_engine.engine
     cfg = engine.config.model
     print(f"pagoda {__version__}: loaded {args.model} ({cfg.architecture}, {str(cfg.dtype).removeprefix('torch.')}, "
@@ -287,7 +288,7 @@ def _several_models_settings(args):
 
     specs = model_specs(args)
     for spec in specs:
-        spec.config = EngineArgs.from_cli_args(spec.args).create_engine_config()
+        spec.config = create_engine_config(EngineArgs.from_cli_args(spec.args))
     if args.max_loaded_models < 1:
         raise ValueError(f"--max-loaded-models must be >= 1, got {args.max_loaded_models}")
     if args.models_memory is not None and args.models_memory <= 0:
