@@ -163,7 +163,7 @@ def main() -> None:
     with contextlib.ExitStack() as stack:
         for name, (flags, _) in setups.items():
             port = free_port()
-            cmd = [sys.executable, "-m", "pagoda.entrypoints.cli", "serve", "--model", str(model), "--port", str(port),
+            cmd = [sys.executable, "-m", "pagoda.cli", "serve", "--model", str(model), "--port", str(port),
                    "--dtype", "float32", "--kv-cache-memory", "0.02", "--served-model-name", "tiny",
                    "--max-num-seqs", str(ns.streams), "--log-level", "warning", *flags]
             bases[name], procs[name] = stack.enter_context(running_process(cmd, port, ready_path="/health",

@@ -74,7 +74,7 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=2)
     ns = parser.parse_args()
     port, grpc_port = free_port(), free_port()
-    proc = subprocess.Popen([sys.executable, "-m", "pagoda.entrypoints.cli", "serve", "--model", MODEL, "--port",
+    proc = subprocess.Popen([sys.executable, "-m", "pagoda.cli", "serve", "--model", MODEL, "--port",
                              str(port), "--grpc-port", str(grpc_port), "--dtype", "float32", "--max-num-seqs",
                              str(ns.streams), "--log-level", "warning"])
     base = f"http://127.0.0.1:{port}"

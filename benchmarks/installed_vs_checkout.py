@@ -96,7 +96,7 @@ def main() -> int:
         installed = install(Path(tmp))
         homes = {"checkout": Path(os.environ.get("PAGODA_HOME") or Path.home() / ".cache" / "pagoda"),
                  "installed": Path(tmp) / "home"}
-        commands = {"checkout": [sys.executable, "-m", "pagoda.entrypoints.cli"], "installed": [str(installed)]}
+        commands = {"checkout": [sys.executable, "-m", "pagoda.cli"], "installed": [str(installed)]}
         rates: dict[str, list[float]] = {"checkout": [], "installed": []}
         openmp: dict[str, list[str]] = {"checkout": [], "installed": []}
         for _ in range(args.rounds):

@@ -83,7 +83,7 @@ def compare(model: str, ns: argparse.Namespace) -> dict:
 
     tokenizer = AutoTokenizer.from_pretrained(str(load_gguf_model_dir(Path(model))))
     texts: dict[str, list[str]] = {}
-    servers = {"pagoda": [sys.executable, "-m", "pagoda.entrypoints.cli", "serve", "--model", model],
+    servers = {"pagoda": [sys.executable, "-m", "pagoda.cli", "serve", "--model", model],
                "llama.cpp": [ns.llama_server, "-m", model, "-np", "1", "-c", "2048", "--no-webui"]}
     for name, cmd in servers.items():
         port = _port()

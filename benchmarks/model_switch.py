@@ -75,7 +75,7 @@ def main() -> None:
     args = parser.parse_args()
     a, b = args.models
     port = free_port()
-    cmd = ["python", "-m", "pagoda.entrypoints.cli", "serve", "--model", a, "--model", b, "--port", str(port),
+    cmd = ["python", "-m", "pagoda.cli", "serve", "--model", a, "--model", b, "--port", str(port),
            "--quantization", "gguf", "--kv-cache-memory", "0.5", "--max-loaded-models", "1", "--log-level", "warning"]
     rows: dict[str, list[float]] = {f"cold {a}": [], f"switch to {b}": [], f"switch to {a}": [], f"warm {a}": [],
                                     f"warm {b}": []}

@@ -71,7 +71,7 @@ class Cluster:
         self.port = free_port()
         self.base = f"http://127.0.0.1:{self.port}"
         self.log = open(HERE / "results" / f".router-bench-{policy}.log", "w")
-        cmd = [sys.executable, "-m", "pagoda.entrypoints.cli", "serve", "--model", args.model, "--port",
+        cmd = [sys.executable, "-m", "pagoda.cli", "serve", "--model", args.model, "--port",
                str(self.port), "--log-level", "warning", "--data-parallel-size", "2", "--router-policy", policy,
                "--router-admin-key", ADMIN_KEY, "--kv-cache-memory", str(args.kv_cache_memory)]
         self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT)

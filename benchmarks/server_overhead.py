@@ -362,7 +362,7 @@ def tree_dir(ref: str):
 
 
 def _server_pid(port: int) -> int:
-    out = subprocess.run(["pgrep", "-f", "--", f"pagoda.entrypoints.cli serve .* --port {port} "],
+    out = subprocess.run(["pgrep", "-f", "--", f"pagoda.cli serve .* --port {port} "],
                          capture_output=True, text=True, check=False).stdout.split()
     if len(out) != 1:
         raise RuntimeError(f"expected one server process on port {port}, found {out}")

@@ -43,7 +43,7 @@ from datetime import date
 from pathlib import Path
 
 HERE = Path(__file__).parent
-CLI = [sys.executable, "-m", "pagoda.entrypoints.cli"]
+CLI = [sys.executable, "-m", "pagoda.cli"]
 MB = 1e6
 
 

@@ -14,7 +14,7 @@ import sys
 from datetime import date
 from pathlib import Path
 
-from pagoda.entrypoints.cli import main
+from pagoda.cli import main
 
 DEFAULTS = ["--backend", "pagoda,hf,llamacpp", "--num-prompts", "64", "--input-len", "128", "--output-len", "128",
             "--kv-cache-memory", "2", "--hf-batch-sizes", "1,16,64", "--serial-prompts", "4",

@@ -32,7 +32,7 @@ def start_server(model_dir, *extra: str, launcher: list[str] | None = None, name
     (`--ssl-*` in `extra`) takes scheme="https" and what httpx should `verify` it with. `name`
     None: no --served-model-name (several models give their own in `extra`)."""
     port = port or _free_port()
-    launcher = launcher or ["-m", "pagoda.entrypoints.cli"]
+    launcher = launcher or ["-m", "pagoda.cli"]
     names = ["--served-model-name", name] if name is not None else []
     model = ["--model", str(model_dir)] if model_dir is not None else []  # None: --models-file in `extra`
     cmd = [sys.executable, *launcher, "serve", *model, "--port", str(port),

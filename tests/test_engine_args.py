@@ -15,7 +15,7 @@ import pytest
 import pagoda
 from pagoda.config import ParallelConfig, create_engine_config
 from pagoda.engine_args import EngineArgs
-from pagoda.entrypoints.cli import build_parser
+from pagoda.cli import build_parser
 
 ENGINE_COMMANDS = [["generate", "hi"], ["chat"], ["serve"]]
 
@@ -154,5 +154,5 @@ def test_no_module_reaches_back_into_the_cli_or_the_catalog_for_home():
     for path in root.rglob("*.py"):
         imports = _imports(path)
         if path != root / "entrypoints" / "cli.py":
-            assert not any(module == "pagoda.entrypoints.cli" for module, _ in imports), path
+            assert not any(module == "pagoda.cli" for module, _ in imports), path
         assert ("pagoda.loader.catalog", "pagoda_home") not in imports, path

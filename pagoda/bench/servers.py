@@ -21,7 +21,7 @@ def free_port() -> int:
 
 
 def pagoda_command(model: str, port: int, *extra: str) -> list[str]:
-    return [sys.executable, "-m", "pagoda.entrypoints.cli", "serve", "--model", model, "--port", str(port),
+    return [sys.executable, "-m", "pagoda.cli", "serve", "--model", model, "--port", str(port),
             "--log-level", "warning", *extra]
 
 

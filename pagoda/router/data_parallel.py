@@ -87,7 +87,7 @@ class ReplicaSet:
     def command(self, replica: Replica) -> list[str]:
         # The command's own arguments, then what makes it one replica: argparse keeps the last
         # value of an option, so these win over the user's --port, --host, --data-parallel-size.
-        return [sys.executable, "-m", "pagoda.entrypoints.cli", *self.serve_argv, "--data-parallel-rank",
+        return [sys.executable, "-m", "pagoda.cli", *self.serve_argv, "--data-parallel-rank",
                 str(replica.rank), "--host", REPLICA_HOST, "--port", str(replica.port)]
 
     def spawn(self, replica: Replica) -> None:

@@ -8,7 +8,7 @@ import json
 import pytest
 
 from pagoda.bench import datasets, serve, servers
-from pagoda.entrypoints.cli import main
+from pagoda.cli import main
 from pagoda.tokenizer import Tokenizer
 
 

@@ -7,7 +7,7 @@ import json
 import pytest
 
 from pagoda.bench import sweep
-from pagoda.entrypoints.cli import main
+from pagoda.cli import main
 
 
 def test_cli_prints_throughput_and_writes_json(tiny_llama, tmp_path, capsys):

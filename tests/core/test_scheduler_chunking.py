@@ -160,7 +160,7 @@ def test_a_bad_policy_is_refused():
 
 
 def test_the_flags_reach_the_config(tiny_llama):
-    from pagoda.entrypoints.cli import build_parser
+    from pagoda.cli import build_parser
 
     parser = build_parser()
     args = EngineArgs.from_cli_args(parser.parse_args([

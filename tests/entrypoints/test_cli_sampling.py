@@ -9,7 +9,7 @@ import sys
 
 def _generate(model, *extra: str) -> str:
     env = dict(os.environ, PYTHONUNBUFFERED="1")
-    proc = subprocess.run([sys.executable, "-m", "pagoda.entrypoints.cli", "generate", "--model", str(model),
+    proc = subprocess.run([sys.executable, "-m", "pagoda.cli", "generate", "--model", str(model),
                            "--dtype", "float32", "--kv-cache-memory", "0.01", "--max-tokens", "24",
                            "--temperature", "1.0", *extra, "Once upon a time"],
                           capture_output=True, text=True, timeout=300, env=env)

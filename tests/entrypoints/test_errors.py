@@ -32,7 +32,7 @@ def encode(self, text, add_special_tokens=True):
         raise KeyError("internal detail: /secret/path.py")
     return real_encode(self, text, add_special_tokens)
 Tokenizer.encode = encode
-from pagoda.entrypoints.cli import main
+from pagoda.cli import main
 sys.exit(main(sys.argv[1:]))
 """
 

@@ -292,7 +292,7 @@ def test_busy_port_fails_before_loading(tiny_llama):
         taken.listen()
         port = taken.getsockname()[1]
         start = time.monotonic()
-        out = subprocess.run([sys.executable, "-m", "pagoda.entrypoints.cli", "serve", "--model", str(tiny_llama),
+        out = subprocess.run([sys.executable, "-m", "pagoda.cli", "serve", "--model", str(tiny_llama),
                               "--port", str(port), "--dtype", "float32"], capture_output=True, text=True, timeout=120)
     assert out.returncode == 1
     assert f"cannot listen on 127.0.0.1:{port}" in out.stderr and "--port" in out.stderr

@@ -284,7 +284,7 @@ def step(self):
         raise RuntimeError("injected engine failure")
     return real_step(self)
 EngineCore.step = step
-from pagoda.entrypoints.cli import main
+from pagoda.cli import main
 sys.exit(main(sys.argv[1:]))
 """
 

@@ -310,7 +310,7 @@ def test_keep_alive_durations():
     (["--model", "a", "--model", "b", "--keep-alive", "soon"], "--keep-alive: keep_alive must be a duration"),
 ])
 def test_serve_refuses_bad_model_options_before_listening(argv, message, capsys, tiny_llama):
-    from pagoda.entrypoints.cli import main
+    from pagoda.cli import main
 
     argv = [str(tiny_llama) if a == "a" else str(tiny_llama) if a == "b" and "/no/such/model" not in argv else a
             for a in argv]

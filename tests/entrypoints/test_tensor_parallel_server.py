@@ -87,7 +87,7 @@ def test_two_nodes_on_localhost_give_tp1_tokens(tiny_llama, expected):
     """torchrun-style flags: node 1 runs rank 1 only (no HTTP), node 0 runs rank 0 and serves."""
     port = str(free_port())
     node1 = subprocess.Popen(
-        [sys.executable, "-m", "pagoda.entrypoints.cli", "serve", "--model", str(tiny_llama), "--dtype", "float32",
+        [sys.executable, "-m", "pagoda.cli", "serve", "--model", str(tiny_llama), "--dtype", "float32",
          "--kv-cache-memory", "0.02", "--tensor-parallel-size", "2", "--nnodes", "2", "--node-rank", "1",
          "--master-addr", "127.0.0.1", "--master-port", port],
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)

@@ -203,7 +203,7 @@ def test_engine_args_reject_bad_quantization(tiny_llama):
 
 
 def test_cli_flag_reaches_engine_args():
-    from pagoda.entrypoints.cli import build_parser
+    from pagoda.cli import build_parser
 
     ns = build_parser().parse_args(["generate", "hi", "--quantization", "int8"])
     assert EngineArgs.from_cli_args(ns).quantization == "int8"

@@ -46,7 +46,7 @@ def _mean_logprob_change(path: Path, tiny_llm, quantization: str | None = None) 
 
 def test_command_writes_a_gguf_that_gguf_reads_and_pagoda_serves(tiny_llama, tiny_llm, tmp_path):
     out, summary = tmp_path / "tiny-awq.gguf", tmp_path / "summary.json"
-    proc = subprocess.run([sys.executable, "-m", "pagoda.entrypoints.cli", "quantize", str(tiny_llama),
+    proc = subprocess.run([sys.executable, "-m", "pagoda.cli", "quantize", str(tiny_llama),
                            "--method", "awq", "--bits", "4", "--num-samples", "24", "-o", str(out),
                            "--summary", str(summary)],  # the calibration set shipped with pagoda
                           check=False, capture_output=True, text=True, timeout=300)
@@ -121,7 +121,7 @@ def test_calibration_records_and_their_errors(tmp_path, tiny_llm, calibration_fi
 
 
 def test_command_refuses_bad_options(tmp_path, capsys):
-    from pagoda.entrypoints.cli import main
+    from pagoda.cli import main
 
     assert main(["quantize", "unused", "--bits", "8", "--zero-point", "-o", str(tmp_path / "x.gguf")]) == 1
     assert "pagoda: error: 8-bit blocks (Q8_0) have no zero point" in capsys.readouterr().err

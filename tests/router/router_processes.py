@@ -35,7 +35,7 @@ class _FrontProcess:
         self.port = _free_port()
         self.base = f"http://127.0.0.1:{self.port}"
         self.log = tempfile.NamedTemporaryFile("w+", prefix=f"pagoda-{label}-", suffix=".log")
-        cmd = [sys.executable, "-m", "pagoda.entrypoints.cli", *args, "--port", str(self.port)]
+        cmd = [sys.executable, "-m", "pagoda.cli", *args, "--port", str(self.port)]
         self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT, text=True)
         try:
             wait_for(self._up, timeout=timeout, interval=0.1, what=f"pagoda {args[0]} ({label})")

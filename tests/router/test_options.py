@@ -6,7 +6,7 @@ import socket
 import subprocess
 import sys
 
-from pagoda.entrypoints.cli import build_parser
+from pagoda.cli import build_parser
 
 
 def test_router_options_parse():
@@ -19,14 +19,14 @@ def test_router_options_parse():
 
 
 def test_a_bad_worker_url_is_one_clear_line():
-    done = subprocess.run([sys.executable, "-m", "pagoda.entrypoints.cli", "router", "--worker", "localhost:8000",
+    done = subprocess.run([sys.executable, "-m", "pagoda.cli", "router", "--worker", "localhost:8000",
                            "--port", "0"], capture_output=True, text=True, timeout=60)
     assert done.returncode == 1
     assert done.stderr.strip() == "pagoda: error: a worker URL must look like http://HOST:PORT, got 'localhost:8000'"
 
 
 def _pagoda(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "pagoda.entrypoints.cli", *args], capture_output=True, text=True,
+    return subprocess.run([sys.executable, "-m", "pagoda.cli", *args], capture_output=True, text=True,
                           timeout=60)
 
 

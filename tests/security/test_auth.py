@@ -32,7 +32,7 @@ import pytest
 from server_process import _free_port, start_server, stop_process
 
 from pagoda.bench.servers import IDLE_METRICS, scrape_metrics, wait_idle
-from pagoda.entrypoints.cli import main as pagoda_main
+from pagoda.cli import main as pagoda_main
 from pagoda.security.auth import AuthConfig, split_key
 from pagoda.security.context import Grant, RequestContext
 from pagoda.security.limits import TenantLimits
@@ -126,7 +126,7 @@ def test_keys_command_lines(tmp_path):
     `revoke` marks the key, which then fails; a wrong role or file is an error."""
     path = tmp_path / "auth.yaml"
     path.write_text(ROLES)
-    run = lambda *a: subprocess.run([sys.executable, "-m", "pagoda.entrypoints.cli", "keys", *a],
+    run = lambda *a: subprocess.run([sys.executable, "-m", "pagoda.cli", "keys", *a],
                                     capture_output=True, text=True, timeout=60)
     added = run("add", str(path), "--tenant", "acme", "--role", "basic", "--name", "ci")
     assert added.returncode == 0, added.stderr

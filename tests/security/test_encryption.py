@@ -159,7 +159,7 @@ def test_quantized_gguf_keeps_its_blocks_from_memory(tiny_llama, work, key_file)
 def test_a_store_name_is_encrypted_with_its_overlays(tiny_gguf, key_file, tmp_path, fresh_home, capsys):
     """`pagoda encrypt NAME` takes what --model NAME loads: a store model's GGUF (a sha256-named
     blob) with its overlays (here a shorter context and a system prompt)."""
-    from pagoda.entrypoints.cli import main
+    from pagoda.cli import main
 
     modelfile = tmp_path / "Modelfile"
     modelfile.write_text(f'FROM {tiny_gguf}\nPARAMETER num_ctx 128\nSYSTEM """Be brief."""\n')
@@ -284,7 +284,7 @@ def test_swapped_or_dropped_chunks(sealed_dir, key_file, tmp_path):
 # -- the command line -----------------------------------------------------------------------------
 
 def _cli(*args: str, env: dict | None = None) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "pagoda.entrypoints.cli", *args], capture_output=True, text=True,
+    return subprocess.run([sys.executable, "-m", "pagoda.cli", *args], capture_output=True, text=True,
                           timeout=120, env={**os.environ, **(env or {})})
 
 

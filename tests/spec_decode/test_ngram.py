@@ -209,7 +209,7 @@ def test_bad_speculative_config_names_the_field(tiny_llama, config, field):
 def test_server_with_speculation_reports_acceptance_in_metrics(tiny_llama, capsys, tmp_path):
     import httpx
     from pagoda.bench.servers import scrape_metrics
-    from pagoda.entrypoints.cli import main
+    from pagoda.cli import main
     from server_process import start_server
 
     proc, base = start_server(tiny_llama, "--speculative-config", '{"method": "ngram", "num_speculative_tokens": 3}')

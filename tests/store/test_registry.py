@@ -187,7 +187,7 @@ def test_two_pulls_of_one_model_at_once(registry, fresh_home, tiny_gguf, monkeyp
 
 
 def test_cli_push_pull_and_errors(registry, fresh_home, tiny_gguf, monkeypatch, capsys):
-    from pagoda.entrypoints.cli import main
+    from pagoda.cli import main
 
     ref = f"{registry.host}/library/cli:1"
     manifest = _make_model(tiny_gguf, ref)

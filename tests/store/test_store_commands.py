@@ -7,7 +7,7 @@ import hashlib
 import json
 from pathlib import Path
 
-from pagoda.entrypoints.cli import main
+from pagoda.cli import main
 from pagoda.store import manifests
 from pagoda.store.layout import default_layout, parse_ref
 

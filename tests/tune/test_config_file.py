@@ -12,7 +12,7 @@ import pytest
 
 from pagoda import config_file
 from pagoda.engine_args import EngineArgs
-from pagoda.entrypoints.cli import build_parser
+from pagoda.cli import build_parser
 
 
 def _parse(argv: list[str]):

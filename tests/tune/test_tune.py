@@ -20,7 +20,7 @@ import sys
 import pytest
 
 from pagoda.bench import datasets, serve, servers
-from pagoda.entrypoints import cli
+from pagoda import cli
 from pagoda.tune.search import Budget, Search
 from pagoda.tune.setting import Setting
 from pagoda.tune.trial import Level, Slos, Trial, search_load
@@ -44,7 +44,7 @@ def _load(url: str, model_dir, concurrency: int) -> dict:
 @pytest.fixture(scope="module")
 def itl_slo_ms(tiny_llama) -> float:
     port = servers.free_port()
-    cmd = [sys.executable, "-m", "pagoda.entrypoints.cli", "serve", "--model", str(tiny_llama), "--dtype", "float32",
+    cmd = [sys.executable, "-m", "pagoda.cli", "serve", "--model", str(tiny_llama), "--dtype", "float32",
            "--kv-cache-memory", "0.02", "--port", str(port), "--log-level", "warning"]
     with servers.running(cmd, port) as url:
         return max(MIN_ITL_SLO_MS, ITL_FACTOR * _load(url, tiny_llama, 8)["p99_itl_ms"])
@@ -72,7 +72,7 @@ def test_the_chosen_setting_meets_the_slos_in_a_fresh_run(tuned, tiny_llama, itl
     concurrency = best["best_concurrency"]
 
     port = servers.free_port()
-    cmd = [sys.executable, "-m", "pagoda.entrypoints.cli", "serve", "--config", str(tuned / "best.yaml"),
+    cmd = [sys.executable, "-m", "pagoda.cli", "serve", "--config", str(tuned / "best.yaml"),
            "--port", str(port), "--log-level", "warning"]
     with servers.running(cmd, port) as url:
         summary = _load(url, tiny_llama, concurrency)

@@ -11,7 +11,7 @@ import httpx
 import pytest
 from server_process import start_server, stop_process
 
-from pagoda.entrypoints.cli import main as pagoda_main
+from pagoda.cli import main as pagoda_main
 
 API_KEY = "web-test-key"
 SYSTEM = "You are a helpful assistant who answers about Paris, the capital of France. " * 4

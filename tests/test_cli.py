@@ -15,13 +15,13 @@ import pytest
 
 from pagoda import LLM, SamplingParams, __version__
 from pagoda.entrypoints import served_models
-from pagoda.entrypoints.cli import build_parser, resolve_log_level
+from pagoda.cli import build_parser, resolve_log_level
 from server_process import OpenStream, _free_port
 
 
 def _run(args: list[str], input_text: str | None = None, timeout: int = 300) -> subprocess.CompletedProcess:
     env = dict(os.environ, PYTHONUNBUFFERED="1")
-    return subprocess.run([sys.executable, "-m", "pagoda.entrypoints.cli", *args], input=input_text,
+    return subprocess.run([sys.executable, "-m", "pagoda.cli", *args], input=input_text,
                           capture_output=True, text=True, timeout=timeout, env=env)
 
 
@@ -59,7 +59,7 @@ def test_errors_are_one_clear_line(tiny_llama, tmp_path):
 
 def test_list_shows_the_catalog(tmp_path):
     env_home = {"PAGODA_HOME": str(tmp_path)}
-    proc = subprocess.run([sys.executable, "-m", "pagoda.entrypoints.cli", "list"], capture_output=True, text=True,
+    proc = subprocess.run([sys.executable, "-m", "pagoda.cli", "list"], capture_output=True, text=True,
                           env=dict(os.environ, **env_home), timeout=60)
     assert proc.returncode == 0, proc.stderr
     assert "smollm2-135m-instruct" in proc.stdout and "gemma3-270m" in proc.stdout
@@ -94,7 +94,7 @@ def test_version_names_the_package():
 def test_help_imports_nothing_heavy_and_shows_defaults():
     """`pagoda --help` used to import torch through pagoda.config (~2 s); now the parser is
     built from light modules only, bench's options included until `bench` is used."""
-    proc = subprocess.run([sys.executable, "-X", "importtime", "-m", "pagoda.entrypoints.cli", "--help"],
+    proc = subprocess.run([sys.executable, "-X", "importtime", "-m", "pagoda.cli", "--help"],
                           capture_output=True, text=True, timeout=60)
     assert proc.returncode == 0 and "serve" in proc.stdout
     imported = {line.rsplit("|", 1)[-1].strip() for line in proc.stderr.splitlines() if line.startswith("import time:")}
@@ -131,7 +131,7 @@ def _serve_then_stop(args: list[str], model, request: dict | None = None,
     """Start `pagoda <args> serve MODEL`, wait for /health, optionally POST one completion
     request (its status must be 200), then stop the server with a signal; stdout and stderr."""
     port = _free_port()
-    cmd = [sys.executable, "-m", "pagoda.entrypoints.cli", *args, "serve", str(model), "--port", str(port),
+    cmd = [sys.executable, "-m", "pagoda.cli", *args, "serve", str(model), "--port", str(port),
            "--dtype", "float32", "--kv-cache-memory", "0.01"]  # the model as `vllm serve MODEL` takes it
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     base = f"http://127.0.0.1:{port}"
@@ -197,7 +197,7 @@ def test_a_second_ctrl_c_stops_serve_at_once_without_a_traceback(long_tiny_llama
     """The second signal aborts everything and exits; it used to end with uvicorn's lifespan task
     cancelled under it, printing a CancelledError traceback."""
     port, log = _free_port(), (tmp_path / "serve.log").open("w+")
-    proc = subprocess.Popen([sys.executable, "-m", "pagoda.entrypoints.cli", "serve", str(long_tiny_llama), "--port",
+    proc = subprocess.Popen([sys.executable, "-m", "pagoda.cli", "serve", str(long_tiny_llama), "--port",
                              str(port), "--dtype", "float32", "--kv-cache-memory", "0.05", "--max-model-len", "16384",
                              "--served-model-name", "tiny", "--shutdown-timeout", "600"],
                             stdout=log, stderr=subprocess.STDOUT, text=True)
