@@ -9,7 +9,7 @@ __version__ = "0.1.0"
 def __getattr__(name: str):
     # LLM pulls in torch and the model code; import it lazily so `import pagoda` stays light.
     if name == "LLM":
-        from pagoda.engine.llm import LLM
+        from pagoda.engine.llm import LLM  # deferred: loads llguidance, tokenizers, torch, tqdm
 
         return LLM
     raise AttributeError(name)

@@ -20,6 +20,7 @@ from pagoda.engine_args import EngineArgs  # not from pagoda.config, which impor
 from pagoda.entrypoints import served_models  # argparse only; the pool loads when several models are served
 from pagoda.quantize import command as quantize_command  # argparse only; torch loads when it runs
 from pagoda.router import options as router_options  # argparse only; the router loads when it runs
+from pagoda.sampling_params import RequestOutputKind, SamplingParams
 from pagoda.security import encrypt_command  # argparse only; cryptography loads when it runs
 from pagoda.security import keys_command, options as access_options  # argparse only (keys, roles, audit)
 from pagoda.security import moderation, tls  # their serve options; pyahocorasick loads when a list is read
@@ -99,8 +100,6 @@ def _add_sampling_args(p: argparse.ArgumentParser) -> None:
 
 
 def _sampling_params(ns: argparse.Namespace):
-    from pagoda.sampling_params import RequestOutputKind, SamplingParams
-
     return SamplingParams(
         max_tokens=ns.max_tokens, temperature=ns.temperature, top_p=ns.top_p, top_k=ns.top_k, min_p=ns.min_p,
         repetition_penalty=ns.repetition_penalty, seed=_request_seed(ns), stop=ns.stop,
@@ -135,7 +134,7 @@ def _stream(engine, prompt, params) -> str:
 
 
 def cmd_generate(ns: argparse.Namespace) -> int:
-    from pagoda.engine.llm_engine import LLMEngine
+    from pagoda.engine.llm_engine import LLMEngine  # deferred: loads llguidance, tokenizers, torch
 
     engine = LLMEngine.from_engine_args(EngineArgs.from_cli_args(ns))
     try:
@@ -152,7 +151,7 @@ def cmd_generate(ns: argparse.Namespace) -> int:
 
 
 def cmd_chat(ns: argparse.Namespace) -> int:
-    from pagoda.engine.llm_engine import LLMEngine
+    from pagoda.engine.llm_engine import LLMEngine  # deferred: loads llguidance, tokenizers, torch
 
     engine = LLMEngine.from_engine_args(EngineArgs.from_cli_args(ns))
     try:
@@ -208,15 +207,18 @@ def cmd_serve(ns: argparse.Namespace) -> int:
     configure_server_openmp(shared_cores=ns.data_parallel_size != 1 or ns.data_parallel_rank is not None
                             or getattr(ns, "tensor_parallel_size", 1) > 1)
     if ns.data_parallel_rank is not None:  # one replica of `--data-parallel-size N`
+        # deferred: loads httpx, orjson, prometheus_client, starlette, uvicorn
         from pagoda.router.data_parallel import pin_replica
 
         pin_replica(ns.data_parallel_rank, ns.data_parallel_size)
     elif ns.data_parallel_size != 1:
         if ns.data_parallel_size < 1:
             raise ValueError(f"--data-parallel-size must be >= 1, got {ns.data_parallel_size}")
+        # deferred: loads httpx, orjson, prometheus_client, starlette, uvicorn
         from pagoda.router.data_parallel import run_data_parallel
 
         return run_data_parallel(ns)
+    # deferred: loads fastapi, jinja2, llguidance, numpy, orjson, pydantic, ray, starlette, tokenizers, torch, uvicorn
     from pagoda.entrypoints.openai.api_server import run_server
 
     return run_server(ns)
@@ -227,19 +229,19 @@ def cmd_router(ns: argparse.Namespace) -> int:
 
 
 def cmd_bench_throughput(ns: argparse.Namespace) -> int:
-    from pagoda.bench import throughput
+    from pagoda.bench import throughput  # deferred: loads httpx, numpy, tokenizers, torch
 
     return throughput.main(ns, EngineArgs.from_cli_args(ns))
 
 
 def cmd_bench_serve(ns: argparse.Namespace) -> int:
-    from pagoda.bench import serve_command
+    from pagoda.bench import serve_command  # deferred: loads httpx, numpy, tokenizers
 
     return serve_command.main(ns)
 
 
 def cmd_bench_plot(ns: argparse.Namespace) -> int:
-    from pagoda.bench import plots
+    from pagoda.bench import plots  # deferred: keeps `pagoda` light at start
 
     for path in plots.main(ns.results, ns.plot_dir, ns.labels):
         print(path)
@@ -254,7 +256,7 @@ def _add_bench_parser(sub) -> None:
 def _populate_bench(bench: argparse.ArgumentParser) -> None:
     """The bench subcommands; their options live in pagoda.bench, which imports numpy and asyncio,
     so this runs only when `pagoda bench ...` is parsed."""
-    from pagoda.bench import serve, throughput
+    from pagoda.bench import serve, throughput  # deferred: loads httpx, numpy, tokenizers, torch
 
     bench_sub = bench.add_subparsers(dest="bench_command", required=True)
 
@@ -356,7 +358,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def _populate_tune(p: argparse.ArgumentParser) -> None:
     """`pagoda tune`'s options (pagoda/tune/command.py), added only when the command is parsed."""
-    from pagoda.tune import command
+    from pagoda.tune import command  # deferred: loads tokenizers
 
     p.description = command.__doc__
     EngineArgs.add_cli_args(p)  # the starting point; the tuned knobs move from there

@@ -12,12 +12,15 @@ from pathlib import Path
 
 import torch
 
+from pagoda.core.prefill_chunks import resolve_long_prefill_threshold
 from pagoda.dtypes import resolve_dtype, resolve_kv_cache_dtype
 from pagoda.engine_args import EngineArgs  # also re-exported: most callers import it from here
 from pagoda.heap import keep_freed_memory
+from pagoda.layers.auto_quantization import announce, choose_quantization
 from pagoda.loader.catalog import DEFAULT_MODEL  # noqa: F401 - the engine's default, re-exported
 from pagoda.loader.model_files import ModelFiles
 from pagoda.loader.resolve import resolve_model
+from pagoda.models.registry import resolve_architecture
 from pagoda.platform import available_memory_bytes, default_device
 from pagoda.worker.kv_cache import GiB, bytes_per_block, cpu_budget_gib
 
@@ -184,8 +187,6 @@ class EngineConfig:
 
 def create_engine_config(args: EngineArgs) -> EngineConfig:
     """Resolve `args` against the model's config and the device (EngineArgs.create_engine_config)."""
-    from pagoda.models.registry import resolve_architecture
-
     args._validate()
     if args.num_threads is not None:  # the engine computes in this process; OMP_NUM_THREADS for its children
         torch.set_num_threads(args.num_threads)
@@ -253,8 +254,6 @@ def _within_kv_budget(max_model_len: int, hf_config: dict, kv_cache_memory: floa
 def _scheduler_config(args: EngineArgs, max_model_len: int) -> SchedulerConfig:
     """The scheduler's knobs; with several partial prefills and no threshold, vLLM's default
     threshold (4 % of the context)."""
-    from pagoda.core.prefill_chunks import resolve_long_prefill_threshold
-
     threshold = resolve_long_prefill_threshold(args.long_prefill_token_threshold, args.max_num_partial_prefills,
                                                max_model_len)
     return SchedulerConfig(
@@ -269,8 +268,6 @@ def _speculative_config(args: EngineArgs, target: ModelConfig) -> SpeculativeCon
     """The parsed speculative_config; for ``draft_model``, with the draft resolved (files,
     architecture, dtype, quantization) and checked against the target: the same tokenizer (the
     drafts are token ids) and a context at least the target's."""
-    from pagoda.models.registry import resolve_architecture
-
     spec = SpeculativeConfig.parse(args.speculative_config)
     if spec is None or spec.method != "draft_model":
         return spec
@@ -295,7 +292,7 @@ def _speculative_config(args: EngineArgs, target: ModelConfig) -> SpeculativeCon
 
 
 def _check_same_tokenizer(draft: ModelFiles, target: ModelFiles) -> None:
-    from tokenizers import Tokenizer as HFTokenizer
+    from tokenizers import Tokenizer as HFTokenizer  # deferred: tokenizers loads on first use
 
     def vocab(files: ModelFiles) -> dict[str, int]:
         path = files.metadata_dir / "tokenizer.json"
@@ -378,8 +375,7 @@ def _check_quantization(quantization: str | None, files: ModelFiles, device: tor
                         dtype: str | torch.dtype | None = None) -> str | None:
     """The mode asked for, checked; or, for auto (the default; a draft model: none), what
     layers/auto_quantization.py picks, said at start-up."""
-    from pagoda.layers.auto_quantization import announce, choose_quantization
-    from pagoda.layers.quantization import check_quantization
+    from pagoda.layers.quantization import check_quantization  # deferred: loads numpy
 
     if dtype is None and (quantization is None or str(quantization).lower() == "auto"):
         return None

@@ -56,7 +56,7 @@ def parse_args(parser: argparse.ArgumentParser, argv: Sequence[str] | None) -> a
 
 def read_config(path: str | Path) -> dict[str, Any]:
     """The file's mapping; ValueError if it cannot be read or is not a mapping of names."""
-    import yaml
+    import yaml  # deferred: yaml loads on first use
 
     path = Path(path)
     try:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import functools
 import os
+import platform
 
 import torch
 
@@ -30,7 +31,6 @@ def cpu_model() -> str:
                     return line.split(":", 1)[1].strip()
     except OSError:
         pass
-    import platform
 
     return platform.processor()
 

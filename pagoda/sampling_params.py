@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+import dataclasses
 from enum import IntEnum
 
 
@@ -158,8 +159,6 @@ class SamplingParams:
         return self.presence_penalty != 0.0 or self.frequency_penalty != 0.0 or self.repetition_penalty != 1.0
 
     def clone(self, **changes) -> "SamplingParams":
-        import dataclasses
-
         fields = {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.init}
         fields.update(changes)
         new = SamplingParams(**{k: (list(v) if isinstance(v, list) else v) for k, v in fields.items()})

@@ -149,9 +149,9 @@ def render_bounded(template, max_chars: int, **context) -> str:
 
 @functools.lru_cache(maxsize=1)
 def _environment():
-    from jinja2.exceptions import TemplateError
-    from jinja2.ext import loopcontrols
-    from jinja2.sandbox import ImmutableSandboxedEnvironment
+    from jinja2.exceptions import TemplateError  # deferred: jinja2 loads on first use
+    from jinja2.ext import loopcontrols  # deferred: jinja2 loads on first use
+    from jinja2.sandbox import ImmutableSandboxedEnvironment  # deferred: jinja2 loads on first use
 
     def raise_exception(message: str):
         raise TemplateError(message)
@@ -169,7 +169,7 @@ def _environment():
 def compile_template(source: str):
     """A Jinja template in pagoda's sandboxed environment (not cached: a request's own template,
     Ollama's `template` field, compiles anew each time rather than filling a cache)."""
-    from jinja2.exceptions import TemplateError
+    from jinja2.exceptions import TemplateError  # deferred: jinja2 loads on first use
 
     try:
         return _environment().from_string(source)

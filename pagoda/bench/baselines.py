@@ -9,8 +9,11 @@ own quantized kernels.
 from __future__ import annotations
 
 import os
+import sys
 import time
 from pathlib import Path
+
+from pagoda.loader.resolve import resolve_model
 
 
 class Unavailable(RuntimeError):
@@ -19,8 +22,6 @@ class Unavailable(RuntimeError):
 
 def gguf_file(model: str) -> Path | None:
     """The GGUF behind a `--model` name (a .gguf path, a directory holding one, a catalog name), else None."""
-    from pagoda.loader.resolve import resolve_model
-
     return resolve_model(model).gguf_file
 
 
@@ -29,16 +30,15 @@ def gguf_file(model: str) -> Path | None:
 def load_transformers_model(model: str, dtype):
     """transformers' own model class on exactly the weights pagoda loads for `model`."""
     try:
-        import torch
-        import transformers
+        import torch  # optional: torch may be absent
+        import transformers  # optional: transformers may be absent
     except ImportError as e:
         raise Unavailable(f"transformers is not installed ({e})") from None
-    from pagoda.loader.resolve import resolve_model
 
     files = resolve_model(model)
     config = transformers.AutoConfig.from_pretrained(files.metadata_dir)
     if files.gguf_file is not None:
-        from pagoda.loader.gguf import iter_gguf_weights
+        from pagoda.loader.gguf import iter_gguf_weights  # deferred: loads gguf, numpy, torch
 
         hf_model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
         hf_model.load_state_dict(dict(iter_gguf_weights(files.gguf_file, files.hf_config())), strict=False)
@@ -51,7 +51,7 @@ def load_transformers_model(model: str, dtype):
 def hf_generate(model, prompts: list[list[int]], output_lens: list[int], batch_size: int, pad_id: int = 0) -> float:
     """Run `generate` over left-padded static batches (greedy, exactly the longest output length of
     each batch); returns the seconds taken. Shorter requests in a batch wait for its longest."""
-    import torch
+    import torch  # torch loads on first use
 
     start = time.perf_counter()
     with torch.inference_mode():
@@ -73,7 +73,7 @@ def hf_generate(model, prompts: list[list[int]], output_lens: list[int], batch_s
 
 def _llama_cpp():
     try:
-        import llama_cpp
+        import llama_cpp  # optional: llama_cpp may be absent
     except ImportError as e:
         raise Unavailable(
             f"llama-cpp-python is not installed ({e}); on a CPU like this one build it with "
@@ -113,8 +113,6 @@ def llamacpp_generate(llm, prompts: list[list[int]], output_lens: list[int]) -> 
 def llamacpp_server_command(gguf: Path, port: int, *, n_ctx: int, threads: int | None = None,
                             host: str = "127.0.0.1", model_alias: str | None = None) -> list[str]:
     """llama-cpp-python's OpenAI-compatible server on `gguf` (it serves one request at a time)."""
-    import sys
-
     _llama_cpp()
     threads = threads or default_threads()
     cmd = [sys.executable, "-m", "llama_cpp.server", "--model", str(gguf), "--host", host, "--port", str(port),

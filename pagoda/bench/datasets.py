@@ -21,6 +21,8 @@ import random
 from dataclasses import dataclass
 from pathlib import Path
 
+from pagoda.loader import catalog
+from pagoda.loader.resolve import resolve_model
 from pagoda.tokenizer import Tokenizer
 
 _FALLBACK_WORDS = ("the", "model", "serves", "a", "request", "with", "tokens", "and", "every", "batch")
@@ -168,8 +170,6 @@ def load_tokenizer(name: str | None) -> Tokenizer | None:
     """
     if not name:
         return None
-    from pagoda.loader import catalog
-    from pagoda.loader.resolve import resolve_model
 
     if not Path(name).expanduser().exists() and catalog.resolve_catalog_name(name) is None:
         return None

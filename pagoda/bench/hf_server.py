@@ -19,9 +19,12 @@ import time
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
+from pagoda.bench.baselines import load_transformers_model
+from pagoda.engine_args import EngineArgs
+
 
 def build_app(model, tokenizer, name: str) -> FastAPI:
-    import torch
+    import torch  # torch loads on first use
 
     app = FastAPI()
     lock = threading.Lock()
@@ -82,12 +85,10 @@ def build_app(model, tokenizer, name: str) -> FastAPI:
 
 
 def main(argv: list[str] | None = None) -> None:
-    import uvicorn
+    import uvicorn  # deferred: uvicorn loads on first use
 
-    from pagoda.bench.baselines import load_transformers_model
-    from pagoda.config import create_engine_config
-    from pagoda.engine_args import EngineArgs
-    from pagoda.tokenizer import Tokenizer
+    from pagoda.config import create_engine_config  # deferred: loads torch
+    from pagoda.tokenizer import Tokenizer  # deferred: loads tokenizers
 
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default="smollm2-135m-instruct")

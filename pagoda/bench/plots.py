@@ -16,10 +16,10 @@ LATENCY_PNG = "latency_vs_concurrency.png"
 
 
 def _pyplot():
-    import matplotlib
+    import matplotlib  # matplotlib (the bench extra) loads on first use
 
     matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    import matplotlib.pyplot as plt  # matplotlib (the bench extra) loads on first use
 
     return plt
 

@@ -17,6 +17,7 @@ import asyncio
 import json
 import math
 import os
+from pathlib import Path
 import random
 import sys
 import time
@@ -41,7 +42,7 @@ def _aiohttp():
     under anyio) took 1.7 ms of CPU a chunk at one stream and 0.11 ms at 64, aiohttp's (a C
     parser) 0.3 and 0.035 ms (benchmarks/README.md, "The load generator's own cost")."""
     try:
-        import aiohttp
+        import aiohttp  # optional: aiohttp may be absent
     except ImportError:
         raise RuntimeError("pagoda bench serve needs aiohttp: pip install aiohttp") from None
     return aiohttp
@@ -296,8 +297,6 @@ def environment(ns: argparse.Namespace) -> dict:
 
 
 def save_json(path: str, record: dict) -> None:
-    from pathlib import Path
-
     out = Path(path)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(record, indent=2, default=str))

@@ -84,7 +84,7 @@ def main(ns: argparse.Namespace, cfg: serve.ServeConfig, tokenizer, slos: dict[s
     if ns.save_result:
         serve.save_json(ns.save_result, {**serve.environment(ns), "sweep": record})
     if ns.plot_dir:
-        from pagoda.bench import plots
+        from pagoda.bench import plots  # deferred: only when ns.plot_dir
 
         try:
             for path in plots.plot_sweeps([record], ns.plot_dir):

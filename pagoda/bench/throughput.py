@@ -23,10 +23,12 @@ import platform
 import sys
 import time
 
+from pagoda import LLM, SamplingParams
 from pagoda.bench import baselines, datasets
 from pagoda.bench.metrics import format_spec, spec_from_stats, spec_summary
-from pagoda.bench.serve import loadavg
+from pagoda.bench.serve import environment, loadavg, save_json
 from pagoda.config import create_engine_config
+from pagoda.tokenizer import Tokenizer
 
 BACKENDS = ("pagoda", "hf", "llamacpp")
 
@@ -60,8 +62,6 @@ def _result(label: str, prompts: list[list[int]], output_lens: list[int], second
 
 
 def run_pagoda(engine_args, prompts: list[list[int]], output_lens: list[int]) -> dict:
-    from pagoda import LLM, SamplingParams
-
     llm = LLM(**dataclasses.asdict(engine_args))
     llm.generate([{"prompt_token_ids": prompts[0][:8]}], SamplingParams(max_tokens=2), use_tqdm=False)  # warm-up
     params = [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True) for n in output_lens]
@@ -125,9 +125,6 @@ def format_table(results: list[dict]) -> str:
 
 
 def main(ns: argparse.Namespace, engine_args) -> int:
-    from pagoda.bench.serve import environment, save_json
-    from pagoda.tokenizer import Tokenizer
-
     backends = _parse_backends(ns.backend)
     batch_sizes = [int(x) for x in ns.hf_batch_sizes.split(",") if x.strip()]
     config = create_engine_config(engine_args)
@@ -154,7 +151,7 @@ def main(ns: argparse.Namespace, engine_args) -> int:
     if len(results) > 1:
         print(format_table(results))
     if ns.save_result:
-        import torch
+        import torch  # torch loads on first use
 
         save_json(ns.save_result, {**environment(ns), "machine": {"cpu": platform.processor() or platform.machine(),
                                                                   "torch_threads": torch.get_num_threads(),

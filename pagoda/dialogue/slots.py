@@ -120,7 +120,7 @@ def _unanchored(pattern: str) -> str:
 @functools.lru_cache(maxsize=256)
 def _validator(schema_json: str):
     try:
-        import jsonschema
+        import jsonschema  # optional: jsonschema may be absent
     except ImportError as e:  # a test extra of pagoda, not a core dependency
         raise ImportError("pagoda.dialogue validates slots with jsonschema: pip install jsonschema") from e
     schema = json.loads(schema_json)

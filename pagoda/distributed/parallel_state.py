@@ -129,7 +129,7 @@ SINGLE = TensorParallelGroup()
 def serve_rendezvous(master_addr: str, master_port: int | None, world_size: int, timeout_seconds: float):
     """Rank 0's rendezvous store, listening before any other rank starts: on ``master_port``, or
     on a port the kernel picks (``store.port``), so no other process can take it in between."""
-    import torch.distributed as dist
+    import torch.distributed as dist  # torch.distributed loads on first use
 
     return dist.TCPStore(master_addr, master_port or 0, world_size, True,
                          timeout=_start_up_timeout(timeout_seconds), wait_for_workers=False)
@@ -142,7 +142,7 @@ def init_tensor_parallel(rank: int, world_size: int, master_addr: str, master_po
     one it already serves, see ``serve_rendezvous``). ``shared_memory_bytes`` > 0 (every rank on
     this machine, CPU): the largest tensor the shared-memory collectives carry; larger ones go
     through gloo. ``gone``: why the start must stop (a rank died), or None."""
-    import torch.distributed as dist
+    import torch.distributed as dist  # torch.distributed loads on first use
 
     if world_size == 1:
         return SINGLE

@@ -160,7 +160,7 @@ class WordFilter:
     """Named word lists, normalized into one Aho–Corasick automaton."""
 
     def __init__(self, lists: dict[str, Iterable[str]]) -> None:
-        import ahocorasick
+        import ahocorasick  # deferred: ahocorasick loads on first use
 
         self.lists: dict[str, tuple[str, ...]] = {name: tuple(terms) for name, terms in lists.items()}
         self.automaton = ahocorasick.Automaton()

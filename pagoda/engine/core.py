@@ -71,7 +71,7 @@ class EngineCore:
     """The scheduler and an executor (its workers hold the model and the KV cache)."""
 
     def __init__(self, config: EngineConfig) -> None:
-        from pagoda.executor import make_executor
+        from pagoda.executor import make_executor  # deferred: loads numpy, ray
 
         self.config = config
         mc = config.model
@@ -153,7 +153,7 @@ class EngineCore:
         """Built on the first constrained request (its token trie, ~0.7 s for a 49k vocabulary, is
         built on the compile thread, not here)."""
         if self._structured_outputs is None:
-            from pagoda.tokenizer import Tokenizer
+            from pagoda.tokenizer import Tokenizer  # deferred: loads tokenizers
 
             metadata_dir = self.config.model.files.metadata_dir
             stop_ids = Tokenizer(metadata_dir).eos_token_ids

@@ -9,6 +9,7 @@ interpreter and pays for pickling requests and outputs through queues.
 from __future__ import annotations
 
 import logging
+from multiprocessing.connection import wait
 import os
 import multiprocessing as mp
 import queue
@@ -251,8 +252,6 @@ class ProcessCoreClient(_InboxClient):
 
     def _read_until_exit(self) -> BaseException | None:
         """Relay the engine's outputs until it stops (None) or dies (the error)."""
-        from multiprocessing.connection import wait
-
         reader = self._outbox._reader  # noqa: SLF001 - the queue's pipe, to wait on it with the sentinel
         while True:
             if wait([reader, self._proc.sentinel], timeout=1.0):

@@ -8,6 +8,7 @@ event loop, while the core steps on its own thread or process (core_client.py).
 
 from __future__ import annotations
 
+import dataclasses
 import threading
 import time
 from collections.abc import Iterator
@@ -143,8 +144,6 @@ class LLMEngine:
 
     def stats(self) -> dict:
         """Scheduler and KV-cache figures, prefix-cache hit rate and memory pressure included."""
-        import dataclasses
-
         s = self.core.stats()
         return {**dataclasses.asdict(s), "prefix_cache_hit_rate": s.prefix_cache_hit_rate,
                 "memory_pressure": s.memory_pressure, "spec_acceptance_rate": s.spec_acceptance_rate,

@@ -35,6 +35,7 @@ from typing import Any
 from pagoda.entrypoints.app_memory import stop_and_release
 from pagoda.entrypoints.openai.errors import OpenAIError
 from pagoda.entrypoints.served_models import DEFAULT_KEEP_ALIVE, FOREVER, ModelSpec
+from pagoda.store.model_info import parameter_count
 
 logger = logging.getLogger("pagoda.server")
 
@@ -67,8 +68,6 @@ def weight_bytes(config) -> int:
     """The bytes the model's weights take once loaded, from the files' headers (no tensor read):
     parameters x the size of the dtype, or of the ggml block for the quantized modes; a GGUF
     kept quantized takes its file's size."""
-    from pagoda.store.model_info import parameter_count
-
     mc = config.model
     files = mc.files
     if files.gguf_file and mc.quantization == "gguf":
@@ -85,8 +84,8 @@ def kv_cache_bytes(config) -> int:
     """The KV cache's budget on the CPU (`--kv-cache-memory`, else the worker's default: 2 GiB or
     half of the free memory); on CUDA the engine takes a share of free memory instead, which this
     pool does not count."""
-    from pagoda.platform import available_memory_bytes
-    from pagoda.worker.kv_cache import cpu_budget_gib
+    from pagoda.platform import available_memory_bytes  # deferred: loads torch
+    from pagoda.worker.kv_cache import cpu_budget_gib  # deferred: loads torch
 
     if config.model.device.type == "cuda":
         return 0
@@ -344,8 +343,8 @@ class PoolMetrics:
     unloads by reason, and which models are loaded now."""
 
     def __init__(self, families, pool_ref: Callable[[], ModelPool | None]) -> None:
-        from prometheus_client import Counter, Histogram
-        from prometheus_client.core import GaugeMetricFamily
+        from prometheus_client import Counter, Histogram  # deferred: prometheus_client loads on first use
+        from prometheus_client.core import GaugeMetricFamily  # deferred: prometheus_client loads on first use
 
         registry = families.registry
         self.loads = Counter("pagoda:model_loads", "Models loaded (on first use, or again after an unload).",

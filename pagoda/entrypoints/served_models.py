@@ -186,7 +186,7 @@ def _keep_alive(value: Any, where: str) -> float | None:
 def read_models_file(path: str) -> list[dict]:
     """The entries of a models file, checked: each a mapping with `model`, keys that are engine
     flags or SPEC_KEYS (an unknown key is an error naming it and its entry)."""
-    import yaml
+    import yaml  # deferred: yaml loads on first use
 
     try:
         data = yaml.safe_load(Path(path).expanduser().read_text(encoding="utf-8"))
@@ -221,9 +221,9 @@ def read_models_file(path: str) -> list[dict]:
 
 def default_memory_budget() -> int:
     """3/4 of the memory available now (the models' budget when --models-memory is not given)."""
-    import torch
+    import torch  # torch loads on first use
 
-    from pagoda.platform import available_memory_bytes
+    from pagoda.platform import available_memory_bytes  # deferred: loads torch
 
     return int(available_memory_bytes(torch.device("cpu")) * 3 / 4)
 

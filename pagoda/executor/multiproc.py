@@ -20,6 +20,7 @@ import contextlib
 import ctypes
 import logging
 import multiprocessing as mp
+from multiprocessing.connection import wait
 import os
 import signal
 import socket
@@ -98,8 +99,6 @@ class MultiprocExecutor(Executor):
 
     def _watch(self) -> None:
         """Notice a worker process that exits while the engine runs."""
-        from multiprocessing.connection import wait
-
         pending = {p.sentinel: p for p in self.procs}
         while pending and not self._closing:
             for sentinel in wait(list(pending), timeout=1.0):

@@ -64,7 +64,7 @@ class Engine:
 
     def __init__(self, model: str | None = None, *, llm=None, **engine_kwargs) -> None:
         if llm is None:
-            from pagoda import LLM
+            from pagoda import LLM  # deferred: only when llm is None
 
             llm = LLM(model=model, **engine_kwargs)
         self.llm = llm
@@ -137,7 +137,7 @@ class Endpoint:
     """A pagoda server (or any server with vLLM's guided_* fields) at `base_url`."""
 
     def __init__(self, base_url: str, model: str | None = None, api_key: str | None = None, timeout: float = 600.0) -> None:
-        import httpx
+        import httpx  # deferred: httpx loads on first use
 
         headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
         self.base_url = base_url.rstrip("/").removesuffix("/v1")

@@ -16,11 +16,16 @@ from __future__ import annotations
 import contextlib
 import fcntl
 import functools
+import hashlib
 import logging
 import os
 from collections.abc import Iterator
 from pathlib import Path
+import platform
+import subprocess
+import sysconfig
 
+from pagoda.home import pagoda_home
 from pagoda.progress import progress
 
 logger = logging.getLogger(__name__)
@@ -52,7 +57,7 @@ def kernel_isa_level() -> str:
     level = os.environ.get("PAGODA_KERNEL_ISA", "").strip() or "native"
     if level not in ISA_LEVELS:
         raise ValueError(f"PAGODA_KERNEL_ISA={level!r} is not one of {', '.join(ISA_LEVELS)}")
-    from pagoda.platform import cpu_flags
+    from pagoda.platform import cpu_flags  # deferred: loads torch
 
     missing = [f for f in ISA_LEVELS[level][1] if f not in cpu_flags()]
     if missing and cpu_flags():
@@ -81,10 +86,7 @@ def reread_environment() -> None:
 def _cpu_key() -> str:
     """A short name for this CPU's instruction set, so that a home directory shared by machines
     never hands one of them a build with instructions it lacks."""
-    import hashlib
-    import platform
-
-    from pagoda.platform import cpu_flags
+    from pagoda.platform import cpu_flags  # deferred: loads torch
 
     flags = " ".join(sorted(cpu_flags())) or platform.processor() or platform.machine()
     return f"{platform.machine()}-{hashlib.sha256(flags.encode()).hexdigest()[:12]}"
@@ -93,8 +95,6 @@ def _cpu_key() -> str:
 def build_directory(level: str = "native", sources: tuple[str, ...] = _SOURCES) -> Path:
     """Where a build lives: one directory per kind of CPU (its flags' hash), per ISA level, and per
     source subset (the tests build block_matmul alone for the fallback levels)."""
-    from pagoda.home import pagoda_home
-
     name = _cpu_key() if level == "native" else f"{_cpu_key()}-{level}"
     if tuple(sources) != _SOURCES:
         name += "-" + "+".join(Path(s).stem for s in sources)
@@ -131,10 +131,7 @@ def _precompile_torch_headers(header: Path, cflags: list[str]) -> Path | None:
     GCC reads the parsed headers instead of parsing them again for each file. Returns the .gch,
     or None where it could not be made: the build then parses the text header, as it would
     anyway where a compiler finds the .gch unusable (other flags, clang)."""
-    import subprocess
-    import sysconfig
-
-    from torch.utils.cpp_extension import get_cxx_compiler, include_paths
+    from torch.utils.cpp_extension import get_cxx_compiler, include_paths  # torch.utils loads on first use
 
     if not header.exists() or header.read_text() != _TORCH_HEADERS_TEXT:
         header.write_text(_TORCH_HEADERS_TEXT)
@@ -157,7 +154,7 @@ def _precompile_torch_headers(header: Path, cflags: list[str]) -> Path | None:
 def build_kernels(level: str = "native", sources: tuple[str, ...] = _SOURCES):
     """Compile (or load from its cache) ``sources`` for ISA ``level`` into this process; returns
     ``torch.ops.pagoda``. One build per process: the ops register under one name."""
-    from torch.utils.cpp_extension import load
+    from torch.utils.cpp_extension import load  # torch.utils loads on first use
 
     build_dir = build_directory(level, sources)
     build_dir.mkdir(parents=True, exist_ok=True)
@@ -180,7 +177,7 @@ def build_kernels(level: str = "native", sources: tuple[str, ...] = _SOURCES):
         finally:
             if precompiled is not None:
                 precompiled.unlink(missing_ok=True)  # ~400 MB, only needed while compiling
-    import torch
+    import torch  # torch loads on first use
 
     return torch.ops.pagoda
 
@@ -224,7 +221,7 @@ def _build(level: str):
 
 def _register_fakes() -> None:
     """Shape-only versions of the ops, so torch.compile (--compile) can trace through them."""
-    import torch
+    import torch  # torch loads on first use
 
     @torch.library.register_fake("pagoda::block_matmul")
     def _(x, weight, block_type, packed=None):
@@ -256,9 +253,7 @@ _ISA_FLAGS = ("avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512vl", "avx512_
 def kernel_isa() -> str:
     """Which build the kernels are (PAGODA_KERNEL_ISA level, this CPU's extensions) and, once
     they are loaded, which instruction set block_matmul's integer dot products run on."""
-    import platform
-
-    from pagoda.platform import cpu_flags
+    from pagoda.platform import cpu_flags  # deferred: loads torch
 
     level = kernel_isa_level()
     found = " ".join(f for f in _ISA_FLAGS if f in cpu_flags()) or "baseline"

@@ -17,6 +17,8 @@ from pathlib import Path
 
 import torch
 
+from pagoda.layers.cpu_kernels import build_directory
+
 logger = logging.getLogger(__name__)
 
 PROJECTION_SHAPES = ((1536, 576), (576, 1536))  # (N, K): SmolLM2-sized MLP projections, the suites' shapes
@@ -35,8 +37,6 @@ def best_ms(fn: Callable[[], object], trials: int = 15) -> float:
 
 def record_path(name: str) -> Path:
     """This CPU's file ``name``, beside its kernel build (one directory per kind of CPU)."""
-    from pagoda.layers.cpu_kernels import build_directory
-
     return build_directory() / name
 
 

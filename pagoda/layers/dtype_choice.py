@@ -42,9 +42,9 @@ def measure() -> dict:
     """Milliseconds for the projection suite (LAYERS x PROJECTION_SHAPES, each output the next input) at
     each row count, fp32 (pagoda's CPU linear where its kernels load, with the packed copies
     where they pay, else torch) and bf16 (torch, oneDNN); and the choice they give."""
-    from pagoda.layers.backend import select_backend
+    from pagoda.layers.backend import select_backend  # deferred: loads numpy
 
-    from pagoda.layers.packed_weights import BATCH_HINT, float_packing_pays
+    from pagoda.layers.packed_weights import BATCH_HINT, float_packing_pays  # deferred: loads numpy
 
     backend = select_backend("cpu")
     g = torch.Generator().manual_seed(0)

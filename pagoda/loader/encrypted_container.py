@@ -128,8 +128,8 @@ class EncryptedModelReader:
             raise
 
     def _open(self, key: ModelKey) -> None:
-        from cryptography.exceptions import InvalidTag
-        from cryptography.hazmat.primitives.ciphers.aead import AESGCM
+        from cryptography.exceptions import InvalidTag  # cryptography loads on first use
+        from cryptography.hazmat.primitives.ciphers.aead import AESGCM  # cryptography loads on first use
 
         path = self.path
         prefix = os.pread(self._fd, PREFIX.size, 0)

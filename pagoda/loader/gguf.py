@@ -35,6 +35,7 @@ import torch
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 from gguf.quants import dequantize
 
+from pagoda.home import pagoda_home
 from pagoda.layers.quantization import PackedWeight
 from pagoda.loader.gguf_file import (
     _PLAIN_DTYPES,
@@ -347,7 +348,7 @@ def _pre_tokenizer_fixup(pre: str | None) -> Any:
     regex: exactly HF's ``Digits(individual_digits=True)`` + ``ByteLevel(use_regex=True)``, which is
     what SmolLM2's own tokenizer.json says.
     """
-    from tokenizers import pre_tokenizers
+    from tokenizers import pre_tokenizers  # deferred: tokenizers loads on first use
 
     if pre in ("smollm", "starcoder", "refact"):
         return pre_tokenizers.Sequence([
@@ -359,7 +360,7 @@ def _pre_tokenizer_fixup(pre: str | None) -> Any:
 
 def _bos_eos_post_processor(bos: str | None, eos: str | None, vocab: Mapping[str, int]) -> Any:
     """A TemplateProcessing that adds ``bos``/``eos`` (either may be None) around each sequence."""
-    from tokenizers import processors
+    from tokenizers import processors  # deferred: tokenizers loads on first use
 
     before = [bos] if bos else []
     after = [eos] if eos else []
@@ -378,8 +379,8 @@ def _convert_tokenizer_with_transformers(gguf_path: Path, model_type: str) -> st
     file to find a class, parsing every field in full, one element at a time (SmolLM2: 11 s where
     the fields take 1 s; a 500k-item array a hostile 4 MB file adds: ~800 MiB), and the result is
     the same tokenizer.json."""
-    from transformers import AutoTokenizer
-    from transformers.models.auto.tokenization_auto import TOKENIZER_MAPPING_NAMES
+    from transformers import AutoTokenizer  # transformers loads on first use
+    from transformers.models.auto.tokenization_auto import TOKENIZER_MAPPING_NAMES  # transformers loads on first use
 
     if model_type not in TOKENIZER_MAPPING_NAMES:
         return _tokenizer_from_fields(gguf_path)
@@ -407,7 +408,7 @@ def _convert_tokenizer_with_transformers(gguf_path: Path, model_type: str) -> st
 def _tokenizer_from_fields(path: Path) -> str:
     """transformers' converter of a GGUF's tokenizer fields alone, for a file whose architecture
     transformers does not load (AutoTokenizer reads the model's config too)."""
-    from transformers.integrations.gguf.gguf_tokenizer_mapping import (
+    from transformers.integrations.gguf.gguf_tokenizer_mapping import (  # transformers loads on first use
         convert_gguf_tokenizer,
         get_gguf_tokenizer,
     )
@@ -441,7 +442,7 @@ def _tokenizer_settings(gf: GGUFFile) -> dict[str, Any]:
 
 
 def _write_tokenizer(gf: GGUFFile, out_dir: Path, config: Mapping[str, Any]) -> None:
-    from tokenizers import Tokenizer
+    from tokenizers import Tokenizer  # deferred: tokenizers loads on first use
 
     settings = _tokenizer_settings(gf)
     tokenizer = Tokenizer.from_str(_convert_tokenizer_with_transformers(gf.path, config["model_type"]))
@@ -510,8 +511,6 @@ def load_gguf_model_dir(gguf_path: Path) -> Path:
     Converts on first use (into a temporary directory, then renamed into place, so an interrupted
     conversion never leaves a half-written cache entry). Later calls only stat the file.
     """
-    from pagoda.home import pagoda_home
-
     gguf_path = Path(gguf_path)
     if not gguf_path.is_file():
         raise FileNotFoundError(f"GGUF file not found: {gguf_path}")

@@ -37,6 +37,7 @@ from pathlib import Path
 import numpy as np
 
 from pagoda.models.architectures import GGUF_WRITE_ARCHITECTURES
+from pagoda.models.config import layer_windows, rope_scaling
 
 # Types gguf.quants can *write*. The K-quants it can only read.
 WRITABLE_QTYPES = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1")
@@ -124,7 +125,7 @@ def _permute_rows(w: np.ndarray | BlockTensor, n_head: int) -> np.ndarray | Bloc
 
 def quantize_weight(w: np.ndarray, qtype: str) -> np.ndarray:
     """``w`` in the storage form GGUFWriter takes for ``qtype`` (ValueError where gguf cannot)."""
-    import gguf
+    import gguf  # deferred: gguf loads on first use
 
     if qtype not in WRITABLE_QTYPES:
         raise ValueError(f"cannot write {qtype}: gguf can write {', '.join(WRITABLE_QTYPES)}")
@@ -186,8 +187,8 @@ def _add_moe_metadata(writer, config: dict) -> None:
     """Expert counts and sizes under llama.cpp's keys. llama.cpp runs every layer sparse and
     hard-codes each family's renormalization: a model that departs is refused (dense layers) or
     written with a warning (``expert_weights_norm`` says what pagoda does; llama.cpp may not read it)."""
-    from pagoda.loader.gguf import LLAMA_CPP_RENORMALIZES
-    from pagoda.models.moe import num_experts, sparse_layers
+    from pagoda.loader.gguf import LLAMA_CPP_RENORMALIZES  # deferred: loads gguf, torch
+    from pagoda.models.moe import num_experts, sparse_layers  # deferred: loads torch
 
     model_type = config["model_type"]
     if not all(sparse_layers(config, config["num_hidden_layers"])):
@@ -211,8 +212,7 @@ def _add_moe_metadata(writer, config: dict) -> None:
 def _add_phi3_metadata(writer, config: dict, head_dim: int) -> None:
     """What llama.cpp's Phi-3 converter writes: the sliding window (0: none), the rotary dimension,
     and for LongRoPE the original context and attention factor (the factors are tensors)."""
-    from pagoda.layers.rotary import longrope_attention_factor
-    from pagoda.models.config import rope_scaling
+    from pagoda.layers.rotary import longrope_attention_factor  # deferred: loads torch
 
     writer.add_rope_dimension_count(head_dim)
     writer.add_sliding_window(int(config.get("sliding_window") or 0))
@@ -226,8 +226,6 @@ def _add_phi3_metadata(writer, config: dict, head_dim: int) -> None:
 
 
 def _phi3_rope_factors(config: dict) -> Iterator[tuple[str, np.ndarray]]:
-    from pagoda.models.config import rope_scaling
-
     scaling = rope_scaling(config)
     for kind in ("short", "long") if scaling is not None else ():
         yield f"rope_factors_{kind}.weight", np.asarray(scaling[f"{kind}_factor"], dtype=np.float32)
@@ -237,8 +235,7 @@ def _add_gemma3_metadata(writer, config: dict, head_dim: int) -> None:
     """What llama.cpp's Gemma 3 converter writes beyond the common keys. llama.cpp assumes some
     settings rather than storing them; a model that departs from those is refused, not written
     as a file that would run differently."""
-    from pagoda.models.config import layer_windows
-    from pagoda.models.gemma3 import rope_settings
+    from pagoda.models.gemma3 import rope_settings  # deferred: loads torch
 
     n_layers = config["num_hidden_layers"]
     (theta, scaling), (local_theta, local_scaling) = rope_settings(config)
@@ -276,19 +273,19 @@ def _add_gemma3_metadata(writer, config: dict, head_dim: int) -> None:
 
 
 def _gguf_type(name: str):
-    import gguf
+    import gguf  # deferred: gguf loads on first use
 
     return gguf.GGUFValueType[name]
 
 
 def _rope_scaling_type(name: str):
-    import gguf
+    import gguf  # deferred: gguf loads on first use
 
     return gguf.RopeScalingType[name]
 
 
 def _add_tokenizer(writer, hf_dir: Path, config: dict) -> None:
-    import gguf
+    import gguf  # deferred: gguf loads on first use
 
     path = hf_dir / "tokenizer.json"
     if not path.is_file():
@@ -333,10 +330,10 @@ def _add_tokenizer(writer, hf_dir: Path, config: dict) -> None:
 
 def _hf_tensors(hf_dir: Path) -> Iterator[tuple[str, np.ndarray]]:
     """Every tensor of the directory's safetensors files (sharded or not), as float32."""
-    import torch
-    from safetensors import safe_open
+    import torch  # torch loads on first use
+    from safetensors import safe_open  # deferred: safetensors loads on first use
 
-    from pagoda.loader.safetensors import safetensors_files
+    from pagoda.loader.safetensors import safetensors_files  # deferred: loads torch
 
     for path in safetensors_files(hf_dir):
         with safe_open(str(path), framework="pt") as f:
@@ -379,7 +376,7 @@ def _add_tensors(writer, hf_dir: Path, config: dict, arch: str, qtype: str,
 
 def _add_weight(writer, name: str, w: np.ndarray | BlockTensor, qtype: str) -> None:
     """A weight in ``qtype`` (2-D ones and stacked experts' 3-D ones; norms and biases stay F32)."""
-    import gguf
+    import gguf  # deferred: gguf loads on first use
 
     if isinstance(w, BlockTensor):
         writer.add_tensor(name, np.ascontiguousarray(w.blocks), raw_dtype=gguf.GGMLQuantizationType[w.qtype])
@@ -424,7 +421,7 @@ class _ExpertStacks:
 
 
 def _dequantized(w: BlockTensor) -> np.ndarray:
-    import gguf
+    import gguf  # deferred: gguf loads on first use
 
     return gguf.quants.dequantize(w.blocks, gguf.GGMLQuantizationType[w.qtype])
 
@@ -440,7 +437,7 @@ def write_gguf(hf_dir: Path | str, out_path: Path | str, qtype: str = "F16", *, 
     ``architecture`` overrides the ``general.architecture`` written (tests of unsupported ones);
     ``customize(writer)`` may add metadata before the file is written. ValueError names what
     cannot be written (an architecture, a tokenizer, a qtype, a row length)."""
-    import gguf
+    import gguf  # deferred: gguf loads on first use
 
     hf_dir, out_path = Path(hf_dir), Path(out_path)
     qtype = qtype.upper()

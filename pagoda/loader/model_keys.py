@@ -82,9 +82,9 @@ def load_key(key_file: str | os.PathLike | None = None, key_env: str = KEY_ENV) 
 
 
 def derive_file_key(key: ModelKey, kdf: dict[str, Any], salt: bytes, path: Path | str) -> bytes:
-    from cryptography.hazmat.primitives import hashes
-    from cryptography.hazmat.primitives.kdf.hkdf import HKDF
-    from cryptography.hazmat.primitives.kdf.scrypt import Scrypt
+    from cryptography.hazmat.primitives import hashes  # cryptography loads on first use
+    from cryptography.hazmat.primitives.kdf.hkdf import HKDF  # cryptography loads on first use
+    from cryptography.hazmat.primitives.kdf.scrypt import Scrypt  # cryptography loads on first use
 
     name = kdf.get("name")
     if name == "none":

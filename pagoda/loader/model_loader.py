@@ -16,6 +16,7 @@ from pagoda.layers.quantization import check_quantization, quantize_linears
 from pagoda.layers.rotary import RotaryEmbedding
 from pagoda.loader.repacked_cache import RepackCache, cache_directory
 from pagoda.loader.model_files import ModelFiles
+from pagoda.loader.safetensors import iter_safetensors_weights
 from pagoda.models.registry import resolve_architecture
 from pagoda.heap import release_freed_memory
 from pagoda.platform import available_memory_bytes
@@ -100,13 +101,13 @@ def _init_buffers(model: nn.Module) -> None:
 
 def _weights(files: ModelFiles, hf_config: dict, keep_quantized: bool = False, narrow=None):
     if files.encryption is not None:  # decrypted into memory, never to disk (pagoda/loader/encrypted_model.py)
+        # deferred: only when files.encryption is not None
         from pagoda.loader.encrypted_model import open_encrypted_weights
 
         return open_encrypted_weights(files, hf_config, keep_quantized=keep_quantized, narrow=narrow)
     if files.gguf_file is not None:
-        from pagoda.loader.gguf import iter_gguf_weights
+        from pagoda.loader.gguf import iter_gguf_weights  # deferred: loads gguf
 
         return iter_gguf_weights(files.gguf_file, hf_config, keep_quantized=keep_quantized, narrow=narrow)
-    from pagoda.loader.safetensors import iter_safetensors_weights
 
     return iter_safetensors_weights(files.metadata_dir, narrow=narrow)

@@ -24,6 +24,9 @@ from pathlib import Path
 
 import torch
 
+from pagoda.home import pagoda_home
+from pagoda.layers.cpu_kernels import build_directory
+
 logger = logging.getLogger(__name__)
 
 FORMAT_VERSION = 1  # of csrc/superblock_formats.h's tiles and superblock_tiles.cpp's header (and half_weights.cpp's)
@@ -33,8 +36,6 @@ def cache_directory(gguf_path: Path, tp_rank: int = 0, tp_size: int = 1) -> Path
     """Where this file's packed weights live (None with PAGODA_REPACK_CACHE=0)."""
     if os.environ.get("PAGODA_REPACK_CACHE", "1") == "0":
         return None
-    from pagoda.home import pagoda_home
-    from pagoda.layers.cpu_kernels import build_directory
 
     resolved = Path(gguf_path).resolve()
     stat = resolved.stat()

@@ -5,9 +5,11 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
+from pagoda.loader import catalog
 from pagoda.loader.encrypted_container import is_encrypted_model
 from pagoda.loader.encrypted_model import resolve_encrypted_model
 from pagoda.loader.model_files import ModelFiles
+from pagoda.store.load import resolve_store_model
 
 
 def resolve_model(model: str, key_file: str | None = None) -> ModelFiles:
@@ -21,8 +23,6 @@ def resolve_model(model: str, key_file: str | None = None) -> ModelFiles:
         if path.suffix != ".gguf":
             raise ValueError(f"{model}: a model file must be a .gguf file (or pass a Hugging Face model directory)")
         return _resolve_gguf(model, path)
-    from pagoda.loader import catalog
-    from pagoda.store.load import resolve_store_model
 
     stored = resolve_store_model(model)  # ValueError for a missing ollama:NAME
     if stored is not None:
@@ -49,7 +49,7 @@ def _resolve_dir(name: str, path: Path) -> ModelFiles:
 
 
 def _resolve_gguf(name: str, path: Path) -> ModelFiles:
-    from pagoda.loader.gguf import load_gguf_model_dir
+    from pagoda.loader.gguf import load_gguf_model_dir  # deferred: loads gguf, numpy, torch
 
     return ModelFiles(name, load_gguf_model_dir(path), gguf_file=path)
 
@@ -61,7 +61,7 @@ def _looks_like_repo_id(model: str) -> bool:
 
 def _download_from_hub(repo_id: str) -> Path:
     try:
-        from huggingface_hub import snapshot_download
+        from huggingface_hub import snapshot_download  # optional: huggingface_hub may be absent
     except ImportError:
         raise ValueError(
             f"{repo_id!r} looks like a Hugging Face repo id, but huggingface_hub is not installed "

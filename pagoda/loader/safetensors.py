@@ -36,7 +36,7 @@ def iter_safetensors_weights(model_dir: Path | None, narrow: WeightSlicer | None
     """Every tensor by name; with ``narrow`` (tensor parallelism) only the slice this rank holds
     is read from the file (safetensors slices at read time). ``files``: read these instead of the
     directory's (an encrypted model's shards decrypted into memory, pagoda/loader/encrypted_model.py)."""
-    from safetensors import SafetensorError, safe_open
+    from safetensors import SafetensorError, safe_open  # deferred: safetensors loads on first use
 
     for path in files if files is not None else safetensors_files(model_dir):
         try:

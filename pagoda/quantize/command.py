@@ -42,8 +42,8 @@ def add_parser(sub) -> None:
 
 
 def run(ns: argparse.Namespace) -> int:
-    from pagoda.quantize.grid import qtype_for_bits
-    from pagoda.quantize.quantizer import quantize_model
+    from pagoda.quantize.grid import qtype_for_bits  # deferred: loads torch
+    from pagoda.quantize.quantizer import quantize_model  # deferred: loads numpy, torch
 
     qtype = qtype_for_bits(ns.bits, ns.zero_point)
     result = quantize_model(ns.model, ns.output, method=ns.method, qtype=qtype, calibration=ns.calibration,

@@ -24,8 +24,11 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from pagoda import LLM
 from pagoda.layers.packed_weights import drop_packed_copies
+from pagoda.loader.gguf_writer import BlockTensor, write_gguf
 from pagoda.quantize import awq, grid
+from pagoda.quantize.calibration import load_samples
 from pagoda.quantize.gptq import gptq
 from pagoda.quantize.layerwise import LayerInputs, LayerRunner
 from pagoda.quantize.rtn import rtn_blocks
@@ -110,7 +113,7 @@ PROJECTIONS = ("self_attn.qkv_proj", "self_attn.o_proj", "mlp.gate_up_proj", "ml
 
 
 def _rtn_approx(weight: torch.Tensor, qtype: str) -> torch.Tensor:
-    import gguf
+    import gguf  # deferred: gguf loads on first use
 
     blocks = rtn_blocks(weight, qtype)
     return torch.from_numpy(gguf.quants.dequantize(blocks, gguf.GGMLQuantizationType[qtype]).copy())
@@ -286,8 +289,6 @@ def checkpoint_tensors(model: torch.nn.Module, state: dict[str, torch.Tensor], q
                        qtype: str) -> Iterator[tuple[str, object]]:
     """Every tensor to write, under its Hugging Face name: quantized projections as BlockTensors,
     the embedding / head as Q8_0 blocks, the rest float32."""
-    from pagoda.loader.gguf_writer import BlockTensor
-
     layer0 = model.layers[0]
     sizes = {"qkv_proj": [layer0.self_attn.q_size, layer0.self_attn.kv_size, layer0.self_attn.kv_size],
              "gate_up_proj": [layer0.mlp.intermediate_size] * 2}
@@ -309,16 +310,12 @@ def checkpoint_tensors(model: torch.nn.Module, state: dict[str, torch.Tensor], q
 
 def load_float_model(model: str, kv_cache_memory: float = 1.0):
     """``model`` in float32 on pagoda's engine, prefix caching off (every calibration token runs)."""
-    from pagoda import LLM
-
     return LLM(model=model, dtype="float32", enable_prefix_caching=False, kv_cache_memory=kv_cache_memory)
 
 
 def calibrate(llm, calibration: Path | str | None, num_samples: int, max_sample_tokens: int, seed: int = 0
               ) -> list[list[int]]:
     """The calibration samples (token ids) for ``llm``'s model, each within its context."""
-    from pagoda.quantize.calibration import load_samples
-
     limit = min(max_sample_tokens, llm.engine.core.config.model.max_model_len - 1)
     return load_samples(calibration, llm.get_tokenizer(), num_samples, limit, seed)
 
@@ -327,8 +324,6 @@ def write_quantized(llm, out: Path | str, method: str, qtype: str, samples: Sequ
                     result: QuantizeResult | None = None) -> QuantizeResult:
     """Quantize the model of ``llm`` with ``method`` (``samples``: from ``calibrate``; None for rtn)
     and write the GGUF ``out``; timings and errors into ``result``."""
-    from pagoda.loader.gguf_writer import write_gguf
-
     if method not in METHODS:
         raise ValueError(f"unknown method {method!r}: choose from {', '.join(METHODS)}")
     if qtype not in grid.QTYPES:

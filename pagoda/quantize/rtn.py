@@ -11,12 +11,11 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from pagoda.loader.gguf_writer import quantize_weight
 from pagoda.quantize.grid import check_shape
 
 
 def rtn_blocks(weight: torch.Tensor, qtype: str) -> np.ndarray:
     """``weight`` [N, K] as ggml ``qtype`` bytes (uint8 [N, K / 32 * block bytes])."""
-    from pagoda.loader.gguf_writer import quantize_weight
-
     check_shape(weight)
     return quantize_weight(weight.detach().float().numpy(), qtype)

@@ -254,13 +254,13 @@ def pin_replica(rank: int, size: int) -> None:
     if not 0 <= rank < size:
         raise ValueError(f"--data-parallel-rank must be in [0, {size}), got {rank}")
     _die_with_parent(int(os.environ.pop(PARENT_ENV, "0") or 0))
-    from pagoda.worker.worker import cpu_share
+    from pagoda.worker.worker import cpu_share  # deferred: loads numpy, torch
 
     cores = cpu_share(rank, size)
     with contextlib.suppress(OSError, AttributeError):
         os.sched_setaffinity(0, cores)
     os.environ["OMP_NUM_THREADS"] = str(len(cores))  # for an --engine-process child, too
-    import torch
+    import torch  # torch loads on first use
 
     torch.set_num_threads(len(cores))
     logging.getLogger("pagoda.router").info("replica %d of %d: cores %s", rank, size, cores)

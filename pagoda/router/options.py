@@ -89,8 +89,8 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
 
 
 def run(ns: argparse.Namespace) -> int:
-    from pagoda.router.app import RouterConfig
-    from pagoda.router.server import run_router
+    from pagoda.router.app import RouterConfig  # deferred: loads httpx, orjson, prometheus_client, starlette
+    from pagoda.router.server import run_router  # deferred: loads httpx, orjson, prometheus_client, starlette, uvicorn
 
     config = RouterConfig(
         workers=ns.worker, policy=ns.policy, admin_key=admin_key(ns.admin_key, "--admin-key"),

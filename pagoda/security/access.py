@@ -32,6 +32,7 @@ from pagoda.security.audit import AuditLog, timestamp
 from pagoda.security.auth import AuthConfig, AuthConfigError
 from pagoda.security.context import CURRENT, Grant, RequestContext, _rate_limited
 from pagoda.security.limits import LimitStore
+from pagoda.security.timeouts import BodyDeadline
 
 logger = logging.getLogger("pagoda.auth")
 
@@ -248,8 +249,6 @@ def install(app, access: Access | None, read_timeout: float | None = None) -> No
     """Put access control, the audit log and the body read deadline on a built app (before it
     starts): AccessControl outermost, then BodyDeadline; SIGHUP reloads the auth config once the
     app runs. `serving.access` lets the gRPC service check the same keys."""
-    from pagoda.security.timeouts import BodyDeadline
-
     if read_timeout:
         app.add_middleware(BodyDeadline, timeout=read_timeout)
     app.state.access = access

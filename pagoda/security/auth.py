@@ -176,7 +176,7 @@ def write_file(path: str | os.PathLike, data: dict) -> None:
     if path.suffix.lower() == ".json":
         text = json.dumps(data, indent=2) + "\n"
     else:
-        import yaml
+        import yaml  # deferred: yaml loads on first use
 
         text = yaml.safe_dump(data, sort_keys=False, default_flow_style=False, width=120, allow_unicode=True)
     mode = path.stat().st_mode & 0o777 if path.exists() else 0o600
@@ -242,7 +242,7 @@ def _parse(text: str, path: Path):
             return json.loads(text) if text.strip() else {}
         except ValueError as e:
             raise AuthConfigError(f"{path}: not valid JSON: {e}") from None
-    import yaml
+    import yaml  # deferred: yaml loads on first use
 
     try:
         return yaml.safe_load(text)

@@ -48,9 +48,10 @@ def add_parser(sub) -> argparse.ArgumentParser:
 
 
 def run(ns: argparse.Namespace) -> int:
+    # deferred: keeps `pagoda` light at start
     from pagoda.loader.encrypted_container import DEFAULT_CHUNK_SIZE, EncryptedModelReader
-    from pagoda.loader.model_keys import load_key
-    from pagoda.security import encryption
+    from pagoda.loader.model_keys import load_key  # deferred: keeps `pagoda` light at start
+    from pagoda.security import encryption  # deferred: keeps `pagoda` light at start
 
     if ns.key_env is not None:  # the messages never repeat the value: it may be a key typed by mistake
         if not _ENV_NAME.fullmatch(ns.key_env) or _HEX_KEY.fullmatch(ns.key_env):

@@ -23,11 +23,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from pagoda.home import pagoda_home
 from pagoda.loader.encrypted_container import (
     CIPHER, DEFAULT_CHUNK_SIZE, HEADER_INDEX, MAGIC, MAX_CHUNK_SIZE, MIN_CHUNK_SIZE, NONCE_PREFIX_SIZE, PREFIX,
     SALT_SIZE, VERSION, chunk_aad, chunk_count, chunk_nonce, is_encrypted_model, is_weight_member,
 )
 from pagoda.loader.model_keys import KEY_SIZE, SCRYPT_PARAMS, ModelKey, derive_file_key
+from pagoda.loader.resolve import resolve_model
 
 
 def generate_key_file(path: str | os.PathLike, *, force: bool = False) -> Path:
@@ -78,8 +80,7 @@ def _hf_dir_sources(model_dir: Path) -> list[_Source]:
 def _gguf_metadata_dir(gguf_path: Path, scratch: Path) -> Path:
     """The HF-style metadata pagoda converts a GGUF to: the cached conversion if there is one,
     else converted into ``scratch`` (no cache entry is left behind)."""
-    from pagoda.home import pagoda_home
-    from pagoda.loader import gguf
+    from pagoda.loader import gguf  # deferred: loads gguf, numpy, torch
 
     cached = pagoda_home() / "converted" / gguf._cache_key(gguf_path)
     if (cached / "config.json").is_file() and (cached / "tokenizer.json").is_file():
@@ -106,7 +107,6 @@ def _model_sources(model: Path, scratch: Path, name: str) -> tuple[str, list[_So
         return _gguf_sources(model, _gguf_metadata_dir(model, scratch))
     # A catalog or store name (`smollm2`, `name:tag`, `ollama:NAME`): what --model would load, the
     # store's overlays (context, system prompt, template) included.
-    from pagoda.loader.resolve import resolve_model
 
     files = resolve_model(name)
     if files.encryption is not None:
@@ -117,7 +117,7 @@ def _model_sources(model: Path, scratch: Path, name: str) -> tuple[str, list[_So
 
 
 def _gguf_sources(gguf_path: Path, meta: Path) -> tuple[str, list[_Source], dict[str, Any]]:
-    from pagoda.loader.gguf import _CONVERTER_VERSION
+    from pagoda.loader.gguf import _CONVERTER_VERSION  # deferred: loads gguf, numpy, torch
 
     sources = [_Source(p.name, p, p.stat().st_size) for p in sorted(meta.iterdir())
                if p.is_file() and not is_weight_member(p.name)]
@@ -136,7 +136,7 @@ def encrypt_model(model: str | os.PathLike, out: str | os.PathLike, key: ModelKe
     the container never needs transformers. Written to a temporary file beside ``out``, then renamed:
     an interrupted run leaves no partial container. ``progress(n)`` is called with plaintext bytes
     as they are sealed."""
-    from cryptography.hazmat.primitives.ciphers.aead import AESGCM
+    from cryptography.hazmat.primitives.ciphers.aead import AESGCM  # cryptography loads on first use
 
     model_arg = str(model)
     model = Path(os.path.expanduser(model_arg))

@@ -55,7 +55,7 @@ def _locked(path: Path):
 
 
 def _load(path: Path):
-    from pagoda.security.auth import AuthConfig, read_file
+    from pagoda.security.auth import AuthConfig, read_file  # deferred: keeps `pagoda` light at start
 
     if not path.exists():
         raise FileNotFoundError(f"{path} does not exist: write its `roles:` first (README.md, \"Keys, tenants and "
@@ -66,6 +66,7 @@ def _load(path: Path):
 
 
 def run_add(ns: argparse.Namespace) -> int:
+    # deferred: keeps `pagoda` light at start
     from pagoda.security.auth import _NAME, KeyEntry, new_key, now_iso, write_file
 
     path = Path(ns.file)
@@ -99,7 +100,7 @@ def run_list(ns: argparse.Namespace) -> int:
 
 
 def run_revoke(ns: argparse.Namespace) -> int:
-    from pagoda.security.auth import now_iso, split_key, write_file
+    from pagoda.security.auth import now_iso, split_key, write_file  # deferred: keeps `pagoda` light at start
 
     path = Path(ns.file)
     key_id = ns.key_id

@@ -60,7 +60,7 @@ class Deadlines:
 
 def head_deadline_protocol(timeout: float):
     """uvicorn's HTTP protocol class (the one `http="auto"` picks) with a deadline on request heads."""
-    from uvicorn.protocols.http.auto import AutoHTTPProtocol
+    from uvicorn.protocols.http.auto import AutoHTTPProtocol  # deferred: uvicorn loads on first use
 
     deadlines = Deadlines(timeout)
 
@@ -161,6 +161,7 @@ class BodyDeadline:
         try:
             await self.app(scope, timed_receive, send)
         except _BodyTimedOut as e:  # read outside a route (inside one, the app's handler answers it)
+            # deferred: loads fastapi, llguidance, numpy, orjson, pydantic, ray, tokenizers, torch
             from pagoda.entrypoints.openai.middleware import http_error
 
             try:

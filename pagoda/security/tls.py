@@ -62,7 +62,7 @@ def grpc_credentials(ns):
     """grpc.ServerCredentials for --grpc-port under the same options (None without TLS)."""
     if not check_args(ns):
         return None
-    import grpc
+    import grpc  # deferred: grpc loads on first use
 
     if os.environ.get(PASSWORD_ENV):
         raise ValueError("--grpc-port with TLS needs an unencrypted --ssl-keyfile (gRPC takes no key password)")

@@ -11,6 +11,8 @@ import json
 import sys
 import time
 
+from pagoda.loader import catalog
+
 
 def add_parsers(sub) -> None:
     p = sub.add_parser("list", help="models in the store ($PAGODA_HOME/store), and the catalog")
@@ -64,9 +66,8 @@ def _size(n: int) -> str:
 
 
 def cmd_list(ns: argparse.Namespace) -> int:
-    from pagoda.loader import catalog
-    from pagoda.store import manifests
-    from pagoda.store.layout import default_layout, digest_hex
+    from pagoda.store import manifests  # deferred: keeps `pagoda` light at start
+    from pagoda.store.layout import default_layout, digest_hex  # deferred: keeps `pagoda` light at start
 
     layout = default_layout()
     rows = []
@@ -94,9 +95,8 @@ def cmd_list(ns: argparse.Namespace) -> int:
 
 
 def cmd_pull(ns: argparse.Namespace) -> int:
-    from pagoda.loader import catalog
-    from pagoda.store import create, registry
-    from pagoda.store.layout import default_layout, parse_ref
+    from pagoda.store import create, registry  # deferred: loads httpx
+    from pagoda.store.layout import default_layout, parse_ref  # deferred: keeps `pagoda` light at start
 
     layout = default_layout()
     entry = create.catalog_entry_for(ns.model)
@@ -113,8 +113,8 @@ def cmd_pull(ns: argparse.Namespace) -> int:
 
 
 def cmd_push(ns: argparse.Namespace) -> int:
-    from pagoda.store import registry
-    from pagoda.store.layout import default_layout, parse_ref
+    from pagoda.store import registry  # deferred: loads httpx
+    from pagoda.store.layout import default_layout, parse_ref  # deferred: keeps `pagoda` light at start
 
     ref = parse_ref(ns.model)
     stats = registry.push(default_layout(), ref, insecure=ns.insecure, progress=sys.stderr.isatty())
@@ -124,7 +124,7 @@ def cmd_push(ns: argparse.Namespace) -> int:
 
 
 def cmd_cp(ns: argparse.Namespace) -> int:
-    from pagoda.store import create
+    from pagoda.store import create  # deferred: keeps `pagoda` light at start
 
     ref, manifest = create.copy_model(ns.source, ns.destination)
     print(f"copied {ns.source} to {ref.short()} ({manifest.digest})")
@@ -132,8 +132,8 @@ def cmd_cp(ns: argparse.Namespace) -> int:
 
 
 def cmd_rm(ns: argparse.Namespace) -> int:
-    from pagoda.store import manifests, ollama_store
-    from pagoda.store.layout import default_layout, parse_ref
+    from pagoda.store import manifests, ollama_store  # deferred: keeps `pagoda` light at start
+    from pagoda.store.layout import default_layout, parse_ref  # deferred: keeps `pagoda` light at start
 
     layout = default_layout()
     for name in ns.models:
@@ -146,8 +146,8 @@ def cmd_rm(ns: argparse.Namespace) -> int:
 
 
 def cmd_create(ns: argparse.Namespace) -> int:
-    from pagoda.store import create
-    from pagoda.store.modelfile import read_modelfile
+    from pagoda.store import create  # deferred: keeps `pagoda` light at start
+    from pagoda.store.modelfile import read_modelfile  # deferred: keeps `pagoda` light at start
 
     modelfile = read_modelfile(ns.file)
     ref, manifest = create.create_model(ns.name, modelfile, progress=sys.stderr.isatty(), quantize=ns.quantize)
@@ -157,8 +157,8 @@ def cmd_create(ns: argparse.Namespace) -> int:
 
 def describe(name: str, *, verify: bool = False) -> dict:
     """Everything ``pagoda show`` prints, as a dict."""
-    from pagoda.store import blobs, create, manifests
-    from pagoda.store.model_info import gguf_info
+    from pagoda.store import blobs, create, manifests  # deferred: keeps `pagoda` light at start
+    from pagoda.store.model_info import gguf_info  # deferred: keeps `pagoda` light at start
 
     layout, ref, manifest = create.locate(name)
     info = gguf_info(create.model_path_of(layout, manifest))

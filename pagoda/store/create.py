@@ -8,9 +8,11 @@ import json
 import tempfile
 from pathlib import Path
 
-from pagoda.store import blobs, manifests
+from pagoda.loader import catalog
+from pagoda.store import blobs, manifests, ollama_store
 from pagoda.store.layout import Ref, StoreLayout, default_layout, parse_ref
 from pagoda.store.manifests import Layer, Manifest
+from pagoda.store.model_info import gguf_info
 from pagoda.store.modelfile import Modelfile, ModelfileError
 
 
@@ -24,8 +26,6 @@ def _json_layer(layout: StoreLayout, media_type: str, value) -> Layer:
 
 
 def _model_info(layout: StoreLayout, layers: list[Layer]) -> dict:
-    from pagoda.store.model_info import gguf_info
-
     model = next((layer for layer in layers if layer.media_type == manifests.MODEL), None)
     if model is None:
         return {}
@@ -38,8 +38,6 @@ def _model_info(layout: StoreLayout, layers: list[Layer]) -> dict:
 def locate(text: str) -> tuple[StoreLayout, Ref, Manifest]:
     """A model by name: ``ollama:NAME`` in Ollama's store, else pagoda's store, else the catalog
     (pulled and recorded on the way). ValueError if there is no such model."""
-    from pagoda.store import ollama_store
-
     if ollama_store.is_ollama_name(text):
         layout, ref = ollama_store.ollama_layout(), ollama_store.parse_ollama_name(text)
         manifest = manifests.read_manifest(layout, ref)
@@ -60,8 +58,6 @@ def locate(text: str) -> tuple[StoreLayout, Ref, Manifest]:
 
 def catalog_entry_for(text: str):
     """The catalog entry ``text`` names (``smollm2``, ``smollm2:latest``), else None."""
-    from pagoda.loader import catalog
-
     entry = catalog.resolve_catalog_name(text)
     if entry is not None:
         return entry
@@ -78,8 +74,6 @@ def record_catalog_model(layout: StoreLayout, name: str, *, quiet: bool = True) 
     """Pull catalog model ``name`` (as ``pagoda pull`` always has) and record it in the store as
     ``NAME:latest``: its GGUF hard-linked as the model blob (no second copy), a config blob, a
     manifest. Returns the reference and manifest."""
-    from pagoda.loader import catalog
-
     entry = catalog.resolve_catalog_name(name)
     if entry is None:
         raise ValueError(f"unknown catalog model {name!r}")
@@ -120,7 +114,7 @@ QUANTIZE_TYPES = ("f32", "f16", "bf16", "q8_0", "q5_1", "q5_0", "q4_1", "q4_0") 
 def _converted_layer(layout: StoreLayout, modelfile: Modelfile, hf_dir: Path, quantize: str | None) -> Layer:
     """A Hugging Face directory written as one GGUF (loader/gguf_writer.py; F16 unless
     `quantize` says otherwise, as Ollama imports safetensors), stored as the model layer."""
-    from pagoda.loader.gguf_writer import write_gguf
+    from pagoda.loader.gguf_writer import write_gguf  # deferred: loads numpy
 
     qtype = (quantize or "f16").lower()
     if qtype not in QUANTIZE_TYPES:
@@ -167,12 +161,12 @@ def create_model(name: str, modelfile: Modelfile, *, layout: StoreLayout | None 
     elif path is not None:
         if path.suffix != ".gguf" and not _starts_like_gguf(path):  # a blob (sha256-...) has no suffix
             raise ModelfileError(modelfile.from_line, f"FROM {modelfile.from_}: not a .gguf file")
-        from pagoda.store.model_info import gguf_info
+        from pagoda.store.model_info import gguf_info  # deferred: only when path is not None
 
         gguf_info(path)  # a readable GGUF, or ValueError before anything is stored
         bar = None
         if progress:
-            from tqdm.auto import tqdm
+            from tqdm.auto import tqdm  # deferred: tqdm loads on first use
 
             bar = tqdm(total=path.stat().st_size, unit="B", unit_scale=True, unit_divisor=1024,
                        desc=f"copying {path.name}")

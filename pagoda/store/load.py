@@ -27,7 +27,9 @@ import shutil
 import tempfile
 from pathlib import Path
 
-from pagoda.store import create, manifests
+from pagoda.loader import catalog
+from pagoda.loader.model_files import ModelFiles
+from pagoda.store import create, manifests, ollama_store
 from pagoda.store.layout import StoreLayout, default_layout, digest_hex, parse_ref
 from pagoda.store.manifests import Manifest
 
@@ -41,8 +43,6 @@ _SAMPLING_NAMES = {"temperature": "temperature", "top_p": "top_p", "top_k": "top
 def resolve_store_model(model: str):
     """``ModelFiles`` for ``model`` if it names a model in pagoda's store, or ``ollama:NAME`` in
     Ollama's; None if it is not a store name at all (so the caller tries the hub)."""
-    from pagoda.store import ollama_store
-
     if ollama_store.is_ollama_name(model):
         layout, _, manifest = create.locate(model)
         return model_files(model, layout, manifest)
@@ -60,8 +60,6 @@ def resolve_store_model(model: str):
 def _catalog_copy(manifest: Manifest) -> Path | None:
     """The catalog's verified file with the same bytes as the model layer (same digest), if any:
     loading it reuses the catalog's conversion cache."""
-    from pagoda.loader import catalog
-
     layer = manifest.layer(manifests.MODEL)
     for entry in catalog.CATALOG:
         if layer is not None and digest_hex(layer.digest) == entry.sha256 and catalog.is_pulled(entry.name):
@@ -70,8 +68,7 @@ def _catalog_copy(manifest: Manifest) -> Path | None:
 
 
 def model_files(name: str, layout: StoreLayout, manifest: Manifest):
-    from pagoda.loader.gguf import load_gguf_model_dir
-    from pagoda.loader.model_files import ModelFiles
+    from pagoda.loader.gguf import load_gguf_model_dir  # deferred: loads gguf, numpy, torch
 
     gguf_path = _catalog_copy(manifest) or create.model_path_of(layout, manifest)
     meta = load_gguf_model_dir(gguf_path)
@@ -90,7 +87,7 @@ def _read_json(path: Path) -> dict:
 
 
 def _single_token_ids(meta: Path, texts: list[str]) -> list[int]:
-    from tokenizers import Tokenizer
+    from tokenizers import Tokenizer  # deferred: tokenizers loads on first use
 
     tok = Tokenizer.from_file(str(meta / "tokenizer.json"))
     ids = []
@@ -138,7 +135,7 @@ def overlay_contents(meta: Path, params: dict, system: str | None, template: str
     if isinstance(jinja, list):
         jinja = None
     if not jinja and template:
-        from pagoda.store.gotemplate import to_jinja
+        from pagoda.store.gotemplate import to_jinja  # deferred: only when not jinja and template
 
         try:
             jinja = to_jinja(template)

@@ -29,8 +29,8 @@ def human_count(n: int) -> str:
 
 
 def gguf_info(path: Path) -> dict[str, Any]:
-    import gguf
-    import numpy as np
+    import gguf  # deferred: gguf loads on first use
+    import numpy as np  # deferred: numpy loads on first use
 
     try:
         reader = gguf.GGUFReader(str(path))

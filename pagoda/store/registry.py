@@ -74,7 +74,7 @@ class _Progress:
     def __init__(self, enabled: bool, total: int, desc: str) -> None:
         self.bar = None
         if enabled:
-            from tqdm.auto import tqdm
+            from tqdm.auto import tqdm  # deferred: tqdm loads on first use
 
             self.bar = tqdm(total=total, unit="B", unit_scale=True, unit_divisor=1024, desc=desc, file=sys.stderr,
                             leave=True)

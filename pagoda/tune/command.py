@@ -20,6 +20,9 @@ import signal
 import sys
 
 from pagoda.bench import datasets
+from pagoda.engine_args import EngineArgs
+from pagoda.loader.resolve import resolve_model
+from pagoda.tune.setting import KNOBS, Setting
 
 WORKLOAD_OPTIONS = ("input_len", "output_len", "range_ratio", "dataset")
 
@@ -42,8 +45,6 @@ def parse_ms(text: str) -> float:
 
 
 def add_cli_args(p: argparse.ArgumentParser) -> None:
-    from pagoda.tune.setting import KNOBS
-
     g = p.add_argument_group("objectives")
     g.add_argument("--slo-ttft-p99", type=parse_ms, required=True, metavar="TIME",
                    help="99th percentile time to first token to stay within, e.g. 2s")
@@ -71,8 +72,6 @@ def add_cli_args(p: argparse.ArgumentParser) -> None:
 
 
 def _check(ns: argparse.Namespace) -> tuple[str, ...]:
-    from pagoda.tune.setting import KNOBS
-
     knobs = tuple(k.strip() for k in ns.knobs.split(",") if k.strip())
     unknown = [k for k in knobs if k not in KNOBS]
     if unknown:
@@ -89,22 +88,19 @@ def _check(ns: argparse.Namespace) -> tuple[str, ...]:
 
 def _auto_dtype(args) -> str:
     """What `--dtype auto` resolves to on the engine's device (float32 on the CPU)."""
-    import torch
+    import torch  # torch loads on first use
 
-    from pagoda.dtypes import resolve_dtype
-    from pagoda.platform import default_device
+    from pagoda.dtypes import resolve_dtype  # deferred: loads torch
+    from pagoda.platform import default_device  # deferred: loads torch
 
     device = torch.device(args.device) if args.device else default_device()
     return str(resolve_dtype("auto", device)).removeprefix("torch.")
 
 
 def main(ns: argparse.Namespace) -> int:
-    from pagoda.engine_args import EngineArgs
-    from pagoda.loader.resolve import resolve_model
-    from pagoda.tune import report
-    from pagoda.tune.search import Budget, Search
-    from pagoda.tune.setting import Setting
-    from pagoda.tune.trial import Slos, Workload, run_trial
+    from pagoda.tune import report  # deferred: loads httpx, numpy
+    from pagoda.tune.search import Budget, Search  # deferred: loads httpx, numpy
+    from pagoda.tune.trial import Slos, Workload, run_trial  # deferred: loads httpx, numpy
 
     knobs = _check(ns)
     # SIGTERM ends the search as Ctrl-C does: through `finally`, so the trial's server is stopped too.

@@ -6,6 +6,7 @@ import json
 from datetime import datetime
 from pathlib import Path
 
+from pagoda.bench.plots import _pyplot
 from pagoda.engine_args import EngineArgs
 from pagoda.tune.setting import Setting, config_mapping
 from pagoda.tune.trial import Slos, Trial
@@ -42,7 +43,7 @@ def format_table(trials: list[Trial], start: Setting, slos: Slos, best: Trial | 
 
 def write_config(path: str | Path, best: Trial, base: EngineArgs, slos: Slos, workload_text: str) -> Path:
     """The best setting as a YAML file for `pagoda serve --config`, its measurements as comments."""
-    import yaml
+    import yaml  # deferred: yaml loads on first use
 
     lv = best.best
     s = lv.summary
@@ -83,8 +84,6 @@ def save_json(path: str | Path, data: dict) -> Path:
 def plot(trials: list[Trial], best: Trial | None, slos: Slos, path: str | Path) -> Path:
     """Two panels: each trial's goodput (the best one marked), and every measured level's p99 TTFT
     against its p99 ITL with the SLO box (a level inside the box met the SLOs)."""
-    from pagoda.bench.plots import _pyplot
-
     plt = _pyplot()
     fig, (ax_bar, ax_lat) = plt.subplots(1, 2, figsize=(12, 4.6))
     xs = [t.index for t in trials]

@@ -15,13 +15,14 @@ from typing import Callable
 
 import torch
 
+from pagoda.home import pagoda_home
+
 logger = logging.getLogger(__name__)
 
 
 def compiled_forward(model: torch.nn.Module) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:
-    from torch._inductor.runtime.cache_dir_utils import default_cache_dir
+    from torch._inductor.runtime.cache_dir_utils import default_cache_dir  # torch._inductor loads on first use
 
-    from pagoda.home import pagoda_home
 
     # torch writes its default into the environment on first use, so "unset or torch's default"
     # means the user chose nothing.
@@ -35,7 +36,7 @@ def compiled_forward(model: torch.nn.Module) -> Callable[[torch.Tensor, torch.Te
 def _keep_attention_eager() -> None:
     """Exclude `PagedAttention.forward` from tracing (once a process). Done here rather than with
     a decorator on the method, which would import torch._dynamo in every process that loads a model."""
-    from pagoda.layers.attention import PagedAttention
+    from pagoda.layers.attention import PagedAttention  # deferred: loads numpy
 
     if not getattr(PagedAttention.forward, "_pagoda_eager", False):
         PagedAttention.forward = torch.compiler.disable(PagedAttention.forward)

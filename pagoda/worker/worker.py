@@ -177,7 +177,7 @@ def _shared_memory_bytes(config: EngineConfig) -> int:
 
 
 def _min_op():
-    import torch.distributed as dist
+    import torch.distributed as dist  # torch.distributed loads on first use
 
     opts = dist.AllreduceOptions()
     opts.reduceOp = dist.ReduceOp.MIN

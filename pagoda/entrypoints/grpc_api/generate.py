@@ -7,7 +7,7 @@ from pathlib import Path
 
 
 def main() -> int:
-    from grpc_tools import protoc
+    from grpc_tools import protoc  # deferred: grpc_tools loads on first use
 
     root = Path(__file__).resolve().parents[3]  # the directory holding the `pagoda` package
     proto = Path(__file__).with_name("pagoda.proto").relative_to(root)

@@ -312,8 +312,8 @@ def _chat_message(message: pb.ChatMessage) -> dict:
 
 def add_health_and_reflection(server) -> None:
     """grpc.health.v1 (SERVING for the engine service and the server) and server reflection."""
-    from grpc_health.v1 import health, health_pb2, health_pb2_grpc
-    from grpc_reflection.v1alpha import reflection
+    from grpc_health.v1 import health, health_pb2, health_pb2_grpc  # deferred: grpc_health loads on first use
+    from grpc_reflection.v1alpha import reflection  # deferred: grpc_reflection loads on first use
 
     checker = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(checker, server)

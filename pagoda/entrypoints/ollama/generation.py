@@ -103,6 +103,7 @@ def _structured(fmt: str | dict | None) -> StructuredOutputsParams | None:
     if fmt == "json":
         return StructuredOutputsParams(json_object=True)
     if isinstance(fmt, dict):
+        # deferred: only when isinstance(fmt, dict)
         from pagoda.structured_output.grammar import validate_structured_outputs
 
         params = StructuredOutputsParams(json=fmt)

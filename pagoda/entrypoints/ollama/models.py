@@ -26,6 +26,10 @@ from pagoda.entrypoints.ollama.generation import (
     visible_names,
 )
 from pagoda.entrypoints.openai.serving import Serving
+from pagoda.store import manifests
+from pagoda.store.commands import _modelfile_text, describe
+from pagoda.store.layout import default_layout, digest_hex
+from pagoda.store.model_info import human_count, parameter_count
 
 router = APIRouter()
 
@@ -41,8 +45,6 @@ def _served_info(serving: Serving) -> dict:
 
 def model_description(cfg, max_model_len: int) -> dict:
     """What Ollama's API says about a model of this ModelConfig (pagoda/config.py), loaded or not."""
-    from pagoda.store.model_info import human_count, parameter_count
-
     files, hf = cfg.files, cfg.hf_config
     weights = [files.gguf_file] if files.gguf_file else sorted(Path(files.metadata_dir).glob("*.safetensors"))
     size = sum(p.stat().st_size for p in weights if p.exists())
@@ -83,8 +85,8 @@ def _store_entry(name: str) -> dict | None:
     if not name or Path(name).expanduser().exists():
         return None
     try:
-        from pagoda.store import manifests, ollama_store
-        from pagoda.store.layout import default_layout, digest_hex, parse_ref
+        from pagoda.store import manifests, ollama_store  # deferred: only on use
+        from pagoda.store.layout import default_layout, digest_hex, parse_ref  # deferred: only on use
 
         if ollama_store.is_ollama_name(name):
             layout, ref = ollama_store.ollama_layout(), ollama_store.parse_ollama_name(name)
@@ -101,9 +103,6 @@ def _store_entry(name: str) -> dict | None:
 
 def _store_models() -> list[dict]:
     """/api/tags rows for the models in pagoda's store."""
-    from pagoda.store import manifests
-    from pagoda.store.layout import default_layout, digest_hex
-
     layout = default_layout()
     rows = []
     for ref in layout.refs():
@@ -180,8 +179,6 @@ def _parameters_text(params: dict) -> str:
 
 
 def _show_store(name: str) -> dict:
-    from pagoda.store.commands import _modelfile_text, describe
-
     d = describe(name)
     m = d["model"]
     arch = m.get("architecture") or ""

@@ -34,8 +34,9 @@ from pagoda.entrypoints.ollama.common import (
     read_body,
 )
 from pagoda.security.options import DEFAULT_BLOB_GRACE, DEFAULT_MAX_BLOB_GIB
-from pagoda.store import blobs, prune
-from pagoda.store.layout import default_layout
+from pagoda.store import blobs, create, manifests, ollama_store, prune
+from pagoda.store.layout import default_layout, parse_ref
+from pagoda.store.modelfile import PARAMETER_TYPES, Modelfile, parse_modelfile
 
 logger = logging.getLogger("pagoda.ollama")
 router = APIRouter()
@@ -126,8 +127,7 @@ async def pull(request: Request):
     name = body.ref
 
     def work() -> list[dict]:
-        from pagoda.store import create, manifests, registry
-        from pagoda.store.layout import default_layout, parse_ref
+        from pagoda.store import create, manifests, registry  # deferred: loads httpx
 
         layout = default_layout()
         entry = create.catalog_entry_for(name)
@@ -150,8 +150,7 @@ async def push(request: Request):
     name = body.ref
 
     def work() -> list[dict]:
-        from pagoda.store import manifests, registry
-        from pagoda.store.layout import default_layout, parse_ref
+        from pagoda.store import manifests, registry  # deferred: loads httpx
 
         layout, ref = default_layout(), parse_ref(name)
         manifest = manifests.read_manifest(layout, ref)
@@ -164,9 +163,6 @@ async def push(request: Request):
 
 
 def _local_ref(name: str):
-    from pagoda.store import ollama_store
-    from pagoda.store.layout import parse_ref
-
     if ollama_store.is_ollama_name(name):
         raise OllamaError(f"{name}: pagoda does not write to Ollama's store")
     return parse_ref(name)
@@ -176,8 +172,6 @@ def _local_ref(name: str):
 @ollama_errors
 async def delete(request: Request):
     body: ModelBody = await read_body(request, ModelBody)
-    from pagoda.store import manifests
-    from pagoda.store.layout import default_layout
 
     ref, layout = _local_ref(body.ref), default_layout()
     if manifests.read_manifest(layout, ref) is None:
@@ -190,7 +184,6 @@ async def delete(request: Request):
 @ollama_errors
 async def copy(request: Request):
     body: CopyBody = await read_body(request, CopyBody)
-    from pagoda.store import create
 
     _local_ref(body.destination)
     try:
@@ -275,8 +268,6 @@ def _uploaded_gguf(files: dict[str, str]) -> str:
 
 
 def _modelfile_of(body: CreateBody):
-    from pagoda.store.modelfile import PARAMETER_TYPES, Modelfile, parse_modelfile
-
     if body.adapters:
         raise OllamaError("create with adapters is not supported", 501)
     if body.modelfile:
@@ -316,8 +307,6 @@ async def create_model(request: Request):
     policy = _policy(request)
 
     def work() -> list[dict]:
-        from pagoda.store import create
-
         _, manifest = create.create_model(name, modelfile, quantize=body.quantize)
         _prune(policy)  # a tag created over an older one leaves that one's layers unused
         return [{"status": f"using layer {layer.digest}"} for layer in manifest.blobs()] + \

@@ -14,9 +14,15 @@ from fastapi.responses import Response
 from pagoda import __version__
 from pagoda.config import create_engine_config
 from pagoda.engine.async_llm import AsyncLLM
+from pagoda.engine.content_filter import read_list
+from pagoda.engine.llm_engine import LLMEngine
+from pagoda.engine_args import EngineArgs
 from pagoda.entrypoints.disconnect import GONE, unless_disconnected
+from pagoda.entrypoints.model_dispatch import build_front_app
+from pagoda.entrypoints.model_pool import ModelPool, PoolMetrics, footprint_bytes, format_gib
 from pagoda.entrypoints.ollama import router as ollama_router
 from pagoda.entrypoints.ollama.store_routes import BlobPolicy, install_blob_policy
+from pagoda.entrypoints.served_models import default_memory_budget, model_specs, serves_several
 from pagoda.entrypoints.web import install_web
 from pagoda.entrypoints.web.api_docs import install_api_docs
 from pagoda.entrypoints.openai.lifecycle import DrainingServer, Lifecycle, bind_listener, shutting_down
@@ -32,7 +38,10 @@ from pagoda.entrypoints.openai.errors import OpenAIError
 from pagoda.entrypoints.openai.serving import Serving
 from pagoda.entrypoints.openai.sessions import SessionStore
 from pagoda.loader.catalog import catalog_aliases
+from pagoda.security import tls
+from pagoda.security.access import access_from_args, install as install_access
 from pagoda.security.context import request_context
+from pagoda.security.moderation import ServerModeration
 from pagoda.threads import openmp_settings
 
 logger = logging.getLogger("pagoda.server")
@@ -56,7 +65,6 @@ def build_app(engine: AsyncLLM, served_model_names: list[str], *, api_key: str |
     if not serving.tokenizer.chat_template:
         logger.warning("%s has no chat template (a base model): chat routes answer 400; use /v1/completions or "
                        "/api/generate, or give a template with --chat-template", served_model_names[0])
-    from pagoda.security.moderation import ServerModeration  # the content filter (--moderation-words)
 
     serving.moderation = ServerModeration.from_args(moderation_words, moderation_action,
                                                     serving.metrics.content_filter_hit)
@@ -183,11 +191,6 @@ def build_app(engine: AsyncLLM, served_model_names: list[str], *, api_key: str |
 
 def run_server(args) -> int:
     """Load the model, start the engine, serve until a stop signal; returns the exit status."""
-    from pagoda.engine_args import EngineArgs
-    from pagoda.entrypoints.served_models import serves_several
-
-    from pagoda.security import tls
-    from pagoda.engine.content_filter import read_list
 
     several = serves_several(args)
     engine_args = EngineArgs.from_cli_args(args)
@@ -195,12 +198,11 @@ def run_server(args) -> int:
     for path in getattr(args, "moderation_words", None) or ():  # so are the word lists
         read_list(path)
     if engine_args.node_rank > 0:  # another node of a multi-node engine: its ranks only, no HTTP
-        from pagoda.executor.multiproc import run_headless
+        from pagoda.executor.multiproc import run_headless  # deferred: only when engine_args.node_rank > 0
 
         return run_headless(create_engine_config(engine_args))
     if several and args.grpc_port is not None:
         raise ValueError("--grpc-port serves one model: it cannot be combined with several models yet")
-    from pagoda.security.access import access_from_args, install as install_access
 
     # --auth-config / --audit-log (pagoda/security/access.py): a bad file fails before the model loads
     access = access_from_args(args, args.api_key or os.environ.get("PAGODA_API_KEY"))
@@ -218,7 +220,7 @@ def run_server(args) -> int:
     install_access(app, access, args.read_timeout)  # and the body read deadline (pagoda/security/timeouts.py)
     install_blob_policy(app, blob_policy)  # and the start-up prune of unused blobs
     if args.grpc_port is not None:  # the gRPC service on the same engine (pagoda/entrypoints/grpc_api)
-        from pagoda.entrypoints.grpc_api.service import attach_grpc
+        from pagoda.entrypoints.grpc_api.service import attach_grpc  # deferred: loads grpc
 
         attach_grpc(app, args.host, args.grpc_port, api_key, args.shutdown_timeout, tls.grpc_credentials(args))
     print(f"pagoda: serving on http{'s' if ssl_kwargs else ''}://{args.host}:{args.port}/v1"
@@ -232,7 +234,7 @@ def run_server(args) -> int:
                             # uvicorn's own deadline, a backstop behind the drain in _Server
                             timeout_graceful_shutdown=args.shutdown_timeout + 5, **ssl_kwargs)
     if args.read_timeout:  # slowloris: a deadline on request heads (pagoda/security/timeouts.py)
-        from pagoda.security.timeouts import head_deadline_protocol
+        from pagoda.security.timeouts import head_deadline_protocol  # deferred: only when args.read_timeout
 
         config.http = head_deadline_protocol(args.read_timeout)
     server = DrainingServer(config, app, engines, args.shutdown_timeout)
@@ -251,8 +253,6 @@ def run_server(args) -> int:
 
 def _model_app(args, config, names: list[str], api_key: str | None, metric_families=None) -> tuple[FastAPI, AsyncLLM]:
     """One model's engine and app, from serve's options (`args.model` and its engine flags)."""
-    from pagoda.engine.llm_engine import LLMEngine
-
     engine = LLMEngine(config, build_core=False)  # the core is built where it runs: its thread or its process
     async_engine = AsyncLLM(engine, engine_process=args.engine_process, max_engine_restarts=args.max_engine_restarts)
     app = build_app(async_engine, names, api_key=api_key, max_queue_len=args.max_queue_len, model_root=args.model,
@@ -283,9 +283,6 @@ def _one_model_app(args, engine_args, api_key: str | None) -> tuple[FastAPI, Asy
 def _several_models_settings(args):
     """The models and the pool's settings of serve's options, each model's files resolved (a
     model that does not exist fails here, before the server starts)."""
-    from pagoda.engine_args import EngineArgs
-    from pagoda.entrypoints.served_models import default_memory_budget, model_specs
-
     specs = model_specs(args)
     for spec in specs:
         spec.config = create_engine_config(EngineArgs.from_cli_args(spec.args))
@@ -301,9 +298,7 @@ def _several_models_settings(args):
 
 def _several_models_app(args, specs, settings, api_key: str | None):
     """The front app of several models and their pool (pagoda/entrypoints/model_dispatch.py)."""
-    from pagoda.entrypoints.model_dispatch import build_front_app
-    from pagoda.entrypoints.model_pool import ModelPool, PoolMetrics, footprint_bytes, format_gib
-    from pagoda.metrics import MetricFamilies
+    from pagoda.metrics import MetricFamilies  # deferred: loads prometheus_client
 
     families = MetricFamilies()
     budget, max_loaded, load_timeout = settings
