@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 from pagoda.core.block_pool import BlockPool
 from pagoda.core.kv_cache_groups import KVCacheGroups
 from pagoda.core.radix_cache import RadixCache, RadixNode
@@ -16,6 +18,16 @@ UNREAD_BLOCK = 0
 
 def cdiv(a: int, b: int) -> int:
     return -(-a // b)
+
+
+@dataclass
+class KVBlocks:
+    """Blocks the manager hands a request: ids for group 0 (every full-attention layer) and for
+    groups 1.. (hybrid models' windowed layers). The scheduler adds them to the request's block
+    tables; the manager never writes a request."""
+
+    ids: list[int]
+    groups: list[list[int]]
 
 
 class KVCacheManager:
@@ -97,30 +109,28 @@ class KVCacheManager:
         """Pool blocks that ``num_tokens`` tokens of a fresh request take."""
         return cdiv(num_tokens, self.block_size) * self.num_groups
 
-    def match_prefix(self, request: Request) -> int:
-        """Give a request with nothing computed the cached blocks of its prefix; returns the
-        number of tokens it no longer has to compute. At least one token is left to compute.
+    def match_prefix(self, request: Request) -> KVBlocks | None:
+        """The cached blocks of the prefix of a request with nothing computed (None: no hit); its
+        tokens in those blocks need no computing. At least one token is left to compute.
 
         Counts nothing: a request that cannot be admitted gives the match back (`free`) and is
         matched again next step, so the scheduler counts it with `record_prefix_query` once it
         is admitted."""
         if request.block_ids or request.num_computed_tokens or not self._uses_prefix_cache(request):
-            return 0
+            return None
         tokens = request.all_token_ids[: request.num_tokens - 1]
         match = self.cache.match(tokens, request.cache_salt)
         if self.num_groups > 1 and match.blocks:
             usable = self._usable_hit(match.blocks)
             if usable < len(match.blocks):
                 match = self.cache.match(tokens[: usable * self.block_size], request.cache_salt)
-        if match.blocks:
-            self.pool.incref(match.blocks)
-            self._lock(request, match.node)
-            self._num_cached[request.request_id] = len(match.blocks)
-            request.block_ids = list(match.blocks)
-            request.num_computed_tokens = len(match.blocks) * self.block_size
-            if self.num_groups > 1:
-                self._take_cached_extras(request, match.blocks)
-        return request.num_computed_tokens
+        if not match.blocks:
+            return None
+        self.pool.incref(match.blocks)
+        self._lock(request, match.node)
+        self._num_cached[request.request_id] = len(match.blocks)
+        groups = self._take_cached_extras(request, match.blocks) if self.num_groups > 1 else []
+        return KVBlocks(list(match.blocks), groups)
 
     def _first_in_window(self, num_tokens: int, window: int | None = None) -> int:
         """The first block a query at position ``num_tokens`` (or later) reads in a layer with a
@@ -139,16 +149,17 @@ class KVCacheManager:
                 return n
         return 0
 
-    def _take_cached_extras(self, request: Request, blocks: list[int]) -> None:
+    def _take_cached_extras(self, request: Request, blocks: list[int]) -> list[list[int]]:
         """Group tables for a prefix hit: the cached blocks of the last window, ``UNREAD_BLOCK`` before."""
         first = self._first_in_window(len(blocks) * self.block_size)
         extras = [self.cache.extras[b] for b in blocks[first:]]
-        request.group_block_ids = [[UNREAD_BLOCK] * first + [e[g] for e in extras] for g in range(self.num_groups - 1)]
-        held = [b for ids in request.group_block_ids for b in ids[first:]]
+        groups = [[UNREAD_BLOCK] * first + [e[g] for e in extras] for g in range(self.num_groups - 1)]
+        held = [b for ids in groups for b in ids[first:]]
         self.pool.incref(held)
         for b in held:
             self.cache.extra_taken(b)
         self._released_local[request.request_id] = first
+        return groups
 
     def record_prefix_query(self, request: Request, num_hit_tokens: int) -> None:
         """Count an admitted request's lookup: its tokens as queries, `num_hit_tokens` (what
@@ -175,30 +186,26 @@ class KVCacheManager:
         wanted = request.sampling_params.prompt_logprobs is not None
         return wanted and request.num_prompt_logprobs_done < request.num_prompt_tokens - 1
 
-    def allocate_slots(self, request: Request, num_new_tokens: int) -> bool:
-        """Grow the request's block table to hold num_new_tokens more tokens.
+    def allocate_slots(self, request: Request, num_new_tokens: int) -> KVBlocks | None:
+        """The blocks the request's tables need to hold num_new_tokens more tokens (none, most
+        decode steps: the last block has room), taken from the pool for it.
 
-        Returns False (and changes nothing) when there are not enough free blocks, even after
-        evicting unused cached ones.
+        None (and nothing taken) when there are not enough free blocks, even after evicting
+        unused cached ones.
         """
         need = self.blocks_needed(request, num_new_tokens)
         if need == 0:
-            return True  # most decode steps: the last block has room
+            return KVBlocks([], [])
         if need > self.num_free_blocks and self.sessions:
             self.sessions.release_for(need, lambda: self.num_free_blocks)
         if need > self.num_free_blocks:
-            return False
+            return None
         short = need - self.pool.num_free_blocks
         if short > 0:
             self.pool.free(self.cache.evict(short))
         per_group = need // self.num_groups
-        request.block_ids.extend(self.pool.allocate(per_group))
-        if self.num_groups > 1:
-            if not request.group_block_ids:
-                request.group_block_ids = [[] for _ in range(self.num_groups - 1)]
-            for ids in request.group_block_ids:
-                ids.extend(self.pool.allocate(per_group))
-        return True
+        ids = self.pool.allocate(per_group)
+        return KVBlocks(ids, [self.pool.allocate(per_group) for _ in range(self.num_groups - 1)])
 
     def cache_computed_blocks(self, request: Request) -> None:
         """Put the request's newly completed full blocks in the tree right away, so requests
@@ -291,7 +298,8 @@ class KVCacheManager:
         self._locked[request.request_id] = node
 
     def free(self, request: Request, finished: bool = False) -> None:
-        """Release the request's blocks (finished, aborted or preempted). Blocks in the prefix
+        """Release the request's blocks (finished, aborted or preempted; the scheduler then clears
+        the request's tables). Blocks in the prefix
         cache keep the tree's reference and stay there for later requests; a finished request
         of a session pins its computed prefix for the session's next turn."""
         if finished and request.session_id is not None and self.sessions is not None:
@@ -305,11 +313,9 @@ class KVCacheManager:
         released = self._released.pop(request.request_id, 0)
         if len(request.block_ids) > released:
             self.pool.free(request.block_ids[released:])
-        request.block_ids = []
         released = self._released_local.pop(request.request_id, 0)
         for ids in request.group_block_ids:
             self._let_go(ids[released:])
-        request.group_block_ids = []
 
     def release_session(self, session_id: str) -> bool:
         """The session ended: its pinned prefix becomes ordinary cache (evictable)."""

@@ -36,13 +36,17 @@ import logging
 import operator
 import time
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
-from pagoda.core.kv_cache_manager import KVCacheManager
+from pagoda.core.kv_cache_manager import KVBlocks, KVCacheManager
 from pagoda.core.prefill_chunks import PrefillChunking, PrefillSlots
 from pagoda.core.scheduler_output import CachedRequestData, NewRequestData, SchedulerOutput
 from pagoda.engine_args import SCHEDULING_POLICIES
 from pagoda.outputs import ModelRunnerOutput
 from pagoda.request import Request, RequestStatus
+
+if TYPE_CHECKING:
+    from pagoda.structured_output.manager import GrammarState
 
 _ARRIVAL = operator.attrgetter("arrival_time", "arrival_seq")  # the fcfs order
 
@@ -187,9 +191,11 @@ class Scheduler:
         return lambda r: (-self.effective_priority(r, now), r.arrival_time, r.arrival_seq)
 
     # -- queue management -------------------------------------------------------------------
-    def add_request(self, request: Request) -> None:
+    def add_request(self, request: Request, grammar: GrammarState | None = None) -> None:
+        """Queue a request; ``grammar``: its compiled constraint (structured outputs), compiling."""
         if request.request_id in self.requests:
             raise ValueError(f"request id {request.request_id!r} is already in use")
+        request.grammar = grammar
         self.requests[request.request_id] = request
         self._waiting.append(request)
 
@@ -276,7 +282,7 @@ class Scheduler:
             samples = request.num_computed_tokens + num_new >= request.num_tokens
             wanted = num_new + self.spec_lookahead
             if samples and self.kv.blocks_needed(request, wanted) <= self.kv.pool.num_free_blocks:
-                self.kv.allocate_slots(request, wanted)
+                add_blocks(request, self.kv.allocate_slots(request, wanted))
 
     def _message(self, step: "_Step") -> SchedulerOutput:
         """The step as deltas against what the workers already know of each request."""
@@ -343,7 +349,7 @@ class Scheduler:
 
     def _make_room(self, request: Request, num_new: int, out: "_Step") -> bool:
         """Allocate KV slots for request, preempting from the back of `running` until it fits."""
-        while not self.kv.allocate_slots(request, num_new):
+        while not add_blocks(request, self.kv.allocate_slots(request, num_new)):
             victim = self.running[-1]  # lowest priority, latest arrival
             self._preempt(victim)
             out.preempted.append(victim.request_id)
@@ -354,6 +360,7 @@ class Scheduler:
     def _preempt(self, request: Request) -> None:
         self.running.remove(request)
         self.kv.free(request)
+        clear_blocks(request)
         request.status = RequestStatus.PREEMPTED
         request.num_computed_tokens = 0
         request.num_preemptions += 1
@@ -385,14 +392,14 @@ class Scheduler:
                 return
             if request.waiting_for_grammar:
                 continue
-            cached = self.kv.match_prefix(request)
+            cached = add_prefix(request, self.kv.match_prefix(request), self.kv.block_size)
             remaining = request.num_tokens - request.num_computed_tokens
             num_new = self.chunking.chunk(remaining, budget)
             if not slots.take(remaining, remaining - num_new):
                 self._give_back_prefix(request)
                 continue
             if (request is not favored and self._under_pressure(self.kv.blocks_needed(request, num_new))) \
-                    or not self.kv.allocate_slots(request, num_new):
+                    or not add_blocks(request, self.kv.allocate_slots(request, num_new)):
                 self._give_back_prefix(request)
                 return
             self._waiting.remove(request)
@@ -409,6 +416,7 @@ class Scheduler:
     def _give_back_prefix(self, request: Request) -> None:
         """Undo ``match_prefix`` for a request that stays waiting; its prefix stays cached."""
         self.kv.free(request)
+        clear_blocks(request)
         request.num_computed_tokens = 0
 
     # -- after the model ran ----------------------------------------------------------------
@@ -492,6 +500,7 @@ class Scheduler:
         if request in self.running:
             self.running.remove(request)
         self.kv.free(request, finished=True)
+        clear_blocks(request)
         rid = request.request_id
         self.requests.pop(rid, None)
         if self._sent_tokens.pop(rid, None) is not None:
@@ -499,12 +508,16 @@ class Scheduler:
         self._sent_blocks.pop(rid, None)
         self._resumed.discard(rid)
 
-    def finish_request(self, request_id: str, status: RequestStatus = RequestStatus.FINISHED_ABORTED) -> Request | None:
-        """Finish a request from outside the step (abort, or a stop string seen by the detokenizer)."""
+    def finish_request(self, request_id: str, status: RequestStatus = RequestStatus.FINISHED_ABORTED,
+                       stop_reason: str | None = None) -> Request | None:
+        """Finish a request from outside the step (abort, a stop string seen by the detokenizer, a
+        grammar that failed to compile: ``stop_reason`` says why)."""
         request = self.requests.get(request_id)
         if request is None:
             return None
         request.status = status
+        if stop_reason is not None:
+            request.stop_reason = stop_reason
         self._finish(request)
         return request
 
@@ -531,3 +544,34 @@ class Scheduler:
             session_pinned_blocks=self.kv.num_session_pinned_blocks,
             session_pins_released_under_pressure=self.kv.sessions.num_released_under_pressure if self.kv.sessions else 0,
         )
+
+
+# -- the scheduler's writes of a request's block tables ------------------------------------------
+def add_blocks(request: Request, blocks: KVBlocks | None) -> bool:
+    """Append what ``KVCacheManager.allocate_slots`` gave the request; False when it gave nothing
+    (no room)."""
+    if blocks is None:
+        return False
+    request.block_ids.extend(blocks.ids)
+    if blocks.groups:
+        if not request.group_block_ids:
+            request.group_block_ids = [[] for _ in blocks.groups]
+        for ids, new in zip(request.group_block_ids, blocks.groups):
+            ids.extend(new)
+    return True
+
+
+def add_prefix(request: Request, hit: KVBlocks | None, block_size: int) -> int:
+    """Give a request with nothing computed its cached prefix (``KVCacheManager.match_prefix``);
+    returns the tokens it no longer computes."""
+    if hit is None:
+        return 0
+    add_blocks(request, hit)
+    request.num_computed_tokens = len(hit.ids) * block_size
+    return request.num_computed_tokens
+
+
+def clear_blocks(request: Request) -> None:
+    """After ``KVCacheManager.free``: the request holds no blocks."""
+    request.block_ids = []
+    request.group_block_ids = []

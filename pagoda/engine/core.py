@@ -142,10 +142,10 @@ class EngineCore:
     def add_request(self, request: Request) -> None:
         self.validate_request(request)
         constraint = request.sampling_params.structured_outputs
-        if constraint is not None:
-            request.grammar = self.structured_outputs.grammar_for(constraint)
+        grammar = self.structured_outputs.grammar_for(constraint) if constraint is not None else None
+        self.scheduler.add_request(request, grammar)
+        if grammar is not None:
             self._compiling.append(request)
-        self.scheduler.add_request(request)
         self.trace.arrived(request)
 
     @property
@@ -167,8 +167,8 @@ class EngineCore:
             if request.is_finished or not request.waiting_for_grammar:
                 if request.grammar.error is not None and not request.is_finished:
                     logger.error("request %s: grammar compilation failed: %s", request.request_id, request.grammar.error)
-                    request.stop_reason = f"grammar compilation failed: {request.grammar.error}"
-                    self.scheduler.finish_request(request.request_id, RequestStatus.FINISHED_ABORTED)
+                    self.scheduler.finish_request(request.request_id, RequestStatus.FINISHED_ABORTED,
+                                                  f"grammar compilation failed: {request.grammar.error}")
                     self.trace.finished(request, "abort")
                     failed.append(EngineCoreOutput(request.request_id, [], "abort", request.stop_reason))
                 continue

@@ -2,6 +2,7 @@ import pytest
 
 from pagoda.core.block_pool import BlockPool
 from pagoda.core.kv_cache_manager import KVCacheManager
+from pagoda.core.scheduler import add_blocks, clear_blocks
 from pagoda.request import Request
 from pagoda.sampling_params import SamplingParams
 
@@ -42,13 +43,14 @@ def test_manager_allocates_whole_blocks_as_tokens_grow():
     kv = KVCacheManager(num_blocks=4, block_size=16)
     r = _request(20)
     assert kv.blocks_needed(r, 20) == 2
-    assert kv.allocate_slots(r, 20) and len(r.block_ids) == 2
+    assert add_blocks(r, kv.allocate_slots(r, 20)) and len(r.block_ids) == 2
     r.num_computed_tokens = 20
-    assert kv.allocate_slots(r, 12) and len(r.block_ids) == 2  # 32 tokens fit in 2 blocks
+    assert add_blocks(r, kv.allocate_slots(r, 12)) and len(r.block_ids) == 2  # 32 tokens fit in 2 blocks
     r.num_computed_tokens = 32
-    assert kv.allocate_slots(r, 1) and len(r.block_ids) == 3
+    assert add_blocks(r, kv.allocate_slots(r, 1)) and len(r.block_ids) == 3
     big = _request(40)
-    assert not kv.allocate_slots(big, 40)  # needs 3 blocks, 1 free: nothing changes
+    assert not add_blocks(big, kv.allocate_slots(big, 40))  # needs 3 blocks, 1 free: nothing changes
     assert big.block_ids == [] and kv.num_free_blocks == 1
     kv.free(r)
+    clear_blocks(r)
     assert kv.num_free_blocks == 4 and r.block_ids == []

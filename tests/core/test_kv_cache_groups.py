@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from pagoda.core.kv_cache_groups import KVCacheGroups, kv_groups_for, plan_kv_groups
 from pagoda.core.kv_cache_manager import UNREAD_BLOCK, KVCacheManager
+from pagoda.core.scheduler import add_blocks, add_prefix, clear_blocks
 from pagoda.models.config import layer_windows
 from pagoda.request import Request
 from pagoda.sampling_params import SamplingParams
@@ -54,7 +55,7 @@ def manager(num_blocks: int, prefix_caching: bool) -> KVCacheManager:
 
 def step(kv: KVCacheManager, request: Request, num_tokens: int) -> None:
     """Compute ``num_tokens`` more of the request's tokens, as the scheduler drives a step."""
-    assert kv.allocate_slots(request, num_tokens)
+    assert add_blocks(request, kv.allocate_slots(request, num_tokens))
     request.num_computed_tokens += num_tokens
     kv.cache_computed_blocks(request)
     kv.release_out_of_window(request)
@@ -75,6 +76,7 @@ def test_windowed_groups_hold_only_their_window_without_prefix_caching():
     assert held(kv) == 10 + 2 * (10 - first)
     assert kv.num_released_blocks == 2 * first
     kv.free(request)
+    clear_blocks(request)
     assert held(kv) == 0
 
 
@@ -86,24 +88,28 @@ def test_the_tree_keeps_passed_blocks_until_the_room_is_needed():
     assert held(kv) == 3 * 8  # the tree still holds every group's blocks ...
     assert kv.num_evictable_blocks == 2 * ((32 - W + 1) // BS)  # ... but the passed ones may go
     kv.free(first)
+    clear_blocks(first)
 
     # A hit on the whole prompt finds every group's last window: nothing to recompute.
     again = Request("b", prompt + [5, 6], SamplingParams(max_tokens=1))
-    assert kv.match_prefix(again) == 32
+    assert add_prefix(again, kv.match_prefix(again), kv.block_size) == 32
     start = (32 - W + 1) // BS
     assert all(ids[:start] == [UNREAD_BLOCK] * start for ids in again.group_block_ids)
     kv.free(again)
+    clear_blocks(again)
 
     # Room needed: the windowed blocks only the tree holds go first (least recently let go
     # first), the tree's nodes stay.
     assert kv.num_evictable_blocks == 8 + 2 * 8 and kv.pool.num_free_blocks == 16
     other = Request("c", list(range(500, 541)), SamplingParams(max_tokens=1))
-    assert kv.allocate_slots(other, 40)  # 10 blocks in each of 3 groups: the 16 free and 14 windowed ones
+    assert add_blocks(other, kv.allocate_slots(other, 40))  # 10 blocks in each of 3 groups: the 16 free and 14 windowed ones
     assert kv.cache.num_cached_blocks == 8 and kv.num_evictable_blocks == 8 + 2
     kv.free(other)
+    clear_blocks(other)
     probe = Request("d", prompt + [5], SamplingParams(max_tokens=1))
-    assert kv.match_prefix(probe) == 0  # no point of the prompt has its last window complete
+    assert add_prefix(probe, kv.match_prefix(probe), kv.block_size) == 0  # no point of the prompt has its last window complete
     kv.free(probe)
+    clear_blocks(probe)
     kv.reset_prefix_cache()
     assert held(kv) == 0
 
@@ -114,17 +120,21 @@ def test_a_hit_ends_where_its_window_is_complete():
     request = Request("a", prompt + [1], SamplingParams(max_tokens=1))
     step(kv, request, 40)
     kv.free(request)
+    clear_blocks(request)
     # Evict every windowed block that only the tree holds: the blocks of the last window too.
     kv.pool.free(kv.cache.evict(len(kv.cache._evictable_extras)))
-    assert kv.match_prefix(Request("b", prompt + [1], SamplingParams(max_tokens=1))) == 0
+    evicted = Request("b", prompt + [1], SamplingParams(max_tokens=1))
+    assert add_prefix(evicted, kv.match_prefix(evicted), kv.block_size) == 0
     # A prefix whose window lies in blocks still cached by a running request is usable.
     runner = Request("c", prompt[:8] + [7] * 8, SamplingParams(max_tokens=1))
-    assert kv.match_prefix(runner) == 0
+    assert add_prefix(runner, kv.match_prefix(runner), kv.block_size) == 0
     step(kv, runner, 16)
     probe = Request("d", prompt[:8] + [7] * 8 + [3], SamplingParams(max_tokens=1))
-    assert kv.match_prefix(probe) == 16
+    assert add_prefix(probe, kv.match_prefix(probe), kv.block_size) == 16
     kv.free(probe)
+    clear_blocks(probe)
     kv.free(runner)
+    clear_blocks(runner)
     kv.reset_prefix_cache()
     assert held(kv) == 0
 
@@ -135,5 +145,6 @@ def test_preemption_and_abort_give_every_block_back():
     step(kv, request, 12)
     step(kv, request, 12)
     kv.free(request)  # preempted or aborted mid-way
+    clear_blocks(request)
     kv.reset_prefix_cache()
     assert held(kv) == 0 and kv.num_free_blocks == 30

@@ -262,8 +262,7 @@ def test_a_request_waits_for_its_grammar_without_holding_up_others():
     sched = make_scheduler()
     constrained, free = req("constrained", 5, max_tokens=10, t=0.0), req("free", 5, t=1.0)
     compiling: Future = Future()
-    constrained.grammar = GrammarState(compiling)
-    sched.add_request(constrained)
+    sched.add_request(constrained, GrammarState(compiling))
     sched.add_request(free)
     out, _ = fake_step(sched)
     assert list(out.num_scheduled_tokens) == ["free"]

@@ -4,6 +4,7 @@ under pressure, let go when the session ends."""
 from __future__ import annotations
 
 from pagoda.core.kv_cache_manager import KVCacheManager
+from pagoda.core.scheduler import add_blocks, add_prefix, clear_blocks
 from pagoda.request import Request
 from pagoda.sampling_params import SamplingParams
 
@@ -13,26 +14,29 @@ BS = 4
 def run_turn(kv: KVCacheManager, rid: str, tokens: list[int], session: str | None) -> Request:
     """A request that computes all of `tokens` and finishes (as the scheduler drives it)."""
     request = Request(rid, tokens, SamplingParams(max_tokens=1), session_id=session)
-    hit = kv.match_prefix(request)
-    assert kv.allocate_slots(request, len(tokens) - hit)
+    hit = add_prefix(request, kv.match_prefix(request), kv.block_size)
+    assert add_blocks(request, kv.allocate_slots(request, len(tokens) - hit))
     request.num_computed_tokens = len(tokens)
     kv.cache_computed_blocks(request)
     kv.free(request, finished=True)
+    clear_blocks(request)
     return request
 
 
 def cached_tokens(kv: KVCacheManager, tokens: list[int]) -> int:
     probe = Request("probe", tokens + [0], SamplingParams(max_tokens=1))
-    hit = kv.match_prefix(probe)
+    hit = add_prefix(probe, kv.match_prefix(probe), kv.block_size)
     kv.free(probe)
+    clear_blocks(probe)
     return hit
 
 
 def fill_with_others(kv: KVCacheManager, num_blocks: int) -> None:
     """Other traffic takes `num_blocks` blocks at once (evicting what the cache may give up)."""
     hog = Request("hog", list(range(10_000, 10_000 + num_blocks * BS)), SamplingParams(max_tokens=1))
-    assert kv.allocate_slots(hog, num_blocks * BS)
+    assert add_blocks(hog, kv.allocate_slots(hog, num_blocks * BS))
     kv.free(hog)
+    clear_blocks(hog)
 
 
 def test_a_session_prefix_survives_eviction_that_takes_unpinned_blocks():
@@ -90,10 +94,11 @@ def test_ending_a_session_makes_its_blocks_ordinary_cache():
 def test_preempted_and_plain_requests_pin_nothing():
     kv = KVCacheManager(8, BS, enable_prefix_caching=True)
     request = Request("r", list(range(2 * BS)), SamplingParams(max_tokens=1), session_id="s")
-    assert kv.allocate_slots(request, 2 * BS)
+    assert add_blocks(request, kv.allocate_slots(request, 2 * BS))
     request.num_computed_tokens = 2 * BS
     kv.cache_computed_blocks(request)
     kv.free(request)  # a preemption: not finished
+    clear_blocks(request)
     assert kv.num_session_pinned_blocks == 0
     run_turn(kv, "plain", list(range(50, 50 + 2 * BS)), session=None)
     assert kv.num_session_pinned_blocks == 0
