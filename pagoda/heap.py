@@ -24,6 +24,8 @@ import ctypes
 import logging
 import os
 
+from pagoda import envs
+
 logger = logging.getLogger(__name__)
 
 M_TRIM_THRESHOLD = -1  # mallopt's parameters (malloc.h)
@@ -37,7 +39,7 @@ _applied: str | None = None  # what keep_freed_memory did, once it has run
 
 def _user_choice() -> str | None:
     """The variable through which the user already tuned malloc, if any."""
-    if os.environ.get("PAGODA_KEEP_FREED_MEMORY", "1") == "0":
+    if not envs.PAGODA_KEEP_FREED_MEMORY:
         return "PAGODA_KEEP_FREED_MEMORY=0"
     if "glibc.malloc." in os.environ.get("GLIBC_TUNABLES", ""):
         return "GLIBC_TUNABLES"

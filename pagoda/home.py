@@ -6,10 +6,11 @@ GGUF converter reach it without importing the model catalog.
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
+
+from pagoda import envs
 
 
 def pagoda_home() -> Path:
     """``$PAGODA_HOME``, default ``~/.cache/pagoda`` (read on every call so tests can override it)."""
-    return Path(os.environ.get("PAGODA_HOME") or Path.home() / ".cache" / "pagoda").expanduser()
+    return envs.PAGODA_HOME

@@ -8,6 +8,8 @@ import platform
 
 import torch
 
+from pagoda import envs
+
 
 @functools.cache
 def cpu_flags() -> frozenset[str]:
@@ -44,7 +46,7 @@ def benchmark_cpu_flags() -> list[str]:
 
 
 def default_device() -> torch.device:
-    if torch.cuda.is_available() and os.environ.get("PAGODA_DEVICE", "") != "cpu":
+    if torch.cuda.is_available() and envs.PAGODA_DEVICE != "cpu":
         return torch.device("cuda")
     return torch.device("cpu")
 

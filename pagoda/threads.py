@@ -35,6 +35,8 @@ import logging
 import os
 import sys
 
+from pagoda import envs
+
 logger = logging.getLogger(__name__)
 
 # Iterations of `pause` a thread spins before it sleeps (benchmarks/one_stream.py measured 500 against
@@ -90,6 +92,6 @@ def configure_server_openmp(shared_cores: bool = False) -> dict[str, str]:
 def openmp_settings() -> str:
     """The waiting policy in effect, for the start-up line: what the environment says, else libgomp's default."""
     chosen = [f"{name}={os.environ[name]}" for name in WAIT_POLICY_VARIABLES if name in os.environ]
-    if chosen and os.environ.get(_REASON_VARIABLE):
-        chosen.append(os.environ[_REASON_VARIABLE])
+    if chosen and envs.PAGODA_OPENMP_SPIN_REASON:
+        chosen.append(envs.PAGODA_OPENMP_SPIN_REASON)
     return ", ".join(chosen) or "libgomp's default spin"

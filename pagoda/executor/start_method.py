@@ -18,12 +18,13 @@ from __future__ import annotations
 
 import ast
 import logging
-import os
 import sys
 import threading
 from types import FrameType, ModuleType
 
 import torch
+
+from pagoda import envs
 
 logger = logging.getLogger(__name__)
 
@@ -33,7 +34,7 @@ METHODS = ("fork", "spawn")
 
 def start_method() -> tuple[str, str]:
     """"fork" or "spawn" by the rules above, and why (for the error a spawn may lead to)."""
-    chosen = os.environ.get(ENV, "").strip()
+    chosen = envs.PAGODA_WORKER_MULTIPROC_METHOD
     if chosen:
         if chosen not in METHODS:
             raise ValueError(f"{ENV} must be one of {', '.join(METHODS)}, got {chosen!r}")

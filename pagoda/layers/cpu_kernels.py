@@ -25,6 +25,7 @@ import platform
 import subprocess
 import sysconfig
 
+from pagoda import envs
 from pagoda.home import pagoda_home
 from pagoda.progress import progress
 
@@ -54,7 +55,7 @@ ISA_LEVELS: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {
 def kernel_isa_level() -> str:
     """The ISA level the kernels are built for: PAGODA_KERNEL_ISA, default ``native``. Raises
     ValueError for a name not in ``ISA_LEVELS`` or a level this CPU cannot run."""
-    level = os.environ.get("PAGODA_KERNEL_ISA", "").strip() or "native"
+    level = envs.PAGODA_KERNEL_ISA or "native"
     if level not in ISA_LEVELS:
         raise ValueError(f"PAGODA_KERNEL_ISA={level!r} is not one of {', '.join(ISA_LEVELS)}")
     from pagoda.platform import cpu_flags  # deferred: loads torch
@@ -72,7 +73,7 @@ def load_cpu_kernels():
     global _disabled, _level
     if _disabled is None:
         level = kernel_isa_level()  # first: a bad value raises on every call, not once
-        _disabled, _level = os.environ.get("PAGODA_DISABLE_KERNELS", "") not in ("", "0"), level
+        _disabled, _level = envs.PAGODA_DISABLE_KERNELS, level
     return None if _disabled else _build(_level)
 
 

@@ -32,13 +32,13 @@ the same memory rule; rows up to 32, and every row count under deterministic inf
 from __future__ import annotations
 
 import logging
-import os
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from pagoda import envs
 from pagoda.layers.cpu_timing import PROJECTION_SHAPES, best_ms, kept_record, record_path
 from pagoda.layers.ggml_blocks import Q4_1, BlockLinear
 
@@ -55,7 +55,7 @@ def _can_reorder(ops) -> bool:
 
 def _switched_off(what: str) -> bool:
     """PAGODA_PACK_WEIGHTS=0 turns every packed copy off."""
-    if os.environ.get("PAGODA_PACK_WEIGHTS", "1") == "0":
+    if not envs.PAGODA_PACK_WEIGHTS:
         logger.info("%s not packed (PAGODA_PACK_WEIGHTS=0)", what)
         return True
     return False
@@ -129,7 +129,7 @@ def block_packing(ops) -> str:
     """The form this build gives block weights: ``"tiles"``, ``"bf16"`` or ``"none"``. Measured
     once on a kind of CPU, unless PAGODA_BLOCK_PACKING names one."""
     applies = {"tiles": tiles_packing_applies(ops), "bf16": bf16_packing_applies(ops), "none": True}
-    asked = os.environ.get("PAGODA_BLOCK_PACKING", "").strip()
+    asked = envs.PAGODA_BLOCK_PACKING
     if asked:
         if not applies.get(asked):
             raise ValueError(f"PAGODA_BLOCK_PACKING={asked!r}: this build can pack block weights as "

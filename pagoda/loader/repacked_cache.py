@@ -24,6 +24,7 @@ from pathlib import Path
 
 import torch
 
+from pagoda import envs
 from pagoda.home import pagoda_home
 from pagoda.layers.cpu_kernels import build_directory
 
@@ -34,7 +35,7 @@ FORMAT_VERSION = 1  # of csrc/superblock_formats.h's tiles and superblock_tiles.
 
 def cache_directory(gguf_path: Path, tp_rank: int = 0, tp_size: int = 1) -> Path | None:
     """Where this file's packed weights live (None with PAGODA_REPACK_CACHE=0)."""
-    if os.environ.get("PAGODA_REPACK_CACHE", "1") == "0":
+    if not envs.PAGODA_REPACK_CACHE:
         return None
 
     resolved = Path(gguf_path).resolve()

@@ -39,6 +39,7 @@ from dataclasses import dataclass
 import httpx
 import uvicorn
 
+from pagoda import envs
 from pagoda import __version__
 from pagoda.entrypoints.graceful import bind_listener
 from pagoda.router.app import Router, RouterConfig
@@ -253,7 +254,9 @@ def pin_replica(rank: int, size: int) -> None:
     ranks' split), with torch's and OpenMP's threads to match, before any model loads."""
     if not 0 <= rank < size:
         raise ValueError(f"--data-parallel-rank must be in [0, {size}), got {rank}")
-    _die_with_parent(int(os.environ.pop(PARENT_ENV, "0") or 0))
+    parent = envs.PAGODA_DP_PARENT
+    os.environ.pop(PARENT_ENV, None)  # not for this replica's own children
+    _die_with_parent(int(parent or 0))
     from pagoda.worker.worker import cpu_share  # deferred: loads numpy, torch
 
     cores = cpu_share(rank, size)

@@ -4,8 +4,8 @@ imports only argparse; the router itself (Starlette, httpx, uvicorn) loads when 
 from __future__ import annotations
 
 import argparse
-import os
 
+from pagoda import envs
 from pagoda.router import POLICIES
 
 ADMIN_KEY_ENV = "PAGODA_ROUTER_ADMIN_KEY"
@@ -26,7 +26,7 @@ def admin_key(value: str | None, option: str) -> str | None:
     if value is not None and not value.strip():
         raise ValueError(f"{option} is empty (an unset variable?): give the key, or leave {option} out "
                          "to keep the admin routes off")
-    return value or os.environ.get(ADMIN_KEY_ENV) or None
+    return value or envs.PAGODA_ROUTER_ADMIN_KEY
 
 
 def add_cli_args(p: argparse.ArgumentParser) -> None:

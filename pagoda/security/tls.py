@@ -12,9 +12,10 @@ Import-light: argparse and ssl only.
 
 from __future__ import annotations
 
-import os
 import ssl
 from pathlib import Path
+
+from pagoda import envs
 
 PASSWORD_ENV = "PAGODA_SSL_KEYFILE_PASSWORD"  # never a command-line option: `ps` would show it
 
@@ -52,7 +53,7 @@ def uvicorn_kwargs(ns) -> dict:
     if not check_args(ns):
         return {}
     kwargs = {"ssl_keyfile": ns.ssl_keyfile, "ssl_certfile": ns.ssl_certfile,
-              "ssl_keyfile_password": os.environ.get(PASSWORD_ENV) or None}
+              "ssl_keyfile_password": envs.PAGODA_SSL_KEYFILE_PASSWORD}
     if ns.ssl_ca_certs:
         kwargs.update(ssl_ca_certs=ns.ssl_ca_certs, ssl_cert_reqs=ssl.CERT_REQUIRED)
     return kwargs
@@ -64,7 +65,7 @@ def grpc_credentials(ns):
         return None
     import grpc  # deferred: grpc loads on first use
 
-    if os.environ.get(PASSWORD_ENV):
+    if envs.PAGODA_SSL_KEYFILE_PASSWORD:
         raise ValueError("--grpc-port with TLS needs an unencrypted --ssl-keyfile (gRPC takes no key password)")
     key, cert = Path(ns.ssl_keyfile).read_bytes(), Path(ns.ssl_certfile).read_bytes()
     ca = Path(ns.ssl_ca_certs).read_bytes() if ns.ssl_ca_certs else None

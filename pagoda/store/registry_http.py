@@ -25,10 +25,11 @@ from __future__ import annotations
 import base64
 import json
 import logging
-import os
 import re
 
 import httpx
+
+from pagoda import envs
 
 logger = logging.getLogger(__name__)
 
@@ -43,9 +44,7 @@ def credentials_from_env(host: str) -> tuple[str, str] | None:
     """``PAGODA_REGISTRY_USERNAME`` / ``PAGODA_REGISTRY_PASSWORD``, for ``host`` (``host:port``):
     with ``PAGODA_REGISTRY_HOST`` set, only for that registry (as ``docker login HOST`` scopes
     them), so pulling from another registry sends them nowhere."""
-    user = os.environ.get("PAGODA_REGISTRY_USERNAME")
-    password = os.environ.get("PAGODA_REGISTRY_PASSWORD")
-    scope = os.environ.get("PAGODA_REGISTRY_HOST")
+    user, password, scope = envs.PAGODA_REGISTRY_USERNAME, envs.PAGODA_REGISTRY_PASSWORD, envs.PAGODA_REGISTRY_HOST
     if not user or (scope and scope != host):
         return None
     return user, password or ""

@@ -14,6 +14,7 @@ import time
 
 import torch
 
+from pagoda import envs
 from pagoda.config import EngineConfig
 from pagoda.core.scheduler_output import SchedulerOutput
 from pagoda.distributed.parallel_state import SINGLE, TensorParallelGroup, init_tensor_parallel
@@ -169,7 +170,7 @@ def _shared_memory_bytes(config: EngineConfig) -> int:
     every token of a step, or the step's logits (each rank's part of the vocabulary). 0 across
     machines: they talk through gloo."""
     pc, hf = config.parallel, config.model.hf_config
-    if pc.nnodes > 1 or os.environ.get("PAGODA_TP_SHARED_MEMORY", "1") == "0":  # the latter: gloo, to compare
+    if pc.nnodes > 1 or not envs.PAGODA_TP_SHARED_MEMORY:  # the latter: gloo, to compare
         return 0
     hidden = hf["hidden_size"] * config.scheduler.max_num_batched_tokens
     logits = config.scheduler.max_num_seqs * -(-hf["vocab_size"] // pc.world_size)

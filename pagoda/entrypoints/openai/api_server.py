@@ -4,13 +4,13 @@ from __future__ import annotations
 
 import gc
 import logging
-import os
 
 import torch
 import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.responses import Response
 
+from pagoda import envs
 from pagoda import __version__
 from pagoda.config import create_engine_config
 from pagoda.engine.async_llm import AsyncLLM
@@ -205,8 +205,8 @@ def run_server(args) -> int:
         raise ValueError("--grpc-port serves one model: it cannot be combined with several models yet")
 
     # --auth-config / --audit-log (pagoda/security/access.py): a bad file fails before the model loads
-    access = access_from_args(args, args.api_key or os.environ.get("PAGODA_API_KEY"))
-    api_key = args.api_key or os.environ.get("PAGODA_API_KEY")
+    api_key = args.api_key or envs.PAGODA_API_KEY
+    access = access_from_args(args, api_key)
     if access is not None:
         api_key = None  # the access middleware checks --api-key then (and gRPC through serving.access)
     blob_policy = BlobPolicy.from_args(args)  # /api/blobs' --max-blob-size, --blob-grace
