@@ -17,6 +17,7 @@ from pagoda.core.kv_cache_manager import KVCacheManager
 from pagoda.core.prefill_chunks import PrefillChunking
 from pagoda.core.scheduler import Scheduler, SchedulerStats
 from pagoda.core.scheduler_output import SchedulerOutput
+from pagoda.engine.core_messages import EngineCoreRequest
 from pagoda.engine.step_trace import StepTrace, radix_snapshot
 from pagoda.outputs import TokenLogprobs
 from pagoda.request import Request, RequestStatus
@@ -50,12 +51,13 @@ class RequestLimits:
     vocab_size: int
     num_blocks: int
 
-    def validate(self, request: Request) -> None:
-        if request.num_prompt_tokens < 1:
+    def validate(self, request: EngineCoreRequest) -> None:
+        num_prompt_tokens = len(request.prompt_token_ids)
+        if num_prompt_tokens < 1:
             raise ValueError("the prompt is empty: give at least one token")
-        if request.num_prompt_tokens >= self.max_model_len:
+        if num_prompt_tokens >= self.max_model_len:
             raise ValueError(
-                f"the prompt has {request.num_prompt_tokens} tokens, but the model's context is "
+                f"the prompt has {num_prompt_tokens} tokens, but the model's context is "
                 f"{self.max_model_len} tokens (max_model_len), which leaves no room to generate"
             )
         bad = [t for t in request.prompt_token_ids if not 0 <= t < self.vocab_size]
@@ -136,11 +138,15 @@ class EngineCore:
         self.executor.check_health()
 
     # -- requests ---------------------------------------------------------------------------
-    def validate_request(self, request: Request) -> None:
+    def validate_request(self, request: EngineCoreRequest) -> None:
         self.limits.validate(request)
 
-    def add_request(self, request: Request) -> None:
-        self.validate_request(request)
+    def add_request(self, message: EngineCoreRequest) -> None:
+        """Take a front end's request: the core's own ``Request`` is made here."""
+        self.validate_request(message)
+        request = Request(message.request_id, message.prompt_token_ids, message.sampling_params,
+                          priority=message.priority, arrival_time=message.arrival_time,
+                          cache_salt=message.cache_salt, session_id=message.session_id)
         constraint = request.sampling_params.structured_outputs
         grammar = self.structured_outputs.grammar_for(constraint) if constraint is not None else None
         self.scheduler.add_request(request, grammar)

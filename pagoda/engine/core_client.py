@@ -20,7 +20,11 @@ from collections.abc import Callable
 from pagoda.config import EngineConfig
 from pagoda.core.scheduler import SchedulerStats
 from pagoda.engine.core import EngineCore, EngineCoreOutput, RequestLimits
-from pagoda.request import Request, RequestStatus
+from pagoda.engine.core_messages import (
+    AddRequests, DebugAnswer, DebugQuery, EngineCoreRequest, EngineFailed, EngineReady, EngineStopped, FinishRequests,
+    FromCore, ReleaseSessions, Shutdown, StepOutputs, ToCore,
+)
+from pagoda.request import RequestStatus
 
 logger = logging.getLogger(__name__)
 
@@ -30,15 +34,14 @@ OnFailure = Callable[[BaseException], None]
 OnAnswer = Callable[[int, dict | None, str | None], None]
 
 
-def _answer_debug(core: EngineCore, query: tuple[int, str, int | None], answer: OnAnswer) -> None:
+def _answer_debug(core: EngineCore, query: DebugQuery, answer: OnAnswer) -> None:
     """Build a recorder snapshot (engine/step_trace.py) between steps, where nothing changes it."""
-    query_id, what, limit = query
     try:
-        snapshot = core.debug_snapshot(what, limit)
+        snapshot = core.debug_snapshot(query.what, query.limit)
     except Exception as e:  # noqa: BLE001 - reported to the caller, the engine goes on
-        answer(query_id, None, f"{type(e).__name__}: {e}")
+        answer(query.query_id, None, f"{type(e).__name__}: {e}")
     else:
-        answer(query_id, snapshot, None)
+        answer(query.query_id, snapshot, None)
 
 
 def _serve_core(core: EngineCore, inbox, emit_outputs: Callable[[list[EngineCoreOutput]], None],
@@ -53,27 +56,27 @@ def _serve_core(core: EngineCore, inbox, emit_outputs: Callable[[list[EngineCore
         handled = False
         block = not core.has_unfinished_requests()
         try:
-            message = inbox.get(block=block, timeout=0.5 if block else None)
+            message: ToCore | None = inbox.get(block=block, timeout=0.5 if block else None)
         except queue.Empty:
-            message = ()
-        while message != ():
-            if message is None:
-                return
+            message = None
+        while message is not None:
             handled = True
-            kind, payload, status = message
-            if kind == "add":
-                for request in payload:
-                    core.add_request(request)
-            elif kind == "release_sessions":
-                core.release_sessions(payload)
-            elif kind == "debug":
-                _answer_debug(core, payload, answer)
-            else:
-                core.finish_requests(payload, status)
+            match message:
+                case Shutdown():
+                    return
+                case AddRequests(requests):
+                    for request in requests:
+                        core.add_request(request)
+                case FinishRequests(request_ids, status):
+                    core.finish_requests(request_ids, status)
+                case ReleaseSessions(session_ids):
+                    core.release_sessions(session_ids)
+                case DebugQuery():
+                    _answer_debug(core, message, answer)
             try:
                 message = inbox.get_nowait()
             except queue.Empty:
-                message = ()
+                message = None
         if core.has_unfinished_requests():
             emit_outputs(core.step())
         elif handled:
@@ -85,18 +88,18 @@ class _InboxClient:
 
     _inbox: queue.SimpleQueue
 
-    def add(self, requests: list[Request]) -> None:
-        self._inbox.put(("add", requests, None))
+    def add(self, requests: list[EngineCoreRequest]) -> None:
+        self._inbox.put(AddRequests(requests))
 
     def finish(self, core_ids: list[str], status: RequestStatus) -> None:
-        self._inbox.put(("finish", core_ids, status))
+        self._inbox.put(FinishRequests(core_ids, status))
 
     def release_sessions(self, session_ids: list[str]) -> None:
-        self._inbox.put(("release_sessions", session_ids, None))
+        self._inbox.put(ReleaseSessions(session_ids))
 
     def debug(self, query_id: int, what: str, limit: int | None = None) -> None:
         """Ask for a recorder snapshot; it comes back through the client's `on_answer`."""
-        self._inbox.put(("debug", (query_id, what, limit), None))
+        self._inbox.put(DebugQuery(query_id, what, limit))
 
 
 class ThreadCoreClient(_InboxClient):
@@ -141,7 +144,7 @@ class ThreadCoreClient(_InboxClient):
         """Stop the loop and let go of the core (the model and the KV cache): what still holds
         this client then holds no more than its last stats."""
         self._stopped = True
-        self._inbox.put(None)
+        self._inbox.put(Shutdown())
         self._thread.join(timeout=10)
         core, self.core = self.core, None
         if core is not None:  # not stopped before
@@ -178,16 +181,16 @@ def _process_main(config: EngineConfig, inbox, outbox, parent_pid: int) -> None:
     try:
         core = EngineCore(config)
     except BaseException as e:  # noqa: BLE001 - reported to the parent
-        outbox.put(("failed", f"{type(e).__name__}: {e}", None))
+        outbox.put(EngineFailed(f"{type(e).__name__}: {e}"))
         return
-    outbox.put(("ready", core.limits, core.stats()))
+    outbox.put(EngineReady(core.limits, core.stats()))
     try:
-        _serve_core(core, inbox, lambda outs: outbox.put(("outputs", outs, core.stats())),
+        _serve_core(core, inbox, lambda outs: outbox.put(StepOutputs(outs, core.stats())),
                     lambda: os.getppid() != parent_pid,
-                    lambda query_id, snapshot, error: outbox.put(("debug", (query_id, snapshot, error), None)))
-        outbox.put(("stopped", None, None))
+                    lambda query_id, snapshot, error: outbox.put(DebugAnswer(query_id, snapshot, error)))
+        outbox.put(EngineStopped())
     except BaseException as e:  # noqa: BLE001
-        outbox.put(("failed", f"{type(e).__name__}: {e}", None))
+        outbox.put(EngineFailed(f"{type(e).__name__}: {e}"))
     finally:
         core.shutdown()
 
@@ -219,12 +222,12 @@ class ProcessCoreClient(_InboxClient):
         self._proc = self._ctx.Process(target=_process_main, args=(self._config, self._inbox, self._outbox, os.getpid()),
                                        name="pagoda-engine", daemon=True)
         self._proc.start()
-        kind, payload, stats = self._outbox.get()
-        if kind != "ready":
+        message: FromCore = self._outbox.get()
+        if not isinstance(message, EngineReady):
             self._proc.join(timeout=5)
-            raise RuntimeError(f"the engine process failed to start: {payload}")
-        self.limits: RequestLimits = payload
-        self._stats: SchedulerStats = stats
+            raise RuntimeError(f"the engine process failed to start: {message.error}")
+        self.limits: RequestLimits = message.limits
+        self._stats: SchedulerStats = message.stats
 
     @property
     def healthy(self) -> bool:
@@ -235,7 +238,7 @@ class ProcessCoreClient(_InboxClient):
 
     def shutdown(self) -> None:
         self._closing = True
-        self._inbox.put(None)
+        self._inbox.put(Shutdown())
         self._proc.join(timeout=10)
         if self._proc.is_alive():
             self._proc.kill()
@@ -256,22 +259,23 @@ class ProcessCoreClient(_InboxClient):
         while True:
             if wait([reader, self._proc.sentinel], timeout=1.0):
                 try:
-                    kind, payload, stats = self._outbox.get(timeout=0.05)
+                    message: FromCore = self._outbox.get(timeout=0.05)
                 except queue.Empty:
                     if self._proc.is_alive():
                         continue
                     self._proc.join(timeout=1)
                     return RuntimeError(f"the engine process exited (code {self._proc.exitcode})")
-                if kind == "outputs":
-                    self._stats = stats
-                    if payload:
-                        self._on_outputs(payload)
-                elif kind == "debug":
-                    self._on_answer(*payload)
-                elif kind == "failed":
-                    return RuntimeError(payload)
-                elif kind == "stopped":
-                    return None
+                match message:
+                    case StepOutputs(outputs, stats):
+                        self._stats = stats
+                        if outputs:
+                            self._on_outputs(outputs)
+                    case DebugAnswer(query_id, snapshot, error):
+                        self._on_answer(query_id, snapshot, error)
+                    case EngineFailed(error):
+                        return RuntimeError(error)
+                    case EngineStopped():
+                        return None
 
     def _restart(self) -> bool:
         """Start a new engine process if the restart budget allows; True once it is serving."""

@@ -18,10 +18,11 @@ from typing import Any
 from pagoda.config import EngineArgs, EngineConfig, create_engine_config
 from pagoda.engine.content_filter import ContentFilterError
 from pagoda.engine.core import EngineCore, RequestLimits
+from pagoda.engine.core_messages import EngineCoreRequest
 from pagoda.engine.output_processor import OutputProcessor
 from pagoda.generation_defaults import sampling_defaults
 from pagoda.outputs import RequestOutput
-from pagoda.request import Request, RequestStatus
+from pagoda.request import RequestStatus
 from pagoda.sampling_params import SamplingParams
 from pagoda.structured_output.grammar import validate_structured_outputs
 from pagoda.tokenizer import Tokenizer
@@ -37,7 +38,7 @@ class PreparedRequest:
     prompt: str | None
     prompt_token_ids: list[int]
     samples: list[tuple[str, SamplingParams]]
-    core_requests: list[Request]
+    core_requests: list[EngineCoreRequest]
     arrival_time: float
 
     def output_args(self) -> tuple:
@@ -101,8 +102,8 @@ class LLMEngine:
         requests = []
         for core_id, child in samples:
             child.all_stop_token_ids = set(self.eos_token_ids)
-            requests.append(Request(core_id, prompt_ids, child, priority=priority, arrival_time=arrival_time,
-                                    cache_salt=cache_salt, session_id=session_id))
+            requests.append(EngineCoreRequest(core_id, prompt_ids, child, priority=priority, arrival_time=arrival_time,
+                                              cache_salt=cache_salt, session_id=session_id))
         self.limits.validate(requests[0])  # the children share the prompt
         return PreparedRequest(request_id, text, prompt_ids, samples, requests, arrival_time)
 
