@@ -48,7 +48,10 @@ _arrival_counter = itertools.count()
 
 
 @dataclass
-class Request:
+class EngineCoreRequest:
+    """What a front end sends the core (as vLLM's EngineCoreRequest): a prompt's token ids and one
+    sample's parameters (n > 1 is n of these). The core makes a ``Request`` of it."""
+
     request_id: str
     prompt_token_ids: list[int]
     sampling_params: SamplingParams
@@ -56,6 +59,13 @@ class Request:
     arrival_time: float = field(default_factory=time.monotonic)
     cache_salt: str | None = None  # requests with different salts never share cached blocks
     session_id: str | None = None  # a conversation's turn: its prefix stays pinned for the next turn
+
+
+@dataclass
+class Request(EngineCoreRequest):
+    """A core request as the scheduler tracks it: the message's fields and its progress. Only the
+    scheduler writes it (tests/core/test_request_writers.py)."""
+
     # A strictly increasing tie-breaker: arrival_time can tie on coarse clocks.
     arrival_seq: int = field(default_factory=lambda: next(_arrival_counter))
 

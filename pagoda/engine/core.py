@@ -17,10 +17,9 @@ from pagoda.core.kv_cache_manager import KVCacheManager
 from pagoda.core.prefill_chunks import PrefillChunking
 from pagoda.core.scheduler import Scheduler, SchedulerStats
 from pagoda.core.scheduler_output import SchedulerOutput
-from pagoda.engine.core_messages import EngineCoreRequest
 from pagoda.engine.step_trace import StepTrace, radix_snapshot
 from pagoda.outputs import TokenLogprobs
-from pagoda.request import Request, RequestStatus
+from pagoda.request import EngineCoreRequest, Request, RequestStatus
 from pagoda.structured_output.manager import StructuredOutputManager, build_token_bitmask
 
 logger = logging.getLogger(__name__)

@@ -21,10 +21,10 @@ from pagoda.config import EngineConfig
 from pagoda.core.scheduler import SchedulerStats
 from pagoda.engine.core import EngineCore, EngineCoreOutput, RequestLimits
 from pagoda.engine.core_messages import (
-    AddRequests, DebugAnswer, DebugQuery, EngineCoreRequest, EngineFailed, EngineReady, EngineStopped, FinishRequests,
+    AddRequests, DebugAnswer, DebugQuery, EngineFailed, EngineReady, EngineStopped, FinishRequests,
     FromCore, ReleaseSessions, Shutdown, StepOutputs, ToCore,
 )
-from pagoda.request import RequestStatus
+from pagoda.request import EngineCoreRequest, RequestStatus
 
 logger = logging.getLogger(__name__)
 

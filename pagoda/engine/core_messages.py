@@ -2,33 +2,18 @@
 or in a process of its own (core_client.py): one dataclass per kind, so a loop matches on the type
 and a process pickles plain data.
 
-The front end sends ``EngineCoreRequest``s, what a request is before the core schedules it (as
-vLLM's EngineCoreRequest); the core makes its own ``Request`` (request.py) of each, which only
-the scheduler writes from then on.
+The front end sends ``EngineCoreRequest``s (request.py), what a request is before the core
+schedules it (as vLLM's EngineCoreRequest); the core makes its own ``Request`` of each, which
+only the scheduler writes from then on.
 """
 
 from __future__ import annotations
 
-import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 from pagoda.core.scheduler import SchedulerStats
-from pagoda.request import RequestStatus
-from pagoda.sampling_params import SamplingParams
-
-
-@dataclass
-class EngineCoreRequest:
-    """One core request: a prompt's token ids and one sample's parameters (n > 1 is n of these)."""
-
-    request_id: str
-    prompt_token_ids: list[int]
-    sampling_params: SamplingParams
-    priority: int = 0
-    arrival_time: float = field(default_factory=time.monotonic)
-    cache_salt: str | None = None  # requests with different salts never share cached blocks
-    session_id: str | None = None  # a conversation's turn: its prefix stays pinned for the next turn
+from pagoda.request import EngineCoreRequest, RequestStatus
 
 
 # -- to the core ----------------------------------------------------------------------------------

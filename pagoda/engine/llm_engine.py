@@ -18,11 +18,10 @@ from typing import Any
 from pagoda.config import EngineArgs, EngineConfig, create_engine_config
 from pagoda.engine.content_filter import ContentFilterError
 from pagoda.engine.core import EngineCore, RequestLimits
-from pagoda.engine.core_messages import EngineCoreRequest
 from pagoda.engine.output_processor import OutputProcessor
 from pagoda.generation_defaults import sampling_defaults
 from pagoda.outputs import RequestOutput
-from pagoda.request import RequestStatus
+from pagoda.request import EngineCoreRequest, RequestStatus
 from pagoda.sampling_params import SamplingParams
 from pagoda.structured_output.grammar import validate_structured_outputs
 from pagoda.tokenizer import Tokenizer
