@@ -17,6 +17,7 @@ from pagoda.dtypes import resolve_dtype, resolve_kv_cache_dtype
 from pagoda.engine_args import EngineArgs  # also re-exported: most callers import it from here
 from pagoda.heap import keep_freed_memory
 from pagoda.layers.auto_quantization import announce, choose_quantization
+from pagoda.layers.quantization import check_quantization
 from pagoda.loader.catalog import DEFAULT_MODEL  # noqa: F401 - the engine's default, re-exported
 from pagoda.loader.model_files import ModelFiles
 from pagoda.loader.resolve import resolve_model
@@ -186,7 +187,7 @@ class EngineConfig:
 
 
 def create_engine_config(args: EngineArgs) -> EngineConfig:
-    """Resolve `args` against the model's config and the device (EngineArgs.create_engine_config)."""
+    """Resolve `args` against the model's config and the device."""
     args._validate()
     if args.num_threads is not None:  # the engine computes in this process; OMP_NUM_THREADS for its children
         torch.set_num_threads(args.num_threads)
@@ -375,8 +376,6 @@ def _check_quantization(quantization: str | None, files: ModelFiles, device: tor
                         dtype: str | torch.dtype | None = None) -> str | None:
     """The mode asked for, checked; or, for auto (the default; a draft model: none), what
     layers/auto_quantization.py picks, said at start-up."""
-    from pagoda.layers.quantization import check_quantization  # deferred: loads numpy
-
     if dtype is None and (quantization is None or str(quantization).lower() == "auto"):
         return None
     quantization, why = choose_quantization(quantization, files.format, device, dtype or "auto")

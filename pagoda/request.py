@@ -10,7 +10,7 @@ from __future__ import annotations
 import enum
 import itertools
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from typing import TYPE_CHECKING
 
 from pagoda.sampling_params import SamplingParams
@@ -82,16 +82,16 @@ class Request(EngineCoreRequest):
     num_cached_tokens: int | None = None  # prompt tokens served from the prefix cache (first admission)
     # Speculative decoding: the drafts the worker proposed after its last token, to verify next.
     spec_token_ids: list[int] = field(default_factory=list)
-    # The compiled constraint and its matcher (structured outputs); set by the engine core.
+    # The compiled constraint and its matcher (structured outputs); given by Scheduler.add_request.
     grammar: "GrammarState | None" = field(default=None, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         self.all_token_ids: list[int] = list(self.prompt_token_ids)
 
-    def __getstate__(self) -> dict:
-        # Sent to an engine process before it is scheduled; the grammar is compiled there, from
-        # sampling_params.structured_outputs. (A seeded request's generator lives in the worker.)
-        return {**self.__dict__, "grammar": None}
+    @classmethod
+    def of(cls, message: EngineCoreRequest) -> Request:
+        """The core's request for a front end's message: its fields, nothing scheduled yet."""
+        return cls(**{f.name: getattr(message, f.name) for f in fields(EngineCoreRequest)})
 
     @property
     def num_prompt_tokens(self) -> int:

@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
 import dataclasses
+from dataclasses import dataclass, field
 from enum import IntEnum
 
 

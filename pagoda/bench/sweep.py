@@ -13,7 +13,7 @@ import dataclasses
 import math
 import sys
 
-from pagoda.bench import datasets, serve
+from pagoda.bench import datasets, plots, serve
 
 DEFAULT_SLOS = {"ttft": 5000.0, "tpot": 500.0}
 
@@ -84,8 +84,6 @@ def main(ns: argparse.Namespace, cfg: serve.ServeConfig, tokenizer, slos: dict[s
     if ns.save_result:
         serve.save_json(ns.save_result, {**serve.environment(ns), "sweep": record})
     if ns.plot_dir:
-        from pagoda.bench import plots  # deferred: only when ns.plot_dir
-
         try:
             for path in plots.plot_sweeps([record], ns.plot_dir):
                 print(f"plot {path}")

@@ -23,11 +23,10 @@ import platform
 import sys
 import time
 
-from pagoda import LLM, SamplingParams
+from pagoda import SamplingParams
 from pagoda.bench import baselines, datasets
 from pagoda.bench.metrics import format_spec, spec_from_stats, spec_summary
 from pagoda.bench.serve import environment, loadavg, save_json
-from pagoda.config import create_engine_config
 from pagoda.tokenizer import Tokenizer
 
 BACKENDS = ("pagoda", "hf", "llamacpp")
@@ -62,6 +61,8 @@ def _result(label: str, prompts: list[list[int]], output_lens: list[int], second
 
 
 def run_pagoda(engine_args, prompts: list[list[int]], output_lens: list[int]) -> dict:
+    from pagoda import LLM  # deferred: loads torch (`pagoda bench serve` imports this module for its options)
+
     llm = LLM(**dataclasses.asdict(engine_args))
     llm.generate([{"prompt_token_ids": prompts[0][:8]}], SamplingParams(max_tokens=2), use_tqdm=False)  # warm-up
     params = [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True) for n in output_lens]
@@ -125,6 +126,8 @@ def format_table(results: list[dict]) -> str:
 
 
 def main(ns: argparse.Namespace, engine_args) -> int:
+    from pagoda.config import create_engine_config  # deferred: loads torch
+
     backends = _parse_backends(ns.backend)
     batch_sizes = [int(x) for x in ns.hf_batch_sizes.split(",") if x.strip()]
     config = create_engine_config(engine_args)

@@ -18,6 +18,7 @@ from pagoda.core.prefill_chunks import PrefillChunking
 from pagoda.core.scheduler import Scheduler, SchedulerStats
 from pagoda.core.scheduler_output import SchedulerOutput
 from pagoda.engine.step_trace import StepTrace, radix_snapshot
+from pagoda.executor import make_executor
 from pagoda.outputs import TokenLogprobs
 from pagoda.request import EngineCoreRequest, Request, RequestStatus
 from pagoda.structured_output.manager import StructuredOutputManager, build_token_bitmask
@@ -72,8 +73,6 @@ class EngineCore:
     """The scheduler and an executor (its workers hold the model and the KV cache)."""
 
     def __init__(self, config: EngineConfig) -> None:
-        from pagoda.executor import make_executor  # deferred: loads numpy, ray
-
         self.config = config
         mc = config.model
         start = time.monotonic()
@@ -143,9 +142,7 @@ class EngineCore:
     def add_request(self, message: EngineCoreRequest) -> None:
         """Take a front end's request: the core's own ``Request`` is made here."""
         self.validate_request(message)
-        request = Request(message.request_id, message.prompt_token_ids, message.sampling_params,
-                          priority=message.priority, arrival_time=message.arrival_time,
-                          cache_salt=message.cache_salt, session_id=message.session_id)
+        request = Request.of(message)
         constraint = request.sampling_params.structured_outputs
         grammar = self.structured_outputs.grammar_for(constraint) if constraint is not None else None
         self.scheduler.add_request(request, grammar)

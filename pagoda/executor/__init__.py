@@ -3,17 +3,20 @@
 from pagoda.config import EngineConfig
 from pagoda.executor.base import Executor
 from pagoda.executor.multiproc import MultiprocExecutor
-from pagoda.executor.ray import RayExecutor
 from pagoda.executor.uniproc import UniProcExecutor
 
 __all__ = ["Executor", "make_executor"]
-
-_EXECUTORS: dict[str, type[Executor]] = {"uni": UniProcExecutor, "mp": MultiprocExecutor, "ray": RayExecutor}
 
 
 def make_executor(config: EngineConfig) -> Executor:
     """The executor of ``--distributed-executor-backend`` (``config.parallel.backend``)."""
     backend = config.parallel.backend
-    if backend not in _EXECUTORS:
-        raise ValueError(f"unknown distributed executor backend {backend!r}")
-    return _EXECUTORS[backend](config)
+    if backend == "uni":
+        return UniProcExecutor(config)
+    if backend == "mp":
+        return MultiprocExecutor(config)
+    if backend == "ray":
+        from pagoda.executor.ray import RayExecutor  # optional: Ray (the ray extra) loads only for this backend
+
+        return RayExecutor(config)
+    raise ValueError(f"unknown distributed executor backend {backend!r}")

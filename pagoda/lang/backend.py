@@ -64,7 +64,7 @@ class Engine:
 
     def __init__(self, model: str | None = None, *, llm=None, **engine_kwargs) -> None:
         if llm is None:
-            from pagoda import LLM  # deferred: only when llm is None
+            from pagoda import LLM  # deferred: loads torch (only the in-process engine needs it)
 
             llm = LLM(model=model, **engine_kwargs)
         self.llm = llm

@@ -23,7 +23,7 @@ import torch
 import torch.nn.functional as F
 
 from pagoda.forward_context import AttentionMetadata, PrefillSeq
-from pagoda.layers.cpu_kernels import kernel_isa
+from pagoda.layers.cpu_kernels import kernel_isa, load_cpu_kernels
 from pagoda.layers.ggml_formats import dequantize_blocks
 from pagoda.scoped import Scoped
 from pagoda.worker.kv_cache import SCALED_KV_DTYPES
@@ -273,8 +273,6 @@ def select_backend(device: torch.device | str) -> TorchBackend:
     """The backend for ``device``: the C++ kernels where they build (CPU), else torch's."""
     device = torch.device(device)
     if device.type == "cpu":
-        from pagoda.layers.cpu_kernels import load_cpu_kernels  # deferred: only when device.type == 'cpu'
-
         ops = load_cpu_kernels()
         if ops is not None:
             return CpuKernelBackend(ops)

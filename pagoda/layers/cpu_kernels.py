@@ -19,11 +19,11 @@ import functools
 import hashlib
 import logging
 import os
-from collections.abc import Iterator
-from pathlib import Path
 import platform
 import subprocess
 import sysconfig
+from collections.abc import Iterator
+from pathlib import Path
 
 from pagoda import envs
 from pagoda.home import pagoda_home

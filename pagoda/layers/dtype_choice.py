@@ -19,7 +19,9 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+from pagoda.layers.backend import select_backend
 from pagoda.layers.cpu_timing import PROJECTION_SHAPES, best_ms, kept_record, record_path
+from pagoda.layers.packed_weights import BATCH_HINT, float_packing_pays
 
 logger = logging.getLogger(__name__)
 
@@ -42,10 +44,6 @@ def measure() -> dict:
     """Milliseconds for the projection suite (LAYERS x PROJECTION_SHAPES, each output the next input) at
     each row count, fp32 (pagoda's CPU linear where its kernels load, with the packed copies
     where they pay, else torch) and bf16 (torch, oneDNN); and the choice they give."""
-    from pagoda.layers.backend import select_backend  # deferred: loads numpy
-
-    from pagoda.layers.packed_weights import BATCH_HINT, float_packing_pays  # deferred: loads numpy
-
     backend = select_backend("cpu")
     g = torch.Generator().manual_seed(0)
     weights = [torch.randn(n, k, generator=g) * 0.05 for _ in range(LAYERS) for n, k in PROJECTION_SHAPES]

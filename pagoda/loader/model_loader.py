@@ -14,6 +14,7 @@ from pagoda.layers.backend import building_with as building_backend
 from pagoda.layers.packed_weights import pack_block_linears, pack_float_linears
 from pagoda.layers.quantization import check_quantization, quantize_linears
 from pagoda.layers.rotary import RotaryEmbedding
+from pagoda.loader.encrypted_model import open_encrypted_weights
 from pagoda.loader.repacked_cache import RepackCache, cache_directory
 from pagoda.loader.model_files import ModelFiles
 from pagoda.loader.safetensors import iter_safetensors_weights
@@ -101,8 +102,6 @@ def _init_buffers(model: nn.Module) -> None:
 
 def _weights(files: ModelFiles, hf_config: dict, keep_quantized: bool = False, narrow=None):
     if files.encryption is not None:  # decrypted into memory, never to disk (pagoda/loader/encrypted_model.py)
-        # deferred: only when files.encryption is not None
-        from pagoda.loader.encrypted_model import open_encrypted_weights
 
         return open_encrypted_weights(files, hf_config, keep_quantized=keep_quantized, narrow=narrow)
     if files.gguf_file is not None:

@@ -39,8 +39,7 @@ from dataclasses import dataclass
 import httpx
 import uvicorn
 
-from pagoda import envs
-from pagoda import __version__
+from pagoda import __version__, envs
 from pagoda.entrypoints.graceful import bind_listener
 from pagoda.router.app import Router, RouterConfig
 from pagoda.router.options import admin_key

@@ -26,8 +26,8 @@ import time
 
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from pagoda.entrypoints.openai.middleware import error_response, is_open
 from pagoda.entrypoints.openai.errors import OpenAIError
+from pagoda.entrypoints.openai.middleware import error_response, is_open
 from pagoda.security.audit import AuditLog, timestamp
 from pagoda.security.auth import AuthConfig, AuthConfigError
 from pagoda.security.context import CURRENT, Grant, RequestContext, _rate_limited

@@ -161,7 +161,6 @@ def create_model(name: str, modelfile: Modelfile, *, layout: StoreLayout | None 
     elif path is not None:
         if path.suffix != ".gguf" and not _starts_like_gguf(path):  # a blob (sha256-...) has no suffix
             raise ModelfileError(modelfile.from_line, f"FROM {modelfile.from_}: not a .gguf file")
-        from pagoda.store.model_info import gguf_info  # deferred: only when path is not None
 
         gguf_info(path)  # a readable GGUF, or ValueError before anything is stored
         bar = None

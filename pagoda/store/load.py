@@ -30,6 +30,7 @@ from pathlib import Path
 from pagoda.loader import catalog
 from pagoda.loader.model_files import ModelFiles
 from pagoda.store import create, manifests, ollama_store
+from pagoda.store.gotemplate import to_jinja
 from pagoda.store.layout import StoreLayout, default_layout, digest_hex, parse_ref
 from pagoda.store.manifests import Manifest
 
@@ -135,8 +136,6 @@ def overlay_contents(meta: Path, params: dict, system: str | None, template: str
     if isinstance(jinja, list):
         jinja = None
     if not jinja and template:
-        from pagoda.store.gotemplate import to_jinja  # deferred: only when not jinja and template
-
         try:
             jinja = to_jinja(template)
             changed["chat_template.jinja"] = jinja

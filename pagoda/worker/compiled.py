@@ -16,6 +16,7 @@ from typing import Callable
 import torch
 
 from pagoda.home import pagoda_home
+from pagoda.layers.attention import PagedAttention
 
 logger = logging.getLogger(__name__)
 
@@ -36,8 +37,6 @@ def compiled_forward(model: torch.nn.Module) -> Callable[[torch.Tensor, torch.Te
 def _keep_attention_eager() -> None:
     """Exclude `PagedAttention.forward` from tracing (once a process). Done here rather than with
     a decorator on the method, which would import torch._dynamo in every process that loads a model."""
-    from pagoda.layers.attention import PagedAttention  # deferred: loads numpy
-
     if not getattr(PagedAttention.forward, "_pagoda_eager", False):
         PagedAttention.forward = torch.compiler.disable(PagedAttention.forward)
         PagedAttention.forward._pagoda_eager = True

@@ -40,6 +40,7 @@ from pagoda.entrypoints.openai.serving import Serving, token_logprob_entries
 from pagoda.entrypoints.openai.tool_calls import ToolCallStream, ToolChoice
 from pagoda.sampling_params import SamplingParams, StructuredOutputsParams
 from pagoda.security.context import request_context
+from pagoda.structured_output.grammar import validate_structured_outputs
 
 logger = logging.getLogger("pagoda.ollama")
 router = APIRouter()
@@ -103,9 +104,6 @@ def _structured(fmt: str | dict | None) -> StructuredOutputsParams | None:
     if fmt == "json":
         return StructuredOutputsParams(json_object=True)
     if isinstance(fmt, dict):
-        # deferred: only when isinstance(fmt, dict)
-        from pagoda.structured_output.grammar import validate_structured_outputs
-
         params = StructuredOutputsParams(json=fmt)
         try:
             validate_structured_outputs(params, "format")

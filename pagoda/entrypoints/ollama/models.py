@@ -26,9 +26,9 @@ from pagoda.entrypoints.ollama.generation import (
     visible_names,
 )
 from pagoda.entrypoints.openai.serving import Serving
-from pagoda.store import manifests
+from pagoda.store import manifests, ollama_store
 from pagoda.store.commands import _modelfile_text, describe
-from pagoda.store.layout import default_layout, digest_hex
+from pagoda.store.layout import default_layout, digest_hex, parse_ref
 from pagoda.store.model_info import human_count, parameter_count
 
 router = APIRouter()
@@ -85,9 +85,6 @@ def _store_entry(name: str) -> dict | None:
     if not name or Path(name).expanduser().exists():
         return None
     try:
-        from pagoda.store import manifests, ollama_store  # deferred: only on use
-        from pagoda.store.layout import default_layout, digest_hex, parse_ref  # deferred: only on use
-
         if ollama_store.is_ollama_name(name):
             layout, ref = ollama_store.ollama_layout(), ollama_store.parse_ollama_name(name)
         else:

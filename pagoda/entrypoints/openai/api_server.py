@@ -10,8 +10,7 @@ import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.responses import Response
 
-from pagoda import envs
-from pagoda import __version__
+from pagoda import __version__, envs
 from pagoda.config import create_engine_config
 from pagoda.engine.async_llm import AsyncLLM
 from pagoda.engine.content_filter import read_list
@@ -37,11 +36,13 @@ from pagoda.entrypoints.openai.error_handlers import install_error_handlers
 from pagoda.entrypoints.openai.errors import OpenAIError
 from pagoda.entrypoints.openai.serving import Serving
 from pagoda.entrypoints.openai.sessions import SessionStore
+from pagoda.executor.multiproc import run_headless
 from pagoda.loader.catalog import catalog_aliases
 from pagoda.security import tls
 from pagoda.security.access import access_from_args, install as install_access
 from pagoda.security.context import request_context
 from pagoda.security.moderation import ServerModeration
+from pagoda.security.timeouts import head_deadline_protocol
 from pagoda.threads import openmp_settings
 
 logger = logging.getLogger("pagoda.server")
@@ -198,7 +199,6 @@ def run_server(args) -> int:
     for path in getattr(args, "moderation_words", None) or ():  # so are the word lists
         read_list(path)
     if engine_args.node_rank > 0:  # another node of a multi-node engine: its ranks only, no HTTP
-        from pagoda.executor.multiproc import run_headless  # deferred: only when engine_args.node_rank > 0
 
         return run_headless(create_engine_config(engine_args))
     if several and args.grpc_port is not None:
@@ -234,7 +234,6 @@ def run_server(args) -> int:
                             # uvicorn's own deadline, a backstop behind the drain in _Server
                             timeout_graceful_shutdown=args.shutdown_timeout + 5, **ssl_kwargs)
     if args.read_timeout:  # slowloris: a deadline on request heads (pagoda/security/timeouts.py)
-        from pagoda.security.timeouts import head_deadline_protocol  # deferred: only when args.read_timeout
 
         config.http = head_deadline_protocol(args.read_timeout)
     server = DrainingServer(config, app, engines, args.shutdown_timeout)
