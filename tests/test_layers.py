@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import ast
 import pkgutil
+import subprocess
+import sys
 import tomllib
 from pathlib import Path
 
@@ -129,3 +131,12 @@ def test_an_import_inside_a_function_says_why():
             if "#" not in line and not above.startswith("#"):
                 unexplained.append(f"{path.relative_to(ROOT)}:{number}: {line.strip()}")
     assert not unexplained, "imports inside functions without a comment saying why:\n" + "\n".join(unexplained)
+
+
+def test_serving_one_model_imports_no_optional_executor():
+    """Ray (the `ray` extra) loads only for --distributed-executor-backend ray: the server and the
+    engine core import without it."""
+    code = ("import sys, pagoda.engine.core, pagoda.entrypoints.openai.api_server; "
+            "print(sorted(m for m in ('ray',) if m in sys.modules))")
+    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "[]", out.stdout + out.stderr
