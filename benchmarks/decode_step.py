@@ -49,12 +49,10 @@ def measure(quantization: str | None, stack: bool, batches: list[int], steps: in
     import torch
 
     from pagoda import LLM, SamplingParams
-    from pagoda.models.decode_stack import DecodeStack
 
     torch.set_num_threads(threads)
-    if not stack:
-        DecodeStack.build = classmethod(lambda cls, model, ops: None)
-    llm = LLM(model="smollm2-135m-instruct", kv_cache_memory=1.0, quantization=quantization, dtype="float32")
+    llm = LLM(model="smollm2-135m-instruct", kv_cache_memory=1.0, quantization=quantization, dtype="float32",
+              fused_decode=stack)
     engine, runner = llm.engine, llm.engine.core.runner
     forward, forward_times = runner.forward, []
 

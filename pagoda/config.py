@@ -184,6 +184,7 @@ class EngineConfig:
     enforce_eager: bool = False
     compile: bool = False  # torch.compile the model between attention layers (see worker/compiled.py)
     deterministic: bool = False  # batch-invariant kernels and layout (see EngineArgs.deterministic)
+    fused_decode: bool = True  # decode batches may take the fused C++ stack (see EngineArgs.fused_decode)
 
 
 def create_engine_config(args: EngineArgs) -> EngineConfig:
@@ -227,6 +228,7 @@ def create_engine_config(args: EngineArgs) -> EngineConfig:
         enforce_eager=args.enforce_eager,
         compile=args.compile and not args.enforce_eager,
         deterministic=deterministic,
+        fused_decode=args.fused_decode,
         speculative=_speculative_config(args, model_config),
     )
 

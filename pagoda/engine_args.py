@@ -71,6 +71,10 @@ class EngineArgs:
     compile: bool = field(default=False, metadata=_option(
         "torch.compile the model between attention layers (cached in $PAGODA_HOME/inductor; "
         "off by default: measured no faster on a 2-core AVX2 CPU)"))
+    fused_decode: bool = field(default=True, metadata=_option(
+        "run a batch of decode rows through every layer in one C++ call where the model allows it "
+        "(the start-up log and /v1/debug/engine say whether it does and why); --no-fused-decode runs "
+        "the Python layers every step (default: on)"))
     enable_prefix_caching: bool = field(default=True, metadata=_option(
         "share prompt prefixes between requests through a radix tree (default: on)"))
     disable_hybrid_kv_cache_manager: bool = field(default=False, metadata=_option(

@@ -87,6 +87,9 @@ class EngineCore:
             logger.warning("KV cache holds %d tokens, less than max_model_len=%d: capping max_model_len", capacity, self.max_model_len)
             self.max_model_len = capacity
         self.executor.initialize_cache(self.num_blocks, self.max_model_len)
+        self.forward_path = self.executor.driver_rpc("forward_path")  # chosen once, with the cache bound
+        logger.info("forward: %s: %s", "fused C++ decode stack" if self.forward_path["fused_decode"]
+                    else "Python layers every step", self.forward_path["reason"])
         if kv_groups.is_hybrid:
             logger.info("KV cache: %d blocks of %d tokens in %d groups (global layers; sliding-window layers, "
                         "window %d, in groups of %d): the windowed groups give back what their window has passed",
@@ -211,7 +214,7 @@ class EngineCore:
             sc, cc = self.config.scheduler, self.config.cache
             config = {"max_num_seqs": sc.max_num_seqs, "max_num_batched_tokens": sc.max_num_batched_tokens,
                       "max_model_len": self.max_model_len, "block_size": cc.block_size, "num_blocks": self.num_blocks,
-                      "enable_prefix_caching": cc.enable_prefix_caching}
+                      "enable_prefix_caching": cc.enable_prefix_caching, "forward": self.forward_path}
             return self.trace.engine_snapshot(fields, config)
         if what == "steps":
             return {"steps": self.trace.steps_snapshot(limit or 256)}

@@ -271,11 +271,11 @@ def pack_float_linears(model: nn.Module, ops, available_bytes: int) -> int:
 def drop_packed_copies(model: nn.Module) -> None:
     """Forget every packed copy of ``model``'s weights, block and float, for code that is about to
     write the weights in place (the quantizer's calibration): a copy would keep the old values.
-    The model's one-call stack is built again on its next step, without them."""
+    A fused decode stack the model runs is built again, without them."""
     for module in model.modules():
         if isinstance(module, BlockLinear):
             module.packed = None  # its attribute (read on every call), kept
         else:
             module.__dict__.pop("packed", None)
-    if hasattr(model, "_stack_key"):
-        model._stack_key = None
+    if getattr(model, "decode_stack", None) is not None:
+        model.choose_forward()

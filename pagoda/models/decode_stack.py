@@ -1,17 +1,21 @@
-"""A Llama-family decoder stack as one C++ call (pagoda/csrc/decode_layers.cpp) for batches of
-decode-like rows on the CPU in float32: decode tokens, short chunks over a cached prefix, and
-under deterministic inference every prefill chunk too (each token a row of the paged kernel).
+"""The fused decode stack: the backend's implementation of a Llama-family model's layer sequence
+as one C++ call (pagoda/csrc/decode_layers.cpp), for batches of decode-like rows on the CPU in
+float32 (decode tokens, short chunks over a cached prefix, and under deterministic inference every
+prefill chunk, each token a row of the paged kernel).
 
-The call runs the same ops in the same order as the Python modules, so outputs do not change;
-what goes away is the Python between them (~40 torch calls per layer, ~5 ms of a 18 ms batch-1
-step with SmolLM2; ~10 ms of a ~90 ms batch-64 gguf step). Projections whose weights were packed
-once at load (layers/packed_weights.py: float32 weights' oneDNN copies, ggml blocks' tiles or bf16
-copies) pass those copies in, so the stack takes their routes as the Python layers do. Sliding windows (Mistral) pass to the paged kernel per layer. Models the op
-does not cover (q/k norms, projection biases, other activations, other dtypes or devices,
-torch.compile; Gemma 3 as a whole) and batches with prefill chunks take the Python layers.
+It runs the same ops in the same order as the Python layers, so outputs do not change; what goes
+away is the Python between them (~40 torch calls per layer). Whether a model uses it is decided
+once, when the model runner binds the KV cache (`choose_decode_stack`), logged at start-up and
+reported in /v1/debug/engine with the reason; it is never switched per step, except that a batch
+holding a prefill chunk runs the Python layers (the op has no causal chunk attention). Projections
+whose weights were packed once at load (layers/packed_weights.py) pass those copies in, so the
+stack takes their routes as the Python layers do; sliding windows (Mistral) pass to the paged
+kernel per layer.
 """
 
 from __future__ import annotations
+
+from dataclasses import asdict, dataclass
 
 import torch
 from torch import nn
@@ -47,37 +51,54 @@ class DecodeStack:
         self.rotary, self.cfg = rotary, cfg
 
     @classmethod
-    def build(cls, model: nn.Module, ops) -> DecodeStack | None:
-        """The stack for ``model``'s layers as they are now, or None where the op does not apply.
-        Called by the C++ backend (layers/backend.py), which passes its ops."""
-        cfg = model.config
-        if cfg.qk_norm or cfg.hidden_act not in ("silu", "swish") or not model.layers:
-            return None
+    def build(cls, model: nn.Module, ops) -> DecodeStack:
+        """The stack for ``model``'s layers as they are now (``unsupported(model)`` must be None)."""
         weights, types, packed, k_caches, v_caches = [], [], [], [], []
         for layer in model.layers:
             attn, mlp = layer.self_attn, layer.mlp
             projections = [_projection(m) for m in (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)]
-            norms = [layer.input_layernorm.weight, layer.post_attention_layernorm.weight]
-            cache = attn.attn.k_cache
-            if attn.attn.kv_group:  # several KV cache groups: the op takes one block table for every layer
-                return None
-            if None in projections or cache is None or cache.dtype not in _CACHE_DTYPES or cache.device.type != "cpu" \
-                    or any(n.dtype != torch.float32 for n in norms):
-                return None
             (qkv, t0, p0), (o, t1, p1), (gate_up, t2, p2), (down, t3, p3) = projections
-            weights += [norms[0], qkv, o, norms[1], gate_up, down]
+            weights += [layer.input_layernorm.weight, qkv, o, layer.post_attention_layernorm.weight, gate_up, down]
             types += [t0, t1, t2, t3]
             packed += [p0, p1, p2, p3]
-            k_caches.append(cache)
+            k_caches.append(attn.attn.k_cache)
             v_caches.append(attn.attn.v_cache)
-        rotary = model.layers[0].self_attn.rotary
-        if rotary.cos_cache.dtype != torch.float32:
-            return None
-        return cls(ops, weights, types, k_caches, v_caches, rotary, cfg, packed)
+        return cls(ops, weights, types, k_caches, v_caches, model.layers[0].self_attn.rotary, model.config, packed)
 
-    def applies(self, hidden: torch.Tensor, meta: AttentionMetadata) -> bool:
-        """A batch of decode rows only (the caller keeps torch.compile away from the stack)."""
-        return not meta.prefills and meta.num_decodes == hidden.shape[0] and hidden.dtype == torch.float32
+    @staticmethod
+    def unsupported(model: nn.Module) -> str | None:
+        """Why the op cannot run ``model``'s layers as they are now, or None when it can."""
+        cfg = model.config
+        if cfg.qk_norm:
+            return "the model normalizes q and k (qk_norm), which the fused op does not"
+        if cfg.hidden_act not in ("silu", "swish"):
+            return f"the MLP's activation is {cfg.hidden_act}; the fused op has SiLU only"
+        if not model.layers:
+            return "the model has no layers"
+        if any(n.weight.dtype != torch.float32 for layer in model.layers
+               for n in (layer.input_layernorm, layer.post_attention_layernorm)):
+            return "the model computes in a narrower dtype than float32, which the fused op does not"
+        for i, layer in enumerate(model.layers):
+            attn, mlp = layer.self_attn, layer.mlp
+            for name, module in (("qkv_proj", attn.qkv_proj), ("o_proj", attn.o_proj),
+                                 ("gate_up_proj", mlp.gate_up_proj), ("down_proj", mlp.down_proj)):
+                if _projection(module) is None:
+                    return (f"layer {i}'s {name} ({type(module).__name__}) has a bias or a weight dtype the fused op "
+                            "does not take (it takes float32 or ggml / half-precision blocks without bias)")
+            if attn.attn.kv_group:
+                return "the layers' KV cache has several groups; the fused op takes one block table for every layer"
+            cache = attn.attn.k_cache
+            if cache is None:
+                return "the KV cache is not bound"
+            if cache.dtype not in _CACHE_DTYPES or cache.device.type != "cpu":
+                return f"the KV cache is {cache.dtype} on {cache.device.type}; the fused op reads float caches on the CPU"
+        if model.layers[0].self_attn.rotary.cos_cache.dtype != torch.float32:
+            return "the rotary tables are not float32"
+        return None
+
+    def applies(self, meta: AttentionMetadata) -> bool:
+        """A batch of decode-like rows only: a prefill chunk takes the Python layers' causal attention."""
+        return not meta.prefills
 
     def __call__(self, hidden: torch.Tensor, residual: torch.Tensor, positions: torch.Tensor,
                  meta: AttentionMetadata) -> torch.Tensor:
@@ -88,3 +109,30 @@ class DecodeStack:
             meta.decode_seq_lens, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.rms_norm_eps,
             cfg.head_dim ** -0.5, [w or 0 for w in cfg.sliding_windows],
         )
+
+
+@dataclass(frozen=True)
+class ForwardPath:
+    """How a model's decode batches run, chosen once per model runner (see the module docstring)."""
+
+    fused_decode: bool
+    reason: str  # on: what the stack covers; off: what keeps it off
+
+    def as_dict(self) -> dict:
+        return asdict(self)
+
+
+FUSED_SCOPE = "batches of decode rows run every layer in one C++ call; a batch with a prefill chunk runs the Python layers"
+
+
+def choose_decode_stack(model: nn.Module, refused: str | None = None) -> tuple[DecodeStack | None, ForwardPath]:
+    """The stack for ``model`` (its KV cache bound) and the path with its reason. ``refused``: why
+    the engine's configuration keeps the stack off (its option, torch.compile), if it does."""
+    ops = model.backend.decode_stack_ops()
+    reason = (refused
+              or (None if ops is not None else "the fused op is one of pagoda's C++ kernels, not loaded on this backend")
+              or model.decode_stack_unsupported()
+              or DecodeStack.unsupported(model))
+    if reason is not None:
+        return None, ForwardPath(False, reason)
+    return DecodeStack.build(model, ops), ForwardPath(True, FUSED_SCOPE)

@@ -15,7 +15,7 @@ What differs from Llama, as transformers' modeling_gemma3.py computes it:
 - final logit soft-capping when the config sets one (Gemma 3 does not); attention soft-capping
   (Gemma 2) is refused.
 
-The one-call decoder stack (models/decode_stack.py) chains the Llama layer's ops, so Gemma 3's
+The fused decode stack (models/decode_stack.py) chains the Llama layer's ops, so Gemma 3's
 decode steps run the Python layers (with the C++ norm, rotary, paged-attention and block-matmul
 kernels under them).
 """
@@ -34,7 +34,6 @@ from pagoda.layers.norm import RMSNorm
 from pagoda.layers.quantization import PackedWeight
 from pagoda.layers.rotary import RotaryEmbedding
 from pagoda.models.config import TransformerConfig, layer_windows
-from pagoda.models.decode_stack import DecodeStack
 from pagoda.models.llama import MLP, Attention, LlamaForCausalLM
 
 # Gemma3TextConfig's defaults for keys a config.json may leave out
@@ -130,8 +129,8 @@ class Gemma3ForCausalLM(LlamaForCausalLM):
             logits = torch.tanh(logits / cap) * cap
         return logits
 
-    def _decode_stack(self) -> DecodeStack | None:
-        return None  # the C++ stack chains the Llama layer's ops (see the module docstring)
+    def decode_stack_unsupported(self) -> str | None:
+        return "Gemma 3's layers (four norms each, GeGLU with GELU-tanh) are not the Llama layer the fused op chains"
 
     @torch.no_grad()
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor | PackedWeight]]) -> None:

@@ -25,7 +25,7 @@ from pagoda.layers.packed_weights import packed_of
 from pagoda.layers.quantization import QUANTIZED_LINEARS, PackedWeight, keeps_packed
 from pagoda.layers.rotary import RotaryEmbedding
 from pagoda.models.config import TransformerConfig
-from pagoda.models.decode_stack import DecodeStack
+from pagoda.models.decode_stack import DecodeStack, ForwardPath, choose_decode_stack
 
 
 class Attention(nn.Module):
@@ -119,6 +119,7 @@ class LlamaForCausalLM(nn.Module):
 
     qk_norm = False
     attention_bias: bool | None = None  # None: read config.json
+    decode_stack: DecodeStack | None = None  # chosen by choose_forward once the KV cache is bound
 
     def __init__(self, hf_config: dict, max_position: int) -> None:
         super().__init__()
@@ -164,9 +165,8 @@ class LlamaForCausalLM(nn.Module):
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         hidden = self.embed(input_ids)
-        stack = None if torch.compiler.is_compiling() else self._decode_stack()
-        meta = get_attention_metadata() if stack is not None else None
-        if stack is not None and stack.applies(hidden, meta):
+        stack = self.decode_stack
+        if stack is not None and stack.applies(meta := get_attention_metadata()):
             residual = torch.zeros_like(hidden)
             hidden = stack(hidden, residual, positions, meta)  # every layer in one C++ call
         else:
@@ -176,16 +176,17 @@ class LlamaForCausalLM(nn.Module):
         hidden, _ = self.norm(hidden, residual)
         return hidden
 
-    def _decode_stack(self) -> DecodeStack | None:
-        """Built on first use, once the KV cache is bound; rebuilt if the cache or a layer changes."""
+    def choose_forward(self, refused: str | None = None) -> ForwardPath:
+        """Choose, once the KV cache is bound, whether decode batches take the fused C++ stack
+        (models/decode_stack.py); ``refused``: why the engine's configuration keeps it off."""
+        self.decode_stack, path = choose_decode_stack(self, refused)
+        return path
+
+    def decode_stack_unsupported(self) -> str | None:
+        """Why this family's layers are not the fused stack's, or None (per-layer checks follow)."""
         if self.tp.is_parallel:
-            return None  # the C++ stack has no all-reduce between its layers: the Python layers run
-        first, last = self.layers[0], self.layers[-1]
-        key = (id(first.self_attn.attn.k_cache), id(first.self_attn.qkv_proj), id(last.mlp.down_proj))
-        if getattr(self, "_stack_key", None) != key:
-            ops = self.backend.decode_stack_ops()
-            self._stack_key, self._stack = key, DecodeStack.build(self, ops) if ops is not None else None
-        return self._stack
+            return "tensor parallelism: the fused op has no all-reduce between its layers"
+        return None
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         if self.lm_head is None:  # tied

@@ -37,7 +37,6 @@ from pagoda.layers.norm import RMSNorm
 from pagoda.layers.quantization import PackedWeight
 from pagoda.layers.rotary import RotaryEmbedding
 from pagoda.models.config import TransformerConfig
-from pagoda.models.decode_stack import DecodeStack
 from pagoda.models.llama import _GATED_ACTIVATIONS, MLP, Attention, LlamaForCausalLM
 
 
@@ -171,8 +170,8 @@ class MoeForCausalLM(LlamaForCausalLM):
                        tp: TensorParallelGroup, index: int) -> nn.Module:
         return Attention(cfg, rotary, plan, tp, sliding_window=cfg.window(index))
 
-    def _decode_stack(self) -> DecodeStack | None:
-        return None  # the C++ stack chains dense MLPs: MoE models run the Python layers
+    def decode_stack_unsupported(self) -> str | None:
+        return "the fused op chains dense MLPs; a mixture of experts routes each token to its own"
 
     def moe_blocks(self) -> list[SparseMoeBlock]:
         return [layer.mlp for layer in self.layers if isinstance(layer.mlp, SparseMoeBlock)]

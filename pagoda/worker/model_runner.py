@@ -37,20 +37,31 @@ logger = logging.getLogger(__name__)
 DEFAULT_SHORT_CHUNK = SchedulerConfig.short_chunk_tokens
 
 
+def _stack_refusal(fused_decode: bool, compile: bool) -> str | None:
+    """Why the engine's options keep the fused decode stack off, if they do."""
+    if not fused_decode:
+        return "turned off (fused_decode=False, --no-fused-decode)"
+    if compile:
+        return "torch.compile is on: the compiled Python layers run (Dynamo does not trace the C++ op)"
+    return None
+
+
 class ModelRunner:
     def __init__(self, model: torch.nn.Module, kv_cache: torch.Tensor, block_size: int, device: torch.device,
                  max_model_len: int, generator: torch.Generator | None = None, compile: bool = False,
                  deterministic: bool = False, short_chunk: int = DEFAULT_SHORT_CHUNK,
                  is_driver: bool = True, speculative: SpeculativeConfig | None = None,
                  draft: tuple[torch.nn.Module, torch.Tensor] | None = None,
-                 kv_groups: KVCacheGroups | None = None, kv_scales: torch.Tensor | None = None) -> None:
+                 kv_groups: KVCacheGroups | None = None, kv_scales: torch.Tensor | None = None,
+                 fused_decode: bool = True) -> None:
         """``deterministic`` (EngineConfig.deterministic): batch-invariant inference, see
         ``_decode_like`` and ``execute``. ``is_driver``: this rank samples and reports (rank 0);
         the others only run the model. ``draft``: the draft model and its KV cache, for
         speculative decoding with ``method: draft_model``. ``kv_groups``: which layers share a
         block table and which slot of ``kv_cache`` each layer's K/V takes (default: one group,
         layer i in slot i). ``kv_scales``: an int8 cache's scales, laid out as ``kv_cache`` without
-        its last dimension."""
+        its last dimension. ``fused_decode``: let decode batches take the fused C++ stack where the
+        model allows (``forward_path`` says what was chosen and why)."""
         self.model = model
         # Batch invariance takes pagoda's CPU kernels (the paged kernel for every row, the
         # invariant GEMM); without them (CUDA, no compiler) the layout stays as it is.
@@ -74,10 +85,13 @@ class ModelRunner:
         for attn, group, slot in zip(layers, groups.layer_group, groups.layer_slot):
             scales = (kv_scales[0, slot], kv_scales[1, slot]) if kv_scales is not None else (None, None)
             attn.bind_kv_cache(kv_cache[0, slot], kv_cache[1, slot], group, *scales)
+        refused = _stack_refusal(fused_decode, compile)
+        self.forward_path = model.choose_forward(refused)
         self.drafter = None
         if draft is not None:
             self.drafter = DraftModelProposer(draft[0], draft[1], self.batch, block_size, device,
                                               speculative.num_speculative_tokens, speculative.adaptive)
+            draft[0].choose_forward(refused)
 
     # -- batch layout -----------------------------------------------------------------------
     # A short chunk over a cached prefix (a prefix-cache hit's remaining prompt tokens, the tail

@@ -143,7 +143,12 @@ class Worker:
             compile=self.config.compile, deterministic=self.config.deterministic,
             short_chunk=self.config.scheduler.short_chunk_tokens, speculative=self.config.speculative,
             is_driver=self.tp.is_driver, draft=draft, kv_groups=self.kv_groups, kv_scales=self.kv_scales,
+            fused_decode=self.config.fused_decode,
         )
+
+    def forward_path(self) -> dict:
+        """How the model's decode batches run (ModelRunner.forward_path), as plain data."""
+        return self.runner.forward_path.as_dict()
 
     # -- steps ------------------------------------------------------------------------------
     def execute_model(self, sched: SchedulerOutput) -> ModelRunnerOutput | None:

@@ -1,5 +1,5 @@
-"""The decoder stack in one C++ call (pagoda/models/decode_stack.py) computes exactly what the
-Python layers compute, for float and block-quantized weights, and steps aside where it does not apply."""
+"""The fused decode stack (pagoda/models/decode_stack.py) computes exactly what the Python layers
+compute, for float and block-quantized weights; where it cannot run a model, the engine reports why."""
 
 from __future__ import annotations
 
@@ -43,9 +43,8 @@ def test_stack_equals_the_python_layers_bit_for_bit(tiny_llama, quantization, mo
     calls = count_stack_calls(monkeypatch)
     fast = _run(LLM(model=str(tiny_llama), **args))
     assert len(calls) >= 9  # every decode step of the batch went through the stack
-    monkeypatch.setattr(DecodeStack, "build", classmethod(lambda cls, model, ops: None))
     calls.clear()
-    python = _run(LLM(model=str(tiny_llama), **args))
+    python = _run(LLM(model=str(tiny_llama), fused_decode=False, **args))
     assert not calls
     assert fast == python  # tokens and logprobs identical, not merely close
 
@@ -63,28 +62,29 @@ def test_stack_takes_packed_block_weights_from_their_many_row_threshold(tiny_lla
         assert all(m.packed is not None for m in model.modules() if isinstance(m, BlockLinear))
     fast = _run(llm, prompts, max_tokens=6)
     assert max(widths) >= rows  # the whole batch's decode steps went through the stack
-    monkeypatch.setattr(DecodeStack, "build", classmethod(lambda cls, model, ops: None))
-    assert fast == _run(LLM(model=str(tiny_llama), **args), prompts, max_tokens=6)
+    assert fast == _run(LLM(model=str(tiny_llama), fused_decode=False, **args), prompts, max_tokens=6)
 
 
-def test_stack_steps_aside_where_it_does_not_apply(tiny_model_dirs, monkeypatch):
+def test_stack_is_chosen_once_and_says_why_not(tiny_model_dirs, monkeypatch):
     calls = count_stack_calls(monkeypatch)
-    qwen3 = LLM(model=str(tiny_model_dirs["qwen3"]), dtype="float32", kv_cache_memory=0.02)  # q/k norms
-    qwen2 = LLM(model=str(tiny_model_dirs["qwen2"]), dtype="float32", kv_cache_memory=0.02)  # qkv biases
-    bf16 = LLM(model=str(tiny_model_dirs["llama"]), dtype="bfloat16", kv_cache_memory=0.02)
-    for llm in (qwen3, qwen2, bf16):
-        model = llm.engine.core.model
-        assert DecodeStack.build(model, model.backend.decode_stack_ops()) is None
+    cases = {"qk_norm": LLM(model=str(tiny_model_dirs["qwen3"]), dtype="float32", kv_cache_memory=0.02),
+             "bias": LLM(model=str(tiny_model_dirs["qwen2"]), dtype="float32", kv_cache_memory=0.02),
+             "narrower dtype": LLM(model=str(tiny_model_dirs["llama"]), dtype="bfloat16", kv_cache_memory=0.02),
+             "--no-fused-decode": LLM(model=str(tiny_model_dirs["llama"]), dtype="float32", kv_cache_memory=0.02,
+                                      fused_decode=False)}
+    for why, llm in cases.items():
+        path = llm.engine.core.forward_path
+        assert not path["fused_decode"] and why in path["reason"], path
+        assert llm.engine.core.model.decode_stack is None
         assert len(_run(llm)) == len(PROMPTS)
     assert not calls
     llama = LLM(model=str(tiny_model_dirs["llama"]), dtype="float32", kv_cache_memory=0.02)
-    model = llama.engine.core.model
-    stack = DecodeStack.build(model, model.backend.decode_stack_ops())
+    assert llama.engine.core.forward_path["fused_decode"]
+    stack = llama.engine.core.model.decode_stack
     assert stack is not None and len(stack.k_caches) == len(llama.engine.core.model.layers)
-    hidden = torch.zeros(4, 8)
     from pagoda.forward_context import AttentionMetadata, PrefillSeq
 
     with_prefill = AttentionMetadata(slot_mapping=torch.zeros(4, dtype=torch.long), num_decodes=1,
                                      prefills=[PrefillSeq(1, 3, 0, torch.zeros(1, dtype=torch.long))])
-    assert not stack.applies(hidden, with_prefill)
-    assert stack.applies(hidden, AttentionMetadata(slot_mapping=torch.zeros(4, dtype=torch.long), num_decodes=4))
+    assert not stack.applies(with_prefill)
+    assert stack.applies(AttentionMetadata(slot_mapping=torch.zeros(4, dtype=torch.long), num_decodes=4))

@@ -174,7 +174,7 @@ def test_gguf_fast_path_stays_close_to_fp32(gemma_gguf):
     fast = LLM(model=str(gemma_gguf), dtype="float32", kv_cache_memory=0.02, quantization="gguf",
                enable_prefix_caching=False)
     model = fast.engine.core.model
-    assert sum(isinstance(m, BlockLinear) for m in model.modules()) == 4 * 4 + 1 and model._decode_stack() is None
+    assert sum(isinstance(m, BlockLinear) for m in model.modules()) == 4 * 4 + 1 and model.decode_stack is None
     # fp32's continuations scored by the fast path
     ids = [p + list(o.outputs[0].token_ids) for p, o in zip(prompts, fp32)]
     scored = fast.generate([{"prompt_token_ids": i} for i in ids], SamplingParams(max_tokens=1, prompt_logprobs=0),

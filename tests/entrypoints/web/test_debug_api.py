@@ -12,6 +12,7 @@ import pytest
 from server_process import start_server, stop_process
 
 from pagoda.cli import main as pagoda_main
+from pagoda.layers.cpu_kernels import load_cpu_kernels
 
 API_KEY = "web-test-key"
 SYSTEM = "You are a helpful assistant who answers about Paris, the capital of France. " * 4
@@ -86,6 +87,8 @@ def test_requests_steps_engine_and_radix_describe_what_ran(served):
     assert stats["prefix_cache_hit_tokens"] >= 32 and 0 < stats["prefix_cache_hit_rate"] < 1
     assert stats["memory_pressure"] == stats["kv_cache_usage"] == 0
     assert engine["config"]["block_size"] == 16 and len(engine["series"]) == 60
+    forward = engine["config"]["forward"]  # the decode path chosen at start, and why
+    assert forward["fused_decode"] == (load_cpu_kernels() is not None) and forward["reason"]
     assert sum(p["generated_tokens"] for p in engine["series"]) + engine["window"]["generation_tokens_per_s"] >= 0
 
     radix = _get(base, "/v1/debug/radix", admin)
