@@ -94,12 +94,13 @@ def _child_main(kind: str, model: str, flags: list[str]) -> None:
     parser = argparse.ArgumentParser()
     EngineArgs.add_cli_args(parser)
     args = EngineArgs.from_cli_args(parser.parse_args(["--model", model, *flags]))
-    engine = LLMEngine(create_engine_config(args))
     async_engine = None
     if kind == "async":
         from pagoda.engine.async_llm import AsyncLLM
 
-        async_engine = AsyncLLM(engine)
+        async_engine = AsyncLLM(create_engine_config(args))
+    else:
+        engine = LLMEngine(create_engine_config(args))
     print(json.dumps({"ready": True}), flush=True)
     for line in sys.stdin:
         job = json.loads(line)

@@ -1,5 +1,8 @@
 """AsyncLLM: the model steps on their own thread; everything with text stays on the event loop.
 
+A sibling of LLMEngine over the same front end (engine/front_end.py: one input path, one output
+path, stop strings in the output path).
+
 The engine thread owns the EngineCore (scheduler, KV cache, model) and does nothing but run
 steps. The asyncio side owns the rest: tokenizing and validating new requests, detokenizing,
 stop strings and logprob formatting (the OutputProcessor), and one queue per request. So
@@ -19,12 +22,13 @@ import itertools
 import logging
 from collections.abc import AsyncIterator, Callable
 
-from pagoda.engine.core import EngineCoreOutput
+from pagoda.config import EngineConfig
+from pagoda.engine.core import EngineCore, EngineCoreOutput
 from pagoda.engine.core_client import ProcessCoreClient, ThreadCoreClient
-from pagoda.engine.llm_engine import LLMEngine, PromptType
+from pagoda.engine.front_end import FrontEnd
+from pagoda.engine.input_processor import PromptType
 from pagoda.executor.base import WorkerFailedError
 from pagoda.outputs import RequestOutput
-from pagoda.request import RequestStatus
 from pagoda.sampling_params import RequestOutputKind, SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -42,14 +46,12 @@ class ShuttingDownError(EngineUnavailableError):
     """The server is shutting down: its drain period ended before this request finished."""
 
 
-class AsyncLLM:
-    def __init__(self, engine: LLMEngine, *, engine_process: bool = False, max_engine_restarts: int = 0) -> None:
-        """engine_process=True runs the core in its own process (`engine` must then be built
-        with build_core=False), restarted up to max_engine_restarts times if it dies; otherwise
-        it runs on a thread of this process, built there if `engine` has none yet (the server's
-        way: see ThreadCoreClient)."""
-        self.engine = engine
-        self.output_processor = engine.output_processor  # used on the event loop only
+class AsyncLLM(FrontEnd):
+    def __init__(self, config: EngineConfig, *, engine_process: bool = False, max_engine_restarts: int = 0) -> None:
+        """engine_process=True runs the core in its own process, restarted up to
+        max_engine_restarts times if it dies; otherwise on a thread of this process, built there
+        (see ThreadCoreClient)."""
+        super().__init__(config)
         self._streams: dict[str, asyncio.Queue] = {}
         self._loop: asyncio.AbstractEventLoop | None = None
         # Called on the event loop when the engine cannot go on and will not be restarted (a
@@ -58,14 +60,16 @@ class AsyncLLM:
         self._debug_queries: dict[int, asyncio.Future] = {}  # debug snapshots asked of the engine
         self._query_ids = itertools.count()
         if engine_process:
-            self.client = ProcessCoreClient(engine.config, self._from_core, self._core_failed,
-                                            max_restarts=max_engine_restarts, on_answer=self._debug_answered)
-            engine.limits = self.client.limits
-        else:  # an engine built without its core has it built on the engine's thread (ThreadCoreClient)
-            core_or_config = engine.core if engine.core is not None else engine.config
-            self.client = ThreadCoreClient(core_or_config, self._from_core, self._core_failed,
-                                           on_answer=self._debug_answered)
-            engine.core, engine.limits = self.client.core, self.client.limits
+            self._connect(ProcessCoreClient(config, self._from_core, self._core_failed,
+                                            max_restarts=max_engine_restarts, on_answer=self._debug_answered))
+        else:
+            self._connect(ThreadCoreClient(config, self._from_core, self._core_failed,
+                                           on_answer=self._debug_answered))
+
+    @property
+    def core(self) -> EngineCore | None:
+        """The core when it runs on this process's thread (None in an engine process)."""
+        return getattr(self.client, "core", None)
 
     @property
     def healthy(self) -> bool:
@@ -79,10 +83,6 @@ class AsyncLLM:
     def restarting(self) -> bool:
         """True while a replacement engine process is loading."""
         return getattr(self.client, "restarting", False)
-
-    @property
-    def limits(self):
-        return self.client.limits
 
     def stats(self):
         return self.client.stats()
@@ -104,12 +104,11 @@ class AsyncLLM:
         if request_id in self._streams:
             raise ValueError(f"request id {request_id!r} is already in use")
         params = params.clone(output_kind=RequestOutputKind.DELTA)
-        prepared = self.engine.prepare_request(request_id, prompt, params, priority, cache_salt=cache_salt,
-                                               session_id=session_id)  # may raise ValueError
+        prepared = self.input_processor.prepare_request(request_id, prompt, params, priority, cache_salt=cache_salt,
+                                                        session_id=session_id)  # may raise ValueError
         stream: asyncio.Queue = asyncio.Queue()
         self._streams[request_id] = stream
-        self.output_processor.add_request(*prepared.output_args(), moderation=moderation)
-        self.client.add(prepared.core_requests)
+        self.submit(prepared, moderation)
         finished = False
         try:
             while True:
@@ -123,7 +122,7 @@ class AsyncLLM:
         finally:
             self._streams.pop(request_id, None)
             if not finished:
-                self._abort(request_id)
+                self.abort(request_id)
 
     def release_sessions(self, session_ids: list[str]) -> None:
         """Sessions that ended: the core lets their pinned prefixes go."""
@@ -154,18 +153,9 @@ class AsyncLLM:
         else:
             answer.set_result(snapshot)
 
-    def _abort(self, request_id: str) -> None:
-        core_ids = self.output_processor.core_ids(request_id)
-        self.output_processor.abort_request(request_id)
-        if core_ids:
-            self.client.finish(core_ids, RequestStatus.FINISHED_ABORTED)
-
     def _on_core_outputs(self, outputs: list[EngineCoreOutput]) -> None:
         """Runs on the event loop: detokenize, apply stop strings, hand out the deltas."""
-        results, to_stop = self.output_processor.process_outputs(outputs)
-        if to_stop:
-            self.client.finish(to_stop, RequestStatus.FINISHED_STOPPED)
-        for out in results:
+        for out in self.take_outputs(outputs):
             stream = self._streams.get(out.request_id)
             if stream is not None:
                 stream.put_nowait(out)
@@ -183,7 +173,7 @@ class AsyncLLM:
         blocks; returns how many were ended. Call on the event loop (shutdown's drain deadline)."""
         streams = list(self._streams.items())
         for rid, stream in streams:
-            self._abort(rid)
+            self.abort(rid)
             stream.put_nowait(error)
         return len(streams)
 
@@ -208,4 +198,3 @@ class AsyncLLM:
         AsyncLLM after a server unloaded its model (a task not yet ended, a framework's cache)
         then holds its tokenizer, not its weights."""
         self.client.shutdown()
-        self.engine.core = None

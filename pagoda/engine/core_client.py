@@ -83,6 +83,39 @@ def _serve_core(core: EngineCore, inbox, emit_outputs: Callable[[list[EngineCore
             emit_outputs([])
 
 
+class InprocCoreClient:
+    """The EngineCore in the caller's thread, stepped by the caller (LLMEngine's loop)."""
+
+    healthy = True
+
+    def __init__(self, config: EngineConfig) -> None:
+        self.core: EngineCore | None = EngineCore(config)
+        self.limits: RequestLimits = self.core.limits
+
+    def add(self, requests: list[EngineCoreRequest]) -> None:
+        for request in requests:
+            self.core.add_request(request)
+
+    def finish(self, core_ids: list[str], status: RequestStatus) -> None:
+        self.core.finish_requests(core_ids, status)
+
+    def release_sessions(self, session_ids: list[str]) -> None:
+        self.core.release_sessions(session_ids)
+
+    def has_unfinished_requests(self) -> bool:
+        return self.core.has_unfinished_requests()
+
+    def step(self) -> list[EngineCoreOutput]:
+        return self.core.step()
+
+    def stats(self) -> SchedulerStats:
+        return self.core.stats()
+
+    def shutdown(self) -> None:
+        if self.core is not None:
+            self.core.shutdown()
+
+
 class _InboxClient:
     """What both clients share: orders go to the core's loop through an inbox queue."""
 

@@ -9,7 +9,8 @@ from tqdm import tqdm
 
 from pagoda.config import DEFAULT_MODEL, EngineArgs
 from pagoda.engine.content_filter import Moderation
-from pagoda.engine.llm_engine import LLMEngine, PromptType
+from pagoda.engine.input_processor import PromptType
+from pagoda.engine.llm_engine import LLMEngine
 from pagoda.outputs import RequestOutput
 from pagoda.sampling_params import RequestOutputKind, SamplingParams
 

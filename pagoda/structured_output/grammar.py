@@ -128,7 +128,7 @@ def _one_line(message: str, limit: int = 400) -> str:
 
 
 # Constraints that built once: the server checks a request's constraint off the event loop, then
-# the engine checks it again on the loop as it takes the request (LLMEngine.prepare_request); a
+# the engine checks it again on the loop as it takes the request (InputProcessor.prepare_request); a
 # wide schema within the input limits takes a good part of a second, which must not be paid twice,
 # the second time on the loop.
 _VALID_CACHE_SIZE = 256

@@ -54,7 +54,7 @@ def test_nothing_keeps_an_unloaded_models_app_or_engine(tiny_llama):
 
     async def load_and_unload() -> list[weakref.ref]:
         model = await pool.acquire(pool.specs[0])
-        kept = [weakref.ref(model.app), weakref.ref(model.engine), weakref.ref(model.engine.engine.core)]
+        kept = [weakref.ref(model.app), weakref.ref(model.engine), weakref.ref(model.engine.core)]
         pool.release(model)
         assert await pool.unload_now(pool.specs[0])
         return kept

@@ -39,7 +39,7 @@ def _served_info(serving: Serving) -> dict:
     """What /api/tags, /api/show and /api/ps say about the served model (computed once)."""
     cached = getattr(serving, "_ollama_info", None)
     if cached is None:
-        cached = serving._ollama_info = model_description(serving.engine.engine.config.model, serving.max_model_len)
+        cached = serving._ollama_info = model_description(serving.engine.config.model, serving.max_model_len)
     return cached
 
 
@@ -157,7 +157,7 @@ async def tags(request: Request):
 async def ps(request: Request):
     serving = serving_of(request)
     info = await asyncio.to_thread(_served_info, serving)
-    on_gpu = serving.engine.engine.config.model.device.type == "cuda"
+    on_gpu = serving.engine.config.model.device.type == "cuda"
     return json_response({"models": [ps_row(name, info, serving.max_model_len, on_gpu)
                                      for name in visible_names(serving.model_names)]})
 

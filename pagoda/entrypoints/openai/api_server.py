@@ -14,7 +14,6 @@ from pagoda import __version__, envs
 from pagoda.config import create_engine_config
 from pagoda.engine.async_llm import AsyncLLM
 from pagoda.engine.content_filter import read_list
-from pagoda.engine.llm_engine import LLMEngine
 from pagoda.engine_args import EngineArgs
 from pagoda.entrypoints.disconnect import GONE, unless_disconnected
 from pagoda.entrypoints.model_dispatch import build_front_app
@@ -252,8 +251,8 @@ def run_server(args) -> int:
 
 def _model_app(args, config, names: list[str], api_key: str | None, metric_families=None) -> tuple[FastAPI, AsyncLLM]:
     """One model's engine and app, from serve's options (`args.model` and its engine flags)."""
-    engine = LLMEngine(config, build_core=False)  # the core is built where it runs: its thread or its process
-    async_engine = AsyncLLM(engine, engine_process=args.engine_process, max_engine_restarts=args.max_engine_restarts)
+    # the core is built where it runs: its thread or its process
+    async_engine = AsyncLLM(config, engine_process=args.engine_process, max_engine_restarts=args.max_engine_restarts)
     app = build_app(async_engine, names, api_key=api_key, max_queue_len=args.max_queue_len, model_root=args.model,
                     request_timeout=args.request_timeout, session_ttl=args.session_ttl, max_sessions=args.max_sessions,
                     moderation_words=getattr(args, "moderation_words", None),
@@ -265,7 +264,7 @@ def _model_app(args, config, names: list[str], api_key: str | None, metric_famil
 def _one_model_app(args, engine_args, api_key: str | None) -> tuple[FastAPI, AsyncLLM]:
     names = args.served_model_name or [args.model]
     app, async_engine = _model_app(args, create_engine_config(engine_args), names, api_key)
-    engine = async_engine.engine
+    engine = async_engine
     cfg = engine.config.model
     print(f"pagoda {__version__}: loaded {args.model} ({cfg.architecture}, {str(cfg.dtype).removeprefix('torch.')}, "
           f"{cfg.device.type}, max_model_len={engine.max_model_len}, KV blocks={async_engine.limits.num_blocks}, "

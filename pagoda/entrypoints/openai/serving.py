@@ -62,19 +62,19 @@ class Serving:
         self.engine = engine
         # metric_families: the server's shared registry when it serves several models
         self.metrics = ServerMetrics(engine, served_model_names[0], metric_families)
-        self.tokenizer = engine.engine.tokenizer
+        self.tokenizer = engine.tokenizer
         self.model_names = served_model_names
         # What a request's `model` may say: the served names, then other names of the same model
         # (a catalog model's name and aliases), in the order the 404 lists them.
         self.accepted_names = list(dict.fromkeys([*served_model_names, *aliases]))
         self._max_token_chars: int | None = None
-        self.max_model_len = engine.engine.max_model_len
+        self.max_model_len = engine.max_model_len
         self.max_queue_len = max_queue_len
         self.admitted = 0  # engine requests of the HTTP requests admitted and not yet answered
         self.request_timeout = request_timeout  # seconds a request may live (--request-timeout)
         # The content filter (pagoda/security/moderation.py: --moderation-words, a role's lists); build_app sets it
         self.moderation = None
-        self.sampling_defaults = engine.engine.sampling_defaults  # the model's own (--generation-config)
+        self.sampling_defaults = engine.sampling_defaults  # the model's own (--generation-config)
 
     # -- shared checks ----------------------------------------------------------------------
     def check_model(self, model: str | None) -> str:
@@ -106,7 +106,7 @@ class Serving:
             admission.tenant_slot = ctx
         if self.max_queue_len is None:
             return
-        running = self.engine.engine.config.scheduler.max_num_seqs
+        running = self.engine.config.scheduler.max_num_seqs
         if max(self.admitted, self.engine.num_pending) + new_requests > running + self.max_queue_len:
             raise OpenAIError(f"the server is full ({running} requests running, --max-num-seqs, and "
                               f"{self.max_queue_len} waiting, --max-queue-len); retry later", status=429,
