@@ -32,90 +32,22 @@ the last one, see scheduler_output.py) and answer with a ``ModelRunnerOutput``.
 
 from __future__ import annotations
 
-import logging
-import operator
 import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from pagoda.core.kv_cache_manager import KVBlocks, KVCacheManager
 from pagoda.core.prefill_chunks import PrefillChunking, PrefillSlots
-from pagoda.core.scheduler_output import CachedRequestData, NewRequestData, SchedulerOutput
-from pagoda.engine_args import SCHEDULING_POLICIES
+from pagoda.core.scheduler_output import SchedulerOutput
+from pagoda.core.request_order import RequestOrder
+from pagoda.core.scheduler_stats import SchedulerStats, SpecDecodeCounters, scheduler_stats
+from pagoda.core.stop_conditions import grammar_verdict, stop_verdict
+from pagoda.core.worker_deltas import WorkerDeltas
 from pagoda.outputs import ModelRunnerOutput
 from pagoda.request import Request, RequestStatus
 
 if TYPE_CHECKING:
     from pagoda.structured_output.manager import GrammarState
-
-_ARRIVAL = operator.attrgetter("arrival_time", "arrival_seq")  # the fcfs order
-
-logger = logging.getLogger(__name__)
-
-
-@dataclass
-class SchedulerStats:
-    num_running: int
-    num_waiting: int
-    kv_cache_usage: float  # blocks held by requests / all blocks (unused cached blocks count as free)
-    num_preemptions_total: int
-    num_blocks: int = 0
-    num_cached_free_blocks: int = 0  # in the prefix cache, used by nobody: reclaimable
-    prefix_cache_query_tokens: int = 0  # prompt tokens of admitted requests, each request once
-    prefix_cache_hit_tokens: int = 0
-    prefix_cache_preempted_query_tokens: int = 0  # resumed after preemption: prompt + output tokens
-    prefix_cache_preempted_hit_tokens: int = 0
-    spec_num_drafts: int = 0  # speculative decoding: verifications (a request's drafts in one step)
-    spec_draft_tokens: int = 0  # draft tokens verified
-    spec_accepted_tokens: int = 0  # ... and accepted
-    spec_draft_tokens_per_pos: list[int] = field(default_factory=list)  # drafts verified at position i of a run
-    spec_accepted_tokens_per_pos: list[int] = field(default_factory=list)  # ... and accepted there
-    spec_draft_seconds: float = 0.0  # time spent proposing
-    spec_verify_seconds: float = 0.0  # time of the steps that verified drafts
-    num_sessions_pinned: int = 0  # sessions whose prefix is pinned in the prefix cache
-    session_pinned_blocks: int = 0  # blocks those pins hold (shared prefixes counted per session)
-    session_pins_released_under_pressure: int = 0
-
-    @property
-    def spec_acceptance_rate(self) -> float:
-        return self.spec_accepted_tokens / self.spec_draft_tokens if self.spec_draft_tokens else 0.0
-
-    @property
-    def spec_mean_accepted_length(self) -> float:
-        """Tokens a verification gives, the target's own included (vLLM's mean acceptance length)."""
-        return 1.0 + self.spec_accepted_tokens / self.spec_num_drafts if self.spec_num_drafts else 0.0
-
-    @property
-    def prefix_cache_hit_rate(self) -> float:
-        return self.prefix_cache_hit_tokens / self.prefix_cache_query_tokens if self.prefix_cache_query_tokens else 0.0
-
-    @property
-    def memory_pressure(self) -> float:
-        """The seed's score: (used KV memory - reclaimable cached memory) / total KV memory."""
-        return self.kv_cache_usage
-
-
-@dataclass
-class SpecDecodeCounters:
-    """Speculative decoding's running totals, per draft position too (position i: the i-th
-    draft of a run, counted when a run that long is verified; accepted when the target agreed
-    up to and including it)."""
-
-    num_drafts: int = 0
-    drafts_per_pos: list[int] = field(default_factory=list)
-    accepted_per_pos: list[int] = field(default_factory=list)
-    draft_seconds: float = 0.0
-    verify_seconds: float = 0.0
-
-    def count(self, num_drafts: int, num_accepted: int) -> None:
-        self.num_drafts += 1
-        grow = num_drafts - len(self.drafts_per_pos)
-        if grow > 0:
-            self.drafts_per_pos += [0] * grow
-            self.accepted_per_pos += [0] * grow
-        for i in range(num_drafts):
-            self.drafts_per_pos[i] += 1
-            self.accepted_per_pos[i] += i < num_accepted
 
 
 @dataclass
@@ -150,15 +82,12 @@ class Scheduler:
             raise ValueError(f"max_num_seqs must be >= 1, got {max_num_seqs}")
         if max_num_batched_tokens < 1:
             raise ValueError(f"max_num_batched_tokens must be >= 1, got {max_num_batched_tokens}")
-        if policy not in SCHEDULING_POLICIES:
-            raise ValueError(f"scheduling_policy must be one of {', '.join(SCHEDULING_POLICIES)}, got {policy!r}")
-        self.policy = policy
+        self.order = RequestOrder(policy, aging_seconds)
         self.chunking = chunking or PrefillChunking()
         self.kv = kv_cache_manager
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.max_model_len = max_model_len
-        self.aging_seconds = aging_seconds
         self.admission_pressure_threshold = admission_pressure_threshold
         self.spec_disable_by_batch_size = spec_disable_by_batch_size
         self.spec_lookahead = spec_lookahead
@@ -166,29 +95,8 @@ class Scheduler:
         self.running: list[Request] = []
         self.requests: dict[str, Request] = {}
         self.num_preemptions_total = 0
-        # What the workers know of each request they have seen: tokens and blocks sent so far,
-        # and which requests had their blocks freed (preempted) since.
-        self._sent_tokens: dict[str, int] = {}
-        self._sent_blocks: dict[str, int] = {}
-        self._resumed: set[str] = set()
-        self._finished_ids: set[str] = set()  # for the next message: the workers drop them
+        self.deltas = WorkerDeltas()  # what the workers know of each request
         self.spec = SpecDecodeCounters()
-
-    # -- ordering ---------------------------------------------------------------------------
-    def effective_priority(self, request: Request, now: float) -> int:
-        if self.policy == "fcfs":
-            return 0  # everyone equal: arrival decides, and nobody outranks anybody
-        if self.aging_seconds <= 0:
-            return request.priority
-        return request.priority + int(max(0.0, now - request.arrival_time) / self.aging_seconds)
-
-    def _key(self, now: float, requests: list[Request] | None = None):
-        """The sort key at ``now``. Under fcfs, or among ``requests`` of one priority (aging
-        adds the same function of age to each, so the oldest stays first), that is arrival
-        order, compared without a Python call a request."""
-        if self.policy == "fcfs" or (requests is not None and len({r.priority for r in requests}) <= 1):
-            return _ARRIVAL
-        return lambda r: (-self.effective_priority(r, now), r.arrival_time, r.arrival_seq)
 
     # -- queue management -------------------------------------------------------------------
     def add_request(self, request: Request, grammar: GrammarState | None = None) -> None:
@@ -211,7 +119,7 @@ class Scheduler:
         return bool(self.requests)
 
     def waiting_requests(self) -> list[Request]:
-        return sorted((r for r in self._waiting if not r.status.finished), key=self._key(time.monotonic()))
+        return sorted((r for r in self._waiting if not r.status.finished), key=self.order.key(time.monotonic()))
 
     # -- scheduling -------------------------------------------------------------------------
     def schedule(self) -> SchedulerOutput:
@@ -219,8 +127,8 @@ class Scheduler:
         out = _Step()
         now = time.monotonic()
         self._waiting = [r for r in self._waiting if not r.status.finished]
-        self._waiting.sort(key=self._key(now, self._waiting))
-        self.running.sort(key=self._key(now, self.running))
+        self._waiting.sort(key=self.order.key(now, self._waiting))
+        self.running.sort(key=self.order.key(now, self.running))
         favored = self._preempt_for_priority(now, out)
 
         budget = self.max_num_batched_tokens
@@ -249,7 +157,7 @@ class Scheduler:
         if not growth_preempted:
             self._admit_waiting(out, budget, favored, self._partial_slots(out))
         self._allocate_lookahead(out)
-        return self._message(out)
+        return self.deltas.message(out.scheduled, out.preempted, out.spec_tokens)
 
     def _drafts_to_verify(self, request: Request, budget: int) -> list[int]:
         """The request's drafts that fit this step: it must be decoding (one token to compute),
@@ -284,35 +192,6 @@ class Scheduler:
             if samples and self.kv.blocks_needed(request, wanted) <= self.kv.pool.num_free_blocks:
                 add_blocks(request, self.kv.allocate_slots(request, wanted))
 
-    def _message(self, step: "_Step") -> SchedulerOutput:
-        """The step as deltas against what the workers already know of each request."""
-        out = SchedulerOutput(preempted_req_ids=step.preempted, finished_req_ids=self._finished_ids,
-                              scheduled_spec_tokens=step.spec_tokens)
-        self._finished_ids = set()
-        sent_tokens, sent_blocks_of, resumed_ids = self._sent_tokens, self._sent_blocks, self._resumed
-        for request, num_new in step.scheduled:
-            rid = request.request_id
-            out.num_scheduled_tokens[rid] = num_new
-            if rid not in sent_tokens:
-                out.new_requests.append(NewRequestData(
-                    rid, list(request.prompt_token_ids), request.sampling_params, list(request.block_ids),
-                    request.num_computed_tokens, list(request.output_token_ids),
-                    [list(ids) for ids in request.group_block_ids],
-                ))
-            else:
-                resumed = rid in resumed_ids
-                sent_blocks = 0 if resumed else sent_blocks_of[rid]
-                groups = [ids[sent_blocks:] for ids in request.group_block_ids] if request.group_block_ids else []
-                out.cached_requests.append(CachedRequestData(
-                    rid, request.all_token_ids[sent_tokens[rid]:], request.block_ids[sent_blocks:],
-                    request.num_computed_tokens, resumed, groups,
-                ))
-            if resumed_ids:
-                resumed_ids.discard(rid)
-            sent_tokens[rid] = len(request.all_token_ids)
-            sent_blocks_of[rid] = len(request.block_ids)
-        return out
-
     def _blocks_to_admit(self, request: Request) -> int:
         first_chunk = self.chunking.chunk(request.num_tokens, self.max_num_batched_tokens)
         return self.kv.blocks_for_tokens(first_chunk)
@@ -336,7 +215,7 @@ class Scheduler:
         favored = None
         while self.running:
             victim = self.running[-1]
-            if self.effective_priority(head, now) <= self.effective_priority(victim, now):
+            if self.order.priority(head, now) <= self.order.priority(victim, now):
                 break
             no_slot = len(self.running) >= self.max_num_seqs
             no_blocks = self._blocks_to_admit(head) > self.kv.num_free_blocks
@@ -366,10 +245,9 @@ class Scheduler:
         request.num_preemptions += 1
         request.spec_token_ids = []
         self.num_preemptions_total += 1
-        if request.request_id in self._sent_tokens:
-            self._resumed.add(request.request_id)  # the workers keep its state (generator) but not its blocks
+        self.deltas.preempted(request.request_id)  # the workers keep its state (generator) but not its blocks
         self._waiting.append(request)
-        self._waiting.sort(key=self._key(time.monotonic()))
+        self._waiting.sort(key=self.order.key(time.monotonic()))
 
     def _first_admissible(self) -> Request | None:
         """The first waiting request in order, passing over those whose grammar still compiles."""
@@ -459,41 +337,14 @@ class Scheduler:
         """Append the step's tokens until one stops the request; whether one did."""
         for token in tokens:
             request.append_output_token(token)
-            if self._check_stop(request, token) or (request.grammar is not None and self._grammar_done(request, token)):
+            stop = stop_verdict(request, token, self.max_model_len)
+            if stop is None and request.grammar is not None:
+                stop = grammar_verdict(request, token)
+            if stop is not None:
+                request.status, reason = stop
+                if reason is not None:
+                    request.stop_reason = reason
                 return True
-        return False
-
-    def _check_stop(self, request: Request, token: int) -> bool:
-        params = request.sampling_params
-        num_output = len(request.output_token_ids)
-        if num_output >= params.min_tokens:
-            if not params.ignore_eos and token in params.all_stop_token_ids:
-                request.status = RequestStatus.FINISHED_STOPPED
-                return True
-            if params.stop_token_ids and token in params.stop_token_ids:
-                request.status = RequestStatus.FINISHED_STOPPED
-                request.stop_reason = token
-                return True
-        if params.max_tokens is not None and num_output >= params.max_tokens:
-            request.status = RequestStatus.FINISHED_LENGTH
-            return True
-        if len(request.all_token_ids) >= self.max_model_len:
-            request.status = RequestStatus.FINISHED_LENGTH
-            return True
-        return False
-
-    @staticmethod
-    def _grammar_done(request: Request, token: int) -> bool:
-        """Advance a constrained request's matcher; it stops when its grammar is complete."""
-        if request.grammar is None:
-            return False
-        if not request.grammar.accept(token):
-            logger.warning("request %s: token %d breaks its grammar; stopping it", request.request_id, token)
-            request.status = RequestStatus.FINISHED_STOPPED
-            return True
-        if request.grammar.is_terminated():
-            request.status = RequestStatus.FINISHED_STOPPED
-            return True
         return False
 
     def _finish(self, request: Request) -> None:
@@ -501,12 +352,8 @@ class Scheduler:
             self.running.remove(request)
         self.kv.free(request, finished=True)
         clear_blocks(request)
-        rid = request.request_id
-        self.requests.pop(rid, None)
-        if self._sent_tokens.pop(rid, None) is not None:
-            self._finished_ids.add(rid)
-        self._sent_blocks.pop(rid, None)
-        self._resumed.discard(rid)
+        self.requests.pop(request.request_id, None)
+        self.deltas.finished(request.request_id)
 
     def finish_request(self, request_id: str, status: RequestStatus = RequestStatus.FINISHED_ABORTED,
                        stop_reason: str | None = None) -> Request | None:
@@ -522,28 +369,7 @@ class Scheduler:
         return request
 
     def stats(self) -> SchedulerStats:
-        return SchedulerStats(
-            num_running=len(self.running),
-            num_waiting=self.num_waiting,
-            kv_cache_usage=self.kv.usage(),
-            num_preemptions_total=self.num_preemptions_total,
-            num_blocks=self.kv.pool.num_blocks,
-            num_cached_free_blocks=self.kv.num_evictable_blocks,
-            prefix_cache_query_tokens=self.kv.prefix_query_tokens,
-            prefix_cache_hit_tokens=self.kv.prefix_hit_tokens,
-            prefix_cache_preempted_query_tokens=self.kv.prefix_preempted_query_tokens,
-            prefix_cache_preempted_hit_tokens=self.kv.prefix_preempted_hit_tokens,
-            spec_num_drafts=self.spec.num_drafts,
-            spec_draft_tokens=sum(self.spec.drafts_per_pos),
-            spec_accepted_tokens=sum(self.spec.accepted_per_pos),
-            spec_draft_tokens_per_pos=list(self.spec.drafts_per_pos),
-            spec_accepted_tokens_per_pos=list(self.spec.accepted_per_pos),
-            spec_draft_seconds=self.spec.draft_seconds,
-            spec_verify_seconds=self.spec.verify_seconds,
-            num_sessions_pinned=len(self.kv.sessions) if self.kv.sessions is not None else 0,
-            session_pinned_blocks=self.kv.num_session_pinned_blocks,
-            session_pins_released_under_pressure=self.kv.sessions.num_released_under_pressure if self.kv.sessions else 0,
-        )
+        return scheduler_stats(len(self.running), self.num_waiting, self.num_preemptions_total, self.kv, self.spec)
 
 
 # -- the scheduler's writes of a request's block tables ------------------------------------------

@@ -15,7 +15,8 @@ from pagoda.config import EngineConfig
 from pagoda.core.kv_cache_groups import KVCacheGroups
 from pagoda.core.kv_cache_manager import KVCacheManager
 from pagoda.core.prefill_chunks import PrefillChunking
-from pagoda.core.scheduler import Scheduler, SchedulerStats
+from pagoda.core.scheduler import Scheduler
+from pagoda.core.scheduler_stats import SchedulerStats
 from pagoda.core.scheduler_output import SchedulerOutput
 from pagoda.engine.step_trace import StepTrace, radix_snapshot
 from pagoda.executor import make_executor

@@ -18,7 +18,7 @@ import threading
 from collections.abc import Callable
 
 from pagoda.config import EngineConfig
-from pagoda.core.scheduler import SchedulerStats
+from pagoda.core.scheduler_stats import SchedulerStats
 from pagoda.engine.core import EngineCore, EngineCoreOutput, RequestLimits
 from pagoda.engine.core_messages import (
     AddRequests, DebugAnswer, DebugQuery, EngineFailed, EngineReady, EngineStopped, FinishRequests,

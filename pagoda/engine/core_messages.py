@@ -12,7 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from pagoda.core.scheduler import SchedulerStats
+from pagoda.core.scheduler_stats import SchedulerStats
 from pagoda.request import EngineCoreRequest, RequestStatus
 
 

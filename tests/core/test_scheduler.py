@@ -208,7 +208,7 @@ def test_equal_priority_arrival_does_not_preempt():
 
 def test_starvation_guard_ages_old_low_priority_requests():
     sched = make_scheduler(max_num_seqs=1, budget=100)
-    sched.aging_seconds = 10.0
+    sched.order.aging_seconds = 10.0
     now = time.monotonic()
     sched.add_request(req("old-low", 4, max_tokens=2, priority=0, t=now - 60))  # aged 6 levels
     sched.add_request(req("new-mid", 4, max_tokens=2, priority=3, t=now))
