@@ -126,7 +126,7 @@ def _chunks(tokenizer, k: int) -> dict[str, tuple[dict, int]]:
 
 
 def micro_serialization(tokenizer, k: int) -> list[dict]:
-    from pagoda.entrypoints.openai.serving import dumps, sse
+    from pagoda.entrypoints.openai.response_parts import dumps, sse
 
     rows = []
     for name, (obj, tokens) in _chunks(tokenizer, k).items():

@@ -38,8 +38,8 @@ from typing import TYPE_CHECKING
 
 from pagoda.core.kv_cache_manager import KVBlocks, KVCacheManager
 from pagoda.core.prefill_chunks import PrefillChunking, PrefillSlots
-from pagoda.core.scheduler_output import SchedulerOutput
 from pagoda.core.request_order import RequestOrder
+from pagoda.core.scheduler_output import SchedulerOutput
 from pagoda.core.scheduler_stats import SchedulerStats, SpecDecodeCounters, scheduler_stats
 from pagoda.core.stop_conditions import grammar_verdict, stop_verdict
 from pagoda.core.worker_deltas import WorkerDeltas

@@ -10,7 +10,7 @@ import openai
 import pytest
 from server_process import start_server
 
-from pagoda.entrypoints.openai.serving import dumps, sse
+from pagoda.entrypoints.openai.response_parts import dumps, sse
 
 TEXT = "你好，世界。 Emoji: 😀🚀 é"
 

@@ -36,7 +36,8 @@ from pagoda.entrypoints.openai.lifecycle import shutting_down
 from pagoda.entrypoints.openai.middleware import ReleasingStream
 from pagoda.entrypoints.openai.protocol import random_id
 from pagoda.entrypoints.openai.errors import OpenAIError
-from pagoda.entrypoints.openai.serving import Serving, token_logprob_entries
+from pagoda.entrypoints.openai.response_parts import token_logprob_entries
+from pagoda.entrypoints.openai.serving import Serving
 from pagoda.entrypoints.openai.tool_calls import ToolCallStream, ToolChoice
 from pagoda.sampling_params import SamplingParams, StructuredOutputsParams
 from pagoda.security.context import request_context

@@ -15,7 +15,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from pagoda.entrypoints.input_limits import NESTED_TOO_DEEPLY
 from pagoda.entrypoints.openai.errors import OpenAIError
-from pagoda.entrypoints.openai.serving import dumps
+from pagoda.entrypoints.openai.response_parts import dumps
 
 OPEN_PATHS = {"/health", "/version", "/metrics", "/docs", "/openapi.json",
               "/", "/dashboard"}  # the web pages (pagoda/entrypoints/web): they ask for the key themselves

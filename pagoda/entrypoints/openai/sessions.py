@@ -42,7 +42,9 @@ from pagoda.entrypoints.openai.protocol import (
     ChatCompletionRequest, SessionCreateRequest, SessionMessageRequest, describe_validation_errors, now,
 )
 from pagoda.entrypoints.openai.errors import OpenAIError
-from pagoda.entrypoints.openai.serving import Admission, ChatTurn, Serving
+from pagoda.entrypoints.openai.admission import Admission
+from pagoda.entrypoints.openai.chat import ChatTurn
+from pagoda.entrypoints.openai.serving import Serving
 from pagoda.security.context import request_context
 
 logger = logging.getLogger("pagoda.sessions")

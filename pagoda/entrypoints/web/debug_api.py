@@ -16,7 +16,8 @@ from fastapi.responses import StreamingResponse
 
 from pagoda.engine.async_llm import EngineUnavailableError
 from pagoda.entrypoints.openai.errors import OpenAIError
-from pagoda.entrypoints.openai.serving import Serving, sse
+from pagoda.entrypoints.openai.response_parts import sse
+from pagoda.entrypoints.openai.serving import Serving
 
 router = APIRouter()
 
