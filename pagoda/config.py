@@ -31,6 +31,11 @@ from pagoda.worker.kv_cache import GiB, bytes_per_block, cpu_budget_gib
 DETERMINISTIC_DEFAULT = False
 
 
+# Every default is EngineArgs' (the one declaration, CLI option included); the resolved configs
+# below repeat none of them.
+_ARGS = EngineArgs()
+
+
 @dataclass(frozen=True)
 class ModelConfig:
     files: ModelFiles
@@ -50,13 +55,13 @@ class ModelConfig:
 
 @dataclass(frozen=True)
 class CacheConfig:
-    block_size: int = 16
+    block_size: int = _ARGS.block_size
     kv_cache_memory_gib: float | None = None  # CPU budget
-    gpu_memory_utilization: float = 0.9  # CUDA: fraction of free memory after the weights
-    enable_prefix_caching: bool = True
+    gpu_memory_utilization: float = _ARGS.gpu_memory_utilization  # CUDA: fraction of free memory after the weights
+    enable_prefix_caching: bool = _ARGS.enable_prefix_caching
     # Sessions (/v1/sessions): the share of KV blocks their pinned prefixes may hold together,
     # and the tokens one session may pin (None: the whole context).
-    session_kv_fraction: float = 0.5
+    session_kv_fraction: float = _ARGS.session_kv_fraction
     max_session_kv_tokens: int | None = None
     # Separate block tables for sliding-window layers where a model mixes them with global ones
     # (core/kv_cache_groups.py); off: --disable-hybrid-kv-cache-manager
@@ -66,32 +71,32 @@ class CacheConfig:
 
 @dataclass(frozen=True)
 class SchedulerConfig:
-    max_num_seqs: int = 256
-    max_num_batched_tokens: int = 2048
-    aging_seconds: float = 30.0  # waiting this long raises a request's effective priority by one level; 0: off
-    admission_pressure_threshold: float = 0.9  # KV pressure above which admission keeps a block per running request
+    max_num_seqs: int = _ARGS.max_num_seqs
+    max_num_batched_tokens: int = _ARGS.max_num_batched_tokens
+    aging_seconds: float = _ARGS.aging_seconds  # waiting this long raises a request's effective priority by one level; 0: off
+    admission_pressure_threshold: float = _ARGS.admission_pressure_threshold  # KV pressure above which admission keeps a block per running request
     # a prefill chunk this short (fresh too, on the C++ kernels) runs as rows of the paged decode
     # kernel; a longer one takes the flash-style prefill kernel (SDPA on the torch backend)
-    short_chunk_tokens: int = 16
+    short_chunk_tokens: int = _ARGS.short_chunk_tokens
     # vLLM's chunking knobs (core/prefill_chunks.py): a prefill's tokens per step (0: the budget's),
     # how many requests may be mid-prefill at once, and how many of those may be long
-    long_prefill_token_threshold: int = 0
-    max_num_partial_prefills: int = 1
-    max_long_partial_prefills: int = 1
-    policy: str = "priority"  # "priority": priorities and aging order the queues; "fcfs": arrival only
+    long_prefill_token_threshold: int = _ARGS.long_prefill_token_threshold
+    max_num_partial_prefills: int = _ARGS.max_num_partial_prefills
+    max_long_partial_prefills: int = _ARGS.max_long_partial_prefills
+    policy: str = _ARGS.scheduling_policy  # "priority": priorities and aging order the queues; "fcfs": arrival only
 
 
 @dataclass(frozen=True)
 class ParallelConfig:
     """How the model is sharded over ranks (EngineArgs' parallel knobs, resolved)."""
 
-    tensor_parallel_size: int = 1
+    tensor_parallel_size: int = _ARGS.tensor_parallel_size
     backend: str = "uni"  # uni (one rank, in this process), mp (worker processes) or ray
-    nnodes: int = 1
-    node_rank: int = 0
+    nnodes: int = _ARGS.nnodes
+    node_rank: int = _ARGS.node_rank
     master_addr: str = "127.0.0.1"
     master_port: int | None = None  # None: a free port, chosen at start-up
-    timeout_seconds: float = 60.0  # a collective that takes longer fails the engine
+    timeout_seconds: float = _ARGS.distributed_timeout_seconds  # a collective that takes longer fails the engine
 
     @property
     def world_size(self) -> int:
@@ -180,11 +185,11 @@ class EngineConfig:
     scheduler: SchedulerConfig
     parallel: ParallelConfig = ParallelConfig()
     speculative: SpeculativeConfig | None = None
-    seed: int = 0
-    enforce_eager: bool = False
-    compile: bool = False  # torch.compile the model between attention layers (see worker/compiled.py)
+    seed: int = _ARGS.seed
+    enforce_eager: bool = _ARGS.enforce_eager
+    compile: bool = _ARGS.compile  # torch.compile the model between attention layers (see worker/compiled.py)
     deterministic: bool = False  # batch-invariant kernels and layout (see EngineArgs.deterministic)
-    fused_decode: bool = True  # decode batches may take the fused C++ stack (see EngineArgs.fused_decode)
+    fused_decode: bool = _ARGS.fused_decode  # decode batches may take the fused C++ stack (see EngineArgs.fused_decode)
 
 
 def create_engine_config(args: EngineArgs) -> EngineConfig:

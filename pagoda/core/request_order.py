@@ -8,14 +8,14 @@ import operator
 from collections.abc import Callable
 from typing import Any
 
-from pagoda.engine_args import SCHEDULING_POLICIES
+from pagoda.engine_args import SCHEDULING_POLICIES, EngineArgs
 from pagoda.request import Request
 
 _ARRIVAL = operator.attrgetter("arrival_time", "arrival_seq")  # the fcfs order
 
 
 class RequestOrder:
-    def __init__(self, policy: str = "priority", aging_seconds: float = 30.0) -> None:
+    def __init__(self, policy: str = EngineArgs.scheduling_policy, aging_seconds: float = EngineArgs.aging_seconds) -> None:
         if policy not in SCHEDULING_POLICIES:
             raise ValueError(f"scheduling_policy must be one of {', '.join(SCHEDULING_POLICIES)}, got {policy!r}")
         self.policy, self.aging_seconds = policy, aging_seconds

@@ -43,6 +43,7 @@ from pagoda.core.scheduler_output import SchedulerOutput
 from pagoda.core.scheduler_stats import SchedulerStats, SpecDecodeCounters, scheduler_stats
 from pagoda.core.stop_conditions import grammar_verdict, stop_verdict
 from pagoda.core.worker_deltas import WorkerDeltas
+from pagoda.engine_args import EngineArgs
 from pagoda.outputs import ModelRunnerOutput
 from pagoda.request import Request, RequestStatus
 
@@ -67,11 +68,11 @@ class Scheduler:
         max_num_seqs: int,
         max_num_batched_tokens: int,
         max_model_len: int,
-        aging_seconds: float = 30.0,
-        admission_pressure_threshold: float = 0.9,
+        aging_seconds: float = EngineArgs.aging_seconds,
+        admission_pressure_threshold: float = EngineArgs.admission_pressure_threshold,
         spec_disable_by_batch_size: int | None = None,
         spec_lookahead: int = 0,
-        policy: str = "priority",
+        policy: str = EngineArgs.scheduling_policy,
         chunking: PrefillChunking | None = None,
     ) -> None:
         """``spec_lookahead``: KV slots to allocate, where free, after the tokens of a request

@@ -32,10 +32,10 @@ class Setting:
 
     quantization: str | None = None
     num_threads: int | None = None
-    dtype: str = "auto"
+    dtype: str = EngineArgs.dtype
     speculative_config: str | None = None
-    max_num_batched_tokens: int = 2048
-    max_num_seqs: int = 256
+    max_num_batched_tokens: int = EngineArgs.max_num_batched_tokens
+    max_num_seqs: int = EngineArgs.max_num_seqs
 
     @classmethod
     def from_engine_args(cls, args: EngineArgs) -> Setting:
