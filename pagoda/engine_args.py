@@ -66,8 +66,8 @@ class EngineArgs:
         "or a store model's PARAMETERs) for requests that do not set them; vllm ignores it; or a folder "
         "holding a generation_config.json"))
     enforce_eager: bool = field(default=False, metadata=_option("never compile the model (overrides --compile)"))
-    # Off by default: on this project's 2-core AVX2 CPU it measured no faster and costs ~70 s of
-    # compilation (benchmarks/README.md).
+    # Off by default: measured no faster on a 2-core CPU, and compiling takes minutes
+    # (benchmarks/README.md, "torch.compile").
     compile: bool = field(default=False, metadata=_option(
         "torch.compile the model between attention layers (cached in $PAGODA_HOME/inductor; "
         "off by default: measured no faster on a 2-core AVX2 CPU)"))

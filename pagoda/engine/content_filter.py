@@ -126,9 +126,9 @@ def _is_word(ch: str) -> bool:
 def _utf8(text: str) -> str:
     """`text`'s UTF-8 bytes, one character each: the automaton's alphabet. pyahocorasick finds a
     node's child by a linear scan, so a Chinese list (thousands of distinct first characters at
-    the root) cost ~4 µs a character of text; over bytes a node has at most 256 children (a few
-    dozen in practice) and it is ~25x faster. UTF-8 is self-synchronizing: a term's bytes can only
-    match at character boundaries."""
+    the root) was slow; over bytes a node has at most 256 children (a few dozen in practice)
+    (benchmarks/README.md, "Content filter overhead"). UTF-8 is self-synchronizing: a term's bytes
+    can only match at character boundaries."""
     return text.encode("utf-8").decode("latin-1")
 
 

@@ -142,10 +142,9 @@ class ThreadCoreClient(_InboxClient):
     that thread, so that the thread running the model is the only one in the process that ever
     leads an OpenMP team. libgomp cuts every thread's spin after a parallel region to 100
     iterations once a process holds more OpenMP threads than CPUs; a model loaded on the main
-    thread left a second, idle team there (four threads on two cores), so the engine's threads
-    slept and were woken around each of a step's ~200 parallel regions: one stream decoded at
-    87 tok/s against 122 with the engine in its own process (AVX-512 EPYC, 2 cores, quiet;
-    benchmarks/README.md, "One stream through every path")."""
+    thread left a second, idle team there (more threads than cores), so the engine's threads
+    slept and were woken around each of a step's parallel regions, which cost one stream about
+    a third of its speed (benchmarks/README.md, "One stream through every path")."""
 
     def __init__(self, core: EngineCore | EngineConfig, on_outputs: OnOutputs, on_failure: OnFailure,
                  on_answer: OnAnswer | None = None) -> None:

@@ -130,7 +130,7 @@ class LlamaForCausalLM(nn.Module):
         self.shards = plan = ShardPlan.for_rank(cfg, tp)
         self.num_local_kv_heads = plan.num_kv_heads  # the KV cache holds these heads
         # Built on the meta device and filled from the files: `_weight` skips nn.Embedding's random
-        # init, whose normal_ on meta imports torch._dynamo (~1.5 s of every start).
+        # init, whose normal_ on meta imports torch._dynamo (a second of every start).
         self.embed_tokens = nn.Embedding(plan.vocab_per_rank, cfg.hidden_size,
                                          _weight=torch.empty(plan.vocab_per_rank, cfg.hidden_size))
         self.layers = self._build_layers(cfg, hf_config, max_position, plan, tp)

@@ -101,10 +101,10 @@ class ModelRunner:
     # attention is then computed the same way whether it is a decode, in a fresh prompt, after a
     # cache hit or in any chunk (the paged kernel tiles a chunk's rows without changing a row's
     # sums), and a batch of decode-like rows only runs as one C++ call (models/decode_stack.py).
-    # With the C++ kernels a short fresh prompt runs so too: a burst of 128-token prompts spends
-    # half the attention time of one causal SDPA call per prompt (16 x 128 tokens, SmolLM2's
-    # heads: 232 -> 115 ms for 30 layers on the AVX2 EPYC; even at 512 tokens, slower past it),
-    # and a step of decodes and short prompts stays one C++ call. The torch backend would gather
+    # With the C++ kernels a short fresh prompt runs so too: up to a few hundred tokens the paged
+    # kernel's rows take about half the attention time of one causal SDPA call per prompt
+    # (benchmarks/README.md, "short prompts as decode rows"), and a step of decodes and short
+    # prompts stays one C++ call. The torch backend would gather
     # every row's blocks, so there only a cached prefix's chunk does.
     def _decode_like(self, counts: np.ndarray, starts: np.ndarray) -> np.ndarray:
         if self.deterministic:
