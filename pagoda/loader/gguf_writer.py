@@ -187,7 +187,7 @@ def _add_moe_metadata(writer, config: dict) -> None:
     """Expert counts and sizes under llama.cpp's keys. llama.cpp runs every layer sparse and
     hard-codes each family's renormalization: a model that departs is refused (dense layers) or
     written with a warning (``expert_weights_norm`` says what pagoda does; llama.cpp may not read it)."""
-    from pagoda.loader.gguf import LLAMA_CPP_RENORMALIZES  # deferred: loads gguf, torch
+    from pagoda.loader.gguf_config import LLAMA_CPP_RENORMALIZES  # deferred: loads gguf
     from pagoda.models.moe import num_experts, sparse_layers  # deferred: loads torch
 
     model_type = config["model_type"]

@@ -105,7 +105,7 @@ def _weights(files: ModelFiles, hf_config: dict, keep_quantized: bool = False, n
 
         return open_encrypted_weights(files, hf_config, keep_quantized=keep_quantized, narrow=narrow)
     if files.gguf_file is not None:
-        from pagoda.loader.gguf import iter_gguf_weights  # deferred: loads gguf
+        from pagoda.loader.gguf_weights import iter_gguf_weights  # deferred: loads gguf
 
         return iter_gguf_weights(files.gguf_file, hf_config, keep_quantized=keep_quantized, narrow=narrow)
 

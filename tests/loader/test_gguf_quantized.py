@@ -19,7 +19,9 @@ from pagoda.layers.quantization import (
     int4_from_packed,
     stacked_blocks,
 )
-from pagoda.loader.gguf import GGUFPackedWeight, iter_gguf_weights, load_gguf_model_dir
+from pagoda.loader.gguf_model_dir import load_gguf_model_dir
+from pagoda.loader.gguf_packed_weight import GGUFPackedWeight
+from pagoda.loader.gguf_weights import iter_gguf_weights
 from pagoda.loader.model_loader import load_model
 from pagoda.loader.resolve import resolve_model
 

@@ -196,10 +196,10 @@ def test_gguf_writer_refuses_what_llama_cpp_would_run_differently(gemma_dir, tmp
 
 
 def test_registry_and_gguf_share_one_table():
-    from pagoda.loader import gguf, gguf_writer
+    from pagoda.loader import gguf_config, gguf_writer
     from pagoda.models import architectures, registry
 
-    assert set(gguf.SUPPORTED_ARCHITECTURES) == set(registry.GGUF_ARCHITECTURES) == {
+    assert set(gguf_config.SUPPORTED_ARCHITECTURES) == set(registry.GGUF_ARCHITECTURES) == {
         "llama", "qwen2", "qwen3", "gemma3", "phi3", "qwen2moe", "qwen3moe", "olmoe"}
     assert architectures.GGUF_EXPERT_ARCHITECTURES == {"llama": ("MixtralForCausalLM", "mixtral")}
     assert set(registry.GGUF_ARCHITECTURES.values()) <= set(registry.MODEL_REGISTRY)
