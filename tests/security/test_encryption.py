@@ -347,7 +347,8 @@ def test_an_encrypted_models_repacked_weights_never_reach_the_disk(work, key_fil
     from tiny_models import make_tiny_hf_model
 
     from pagoda.layers.superblocks import SuperBlockLinear
-    from pagoda.loader.gguf_writer import _hf_tensors, write_gguf
+    from pagoda.loader.gguf_writer import write_gguf
+    from pagoda.loader.gguf_writer_tensors import _hf_tensors
 
     hf = make_tiny_hf_model("llama", work / "hf-256", hidden_size=256, intermediate_size=512, head_dim=64,
                             tie_word_embeddings=True)
