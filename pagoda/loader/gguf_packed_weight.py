@@ -9,7 +9,7 @@ import torch
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 from gguf.quants import dequantize
 
-from pagoda.layers.quantization import PackedWeight
+from pagoda.layers.stored_weights import PackedWeight
 
 
 # GGUF types kept as stored under ``--quantization gguf``: ggml's blocks of 32, which pagoda's block
