@@ -26,8 +26,8 @@ from datetime import datetime
 from typing import TYPE_CHECKING
 
 from pagoda.bench import datasets
-from pagoda.bench.metrics import (DEFAULT_PERCENTILES, RequestResult, percentile,
-                                 spec_summary, summarize)
+from pagoda.bench.latency_stats import (DEFAULT_PERCENTILES, RequestResult, percentile,
+                                       spec_summary, summarize)
 from pagoda.bench.servers import scrape_spec_decode
 
 if TYPE_CHECKING:

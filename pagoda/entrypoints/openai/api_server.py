@@ -56,7 +56,7 @@ def build_app(engine: AsyncLLM, served_model_names: list[str], *, api_key: str |
               metric_families=None, web_ui: bool = True) -> FastAPI:
     """The app of one served model. Several models (pagoda serve --model A --model B) get one
     app each, behind the dispatcher of pagoda/entrypoints/model_dispatch.py, with one shared
-    `metric_families` (pagoda/metrics.py)."""
+    `metric_families` (pagoda/entrypoints/prometheus.py)."""
     app = FastAPI(title="pagoda", version=__version__, default_response_class=FastJSONResponse, docs_url=None)
     install_api_docs(app)  # the vendored Swagger UI: /docs works offline
     serving = Serving(engine, served_model_names, max_queue_len,
@@ -297,7 +297,7 @@ def _several_models_settings(args):
 
 def _several_models_app(args, specs, settings, api_key: str | None):
     """The front app of several models and their pool (pagoda/entrypoints/model_dispatch.py)."""
-    from pagoda.metrics import MetricFamilies  # deferred: loads prometheus_client
+    from pagoda.entrypoints.prometheus import MetricFamilies  # deferred: loads prometheus_client
 
     families = MetricFamilies()
     budget, max_loaded, load_timeout = settings
