@@ -21,7 +21,7 @@ from pagoda.models.architectures import GGUF_ARCHITECTURES, GGUF_EXPERT_ARCHITEC
 
 logger = logging.getLogger(__name__)
 
-# general.architecture → (HF class, HF model_type): the table the model registry is built from
+# general.architecture → (HF class, HF model_type): the table models/model_classes.py is built from
 # (models/architectures.py). "llama" covers Llama 2/3, Mistral and SmolLM2.
 _HF_ARCHITECTURES: dict[str, tuple[str, str]] = GGUF_ARCHITECTURES
 SUPPORTED_ARCHITECTURES: tuple[str, ...] = tuple(_HF_ARCHITECTURES)

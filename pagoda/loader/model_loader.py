@@ -18,7 +18,7 @@ from pagoda.loader.encrypted_model import open_encrypted_weights
 from pagoda.loader.repacked_cache import RepackCache, cache_directory
 from pagoda.loader.model_files import ModelFiles
 from pagoda.loader.safetensors import iter_safetensors_weights
-from pagoda.models.registry import resolve_architecture
+from pagoda.models.model_classes import resolve_architecture
 from pagoda.heap import release_freed_memory
 from pagoda.platform import available_memory_bytes
 
