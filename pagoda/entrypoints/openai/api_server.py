@@ -35,7 +35,7 @@ from pagoda.entrypoints.openai.protocol import (
 from pagoda.entrypoints.openai.error_handlers import install_error_handlers
 from pagoda.entrypoints.openai.errors import OpenAIError
 from pagoda.entrypoints.openai.serving import Serving
-from pagoda.entrypoints.openai.sessions import SessionStore
+from pagoda.entrypoints.openai.chat_sessions import ChatSessionStore
 from pagoda.executor.multiproc import run_headless
 from pagoda.loader.catalog import catalog_aliases
 from pagoda.security import tls
@@ -70,7 +70,7 @@ def build_app(engine: AsyncLLM, served_model_names: list[str], *, api_key: str |
     serving.moderation = ServerModeration.from_args(moderation_words, moderation_action,
                                                     serving.metrics.content_filter_hit)
     app.state.lifecycle = lifecycle = Lifecycle()
-    app.state.sessions = sessions = SessionStore(serving, session_ttl, max_sessions)
+    app.state.sessions = sessions = ChatSessionStore(serving, session_ttl, max_sessions)
     app.router.on_startup.append(sessions.start)
     app.router.on_shutdown.append(sessions.stop)
 
@@ -144,7 +144,7 @@ def build_app(engine: AsyncLLM, served_model_names: list[str], *, api_key: str |
     async def chat_completions(body: ChatCompletionRequest, request: Request):
         return await respond(serving.chat, body, request)
 
-    # -- sessions: the history kept here, each turn computing only its new tokens (sessions.py)
+    # -- sessions: the history kept here, each turn computing only its new tokens (chat_sessions.py)
     @app.post("/v1/sessions")
     async def create_session(body: SessionCreateRequest, request: Request):
         _check_alive()
