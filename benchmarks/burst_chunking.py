@@ -108,7 +108,7 @@ def run_burst(engine, budget: int, threshold: int, burst: int, streams: int, out
 
 
 def _pct(values: list[float], q: float) -> float:
-    from pagoda.bench.metrics import percentile
+    from pagoda.bench.latency_stats import percentile
 
     return percentile(values, q)
 

@@ -78,7 +78,7 @@ def _agreement(a: list[int], b: list[int]) -> int:
 
 
 def compare(model: str, ns: argparse.Namespace) -> dict:
-    from pagoda.loader.gguf import load_gguf_model_dir
+    from pagoda.loader.gguf_model_dir import load_gguf_model_dir
     from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(str(load_gguf_model_dir(Path(model))))

@@ -81,7 +81,7 @@ def _layers(w, modes: list[str]) -> dict:
 
     from pagoda.layers import ggml_blocks
     from pagoda.layers.ggml_blocks import BlockLinear
-    from pagoda.layers.quantization import Int4Linear, Int8Linear
+    from pagoda.layers.torch_int_linears import Int4Linear, Int8Linear
 
     wb = w.bfloat16()
     makers = {

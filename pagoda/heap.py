@@ -6,10 +6,9 @@ is a fresh tensor. glibc's malloc hands memory back to the kernel when more than
 lies free at the top of its heap, and serves requests above M_MMAP_THRESHOLD with their own
 mmap, unmapped on free; both thresholds start at 128 KiB and move with what the program frees.
 When a step's tensors were all freed at its end the heap was trimmed, and the next step faulted
-every page in again, the kernel zeroing each one first: on the AVX2 EPYC (2 cores) removing one
-12.6 MB allocation from each layer (the fused down projection) moved that balance so that page
-faults took ~12 % of a 64 x 128-token prefill's samples and the prefill went from 7.0-7.7 s to
-8.5-11 s; with the thresholds below it took 6.8-7.2 s (benchmarks/README.md, "The AVX2-only EPYC, the evening").
+every page in again, the kernel zeroing each one first: removing one allocation from each layer
+(the fused down projection) moved that balance so far that a long prefill got markedly slower,
+and the thresholds below won it back (benchmarks/README.md, "The AVX2-only EPYC, the evening").
 
 So a CPU engine fixes both thresholds (which also stops glibc moving them): allocations up to
 32 MiB, the most glibc accepts, come from the heap, and up to 512 MiB of free memory stays in it.

@@ -1,23 +1,21 @@
 """How long torch's OpenMP worker threads spin after their work, set for `pagoda serve`.
 
 torch's CPU kernels and pagoda's run on libgomp's thread team. When a parallel region ends, its
-threads spin for GOMP_SPINCOUNT iterations of `pause` before they sleep: 300,000 by default, which
-is ~15-20 ms on a CPU whose `pause` is slow (~140 cycles on Sapphire Rapids), so while a model
-decodes they never sleep. libgomp cuts the spin to 100 iterations by itself when a process has
-more OpenMP threads than CPUs: so it was while the server loaded the model on its main thread and
-ran it on the engine thread (two teams), and every parallel region of a step ended in a sleep and
-a wake-up (one stream 87 tok/s against 136 once the engine thread builds its own core, quiet AVX-512
-EPYC: engine/core_client.py). A process with one team leader (the server, whose engine thread
-builds and runs the model; `--engine-process`, `--data-parallel-size` replicas, LLM.generate)
-gets the full spin, and on cores shared with the event loop, the client and other programs a
-spinning thread holds a core that the thread it waits for needs: one stream through
-`--engine-process` fell to 2.8 tok/s where the engine thread gave 19.9 (2 cores, load average ~9,
-benchmarks/README.md, "One stream through every path"). A spin of a few hundred iterations
-still bridges the microseconds between two kernels of a step, then gives the core back.
+threads spin for GOMP_SPINCOUNT iterations of `pause` before they sleep: 300,000 by default, long
+enough on a CPU whose `pause` is slow that while a model decodes they never sleep. libgomp cuts the
+spin to 100 iterations by itself when a process has more OpenMP threads than CPUs: so it was while
+the server loaded the model on its main thread and ran it on the engine thread (two teams), and
+every parallel region of a step ended in a sleep and a wake-up (engine/core_client.py;
+benchmarks/README.md, "On a quiet AVX-512 EPYC: the engine thread's second OpenMP team"). A
+process with one team leader (the server, whose engine thread builds and runs the model;
+`--engine-process`, `--data-parallel-size` replicas, LLM.generate) gets the full spin, and on cores
+shared with the event loop, the client and other programs a spinning thread holds a core that the
+thread it waits for needs, which slows one stream several times over (benchmarks/README.md, "One
+stream through every path"). A spin of a few hundred iterations still bridges the microseconds
+between two kernels of a step, then gives the core back.
 
 On a quiet machine the short spin costs more than it saves: every region that a worker sleeps
-through ends in a futex wake-up. On a quiet AVX-512 EPYC (2 cores, 2026-12-02) the full spin
-served one stream at 100.6 tok/s against 70.5 with 500, and 64 streams at 454-561 against 403-460
+through ends in a futex wake-up, so the full spin serves one stream and many faster
 (benchmarks/README.md, "The OpenMP spin on a quiet machine"). So the server looks at the machine as
 it starts: with a 1-minute load average under QUIET_LOAD_SHARE of its CPUs, and one engine team
 on the cores (no data-parallel replicas or tensor-parallel ranks sharing them), it keeps the full

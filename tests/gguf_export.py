@@ -9,7 +9,8 @@ from __future__ import annotations
 from collections.abc import Callable
 from pathlib import Path
 
-from pagoda.loader.gguf_writer import WRITABLE_QTYPES, quantize_weight, write_gguf
+from pagoda.loader.gguf_writer import write_gguf
+from pagoda.loader.gguf_writer_tensors import WRITABLE_QTYPES, quantize_weight
 
 EXPORT_QTYPES = WRITABLE_QTYPES
 __all__ = ["EXPORT_QTYPES", "export_gguf", "quantize_weight"]

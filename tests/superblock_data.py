@@ -8,7 +8,7 @@ from __future__ import annotations
 import numpy as np
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 
-from pagoda.loader.gguf_writer import BlockTensor
+from pagoda.loader.gguf_writer_tensors import BlockTensor
 
 TYPES = ("Q4_K", "Q5_K", "Q6_K", "IQ4_XS", "IQ4_NL", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0")
 TYPE_IDS = {name: int(GGMLQuantizationType[name]) for name in TYPES}

@@ -15,7 +15,7 @@ def test_every_variable_the_package_names_is_declared_in_envs():
     named = set()
     for path in (ROOT / "pagoda").rglob("*.py"):
         named |= set(re.findall(r"\bPAGODA_[A-Z0-9_]+\b", path.read_text()))
-    named -= {"PAGODA_CONTENT_MARK"}  # a placeholder written into a chat template (lang/backend.py), not a variable
+    named -= {"PAGODA_CONTENT_MARK"}  # a placeholder written into a chat template (lang/endpoint.py), not a variable
     assert named - set(envs.VARIABLES) == set()
 
 

@@ -7,7 +7,7 @@
   Poisson arrivals, streaming; TTFT, TPOT, ITL and end-to-end latency percentiles, goodput under
   SLOs, and a concurrency sweep that finds the largest concurrency meeting the SLOs and plots it.
 
-Modules: ``datasets`` (what to send), ``metrics`` (percentiles, goodput), ``throughput``,
+Modules: ``datasets`` (what to send), ``latency_stats`` (percentiles, goodput), ``throughput``,
 ``serve``, ``sweep``, ``plots`` (matplotlib, the ``bench`` extra), ``baselines`` (transformers,
 llama.cpp).
 """

@@ -38,7 +38,7 @@ def load_transformers_model(model: str, dtype):
     files = resolve_model(model)
     config = transformers.AutoConfig.from_pretrained(files.metadata_dir)
     if files.gguf_file is not None:
-        from pagoda.loader.gguf import iter_gguf_weights  # deferred: loads gguf, numpy, torch
+        from pagoda.loader.gguf_weights import iter_gguf_weights  # deferred: loads gguf, numpy, torch
 
         hf_model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
         hf_model.load_state_dict(dict(iter_gguf_weights(files.gguf_file, files.hf_config())), strict=False)

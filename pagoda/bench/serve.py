@@ -26,8 +26,8 @@ from datetime import datetime
 from typing import TYPE_CHECKING
 
 from pagoda.bench import datasets
-from pagoda.bench.metrics import (DEFAULT_PERCENTILES, RequestResult, percentile,
-                                 spec_summary, summarize)
+from pagoda.bench.latency_stats import (DEFAULT_PERCENTILES, RequestResult, percentile,
+                                       spec_summary, summarize)
 from pagoda.bench.servers import scrape_spec_decode
 
 if TYPE_CHECKING:
@@ -38,9 +38,8 @@ def _aiohttp():
     """aiohttp, imported on use (it is one of pagoda's dependencies; `pagoda --help` need not load it).
 
     The load generator shares the machine with the server it measures, so its own CPU counts:
-    measured against pagoda serve on 2 cores, httpx's streaming (h11, a pure-Python HTTP parser,
-    under anyio) took 1.7 ms of CPU a chunk at one stream and 0.11 ms at 64, aiohttp's (a C
-    parser) 0.3 and 0.035 ms (benchmarks/README.md, "The load generator's own cost")."""
+    httpx's streaming (h11, a pure-Python HTTP parser, under anyio) costs several times the CPU a
+    chunk of aiohttp's (a C parser) (benchmarks/README.md, "The load generator's own cost")."""
     try:
         import aiohttp  # optional: aiohttp may be absent
     except ImportError:

@@ -7,7 +7,7 @@ import asyncio
 import sys
 
 from pagoda.bench import datasets, serve, sweep
-from pagoda.bench.metrics import format_summary, parse_slos
+from pagoda.bench.latency_stats import format_summary, parse_slos
 
 
 def main(ns: argparse.Namespace) -> int:

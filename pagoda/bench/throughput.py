@@ -25,7 +25,7 @@ import time
 
 from pagoda import SamplingParams
 from pagoda.bench import baselines, datasets
-from pagoda.bench.metrics import format_spec, spec_from_stats, spec_summary
+from pagoda.bench.latency_stats import format_spec, spec_from_stats, spec_summary
 from pagoda.bench.serve import environment, loadavg, save_json
 from pagoda.tokenizer import Tokenizer
 

@@ -21,7 +21,7 @@ See examples/restaurant_booking.py.
 
 from pagoda.dialogue.nlu import NLU, Understanding
 from pagoda.dialogue.policy import Action, DialogueState, StateTable, answer, ask, complete, say
-from pagoda.dialogue.session import Dialogue, DialogueSession, Turn, Usage
+from pagoda.dialogue.dialogue_session import Dialogue, DialogueSession, Turn, Usage
 from pagoda.dialogue.slots import Candidate, Slot
 from pagoda.dialogue.topics import Frame, Topic, TopicStack
 

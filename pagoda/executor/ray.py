@@ -6,8 +6,7 @@ bundle per actor (a GPU each on CUDA, else an equal share of the engine node's C
 as few nodes as will hold them. Ray places and starts the ranks; they join the group at a
 ``TCPStore`` served by rank 0 on this node, and from then on calls take the mp backend's path:
 rank 0 broadcasts each one to the actors' serve loops, then runs it. (A Ray task per call would
-cost about as much as a small model's step: measured on 2 cores, ~1.2-1.9 ms a round trip,
-against ~0.06 ms for the broadcast.)
+cost about as much as a small model's step, many times the broadcast: benchmarks/code_notes.md.)
 
 Each actor runs one long task: build its Worker, then serve until rank 0 says "shutdown". A
 watcher thread waits on those tasks: one that ends before then (the actor died, or raised while

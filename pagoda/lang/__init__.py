@@ -16,7 +16,7 @@
 Programs run on the in-process engine (`Engine`) or a pagoda server (`Endpoint(url)`).
 """
 
-from pagoda.lang.backend import Endpoint, Engine, Generated
+from pagoda.lang.endpoint import Endpoint, Engine, Generated
 from pagoda.lang.ir import Gen, assistant, gen, select, system, user
 from pagoda.lang.program import Program, function, set_default_backend
 from pagoda.lang.state import Forks, ProgramState

@@ -23,7 +23,7 @@ import json
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
-from pagoda.lang.backend import Generated
+from pagoda.lang.endpoint import Generated
 from pagoda.lang.ir import Gen, Role
 
 # A JSON string's characters, then its closing quote: lets a free gen inside a dict end itself.

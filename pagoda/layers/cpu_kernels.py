@@ -5,8 +5,8 @@ PAGODA_DISABLE_KERNELS=1 forces that fallback.
 
 The kernels pick their instruction-set paths at compile time (#ifdef __AVX512VNNI__ ...), so the
 build's -march decides them. By default that is -march=native: every extension this CPU has, so
-block_matmul takes its widest path (on the Sapphire Rapids measured, avx512-vnni was the fastest:
-benchmarks/README.md, "Matmul kernels").
+block_matmul takes its widest path, which measured the fastest (benchmarks/README.md, "Matmul
+kernels: peaks and every route side by side").
 PAGODA_KERNEL_ISA names another level (``ISA_LEVELS``: avx512-vnni, avx-vnni, avx2, scalar),
 built into a directory of its own; the tests use it to run the fallback paths on a machine that
 would never take them."""
@@ -104,9 +104,9 @@ def build_directory(level: str = "native", sources: tuple[str, ...] = _SOURCES) 
 
 _LIBRARY = "pagoda_cpu_kernels"
 # Every source includes these torch headers, and parsing them is most of a small file's compile
-# time (~14 s of decode_layers.cpp's 18 s on the AVX2 EPYC). A build writes them into this file in
-# its build directory, compiles that once into a GCC precompiled header (.gch) beside it, and gives
-# the file to every source with -include (GCC then reads the .gch).
+# time (benchmarks/README.md, "Kernel build time and the test suite's length"). A build writes
+# them into this file in its build directory, compiles that once into a GCC precompiled header
+# (.gch) beside it, and gives the file to every source with -include (GCC then reads the .gch).
 _TORCH_HEADERS = "torch_headers.h"
 _TORCH_HEADERS_TEXT = "#include <ATen/ATen.h>\n#include <ATen/Parallel.h>\n#include <torch/library.h>\n"
 

@@ -1,8 +1,9 @@
 """`--dtype auto` on a CPU: float32 or bfloat16, whichever this CPU runs faster, measured.
 
-A CPU's flags do not say which is faster: on a Sapphire Rapids (AMX) bf16 matmuls are ~3x fp32's
-from 16 rows, but at one row (a single stream's decode) oneDNN's bf16 path is slower than
-pagoda's fp32 kernel; on an AVX2-only CPU bf16 is emulated and slower everywhere. So the first
+A CPU's flags do not say which is faster: with AMX, bf16 matmuls are several times fp32's from a
+few rows, but at one row (a single stream's decode) oneDNN's bf16 path is slower than pagoda's
+fp32 kernel; on an AVX2-only CPU bf16 is emulated and slower everywhere (benchmarks/README.md,
+"`--dtype auto` is measured"). So the first
 start on a CPU times the two at the shapes of a small model's projections, at 1 row (one
 stream's decode) and at 64 rows (a batch, a prefill chunk's slice), on one thread (threads that
 other processes preempt make timings noise), and chooses bf16 only where it is at least 10 %

@@ -3,8 +3,9 @@
 **Tiles** (``block_repack_tiles``, csrc/block_gemm_tiles.cpp): the codes of 16 weight rows side
 by side, 4 elements a 32-bit lane, so that one ``vpdpbusd`` (or AVX2's maddubs + madd pair)
 advances 16 outputs. ``block_matmul`` given that copy runs it at every row count, from one
-stream's decode to a prefill chunk (on an AVX-512 EPYC 1.3-4.6x the other routes at SmolLM2's
-shapes, benchmarks/README.md), and the copy takes the blocks' own bytes.
+stream's decode to a prefill chunk, faster than the other routes (benchmarks/README.md, "On the
+AVX-512 EPYC: the tile GEMM on repacked blocks, attention key stretches"), and the copy takes the
+blocks' own bytes.
 
 **bf16** (where the build's many-row route is oneDNN's bf16 GEMM: AVX512-BF16 or AMX): the weight
 dequantized to bf16 as ``block_matmul`` dequantizes it and reordered into oneDNN's layout
@@ -21,10 +22,10 @@ available when the model has loaded (and not with ``PAGODA_PACK_WEIGHTS=0``).
 
 Float32 weights get the same treatment where it measures faster (``pack_float_linears``): from 33
 rows ``pagoda::linear`` hands a GEMM to a library, by default MKL's sgemm, which on AMD CPUs runs
-its AVX2 code (measured on an AVX-512 EPYC: ~95 GFLOP/s a thread at SmolLM2's shapes, against
-oneDNN's ~230 on the same fp32 weights reordered once). Whether oneDNN wins is measured on the
-first start on a kind of CPU (``float_packing_pays``, kept beside the kernel build), not read from
-the vendor: on a Sapphire Rapids the two were within ~10 %. The copy costs 4 bytes a weight, under
+its AVX2 code, far below oneDNN on the same fp32 weights reordered once (benchmarks/README.md,
+"fp32 against transformers on an AVX-512 EPYC"). Whether oneDNN wins is measured on the first
+start on a kind of CPU (``float_packing_pays``, kept beside the kernel build), not read from the
+vendor: on an Intel CPU the two can be close. The copy costs 4 bytes a weight, under
 the same memory rule; rows up to 32, and every row count under deterministic inference, keep
 ``pagoda::linear``'s own kernel on the plain weight, so one stream's decode is unchanged.
 """

@@ -3,43 +3,39 @@
 Where pagoda's compiled CPU kernels load (the usual case), every mode stores ggml's blocks of 32
 and multiplies them with ``torch.ops.pagoda.block_matmul`` (pagoda/layers/ggml_blocks.py):
 ``int8`` → Q8_0, ``int4`` → Q4_1, ``gguf`` → the file's Q4_0 / Q4_1 / Q8_0 blocks byte for byte,
-and the output head (with a tied embedding) in Q8_0, or as the GGUF stores it. The rest of this
-module is the fallback on torch's own CPU kernels, used when no compiler is available:
+and the output head (with a tied embedding) in Q8_0, or as the GGUF stores it. Where no compiler
+is available, the layers run on torch's own CPU kernels instead (torch_int_linears.py).
 
 Three modes (``--quantization``):
 
-- ``int8``: symmetric per-output-channel int8, ``w = q * scale``, q in [-128, 127]; the matmul is
-  ``aten._weight_int8pack_mm``.
-- ``int4``: asymmetric group-wise int4 (groups of ``INT4_GROUP_SIZE`` along the input dimension),
-  ``w = (q - 8) * scale + zero``, q in [0, 15]; the weight is packed by
-  ``aten._convert_weight_to_int4pack_for_cpu`` and the matmul is ``aten._weight_int4pack_mm_for_cpu``.
-- ``gguf``: a GGUF's Q4_0 / Q4_1 weights kept as they are stored. Both are int4 in groups of 32,
-  ``Q4_0: w = d * (q - 8)`` and ``Q4_1: w = d * q + m``, so they map onto the int4 kernel's layout
-  with ``scale = d`` and ``zero = 0`` (Q4_0) or ``zero = m + 8 d`` (Q4_1): the codes are copied, never
-  re-quantized.
+- ``int8``: symmetric per-output-channel int8 (torch's kernels: ``Int8Linear``, torch_int_linears.py).
+- ``int4``: asymmetric group-wise int4 in groups of 32 (torch's kernels: ``Int4Linear``).
+- ``gguf``: a GGUF's weights kept as they are stored (stored_weights.py): blocks for pagoda's
+  kernels; on torch's, Q4_0 / Q4_1 as ``Int4Linear`` groups, the codes copied, never re-quantized.
 
-The kernels' activation dtype (``compute_dtype``) is bf16: on this kind of CPU (AVX2, no AMX) their
-fp32 and fp16 paths run 10-60x slower than an fp32 ``nn.Linear``, while the bf16 path beats it at
-batch 1 (benchmarks/README.md). A layer therefore casts its input to bf16 and its output back to the
-model's dtype; the scales live in bf16 too, as the kernels require. With ``compute_dtype=float32``
-the same layers compute exactly with the stored values (slowly), which is how the tests check that
-a repacked GGUF weight is the dequantized weight bit for bit.
+``quantize_linears`` replaces a built model's projections (and the output head) with those layers.
 """
 
 from __future__ import annotations
 
 import logging
-from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
 
 from pagoda.layers import ggml_blocks, half_weights, superblocks
-from pagoda.layers.backend import current_backend
 from pagoda.layers.ggml_blocks import BlockEmbedding, BlockLinear
-from pagoda.layers.half_weights import HalfEmbedding, HalfLinear
-from pagoda.layers.superblocks import SuperBlockEmbedding, SuperBlockLinear
+from pagoda.layers.half_weights import HalfEmbedding
+from pagoda.layers.stored_weights import (
+    PackedWeight,
+    block_kernels_available,
+    block_linear,
+    int4_from_packed,
+    stacked_blocks,
+)
+from pagoda.layers.superblocks import SuperBlockEmbedding
+from pagoda.layers.torch_int_linears import COMPUTE_DTYPE, INT4_GROUP_SIZE, Int4Linear, Int8Embedding, Int8Linear
 
 if TYPE_CHECKING:
     from pagoda.loader.repacked_cache import RepackCache
@@ -47,250 +43,11 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 QUANTIZATION_MODES = ("int8", "int4", "gguf")
-INT4_GROUP_SIZE = 32
-COMPUTE_DTYPE = torch.bfloat16  # the kernels' only fast activation dtype on CPU
 # The projections that get quantized; the embedding, lm_head and norms stay in the model dtype.
 QUANTIZED_LINEARS = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")
 # int8/int4 modes: also the output head (and a tied embedding). None: yes (Q8_0) with the block
 # kernels, no with torch's kernels (their int8 head loses to the float one at batch 64).
 QUANTIZE_LM_HEAD: bool | None = None
-
-
-class PackedWeight:
-    """A weight handed over by a loader in a stored quantized form (e.g. GGUF blocks).
-
-    Where ``int4_exact`` is true, ``int4_groups`` gives that form exactly as int4 codes with a scale
-    and zero per group of ``INT4_GROUP_SIZE`` (``w = (q - 8) * scale + zero``); ``dequantize`` gives
-    the float32 weight in every case.
-    """
-
-    shape: tuple[int, ...]
-    int4_exact: bool = False
-
-    def dequantize(self) -> torch.Tensor:
-        raise NotImplementedError
-
-    ggml_block_type: int | None = None  # one of ggml_blocks' types when the stored form is one
-
-    def ggml_blocks(self) -> torch.Tensor:
-        """The stored blocks, uint8 [rows, bytes per row] (only where ``ggml_block_type`` is set)."""
-        raise ValueError(f"{type(self).__name__} holds no ggml blocks")
-
-    def int4_groups(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        raise ValueError(f"{type(self).__name__} has no exact int4 form")
-
-    def rows(self, start: int, stop: int) -> PackedWeight:
-        """Output rows ``start:stop`` in the same stored form (a fused checkpoint tensor's parts)."""
-        raise ValueError(f"{type(self).__name__} cannot be cut into rows")
-
-
-def _matmul_input(x: torch.Tensor, in_features: int, compute_dtype: torch.dtype) -> torch.Tensor:
-    return x.reshape(-1, in_features).to(compute_dtype)
-
-
-def _finish(y: torch.Tensor, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    y = y.to(x.dtype)
-    if bias is not None:
-        y = y + bias
-    return y.reshape(*x.shape[:-1], y.shape[-1])
-
-
-class Int8Linear(nn.Module):
-    """``y = x @ (q * scale).T + bias`` with ``aten._weight_int8pack_mm``."""
-
-    def __init__(self, qweight: torch.Tensor, scales: torch.Tensor, bias: torch.Tensor | None = None) -> None:
-        super().__init__()
-        self.out_features, self.in_features = qweight.shape
-        self.register_buffer("qweight", qweight.contiguous())
-        self.register_buffer("scales", scales.contiguous())
-        self.register_buffer("bias", bias)
-
-    @property
-    def compute_dtype(self) -> torch.dtype:
-        return self.scales.dtype
-
-    @classmethod
-    def from_float(cls, weight: torch.Tensor, bias: torch.Tensor | None = None,
-                   compute_dtype: torch.dtype = COMPUTE_DTYPE) -> Int8Linear:
-        w = weight.detach().float()
-        # Round the scale to the kernel's dtype first, then the codes against it: the layer
-        # computes with exactly q * scale, no second rounding of the scale.
-        scales = (w.abs().amax(dim=1) / 127.0).clamp(min=1e-8).to(compute_dtype)
-        q = torch.round(w / scales.float()[:, None]).clamp_(-128, 127).to(torch.int8)
-        return cls(q, scales, None if bias is None else bias.detach())
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = torch.ops.aten._weight_int8pack_mm(_matmul_input(x, self.in_features, self.compute_dtype),
-                                               self.qweight, self.scales)
-        return _finish(y, x, self.bias)
-
-    def dequantize(self) -> torch.Tensor:
-        """The float32 weight this layer multiplies by."""
-        return self.qweight.float() * self.scales.float()[:, None]
-
-    def extra_repr(self) -> str:
-        return f"in_features={self.in_features}, out_features={self.out_features}, int8 per channel, {self.compute_dtype}"
-
-
-class Int8Embedding(nn.Module):
-    """An embedding table stored as int8 rows with one scale per row (the layout of an Int8Linear
-    over the same table, so a tied output head shares the tensors)."""
-
-    def __init__(self, qweight: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype) -> None:
-        super().__init__()
-        self.num_embeddings, self.embedding_dim = qweight.shape
-        self.dtype = dtype
-        self.register_buffer("qweight", qweight)
-        self.register_buffer("scales", scales)
-
-    def forward(self, ids: torch.Tensor) -> torch.Tensor:
-        return self.qweight[ids].to(self.dtype) * self.scales[ids].to(self.dtype).unsqueeze(-1)
-
-
-class Int4Linear(nn.Module):
-    """``y = x @ W.T + bias`` with W int4 in groups: ``w = (q - 8) * scale + zero``,
-    via ``aten._weight_int4pack_mm_for_cpu``."""
-
-    def __init__(self, packed: torch.Tensor, scales_and_zeros: torch.Tensor, group_size: int,
-                 bias: torch.Tensor | None = None) -> None:
-        super().__init__()
-        self.out_features = packed.shape[0]
-        self.in_features = packed.shape[1] * 2
-        self.group_size = group_size
-        self.register_buffer("qweight", packed)  # uint8 [N, K/2], the kernel's own layout
-        self.register_buffer("scales_and_zeros", scales_and_zeros)  # [K/G, N, 2]
-        self.register_buffer("bias", bias)
-
-    @property
-    def compute_dtype(self) -> torch.dtype:
-        return self.scales_and_zeros.dtype
-
-    @staticmethod
-    def supports(out_features: int, in_features: int, group_size: int = INT4_GROUP_SIZE) -> bool:
-        """Shapes the CPU packing accepts: N a multiple of 16, K of the group size."""
-        return out_features % 16 == 0 and in_features % group_size == 0
-
-    @classmethod
-    def from_groups(cls, codes: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor,
-                    bias: torch.Tensor | None = None, group_size: int = INT4_GROUP_SIZE,
-                    compute_dtype: torch.dtype = COMPUTE_DTYPE) -> Int4Linear:
-        """From codes [N, K] in 0..15 and scale, zero [N, K/G] (``w = (q - 8) * scale + zero``)."""
-        n, k = codes.shape
-        if not cls.supports(n, k, group_size):
-            raise ValueError(f"int4 packing needs out_features % 16 == 0 and in_features % {group_size} == 0, "
-                             f"got {n} x {k}")
-        packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes.to(torch.int32).contiguous(), 1)
-        scales_and_zeros = torch.stack([scale, zero], dim=-1).transpose(0, 1).to(compute_dtype).contiguous()
-        return cls(packed, scales_and_zeros, group_size, None if bias is None else bias.detach())
-
-    @classmethod
-    def from_float(cls, weight: torch.Tensor, bias: torch.Tensor | None = None, group_size: int = INT4_GROUP_SIZE,
-                   compute_dtype: torch.dtype = COMPUTE_DTYPE) -> Int4Linear:
-        """Min/max asymmetric quantization per group of ``group_size`` inputs."""
-        w = weight.detach().float()
-        n, k = w.shape
-        groups = w.reshape(n, k // group_size, group_size)
-        lo, hi = groups.amin(dim=-1), groups.amax(dim=-1)
-        # As for int8: scale and zero in the kernel's dtype first, the codes against those values.
-        scale = ((hi - lo) / 15.0).clamp(min=1e-8).to(compute_dtype).float()
-        zero = (lo + 8.0 * scale).to(compute_dtype).float()
-        codes = torch.round((groups - zero[..., None]) / scale[..., None] + 8.0).clamp_(0, 15)
-        return cls.from_groups(codes.reshape(n, k), scale, zero, bias, group_size, compute_dtype)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = torch.ops.aten._weight_int4pack_mm_for_cpu(_matmul_input(x, self.in_features, self.compute_dtype),
-                                                       self.qweight, self.group_size, self.scales_and_zeros)
-        return _finish(y, x, self.bias)
-
-    def dequantize(self) -> torch.Tensor:
-        """The float32 weight this layer multiplies by: the kernel itself, in fp32, applied to the
-        identity (exact: each output is one product ``1 * w`` plus zeros)."""
-        eye = torch.eye(self.in_features, dtype=torch.float32)
-        sz = self.scales_and_zeros.float()
-        return torch.ops.aten._weight_int4pack_mm_for_cpu(eye, self.qweight, self.group_size, sz).T.contiguous()
-
-    def extra_repr(self) -> str:
-        return (f"in_features={self.in_features}, out_features={self.out_features}, "
-                f"int4 groups of {self.group_size}, {self.compute_dtype}")
-
-
-def block_kernels_available() -> bool:
-    """Whether quantized layers use the block kernels (else torch's int8/int4 kernels): the
-    backend of the model being built has pagoda's C++ kernels."""
-    return current_backend().has_cpu_kernels
-
-
-def _block_type(shards: Sequence[PackedWeight]) -> int | None:
-    """The one block type ``shards`` stack into: Q4_0, Q4_1 or Q8_0 alone as they are (Q4_0 joins
-    Q4_1 as Q4_1); any other mix of the types superblocks.py holds, one ``superblocks.PACKED``
-    weight; else None."""
-    types = {s.ggml_block_type for s in shards}
-    if not shards or None in types or len({s.shape[1] for s in shards}) != 1:
-        return None
-    if len(types) == 1 and types <= half_weights.HALF_TYPES:
-        return half_weights.PACKED
-    if len(types) == 1 and types <= superblocks.BLOCK32_TYPES:
-        return types.pop()
-    if types <= {ggml_blocks.Q4_0, ggml_blocks.Q4_1}:
-        return ggml_blocks.Q4_1
-    return superblocks.PACKED if types <= superblocks.SUPERBLOCK_TYPES else None
-
-
-def stacked_blocks(shards: Sequence[PackedWeight], cache: RepackCache | None = None,
-                   name: str = "") -> tuple[torch.Tensor, int]:
-    """``shards`` stacked along the output dimension as one (blocks, block type); super-block
-    formats and F16 / BF16 as one packed weight (superblocks.repack, half_weights.repack; with
-    ``cache``, as packed at an earlier start, under ``name``)."""
-    block_type = _block_type(shards)
-    if block_type is None:
-        raise ValueError("these weights have no common ggml block form")
-    if block_type == superblocks.PACKED:
-        parts = [(s.ggml_blocks, s.ggml_block_type, s.shape[0]) for s in shards]
-        return superblocks.repack(parts, shards[0].shape[1], cache, name), block_type
-    if block_type == half_weights.PACKED:
-        rows = sum(s.shape[0] for s in shards)
-        packed = half_weights.repack(lambda: torch.cat([s.ggml_blocks() for s in shards]), shards[0].ggml_block_type,
-                                     (rows, shards[0].shape[1]), cache, name)
-        return packed, block_type
-    parts = [s.ggml_blocks() if s.ggml_block_type == block_type else ggml_blocks.q4_0_to_q4_1(s.ggml_blocks())
-             for s in shards]
-    return torch.cat(parts), block_type
-
-
-def block_linear(blocks: torch.Tensor, block_type: int, in_features: int,
-                 bias: torch.Tensor | None = None) -> BlockLinear | SuperBlockLinear | HalfLinear:
-    """The layer for stacked blocks of ``block_type`` (``stacked_blocks``' result)."""
-    if block_type == superblocks.PACKED:
-        return SuperBlockLinear(blocks, bias)
-    if block_type == half_weights.PACKED:
-        return HalfLinear(blocks, bias)
-    return BlockLinear(blocks, block_type, in_features, bias)
-
-
-def keeps_packed(shards: Sequence[PackedWeight], projection: bool = True) -> bool:
-    """Whether a loader's stored shards of one weight can stay quantized: as blocks with the block
-    kernels; otherwise, for projections only, as torch's int4 groups."""
-    if block_kernels_available():
-        return _block_type(shards) is not None
-    return projection and can_pack(shards)
-
-
-def can_pack(shards: Sequence[PackedWeight]) -> bool:
-    """Whether ``shards`` (stacked along the output dimension, as merged QKV and gate/up are) have
-    an exact int4 form the CPU packing accepts."""
-    if not shards or not all(s.int4_exact for s in shards):
-        return False
-    in_features = {s.shape[1] for s in shards}
-    return len(in_features) == 1 and Int4Linear.supports(sum(s.shape[0] for s in shards), in_features.pop())
-
-
-def int4_from_packed(shards: Sequence[PackedWeight], bias: torch.Tensor | None = None,
-                     compute_dtype: torch.dtype = COMPUTE_DTYPE) -> Int4Linear:
-    """An Int4Linear holding ``shards`` (stacked along the output dimension) exactly as stored."""
-    if not can_pack(shards):
-        raise ValueError("these weights have no exact int4 form that packs")
-    codes, scale, zero = (torch.cat(parts, dim=0) for parts in zip(*(s.int4_groups() for s in shards)))
-    return Int4Linear.from_groups(codes, scale, zero, bias, INT4_GROUP_SIZE, compute_dtype)
 
 
 def check_quantization(mode: str | None) -> str | None:

@@ -94,7 +94,7 @@ def _decrypt_metadata(reader: EncryptedModelReader, meta_dir: Path) -> None:
         if "config.json" not in names:
             raise corrupted_error(reader.path, "the model has no config.json")
         return
-    from pagoda.loader.gguf import _CONVERTER_VERSION, convert_gguf_metadata  # deferred: loads gguf, numpy, torch
+    from pagoda.loader.gguf_model_dir import _CONVERTER_VERSION, convert_gguf_metadata  # deferred: loads gguf, numpy
 
     if (reader.gguf_converter_version == _CONVERTER_VERSION and {"config.json", "tokenizer.json"} <= names):
         return
@@ -165,7 +165,7 @@ class _DecryptedWeights:
         try:
             paths = [_proc_path(fd) for fd in self._fds]
             if self._fmt == "gguf":
-                from pagoda.loader.gguf import iter_gguf_weights  # deferred: loads gguf, numpy, torch
+                from pagoda.loader.gguf_weights import iter_gguf_weights  # deferred: loads gguf, numpy, torch
 
                 yield from iter_gguf_weights(paths[0], self._hf_config, keep_quantized=self._keep_quantized,
                                              narrow=self._narrow)

@@ -18,7 +18,7 @@ from pagoda.loader.encrypted_model import open_encrypted_weights
 from pagoda.loader.repacked_cache import RepackCache, cache_directory
 from pagoda.loader.model_files import ModelFiles
 from pagoda.loader.safetensors import iter_safetensors_weights
-from pagoda.models.registry import resolve_architecture
+from pagoda.models.model_classes import resolve_architecture
 from pagoda.heap import release_freed_memory
 from pagoda.platform import available_memory_bytes
 
@@ -105,7 +105,7 @@ def _weights(files: ModelFiles, hf_config: dict, keep_quantized: bool = False, n
 
         return open_encrypted_weights(files, hf_config, keep_quantized=keep_quantized, narrow=narrow)
     if files.gguf_file is not None:
-        from pagoda.loader.gguf import iter_gguf_weights  # deferred: loads gguf
+        from pagoda.loader.gguf_weights import iter_gguf_weights  # deferred: loads gguf
 
         return iter_gguf_weights(files.gguf_file, hf_config, keep_quantized=keep_quantized, narrow=narrow)
 

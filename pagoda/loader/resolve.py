@@ -49,7 +49,7 @@ def _resolve_dir(name: str, path: Path) -> ModelFiles:
 
 
 def _resolve_gguf(name: str, path: Path) -> ModelFiles:
-    from pagoda.loader.gguf import load_gguf_model_dir  # deferred: loads gguf, numpy, torch
+    from pagoda.loader.gguf_model_dir import load_gguf_model_dir  # deferred: loads gguf, numpy
 
     return ModelFiles(name, load_gguf_model_dir(path), gguf_file=path)
 

@@ -1,6 +1,6 @@
-"""The one table of model architectures pagoda runs, shared by the model registry
-(models/registry.py: config.json ``architectures`` → model class), the GGUF reader
-(loader/gguf.py: ``general.architecture`` → the config.json it writes) and the GGUF writer
+"""The one table of model architectures pagoda runs, shared by the model classes
+(models/model_classes.py: config.json ``architectures`` → model class), the GGUF reader
+(loader/gguf_config.py: ``general.architecture`` → the config.json it writes) and the GGUF writer
 (loader/gguf_writer.py: ``model_type`` → ``general.architecture``).
 
 Plain data, no torch: the loaders import it without building any model code.

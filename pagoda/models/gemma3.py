@@ -31,7 +31,7 @@ from torch import nn
 from pagoda.distributed.parallel_state import TensorParallelGroup
 from pagoda.distributed.shard_plan import ShardPlan
 from pagoda.layers.norm import RMSNorm
-from pagoda.layers.quantization import PackedWeight
+from pagoda.layers.stored_weights import PackedWeight
 from pagoda.layers.rotary import RotaryEmbedding
 from pagoda.models.config import TransformerConfig, layer_windows
 from pagoda.models.llama import MLP, Attention, LlamaForCausalLM

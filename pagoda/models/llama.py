@@ -22,8 +22,9 @@ from pagoda.layers.backend import current_backend
 from pagoda.layers.linear import project
 from pagoda.layers.norm import RMSNorm
 from pagoda.layers.packed_weights import packed_of
-from pagoda.layers.quantization import QUANTIZED_LINEARS, PackedWeight, keeps_packed
+from pagoda.layers.quantization import QUANTIZED_LINEARS
 from pagoda.layers.rotary import RotaryEmbedding
+from pagoda.layers.stored_weights import PackedWeight, keeps_packed
 from pagoda.models.config import TransformerConfig
 from pagoda.models.decode_stack import DecodeStack, ForwardPath, choose_decode_stack
 

@@ -34,7 +34,7 @@ from pagoda.distributed.shard_plan import ShardPlan
 from pagoda.layers.backend import TorchBackend, current_backend
 from pagoda.layers.linear import project
 from pagoda.layers.norm import RMSNorm
-from pagoda.layers.quantization import PackedWeight
+from pagoda.layers.stored_weights import PackedWeight
 from pagoda.layers.rotary import RotaryEmbedding
 from pagoda.models.config import TransformerConfig
 from pagoda.models.llama import _GATED_ACTIVATIONS, MLP, Attention, LlamaForCausalLM

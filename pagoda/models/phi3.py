@@ -15,7 +15,7 @@ from collections.abc import Iterable, Iterator
 
 import torch
 
-from pagoda.layers.quantization import PackedWeight
+from pagoda.layers.stored_weights import PackedWeight
 from pagoda.models.llama import LlamaForCausalLM
 
 Weight = torch.Tensor | PackedWeight

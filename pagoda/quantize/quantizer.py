@@ -26,7 +26,8 @@ import torch
 
 from pagoda import LLM
 from pagoda.layers.packed_weights import drop_packed_copies
-from pagoda.loader.gguf_writer import BlockTensor, write_gguf
+from pagoda.loader.gguf_writer import write_gguf
+from pagoda.loader.gguf_writer_tensors import BlockTensor
 from pagoda.quantize import awq, grid
 from pagoda.quantize.calibration import load_samples
 from pagoda.quantize.gptq import gptq

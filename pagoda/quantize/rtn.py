@@ -11,7 +11,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from pagoda.loader.gguf_writer import quantize_weight
+from pagoda.loader.gguf_writer_tensors import quantize_weight
 from pagoda.quantize.grid import check_shape
 
 

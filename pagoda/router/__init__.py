@@ -8,7 +8,7 @@ The modules, each one concept (docs/architecture.md, "The router"):
 - `policies`: round_robin, least_load, consistent_hash, cache_aware
 - `workers`: the worker registry, health probes, circuit breakers, warm-up
 - `limits`: the gateway's token buckets and in-flight bound (429 + Retry-After)
-- `metrics`: the router's Prometheus metrics
+- `prometheus`: the router's Prometheus metrics
 - `proxy`: headers, error bodies, the SSE relay
 - `app`: the Starlette app and the forwarding (retry once, stream errors)
 - `options`: the command line (imports nothing heavy, for `pagoda --help`)

@@ -32,7 +32,7 @@ from pagoda.router.affinity import (
     SESSION_HEADER, SESSIONS_PATH, RouteRequest, new_session_id, route_request, session_in_path,
 )
 from pagoda.router.limits import GatewayLimits
-from pagoda.router.metrics import RouterMetrics
+from pagoda.router.prometheus import RouterMetrics
 from pagoda.router.policies import Decision, Policy, make_policy
 from pagoda.router.proxy import (
     WORKER_HEADER, BodyTooLarge, OpenAIErrorResponse, RelayResponse, answer_headers, forward_headers,

@@ -25,9 +25,9 @@ Every limit is optional (absent: no limit). Limits are per (tenant, role) (secur
 A key is `pk-<id>-<secret>`: the id (12 hex characters) finds the entry, the secret (32 random
 bytes, base64url) is checked against the stored hash. The file never holds the key, only
 `sha256:<salt>:<HMAC-SHA256(salt, secret)>`. A fast hash is enough here because the secret is
-256 random bits, not a password: there is nothing to guess, so a slow KDF (scrypt at n=2^14,
-r=8: 58 ms here) would only cost every request that much. The comparison is constant-time, and an unknown id
-costs the same hash as a wrong secret.
+256 random bits, not a password: there is nothing to guess, so a slow KDF (scrypt) would only
+cost every request its tens of milliseconds (benchmarks/README.md, "Auth overhead"). The
+comparison is constant-time, and an unknown id costs the same hash as a wrong secret.
 
 Import-light (no yaml until a file is read or written): `pagoda keys` and `pagoda serve
 --help` import it.

@@ -80,12 +80,12 @@ def _hf_dir_sources(model_dir: Path) -> list[_Source]:
 def _gguf_metadata_dir(gguf_path: Path, scratch: Path) -> Path:
     """The HF-style metadata pagoda converts a GGUF to: the cached conversion if there is one,
     else converted into ``scratch`` (no cache entry is left behind)."""
-    from pagoda.loader import gguf  # deferred: loads gguf, numpy, torch
+    from pagoda.loader import gguf_model_dir  # deferred: loads gguf, numpy
 
-    cached = pagoda_home() / "converted" / gguf._cache_key(gguf_path)
+    cached = pagoda_home() / "converted" / gguf_model_dir._cache_key(gguf_path)
     if (cached / "config.json").is_file() and (cached / "tokenizer.json").is_file():
         return cached
-    return gguf.convert_gguf_metadata(gguf_path, scratch)
+    return gguf_model_dir.convert_gguf_metadata(gguf_path, scratch)
 
 
 def _model_sources(model: Path, scratch: Path, name: str) -> tuple[str, list[_Source], dict[str, Any]]:
@@ -117,7 +117,7 @@ def _model_sources(model: Path, scratch: Path, name: str) -> tuple[str, list[_So
 
 
 def _gguf_sources(gguf_path: Path, meta: Path) -> tuple[str, list[_Source], dict[str, Any]]:
-    from pagoda.loader.gguf import _CONVERTER_VERSION  # deferred: loads gguf, numpy, torch
+    from pagoda.loader.gguf_model_dir import _CONVERTER_VERSION  # deferred: loads gguf, numpy
 
     sources = [_Source(p.name, p, p.stat().st_size) for p in sorted(meta.iterdir())
                if p.is_file() and not is_weight_member(p.name)]

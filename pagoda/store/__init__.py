@@ -4,8 +4,9 @@ distribution client to push and pull them (see docs/architecture.md, "The model 
 
 Modules: ``layout`` (references and paths), ``blobs`` (verified, atomic blob writes),
 ``manifests`` (the manifest and config JSON, garbage collection), ``modelfile`` (Ollama's
-Modelfile), ``create`` (Modelfile → layers → manifest), ``registry`` (the OCI client),
-``ollama_store`` (Ollama's own store, read in place), ``model_info`` (GGUF metadata for ``show``),
-``load`` (a store model → the files the engine loads), ``commands`` (the CLI verbs).
+Modelfile), ``create`` (Modelfile → layers → manifest), ``oci_client`` (the OCI client) and
+``oci_http`` (its HTTP: auth, where credentials go, capped reads), ``ollama_store`` (Ollama's own
+store, read in place), ``model_info`` (GGUF metadata for ``show``), ``load`` (a store model → the
+files the engine loads), ``commands`` (the CLI verbs).
 Nothing here imports torch.
 """

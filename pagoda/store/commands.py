@@ -95,7 +95,7 @@ def cmd_list(ns: argparse.Namespace) -> int:
 
 
 def cmd_pull(ns: argparse.Namespace) -> int:
-    from pagoda.store import create, registry  # deferred: loads httpx
+    from pagoda.store import create, oci_client  # deferred: loads httpx
     from pagoda.store.layout import default_layout, parse_ref  # deferred: keeps `pagoda` light at start
 
     layout = default_layout()
@@ -106,19 +106,19 @@ def cmd_pull(ns: argparse.Namespace) -> int:
         print(f"recorded as {ref.short()} ({manifest.digest})", file=sys.stderr)
         return 0
     ref = parse_ref(ns.model)
-    stats = registry.pull(layout, ref, insecure=ns.insecure, progress=sys.stderr.isatty())
-    print(f"pulled {ref.short()}: {registry.describe(stats)}", file=sys.stderr)
+    stats = oci_client.pull(layout, ref, insecure=ns.insecure, progress=sys.stderr.isatty())
+    print(f"pulled {ref.short()}: {oci_client.describe(stats)}", file=sys.stderr)
     print(stats.manifest_digest)
     return 0
 
 
 def cmd_push(ns: argparse.Namespace) -> int:
-    from pagoda.store import registry  # deferred: loads httpx
+    from pagoda.store import oci_client  # deferred: loads httpx
     from pagoda.store.layout import default_layout, parse_ref  # deferred: keeps `pagoda` light at start
 
     ref = parse_ref(ns.model)
-    stats = registry.push(default_layout(), ref, insecure=ns.insecure, progress=sys.stderr.isatty())
-    print(f"pushed {ref}: {registry.describe(stats)}", file=sys.stderr)
+    stats = oci_client.push(default_layout(), ref, insecure=ns.insecure, progress=sys.stderr.isatty())
+    print(f"pushed {ref}: {oci_client.describe(stats)}", file=sys.stderr)
     print(stats.manifest_digest)
     return 0
 

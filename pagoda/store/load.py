@@ -1,7 +1,7 @@
 """A model in a store → the files the engine loads (``ModelFiles``), with its layers applied.
 
 The model layer is the GGUF (read in place: a blob, or the catalog's own copy of the same bytes).
-Its metadata directory is the GGUF's conversion (``loader/gguf.py``); when the model's other
+Its metadata directory is the GGUF's conversion (``loader/gguf_model_dir.py``); when the model's other
 layers change something, a small overlay directory beside it (``$PAGODA_HOME/converted/store-*``,
 symlinks to the conversion plus the changed JSON) carries:
 
@@ -69,7 +69,7 @@ def _catalog_copy(manifest: Manifest) -> Path | None:
 
 
 def model_files(name: str, layout: StoreLayout, manifest: Manifest):
-    from pagoda.loader.gguf import load_gguf_model_dir  # deferred: loads gguf, numpy, torch
+    from pagoda.loader.gguf_model_dir import load_gguf_model_dir  # deferred: loads gguf, numpy
 
     gguf_path = _catalog_copy(manifest) or create.model_path_of(layout, manifest)
     meta = load_gguf_model_dir(gguf_path)

@@ -27,12 +27,13 @@ _LENIENT = {"lenient": True}
 
 # Bounds on the work one grammar may cost (llguidance's defaults, but for the lexer's states,
 # which cost 1-2 kB each, and the grammar's size): a grammar past them is refused when
-# validated, and one that exhausts a step's fuel while generating stops its request.
+# validated, and one that exhausts a step's fuel while generating stops its request. Each fuel
+# bound keeps a grammar's work per step to milliseconds (benchmarks/code_notes.md).
 LIMITS = llguidance.LLParserLimits(
     max_items_in_row=2_000,  # branching of one Earley row
-    initial_lexer_fuel=1_000_000,  # building the lexer's regexes, ~20 ms
-    step_lexer_fuel=200_000,  # lexer work of one token mask, ~15 ms
-    step_max_items=50_000,  # Earley items of one token mask, ~2.5 ms
+    initial_lexer_fuel=1_000_000,  # building the lexer's regexes
+    step_lexer_fuel=200_000,  # lexer work of one token mask
+    step_max_items=50_000,  # Earley items of one token mask
     max_lexer_states=50_000,
     max_grammar_size=200_000,
     verbose_errors=False,  # errors go back to clients: no parser-state dumps

@@ -66,11 +66,12 @@ def allocate_kv_scales(num_slots: int, num_blocks: int, block_size: int, num_kv_
 
 def zeroed(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
     """A zero tensor. On CPU it lies in an anonymous memory map, whose pages the kernel hands out
-    zeroed on first write: a 2 GiB cache starts at once (``torch.zeros`` wrote every page, ~0.7 s
-    of each start on a 2-core EPYC) and holds resident memory only for the blocks used so far, as
-    vLLM's CPU cache (``torch.empty``) does. The map is unmapped with the tensor's last reference.
-    /proc/PID/smaps shows it as `/dev/zero (deleted)`: the soak counts its pages apart
-    (pagoda/bench/soak.py kv_cache_rss_bytes), as growth that is no leak."""
+    zeroed on first write: a 2 GiB cache starts at once (``torch.zeros`` wrote every page, a
+    noticeable part of each start: benchmarks/README.md, "Start-up time") and holds resident
+    memory only for the blocks used so far, as vLLM's CPU cache (``torch.empty``) does. The map is
+    unmapped with the tensor's last reference. /proc/PID/smaps shows it as `/dev/zero (deleted)`:
+    the soak counts its pages apart (pagoda/bench/soak.py kv_cache_rss_bytes), as growth that is
+    no leak."""
     if device.type != "cpu":
         return torch.zeros(shape, dtype=dtype, device=device)
     nbytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()

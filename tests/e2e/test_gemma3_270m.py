@@ -34,7 +34,7 @@ def reference_model(gemma):
     """transformers' Gemma 3 on the same dequantized weights."""
     import transformers
 
-    from pagoda.loader.gguf import iter_gguf_weights
+    from pagoda.loader.gguf_weights import iter_gguf_weights
 
     files = gemma.engine.config.model.files
     config = transformers.AutoConfig.from_pretrained(files.metadata_dir)

@@ -28,7 +28,7 @@ def reference_model(smollm2_gguf, smol_fp32):
     """transformers' Llama on the same dequantized weights."""
     import transformers
 
-    from pagoda.loader.gguf import iter_gguf_weights
+    from pagoda.loader.gguf_weights import iter_gguf_weights
 
     files = smol_fp32.engine.config.model.files
     config = transformers.AutoConfig.from_pretrained(files.metadata_dir)

@@ -195,7 +195,7 @@ def _pool(tmp_dirs: dict, names: list[str], **settings):
     from pagoda.entrypoints.model_pool import ModelPool
     from pagoda.entrypoints.served_models import ModelSpec
     from pagoda.entrypoints.openai.api_server import _model_app
-    from pagoda.metrics import MetricFamilies
+    from pagoda.entrypoints.prometheus import MetricFamilies
 
     families = MetricFamilies()
     specs = []

@@ -13,7 +13,7 @@ from pagoda import LLM, SamplingParams
 from pagoda.layers.cpu_kernels import load_cpu_kernels
 from pagoda.layers.half_weights import BF16, F16, HalfEmbedding, HalfLinear
 from pagoda.loader import model_loader
-from pagoda.loader.gguf import GGUFPackedWeight
+from pagoda.loader.gguf_packed_weight import GGUFPackedWeight
 from pagoda.loader.model_loader import load_model
 from pagoda.loader.resolve import resolve_model
 

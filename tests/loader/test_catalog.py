@@ -172,7 +172,7 @@ def test_pull_smollm2(smollm2_gguf, monkeypatch):
 
 @pytest.fixture(scope="module")
 def smollm2_dir(smollm2_gguf, tmp_path_factory) -> Path:
-    from pagoda.loader.gguf import convert_gguf_metadata
+    from pagoda.loader.gguf_model_dir import convert_gguf_metadata
 
     return convert_gguf_metadata(smollm2_gguf, tmp_path_factory.mktemp("smollm2"))
 
@@ -245,7 +245,7 @@ def test_smollm2_weights_match_transformers(smollm2_gguf, smollm2_dir):
     import transformers
     from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
 
-    from pagoda.loader.gguf import iter_gguf_weights
+    from pagoda.loader.gguf_weights import iter_gguf_weights
 
     config = json.loads((smollm2_dir / "config.json").read_text())
     with torch.device("meta"):
@@ -270,7 +270,8 @@ def test_gemma3_pull_convert_and_weights(tmp_path):
     import transformers
     from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
 
-    from pagoda.loader.gguf import convert_gguf_metadata, iter_gguf_weights
+    from pagoda.loader.gguf_model_dir import convert_gguf_metadata
+    from pagoda.loader.gguf_weights import iter_gguf_weights
 
     path = pull("gemma3-270m", quiet=True)
     model_dir = convert_gguf_metadata(path, tmp_path / "gemma")

@@ -23,7 +23,8 @@ from gguf_export import export_gguf
 from safetensors.torch import load_file, save_file
 
 from pagoda.loader import gguf_file
-from pagoda.loader.gguf import MAX_CONTEXT_LENGTH, gguf_to_hf_config, read_gguf
+from pagoda.loader.gguf_config import MAX_CONTEXT_LENGTH, gguf_to_hf_config
+from pagoda.loader.gguf_file import read_gguf
 from pagoda.loader.safetensors import iter_safetensors_weights
 
 TESTS = Path(__file__).resolve().parents[1]
@@ -41,7 +42,7 @@ def _peak_mib(code: str, *args: str) -> list[str]:
     """Run ``code`` in a fresh interpreter; its output lines, the last being the peak RSS growth
     (MiB) over what the process had once the imports were done."""
     script = ("import resource, sys\nsys.path.insert(0, sys.argv[1])\nfrom pagoda import LLM\n"
-              "from pagoda.loader.gguf import convert_gguf_metadata\n"
+              "from pagoda.loader.gguf_model_dir import convert_gguf_metadata\n"
               "base = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss\n" + code +
               "\nprint((resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - base) // 1024)\n")
     done = subprocess.run([sys.executable, "-c", script, str(TESTS), *args], capture_output=True, text=True,

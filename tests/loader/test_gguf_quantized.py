@@ -13,13 +13,11 @@ from gguf_export import export_gguf
 from pagoda import LLM, SamplingParams
 from pagoda.layers import quantization
 from pagoda.layers.ggml_blocks import BlockEmbedding, BlockLinear
-from pagoda.layers.quantization import (
-    Int4Linear,
-    PackedWeight,
-    int4_from_packed,
-    stacked_blocks,
-)
-from pagoda.loader.gguf import GGUFPackedWeight, iter_gguf_weights, load_gguf_model_dir
+from pagoda.layers.stored_weights import PackedWeight, int4_from_packed, stacked_blocks
+from pagoda.layers.torch_int_linears import Int4Linear
+from pagoda.loader.gguf_model_dir import load_gguf_model_dir
+from pagoda.loader.gguf_packed_weight import GGUFPackedWeight
+from pagoda.loader.gguf_weights import iter_gguf_weights
 from pagoda.loader.model_loader import load_model
 from pagoda.loader.resolve import resolve_model
 

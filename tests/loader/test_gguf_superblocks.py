@@ -13,8 +13,9 @@ from tiny_models import make_tiny_hf_model
 from pagoda import LLM, SamplingParams
 from pagoda.layers.cpu_kernels import load_cpu_kernels
 from pagoda.layers.superblocks import SuperBlockEmbedding, SuperBlockLinear
-from pagoda.loader.gguf import GGUFPackedWeight
-from pagoda.loader.gguf_writer import _hf_tensors, write_gguf
+from pagoda.loader.gguf_packed_weight import GGUFPackedWeight
+from pagoda.loader.gguf_writer import write_gguf
+from pagoda.loader.gguf_writer_tensors import _hf_tensors
 from pagoda.loader import model_loader
 from pagoda.loader.model_loader import load_model
 from pagoda.loader.resolve import resolve_model

@@ -195,13 +195,13 @@ def test_gguf_writer_refuses_what_llama_cpp_would_run_differently(gemma_dir, tmp
         export_gguf(gemma_dir, tmp_path / "g.gguf")
 
 
-def test_registry_and_gguf_share_one_table():
-    from pagoda.loader import gguf, gguf_writer
-    from pagoda.models import architectures, registry
+def test_model_classes_and_gguf_share_one_table():
+    from pagoda.loader import gguf_config, gguf_writer
+    from pagoda.models import architectures, model_classes
 
-    assert set(gguf.SUPPORTED_ARCHITECTURES) == set(registry.GGUF_ARCHITECTURES) == {
+    assert set(gguf_config.SUPPORTED_ARCHITECTURES) == set(model_classes.GGUF_HF_CLASSES) == {
         "llama", "qwen2", "qwen3", "gemma3", "phi3", "qwen2moe", "qwen3moe", "olmoe"}
     assert architectures.GGUF_EXPERT_ARCHITECTURES == {"llama": ("MixtralForCausalLM", "mixtral")}
-    assert set(registry.GGUF_ARCHITECTURES.values()) <= set(registry.MODEL_REGISTRY)
-    assert registry.MODEL_REGISTRY["Gemma3ForCausalLM"] is Gemma3ForCausalLM
+    assert set(model_classes.GGUF_HF_CLASSES.values()) <= set(model_classes.MODEL_CLASSES)
+    assert model_classes.MODEL_CLASSES["Gemma3ForCausalLM"] is Gemma3ForCausalLM
     assert gguf_writer._ARCHITECTURES is architectures.GGUF_WRITE_ARCHITECTURES

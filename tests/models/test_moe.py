@@ -97,7 +97,9 @@ def _reference_from_gguf(gguf_path, hf_dir, out):
     which transformers' loader stacks into its fused expert tensors as for a hub checkpoint."""
     from safetensors.torch import save_file
 
-    from pagoda.loader.gguf import gguf_to_hf_config, iter_gguf_weights, read_gguf
+    from pagoda.loader.gguf_config import gguf_to_hf_config
+    from pagoda.loader.gguf_file import read_gguf
+    from pagoda.loader.gguf_weights import iter_gguf_weights
 
     out.mkdir()
     for name in ("config.json", "tokenizer.json", "tokenizer_config.json"):

@@ -124,7 +124,7 @@ def test_gguf_parity_with_transformers_on_dequantized_weights(tiny_model_dirs, t
     import transformers
     from gguf_export import export_gguf
 
-    from pagoda.loader.gguf import iter_gguf_weights
+    from pagoda.loader.gguf_weights import iter_gguf_weights
 
     gguf_path = export_gguf(tiny_model_dirs[arch], tmp_path / f"{arch}-{qtype}.gguf", qtype=qtype)
     llm = LLM(model=str(gguf_path), dtype="float32", kv_cache_memory=0.02)

@@ -22,7 +22,7 @@ from gguf_export import export_gguf
 from server_process import start_server, stop_process
 
 from pagoda import LLM, SamplingParams
-from pagoda.loader import gguf as gguf_loader
+from pagoda.loader import gguf_model_dir
 from pagoda.loader.resolve import resolve_model
 from pagoda.loader import encrypted_container as container
 from pagoda.loader import model_keys
@@ -198,7 +198,7 @@ def test_passphrase_and_raw_key_files(tiny_llama, tmp_path):
 def test_gguf_metadata_converted_again_from_memory(tiny_gguf, sealed_gguf, key_file, tmp_path, monkeypatch):
     """A container made by an older GGUF converter: its metadata is converted again from the GGUF
     decrypted into memory (transformers reads it through /proc/self/fd)."""
-    monkeypatch.setattr(gguf_loader, "_CONVERTER_VERSION", gguf_loader._CONVERTER_VERSION + 100)
+    monkeypatch.setattr(gguf_model_dir, "_CONVERTER_VERSION", gguf_model_dir._CONVERTER_VERSION + 100)
     monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
     files = resolve_model(str(sealed_gguf), key_file=str(key_file))
     meta = files.metadata_dir
@@ -347,7 +347,8 @@ def test_an_encrypted_models_repacked_weights_never_reach_the_disk(work, key_fil
     from tiny_models import make_tiny_hf_model
 
     from pagoda.layers.superblocks import SuperBlockLinear
-    from pagoda.loader.gguf_writer import _hf_tensors, write_gguf
+    from pagoda.loader.gguf_writer import write_gguf
+    from pagoda.loader.gguf_writer_tensors import _hf_tensors
 
     hf = make_tiny_hf_model("llama", work / "hf-256", hidden_size=256, intermediate_size=512, head_dim=64,
                             tie_word_embeddings=True)

@@ -11,7 +11,7 @@ import gguf
 import pytest
 
 from pagoda import LLM, SamplingParams
-from pagoda.loader.gguf_writer import pre_tokenizer_name
+from pagoda.loader.gguf_writer_tokenizer import pre_tokenizer_name
 from pagoda.store import create
 from pagoda.store.layout import default_layout
 from pagoda.store.modelfile import ModelfileError, parse_modelfile

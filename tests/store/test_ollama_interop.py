@@ -79,7 +79,7 @@ def test_go_template_is_used_when_the_gguf_has_none(tiny_gguf, tmp_path, monkeyp
 
     reader = gguf.GGUFReader(str(tiny_gguf))
     assert reader.fields.get("tokenizer.chat_template") is not None
-    from pagoda.loader.gguf import load_gguf_model_dir
+    from pagoda.loader.gguf_model_dir import load_gguf_model_dir
 
     meta = load_gguf_model_dir(tiny_gguf)
     assert overlay_contents(meta, {}, None, GO_CHATML) == {}  # the GGUF's template is kept

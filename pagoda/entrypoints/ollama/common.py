@@ -62,7 +62,7 @@ def as_ollama_error(e: BaseException) -> OllamaError:
         return OllamaError(f"{where}: {message}" if where and not message.startswith(where) else message)
     if isinstance(e, ValueError):
         return OllamaError(str(e))
-    from pagoda.store.registry import RegistryError  # deferred: loads httpx
+    from pagoda.store.oci_client import RegistryError  # deferred: loads httpx
 
     if isinstance(e, (RegistryError, OSError)):
         return OllamaError(str(e), 500)
@@ -84,7 +84,7 @@ def ollama_errors(handler: Callable):
                 response.headers.update(e.headers)
             return response
         except Exception as e:
-            from pagoda.store.registry import RegistryError  # deferred: loads httpx
+            from pagoda.store.oci_client import RegistryError  # deferred: loads httpx
 
             if isinstance(e, RegistryError):
                 return ollama_error_response(str(e), 500)

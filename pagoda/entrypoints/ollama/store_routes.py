@@ -127,7 +127,7 @@ async def pull(request: Request):
     name = body.ref
 
     def work() -> list[dict]:
-        from pagoda.store import create, manifests, registry  # deferred: loads httpx
+        from pagoda.store import create, manifests, oci_client  # deferred: loads httpx
 
         layout = default_layout()
         entry = create.catalog_entry_for(name)
@@ -135,7 +135,7 @@ async def pull(request: Request):
             ref, manifest = create.record_catalog_model(layout, entry.name)
         else:
             ref = parse_ref(name)
-            registry.pull(layout, ref, insecure=body.insecure)
+            oci_client.pull(layout, ref, insecure=body.insecure)
             manifest = manifests.read_manifest(layout, ref)
         return [*_layer_lines(manifest, "pulling"), {"status": "verifying sha256 digest"},
                 {"status": "writing manifest"}]
@@ -150,13 +150,13 @@ async def push(request: Request):
     name = body.ref
 
     def work() -> list[dict]:
-        from pagoda.store import manifests, registry  # deferred: loads httpx
+        from pagoda.store import manifests, oci_client  # deferred: loads httpx
 
         layout, ref = default_layout(), parse_ref(name)
         manifest = manifests.read_manifest(layout, ref)
         if manifest is None:
             raise OllamaError(f"model {name!r} not found in the store", 404)
-        registry.push(layout, ref, insecure=body.insecure)
+        oci_client.push(layout, ref, insecure=body.insecure)
         return [*_layer_lines(manifest, "pushing"), {"status": "pushing manifest"}]
 
     return await _status_response(work, [{"status": "retrieving manifest"}], body.stream)

@@ -34,7 +34,7 @@ from pagoda.entrypoints.openai.protocol import (
 from pagoda.entrypoints.openai.error_handlers import install_error_handlers
 from pagoda.entrypoints.openai.errors import OpenAIError
 from pagoda.entrypoints.openai.serving import Serving
-from pagoda.entrypoints.openai.sessions import SessionStore
+from pagoda.entrypoints.openai.chat_sessions import ChatSessionStore
 from pagoda.executor.multiproc import run_headless
 from pagoda.loader.catalog import catalog_aliases
 from pagoda.security import tls
@@ -55,7 +55,7 @@ def build_app(engine: AsyncLLM, served_model_names: list[str], *, api_key: str |
               metric_families=None, web_ui: bool = True) -> FastAPI:
     """The app of one served model. Several models (pagoda serve --model A --model B) get one
     app each, behind the dispatcher of pagoda/entrypoints/model_dispatch.py, with one shared
-    `metric_families` (pagoda/metrics.py)."""
+    `metric_families` (pagoda/entrypoints/prometheus.py)."""
     app = FastAPI(title="pagoda", version=__version__, default_response_class=FastJSONResponse, docs_url=None)
     install_api_docs(app)  # the vendored Swagger UI: /docs works offline
     serving = Serving(engine, served_model_names, max_queue_len,
@@ -69,7 +69,7 @@ def build_app(engine: AsyncLLM, served_model_names: list[str], *, api_key: str |
     serving.moderation = ServerModeration.from_args(moderation_words, moderation_action,
                                                     serving.metrics.content_filter_hit)
     app.state.lifecycle = lifecycle = Lifecycle()
-    app.state.sessions = sessions = SessionStore(serving, session_ttl, max_sessions)
+    app.state.sessions = sessions = ChatSessionStore(serving, session_ttl, max_sessions)
     app.router.on_startup.append(sessions.start)
     app.router.on_shutdown.append(sessions.stop)
 
@@ -143,7 +143,7 @@ def build_app(engine: AsyncLLM, served_model_names: list[str], *, api_key: str |
     async def chat_completions(body: ChatCompletionRequest, request: Request):
         return await respond(serving.chat, body, request)
 
-    # -- sessions: the history kept here, each turn computing only its new tokens (sessions.py)
+    # -- sessions: the history kept here, each turn computing only its new tokens (chat_sessions.py)
     @app.post("/v1/sessions")
     async def create_session(body: SessionCreateRequest, request: Request):
         _check_alive()
@@ -296,7 +296,7 @@ def _several_models_settings(args):
 
 def _several_models_app(args, specs, settings, api_key: str | None):
     """The front app of several models and their pool (pagoda/entrypoints/model_dispatch.py)."""
-    from pagoda.metrics import MetricFamilies  # deferred: loads prometheus_client
+    from pagoda.entrypoints.prometheus import MetricFamilies  # deferred: loads prometheus_client
 
     families = MetricFamilies()
     budget, max_loaded, load_timeout = settings

@@ -28,7 +28,7 @@ class Serving(AdmissionChecks, CompletionServing, ChatServing):
 
     def __init__(self, engine: AsyncLLM, served_model_names: list[str], max_queue_len: int | None = None,
                  aliases: Sequence[str] = (), request_timeout: float | None = None, metric_families=None) -> None:
-        from pagoda.metrics import ServerMetrics  # deferred: loads prometheus_client
+        from pagoda.entrypoints.prometheus import ServerMetrics  # deferred: loads prometheus_client
 
         self.engine = engine
         # metric_families: the server's shared registry when it serves several models

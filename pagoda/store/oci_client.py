@@ -13,7 +13,7 @@ same blob waits, then finds it done), resumed with ``Range: bytes=<have>-`` afte
 final name only when the digest matches (``DigestMismatch`` otherwise: the partial is removed).
 The manifest is written last, so a failed pull leaves no model behind.
 
-Auth (``registry_http.py``): a 401 with ``WWW-Authenticate: Basic`` is answered with the
+Auth (``oci_http.py``): a 401 with ``WWW-Authenticate: Basic`` is answered with the
 credentials; ``Bearer realm=..,service=..,scope=..`` with a token fetched from the realm.
 Credentials come from ``PAGODA_REGISTRY_USERNAME`` / ``PAGODA_REGISTRY_PASSWORD`` (for the registry
 ``PAGODA_REGISTRY_HOST`` names, when set) and go only to the registry's own origin (and to a token
@@ -39,7 +39,7 @@ import httpx
 from pagoda.store import blobs, manifests
 from pagoda.store.layout import Ref, StoreLayout, digest_hex
 from pagoda.store.manifests import Layer, Manifest
-from pagoda.store.registry_http import (
+from pagoda.store.oci_http import (
     RegistryError,
     RegistryHTTP,
     check,

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from pagoda import LLM, SamplingParams
-from pagoda.store import blobs, create, manifests, registry
+from pagoda.store import blobs, create, manifests, oci_client
 from pagoda.store.layout import StoreLayout, default_layout, parse_ref
 from pagoda.store.modelfile import parse_modelfile
 
@@ -67,11 +67,11 @@ def test_push_then_pull_gives_the_same_digests_and_output(registry, fresh_home, 
 
 
 def registry_push(ref, **kwargs):
-    return registry.push(default_layout(), ref, insecure=True, **kwargs)
+    return oci_client.push(default_layout(), ref, insecure=True, **kwargs)
 
 
 def registry_pull(layout, ref, **kwargs):
-    return registry.pull(layout, ref, insecure=True, **kwargs)
+    return oci_client.pull(layout, ref, insecure=True, **kwargs)
 
 
 def _push_through(proxy, gguf: Path, name: str) -> tuple[parse_ref, manifests.Manifest]:
@@ -86,7 +86,7 @@ def test_interrupted_pull_resumes_with_range(proxy, fresh_home, tiny_gguf, monke
     model = manifest.layer(manifests.MODEL)
     layout = _empty_store(fresh_home, monkeypatch, "puller")
     proxy.cut_blob_after = 50_000
-    with pytest.raises(registry.RegistryError, match="interrupted at byte .* pull again to resume"):
+    with pytest.raises(oci_client.RegistryError, match="interrupted at byte .* pull again to resume"):
         registry_pull(layout, ref, retries=0)
     partial = layout.blobs_dir / f"sha256-{model.digest.split(':')[1]}-partial"
     have = partial.stat().st_size
@@ -132,11 +132,11 @@ def test_basic_auth(auth_registry, fresh_home, tiny_gguf, monkeypatch):
     ref = parse_ref(f"{auth_registry.host}/library/private:1")
     manifest = _make_model(tiny_gguf, str(ref))
     monkeypatch.delenv("PAGODA_REGISTRY_USERNAME", raising=False)
-    with pytest.raises(registry.RegistryError, match="PAGODA_REGISTRY_USERNAME"):
+    with pytest.raises(oci_client.RegistryError, match="PAGODA_REGISTRY_USERNAME"):
         registry_push(ref)
     monkeypatch.setenv("PAGODA_REGISTRY_USERNAME", "alice")
     monkeypatch.setenv("PAGODA_REGISTRY_PASSWORD", "wrong")
-    with pytest.raises(registry.RegistryError, match="refused the credentials"):
+    with pytest.raises(oci_client.RegistryError, match="refused the credentials"):
         registry_push(ref)
     monkeypatch.setenv("PAGODA_REGISTRY_PASSWORD", "s3cret")
     assert registry_push(ref).manifest_digest == manifest.digest
@@ -155,7 +155,7 @@ def test_bearer_token(proxy, fresh_home, tiny_gguf, monkeypatch):
     layout = _empty_store(fresh_home, monkeypatch, "puller")
     assert registry_pull(layout, ref).manifest_digest == manifest.digest
     monkeypatch.setenv("PAGODA_REGISTRY_PASSWORD", "nope")
-    with pytest.raises(registry.RegistryError, match="token request .* 401"):
+    with pytest.raises(oci_client.RegistryError, match="token request .* 401"):
         registry_pull(_empty_store(fresh_home, monkeypatch, "puller2"), ref)
 
 

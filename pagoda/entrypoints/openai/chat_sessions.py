@@ -60,7 +60,7 @@ _SESSION_ONLY = {"system", "overflow", "messages"}
 
 
 @dataclass
-class Session:
+class ChatSession:
     id: str
     model: str
     system: str | None
@@ -105,12 +105,12 @@ class Session:
                 "num_tokens": len(self.token_ids)}
 
 
-class SessionStore:
+class ChatSessionStore:
     def __init__(self, serving: Serving, ttl: float = 1800.0, max_sessions: int = 1000) -> None:
         self.serving = serving
         self.ttl = ttl
         self.max_sessions = max_sessions
-        self.sessions: dict[tuple[str | None, str], Session] = {}  # by (tenant, id)
+        self.sessions: dict[tuple[str | None, str], ChatSession] = {}  # by (tenant, id)
         self._sweeper: asyncio.Task | None = None
 
     # -- lifetime ---------------------------------------------------------------------------
@@ -143,7 +143,7 @@ class SessionStore:
         """Whether the caller's tenant has a session of this id here."""
         return _key(session_id) in self.sessions
 
-    def create(self, body: SessionCreateRequest, wanted_id: str | None) -> Session:
+    def create(self, body: SessionCreateRequest, wanted_id: str | None) -> ChatSession:
         self.expire()
         model = self.serving.check_model(body.model)
         if wanted_id is not None and not SESSION_ID.match(wanted_id):
@@ -160,7 +160,7 @@ class SessionStore:
             raise OpenAIError("a session answers with one choice: n must be 1", param="n")
         probe = _chat_request(defaults, [{"role": "user", "content": "."}])  # the defaults must make a valid request
         self.serving.params(probe, 1, None)
-        session = Session(wanted_id or f"sess-{uuid.uuid4().hex}", model, body.system, defaults, body.overflow)
+        session = ChatSession(wanted_id or f"sess-{uuid.uuid4().hex}", model, body.system, defaults, body.overflow)
         self.serving.check_input([body.system or ""], "system")  # the content filter (--moderation-words)
         if body.messages:
             session.messages = self.serving.chat_messages(body.messages)
@@ -173,7 +173,7 @@ class SessionStore:
         self.sessions[session.key] = session
         return session
 
-    def get(self, session_id: str) -> Session:
+    def get(self, session_id: str) -> ChatSession:
         self.expire()
         session = self.sessions.get(_key(session_id))  # --auth-config: another tenant's does not exist here
         if session is None:
@@ -218,7 +218,7 @@ class SessionStore:
         return self._until_done(session, result)
 
     @staticmethod
-    async def _until_done(session: Session, stream):
+    async def _until_done(session: ChatSession, stream):
         """The turn's SSE stream; the session takes messages again once it ends (or is dropped)."""
         try:
             async for chunk in stream:
@@ -227,7 +227,7 @@ class SessionStore:
             session.busy = False
             session.last_used = time.monotonic()
 
-    def _commit(self, session: Session, user: dict, ids: list[int], answer) -> None:
+    def _commit(self, session: ChatSession, user: dict, ids: list[int], answer) -> None:
         """A complete answer joins the history (an aborted one does not: the turn did not happen)."""
         if answer.finish_reason in (None, "abort"):
             return
@@ -236,7 +236,7 @@ class SessionStore:
         session.text = self.serving.tokenizer.decode(session.token_ids, skip_special_tokens=False)
         session.last_used = time.monotonic()
 
-    async def _prompt(self, session: Session, user: dict, request: ChatCompletionRequest) -> list[int]:
+    async def _prompt(self, session: ChatSession, user: dict, request: ChatCompletionRequest) -> list[int]:
         """The turn's prompt ids, the oldest turns dropped (or summarized) until the answer has room."""
         wanted = request.max_completion_tokens or request.max_tokens
         room = wanted if wanted is not None else min(DEFAULT_ANSWER_ROOM, self.serving.max_model_len // 4)
@@ -269,7 +269,7 @@ class SessionStore:
         logger.info("session %s: dropped %d turn(s) for room", session.id, num_dropped // 2)
         return ids
 
-    def _encode(self, session: Session, messages: list[dict], incremental: bool = False) -> list[int]:
+    def _encode(self, session: ChatSession, messages: list[dict], incremental: bool = False) -> list[int]:
         text = self._render(messages)
         if incremental and session.token_ids and text.startswith(session.text):
             tail = self.serving.tokenizer.encode(text[len(session.text):], add_special_tokens=False)
@@ -289,7 +289,7 @@ class SessionStore:
     def _summary_tokens(self) -> int:
         return min(SUMMARY_MAX_TOKENS, self.serving.max_model_len // 4)
 
-    async def _summarize(self, session: Session, dropped: list[dict]) -> str:
+    async def _summarize(self, session: ChatSession, dropped: list[dict]) -> str:
         """One generation: the earlier summary and the dropped turns, in a few sentences (the
         end of them, if all would not fit in the context)."""
         transcript = "\n".join(f"{m['role']}: {m['content']}" for m in dropped)

@@ -6,7 +6,7 @@ import math
 
 import pytest
 
-from pagoda.bench.metrics import RequestResult, format_summary, meets_slos, parse_slos, percentile, summarize
+from pagoda.bench.latency_stats import RequestResult, format_summary, meets_slos, parse_slos, percentile, summarize
 
 
 def test_percentile_interpolates_linearly():

@@ -16,7 +16,7 @@ import pytest
 
 from pagoda.store import blobs, manifests
 from pagoda.store.layout import default_layout, parse_ref
-from pagoda.store.registry import RegistryClient, RegistryError
+from pagoda.store.oci_client import RegistryClient, RegistryError
 
 CREDENTIALS = ("alice", "s3cret")
 BASIC = "Basic " + base64.b64encode(b"alice:s3cret").decode()
