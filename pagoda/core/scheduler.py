@@ -61,20 +61,11 @@ class _Step:
 
 
 class Scheduler:
-    def __init__(
-        self,
-        kv_cache_manager: KVCacheManager,
-        *,
-        max_num_seqs: int,
-        max_num_batched_tokens: int,
-        max_model_len: int,
-        aging_seconds: float = EngineArgs.aging_seconds,
-        admission_pressure_threshold: float = EngineArgs.admission_pressure_threshold,
-        spec_disable_by_batch_size: int | None = None,
-        spec_lookahead: int = 0,
-        policy: str = EngineArgs.scheduling_policy,
-        chunking: PrefillChunking | None = None,
-    ) -> None:
+    def __init__(self, kv_cache_manager: KVCacheManager, *, max_num_seqs: int, max_num_batched_tokens: int,
+                 max_model_len: int, aging_seconds: float = EngineArgs.aging_seconds,
+                 admission_pressure_threshold: float = EngineArgs.admission_pressure_threshold,
+                 spec_disable_by_batch_size: int | None = None, spec_lookahead: int = 0,
+                 policy: str = EngineArgs.scheduling_policy, chunking: PrefillChunking | None = None) -> None:
         """``spec_lookahead``: KV slots to allocate, where free, after the tokens of a request
         that samples this step, for the drafts a draft model writes when it proposes.
         ``policy``: "priority" (priorities and aging order the queues) or "fcfs" (arrival only).

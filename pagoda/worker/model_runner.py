@@ -29,7 +29,7 @@ from pagoda.worker.batch_layout import BatchLayout, decode_like_rows, prepare_in
 from pagoda.worker.input_batch import InputBatch
 
 if TYPE_CHECKING:
-    from pagoda.config import SpeculativeConfig
+    from pagoda.spec_decode.speculative_config import SpeculativeConfig
 
 logger = logging.getLogger(__name__)
 

@@ -296,7 +296,7 @@ def test_a_draft_with_another_tokenizer_is_refused(tiny_llama, tmp_path):
 def test_default_batch_size_limit_depends_on_the_method():
     """A draft model's passes grow with the batch: it drafts up to 2 running requests by default,
     prompt lookup up to 4 (benchmarks/README.md); an explicit value (null: always) is kept."""
-    from pagoda.config import SpeculativeConfig
+    from pagoda.spec_decode.speculative_config import SpeculativeConfig
 
     assert SpeculativeConfig.parse({"method": "draft_model", "model": "m"}).disable_by_batch_size == 2
     assert SpeculativeConfig.parse({"method": "ngram"}).disable_by_batch_size == 4
