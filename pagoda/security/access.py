@@ -212,9 +212,12 @@ class AccessControl:
 
 
 def _authorization(scope: Scope) -> str:
-    for name, value in scope["headers"]:  # (lower-case names in ASGI)
-        if name == b"authorization":
-            return value.decode("latin-1")
+    """The `Authorization` header, or Anthropic's `x-api-key` as a bearer token."""
+    headers = dict(scope["headers"])  # (lower-case names in ASGI)
+    if b"authorization" in headers:
+        return headers[b"authorization"].decode("latin-1")
+    if b"x-api-key" in headers:
+        return "Bearer " + headers[b"x-api-key"].decode("latin-1")
     return ""
 
 

@@ -15,6 +15,7 @@ from pagoda.config import create_engine_config
 from pagoda.engine.async_llm import AsyncLLM
 from pagoda.engine.content_filter import read_list
 from pagoda.engine_args import EngineArgs
+from pagoda.entrypoints.anthropic.messages import router as anthropic_router
 from pagoda.entrypoints.disconnect import GONE, unless_disconnected
 from pagoda.entrypoints.model_dispatch import build_front_app
 from pagoda.entrypoints.model_pool import ModelPool, PoolMetrics, footprint_bytes, format_gib
@@ -185,6 +186,7 @@ def build_app(engine: AsyncLLM, served_model_names: list[str], *, api_key: str |
         return {"prompt": serving.tokenizer.decode(body.tokens, skip_special_tokens=False)}
 
     app.include_router(ollama_router)  # Ollama's API, /api/... (pagoda/entrypoints/ollama)
+    app.include_router(anthropic_router)  # Anthropic's Messages API, /v1/messages (pagoda/entrypoints/anthropic)
     install_web(app, web_ui=web_ui)  # /, /dashboard and /v1/debug/... (pagoda/entrypoints/web)
     return app
 

@@ -70,7 +70,8 @@ class APIKeyCheck:
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] == "http" and not is_open(scope["path"]):
-            given = Headers(scope=scope).get("authorization", "")
+            headers = Headers(scope=scope)
+            given = headers.get("authorization") or (f"Bearer {headers['x-api-key']}" if "x-api-key" in headers else "")
             if not secrets.compare_digest(given, self.expected):
                 error = OpenAIError("invalid or missing API key", status=401, type_="authentication_error",
                                     code="invalid_api_key")
