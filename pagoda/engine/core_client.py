@@ -138,17 +138,16 @@ class _InboxClient:
 class ThreadCoreClient(_InboxClient):
     """The EngineCore on a thread of this process.
 
-    Given an EngineConfig rather than a built core (as the server does), it builds the core on
-    that thread, so that the thread running the model is the only one in the process that ever
-    leads an OpenMP team. libgomp cuts every thread's spin after a parallel region to 100
+    It builds the core on that thread, so that the thread running the model is the only one in
+    the process that ever leads an OpenMP team. libgomp cuts every thread's spin after a parallel region to 100
     iterations once a process holds more OpenMP threads than CPUs; a model loaded on the main
     thread left a second, idle team there (more threads than cores), so the engine's threads
     slept and were woken around each of a step's parallel regions, which cost one stream about
     a third of its speed (benchmarks/README.md, "One stream through every path")."""
 
-    def __init__(self, core: EngineCore | EngineConfig, on_outputs: OnOutputs, on_failure: OnFailure,
+    def __init__(self, config: EngineConfig, on_outputs: OnOutputs, on_failure: OnFailure,
                  on_answer: OnAnswer | None = None) -> None:
-        self.core: EngineCore | None = core if isinstance(core, EngineCore) else None
+        self.core: EngineCore | None = None
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
         self._on_outputs, self._on_failure = on_outputs, on_failure
         self._on_answer = on_answer or (lambda *_: None)
@@ -156,13 +155,11 @@ class ThreadCoreClient(_InboxClient):
         self._stopped = False
         self._built = threading.Event()
         self._final_stats: SchedulerStats | None = None  # stats() once shut down
-        config = None if self.core is not None else core
         self._thread = threading.Thread(target=self._run, args=(config,), name="pagoda-engine", daemon=True)
         self._thread.start()
-        if self.core is None:
-            self._built.wait()
-            if self.core is None:  # the build failed on the thread: fail here, as building it here would
-                raise self.dead_error
+        self._built.wait()
+        if self.core is None:  # the build failed on the thread: fail here, as building it here would
+            raise self.dead_error
         self.limits: RequestLimits = self.core.limits
 
     @property
@@ -183,15 +180,14 @@ class ThreadCoreClient(_InboxClient):
             self._final_stats = core.stats()
             core.shutdown()  # the workers of other ranks, if any
 
-    def _run(self, config: EngineConfig | None) -> None:
-        if config is not None:
-            try:
-                self.core = EngineCore(config)
-            except BaseException as e:  # noqa: BLE001 - raised again by __init__
-                self.dead_error = e
-                return
-            finally:
-                self._built.set()
+    def _run(self, config: EngineConfig) -> None:
+        try:
+            self.core = EngineCore(config)
+        except BaseException as e:  # noqa: BLE001 - raised again by __init__
+            self.dead_error = e
+            return
+        finally:
+            self._built.set()
         try:
             _serve_core(self.core, self._inbox, lambda outs: outs and self._on_outputs(outs), lambda: self._stopped,
                         self._on_answer)

@@ -120,6 +120,14 @@ def check_template(value: Any, field: str = "template") -> Any:
     return value
 
 
+def parse_json_object(raw: bytes) -> dict:
+    """A request body that must be a JSON object (ValueError otherwise, as parse_json_body)."""
+    data = parse_json_body(raw)
+    if not isinstance(data, dict):
+        raise ValueError("the body must be a JSON object")
+    return data
+
+
 def parse_json_body(raw: bytes) -> Any:
     """A request body's JSON ({} for an empty body). ValueError for what does not parse, including
     nesting past Python's recursion limit (a RecursionError from the parser, else a 500)."""

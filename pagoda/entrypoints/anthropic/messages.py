@@ -17,10 +17,11 @@ from pydantic import ValidationError
 
 from pagoda.entrypoints.anthropic.protocol import CountTokensRequest, MessagesRequest, chat_request
 from pagoda.entrypoints.disconnect import GONE, unless_disconnected
-from pagoda.entrypoints.input_limits import parse_json_body
+from pagoda.entrypoints.input_limits import parse_json_object
 from pagoda.entrypoints.openai.errors import OpenAIError
-from pagoda.entrypoints.openai.lifecycle import shutting_down
+from pagoda.entrypoints.openai.lifecycle import check_serving
 from pagoda.entrypoints.openai.middleware import ReleasingStream
+from pagoda.entrypoints.openai.protocol import describe_validation_errors
 from pagoda.entrypoints.openai.response_parts import Sample
 from pagoda.entrypoints.openai.serving import Serving
 from pagoda.entrypoints.openai.tool_calls import ToolCallStream, ToolChoice
@@ -47,9 +48,8 @@ def anthropic_errors(handler: Callable):
         except OpenAIError as e:
             return JSONResponse(_error_body(e.message, e.status), status_code=e.status, headers=e.headers)
         except ValidationError as e:
-            first = e.errors()[0]
-            where = ".".join(str(p) for p in first["loc"])
-            return JSONResponse(_error_body(f"{where}: {first['msg']}", 400), status_code=400)
+            message, _ = describe_validation_errors(e.errors())
+            return JSONResponse(_error_body(message, 400), status_code=400)
         except ValueError as e:
             return JSONResponse(_error_body(str(e), 400), status_code=400)
 
@@ -57,17 +57,7 @@ def anthropic_errors(handler: Callable):
 
 
 async def _read(request: Request, kind):
-    data = parse_json_body(await request.body())
-    if not isinstance(data, dict):
-        raise ValueError("the body must be a JSON object")
-    return kind.model_validate(data)
-
-
-def _check_alive(request: Request, serving: Serving) -> None:
-    if request.app.state.lifecycle.draining:
-        raise shutting_down()
-    if not serving.engine.healthy:
-        raise OpenAIError("the engine is not running", status=503, type_="server_error", code="engine_dead")
+    return kind.model_validate(parse_json_object(await request.body()))
 
 
 @router.post("/v1/messages/count_tokens")
@@ -84,7 +74,7 @@ async def count_tokens(request: Request):
 async def create_message(request: Request):
     body = await _read(request, MessagesRequest)
     serving: Serving = request.app.state.serving
-    _check_alive(request, serving)
+    check_serving(request.app.state.lifecycle, serving.engine)
     chat = chat_request(body)
     model, ids, params, tools = await asyncio.to_thread(serving.prepare_chat, chat)
     admission = serving.admission()

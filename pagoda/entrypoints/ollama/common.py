@@ -96,11 +96,9 @@ def ollama_errors(handler: Callable):
 async def read_body(request: Request, model: type[BaseModel]) -> BaseModel:
     raw = await request.body()
     try:
-        data = limits.parse_json_body(raw)
+        data = limits.parse_json_object(raw)
     except ValueError as e:
         raise OllamaError(str(e)) from None
-    if not isinstance(data, dict):
-        raise OllamaError("the body must be a JSON object")
     return model.model_validate(data)
 
 

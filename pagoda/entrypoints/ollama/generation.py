@@ -25,6 +25,7 @@ from pagoda.entrypoints.ollama.common import (
     GenerateBase,
     GenerateBody,
     OllamaError,
+    as_ollama_error,
     json_response,
     ndjson_line,
     now_iso,
@@ -32,7 +33,7 @@ from pagoda.entrypoints.ollama.common import (
     read_body,
 )
 from pagoda.entrypoints.ollama.prompts import chat_prompt, generate_prompt
-from pagoda.entrypoints.openai.lifecycle import shutting_down
+from pagoda.entrypoints.openai.lifecycle import check_serving
 from pagoda.entrypoints.openai.middleware import ReleasingStream
 from pagoda.entrypoints.openai.protocol import random_id
 from pagoda.entrypoints.openai.errors import OpenAIError
@@ -80,12 +81,10 @@ def visible_names(names: list[str]) -> list[str]:
 
 
 def _check_alive(request: Request) -> None:
-    lifecycle, engine = request.app.state.lifecycle, serving_of(request).engine
-    if lifecycle.draining:
-        raise OllamaError(shutting_down().message, 503)
-    if not engine.healthy:
-        state = "restarting" if engine.restarting else f"not running: {engine.dead_error}"
-        raise OllamaError(f"engine is {state}", 503)
+    try:
+        check_serving(request.app.state.lifecycle, serving_of(request).engine)
+    except OpenAIError as e:
+        raise as_ollama_error(e) from None
 
 
 def _option(options: dict, name: str):

@@ -24,7 +24,7 @@ from pagoda.entrypoints.ollama.store_routes import BlobPolicy, install_blob_poli
 from pagoda.entrypoints.served_models import default_memory_budget, model_specs, serves_several
 from pagoda.entrypoints.web import install_web
 from pagoda.entrypoints.web.api_docs import install_api_docs
-from pagoda.entrypoints.openai.lifecycle import DrainingServer, Lifecycle, bind_listener, shutting_down
+from pagoda.entrypoints.openai.lifecycle import DrainingServer, Lifecycle, bind_listener, check_serving, shutting_down
 from pagoda.entrypoints.openai.middleware import (
     MAX_BODY_BYTES, APIKeyCheck, BodyLimit, FastJSONResponse, ReleasingStream, error_response,
 )
@@ -109,20 +109,13 @@ def build_app(engine: AsyncLLM, served_model_names: list[str], *, api_key: str |
              "parent": None, "max_model_len": serving.max_model_len}
             for name in (ctx.visible(served_model_names) if ctx is not None else served_model_names)]}
 
-    def _check_alive():
-        if lifecycle.draining:
-            raise shutting_down()
-        if not engine.healthy:
-            state = "restarting" if engine.restarting else f"not running: {engine.dead_error}"
-            raise OpenAIError(f"engine is {state}", status=503, type_="server_error", code="engine_dead")
-
     async def respond(handler, body, request: Request):
         """Run a completion-style handler: an SSE stream when asked for, else one JSON body.
 
         A streaming response notices a client that went away when a write fails or Starlette's
         disconnect listener fires, and its generator is closed, which aborts the request. A
         plain response writes nothing until the end, so it watches the connection itself."""
-        _check_alive()
+        check_serving(lifecycle, engine)
         admission = serving.admission()  # its part of --max-num-seqs + --max-queue-len, held to the end
         try:
             if body.stream:
@@ -147,7 +140,7 @@ def build_app(engine: AsyncLLM, served_model_names: list[str], *, api_key: str |
     # -- sessions: the history kept here, each turn computing only its new tokens (chat_sessions.py)
     @app.post("/v1/sessions")
     async def create_session(body: SessionCreateRequest, request: Request):
-        _check_alive()
+        check_serving(lifecycle, engine)
         session = sessions.create(body, request.headers.get("x-session-id"))
         return {"id": session.id, "object": "session", "model": session.model, "created": session.created}
 

@@ -28,6 +28,15 @@ def shutting_down() -> OpenAIError:
     return OpenAIError("the server is shutting down", status=503, type_="server_error", code="shutting_down")
 
 
+def check_serving(lifecycle: Lifecycle, engine: AsyncLLM) -> None:
+    """503 for a new request while the server drains or its engine is restarting or dead."""
+    if lifecycle.draining:
+        raise shutting_down()
+    if not engine.healthy:
+        state = "restarting" if engine.restarting else f"not running: {engine.dead_error}"
+        raise OpenAIError(f"engine is {state}", status=503, type_="server_error", code="engine_dead")
+
+
 class DrainingServer(GracefulServer):
     """`pagoda serve`'s uvicorn: GracefulServer's stop rules over the engine's requests. The first
     signal also makes requests on open connections get 503; an engine failure stops the server."""
