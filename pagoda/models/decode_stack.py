@@ -39,6 +39,13 @@ def _projection(module: nn.Module) -> tuple[torch.Tensor, int, torch.Tensor | No
     return None
 
 
+def _layer_projections(layer: nn.Module) -> list[tuple[str, nn.Module]]:
+    """A layer's four projections, in the op's order."""
+    attn, mlp = layer.self_attn, layer.mlp
+    return [("qkv_proj", attn.qkv_proj), ("o_proj", attn.o_proj), ("gate_up_proj", mlp.gate_up_proj),
+            ("down_proj", mlp.down_proj)]
+
+
 class DecodeStack:
     def __init__(self, ops, weights: list[torch.Tensor], block_types: list[int], k_caches: list[torch.Tensor],
                  v_caches: list[torch.Tensor], rotary, cfg, packed: list[torch.Tensor | None] | None = None) -> None:
@@ -55,8 +62,8 @@ class DecodeStack:
         """The stack for ``model``'s layers as they are now (``unsupported(model)`` must be None)."""
         weights, types, packed, k_caches, v_caches = [], [], [], [], []
         for layer in model.layers:
-            attn, mlp = layer.self_attn, layer.mlp
-            projections = [_projection(m) for m in (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)]
+            attn = layer.self_attn
+            projections = [_projection(m) for _, m in _layer_projections(layer)]
             (qkv, t0, p0), (o, t1, p1), (gate_up, t2, p2), (down, t3, p3) = projections
             weights += [layer.input_layernorm.weight, qkv, o, layer.post_attention_layernorm.weight, gate_up, down]
             types += [t0, t1, t2, t3]
@@ -79,9 +86,8 @@ class DecodeStack:
                for n in (layer.input_layernorm, layer.post_attention_layernorm)):
             return "the model computes in a narrower dtype than float32, which the fused op does not"
         for i, layer in enumerate(model.layers):
-            attn, mlp = layer.self_attn, layer.mlp
-            for name, module in (("qkv_proj", attn.qkv_proj), ("o_proj", attn.o_proj),
-                                 ("gate_up_proj", mlp.gate_up_proj), ("down_proj", mlp.down_proj)):
+            attn = layer.self_attn
+            for name, module in _layer_projections(layer):
                 if _projection(module) is None:
                     return (f"layer {i}'s {name} ({type(module).__name__}) has a bias or a weight dtype the fused op "
                             "does not take (it takes float32 or ggml / half-precision blocks without bias)")
