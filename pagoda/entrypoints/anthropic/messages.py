@@ -8,20 +8,19 @@ import asyncio
 import json
 import secrets
 from collections.abc import AsyncIterator
-from functools import wraps
+from functools import partial, wraps
 from typing import Callable
 
 from fastapi import APIRouter, Request
-from fastapi.responses import JSONResponse, Response
+from fastapi.responses import JSONResponse
 from pydantic import ValidationError
 
 from pagoda.entrypoints.anthropic.protocol import CountTokensRequest, MessagesRequest, chat_request
-from pagoda.entrypoints.disconnect import GONE, unless_disconnected
 from pagoda.entrypoints.input_limits import parse_json_object
+from pagoda.entrypoints.openai.admission import Admission
 from pagoda.entrypoints.openai.errors import OpenAIError
-from pagoda.entrypoints.openai.lifecycle import check_serving
-from pagoda.entrypoints.openai.middleware import ReleasingStream
 from pagoda.entrypoints.openai.protocol import describe_validation_errors
+from pagoda.entrypoints.openai.respond import respond
 from pagoda.entrypoints.openai.response_parts import Sample
 from pagoda.entrypoints.openai.serving import Serving
 from pagoda.entrypoints.openai.tool_calls import ToolCallStream, ToolChoice
@@ -74,24 +73,19 @@ async def count_tokens(request: Request):
 async def create_message(request: Request):
     body = await _read(request, MessagesRequest)
     serving: Serving = request.app.state.serving
-    check_serving(request.app.state.lifecycle, serving.engine)
+    return await respond(serving, request.app.state.lifecycle, partial(_message, serving), body, request)
+
+
+async def _message(serving: Serving, body: MessagesRequest, admission: Admission):
+    """The message's event stream when it streams, else the message."""
     chat = chat_request(body)
     model, ids, params, tools = await asyncio.to_thread(serving.prepare_chat, chat)
-    admission = serving.admission()
-    try:
-        serving.check_capacity(1, admission)
-        message_id = "msg_" + secrets.token_hex(12)
-        outputs = serving.run_all([ids], [params], message_id, chat.priority, chat.cache_salt)
-        if body.stream:
-            events = _events(message_id, model, outputs, tools, len(ids))
-            response = ReleasingStream(events, admission.release, media_type="text/event-stream")
-            admission = None  # the stream gives it back when it ends
-            return response
-        result = await unless_disconnected(request, _answer(message_id, model, outputs, tools, len(ids)))
-        return JSONResponse(result) if result is not GONE else Response(status_code=499)
-    finally:
-        if admission is not None:
-            admission.release()
+    serving.check_capacity(1, admission)
+    message_id = "msg_" + secrets.token_hex(12)
+    outputs = serving.run_all([ids], [params], message_id, chat.priority, chat.cache_salt)
+    if body.stream:
+        return _events(message_id, model, outputs, tools, len(ids))
+    return await _answer(message_id, model, outputs, tools, len(ids))
 
 
 def _stop_reason(sample: Sample, called: bool) -> tuple[str, str | None]:

@@ -16,7 +16,6 @@ from pagoda.engine.async_llm import AsyncLLM
 from pagoda.engine.content_filter import read_list
 from pagoda.engine_args import EngineArgs
 from pagoda.entrypoints.anthropic.messages import router as anthropic_router
-from pagoda.entrypoints.disconnect import GONE, unless_disconnected
 from pagoda.entrypoints.model_dispatch import build_front_app
 from pagoda.entrypoints.model_pool import ModelPool, PoolMetrics, footprint_bytes, format_gib
 from pagoda.entrypoints.ollama import router as ollama_router
@@ -26,7 +25,7 @@ from pagoda.entrypoints.web import install_web
 from pagoda.entrypoints.web.api_docs import install_api_docs
 from pagoda.entrypoints.openai.lifecycle import DrainingServer, Lifecycle, bind_listener, check_serving, shutting_down
 from pagoda.entrypoints.openai.middleware import (
-    MAX_BODY_BYTES, APIKeyCheck, BodyLimit, FastJSONResponse, ReleasingStream, error_response,
+    MAX_BODY_BYTES, APIKeyCheck, BodyLimit, FastJSONResponse, error_response,
 )
 from pagoda.entrypoints.openai.protocol import (
     ChatCompletionRequest, CompletionRequest, DetokenizeRequest, SessionCreateRequest, SessionMessageRequest,
@@ -34,6 +33,7 @@ from pagoda.entrypoints.openai.protocol import (
 )
 from pagoda.entrypoints.openai.error_handlers import install_error_handlers
 from pagoda.entrypoints.openai.errors import OpenAIError
+from pagoda.entrypoints.openai.respond import respond
 from pagoda.entrypoints.openai.serving import Serving
 from pagoda.entrypoints.openai.chat_sessions import ChatSessionStore
 from pagoda.executor.multiproc import run_headless
@@ -109,33 +109,13 @@ def build_app(engine: AsyncLLM, served_model_names: list[str], *, api_key: str |
              "parent": None, "max_model_len": serving.max_model_len}
             for name in (ctx.visible(served_model_names) if ctx is not None else served_model_names)]}
 
-    async def respond(handler, body, request: Request):
-        """Run a completion-style handler: an SSE stream when asked for, else one JSON body.
-
-        A streaming response notices a client that went away when a write fails or Starlette's
-        disconnect listener fires, and its generator is closed, which aborts the request. A
-        plain response writes nothing until the end, so it watches the connection itself."""
-        check_serving(lifecycle, engine)
-        admission = serving.admission()  # its part of --max-num-seqs + --max-queue-len, held to the end
-        try:
-            if body.stream:
-                response = ReleasingStream(await handler(body, admission), admission.release,
-                                            media_type="text/event-stream")
-                admission = None  # the stream gives it back when it ends
-                return response
-            result = await unless_disconnected(request, handler(body, admission))
-            return FastJSONResponse(result) if result is not GONE else Response(status_code=499)
-        finally:
-            if admission is not None:
-                admission.release()
-
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request):
-        return await respond(serving.completion, body, request)
+        return await respond(serving, lifecycle, serving.completion, body, request)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatCompletionRequest, request: Request):
-        return await respond(serving.chat, body, request)
+        return await respond(serving, lifecycle, serving.chat, body, request)
 
     # -- sessions: the history kept here, each turn computing only its new tokens (chat_sessions.py)
     @app.post("/v1/sessions")
@@ -155,7 +135,8 @@ def build_app(engine: AsyncLLM, served_model_names: list[str], *, api_key: str |
 
     @app.post("/v1/sessions/{session_id}/messages")
     async def session_message(session_id: str, body: SessionMessageRequest, request: Request):
-        return await respond(lambda b, admission: sessions.message(session_id, b, admission), body, request)
+        return await respond(serving, lifecycle, lambda b, admission: sessions.message(session_id, b, admission), body,
+                             request)
 
     @app.post("/tokenize")
     async def tokenize(body: TokenizeRequest):
