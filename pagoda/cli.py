@@ -317,6 +317,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "KV prefix is let go")
     p.add_argument("--max-sessions", type=int, default=1000,
                    help="sessions held at once; past that, POST /v1/sessions answers 429")
+    p.add_argument("--max-stored-responses", type=int, default=10000,
+                   help="Responses API responses kept for GET /v1/responses/{id} and previous_response_id, the "
+                        "most recently used; their pinned KV prefixes are let go after --session-ttl idle")
     p.add_argument("--engine-process", action="store_true",
                    help="run the engine core in its own process instead of a thread (see benchmarks/README.md)")
     p.add_argument("--max-engine-restarts", type=int, default=3,

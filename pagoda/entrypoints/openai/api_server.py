@@ -36,6 +36,8 @@ from pagoda.entrypoints.openai.errors import OpenAIError
 from pagoda.entrypoints.openai.respond import respond
 from pagoda.entrypoints.openai.serving import Serving
 from pagoda.entrypoints.openai.chat_sessions import ChatSessionStore
+from pagoda.entrypoints.openai.responses import router as responses_router
+from pagoda.entrypoints.openai.responses_store import ResponseStore
 from pagoda.executor.multiproc import run_headless
 from pagoda.loader.catalog import catalog_aliases
 from pagoda.security import tls
@@ -51,7 +53,7 @@ logger = logging.getLogger("pagoda.server")
 def build_app(engine: AsyncLLM, served_model_names: list[str], *, api_key: str | None = None,
               max_queue_len: int | None = None, model_root: str | None = None,
               request_timeout: float | None = None, max_body_bytes: int = MAX_BODY_BYTES,
-              session_ttl: float = 1800.0, max_sessions: int = 1000,
+              session_ttl: float = 1800.0, max_sessions: int = 1000, max_stored_responses: int = 10000,
               moderation_words: list[str] | None = None, moderation_action: str = "stop",
               metric_families=None, web_ui: bool = True) -> FastAPI:
     """The app of one served model. Several models (pagoda serve --model A --model B) get one
@@ -73,6 +75,9 @@ def build_app(engine: AsyncLLM, served_model_names: list[str], *, api_key: str |
     app.state.sessions = sessions = ChatSessionStore(serving, session_ttl, max_sessions)
     app.router.on_startup.append(sessions.start)
     app.router.on_shutdown.append(sessions.stop)
+    app.state.responses = responses = ResponseStore(engine, session_ttl, max_stored_responses)
+    app.router.on_startup.append(responses.start)
+    app.router.on_shutdown.append(responses.stop)
 
     app.add_middleware(BodyLimit, max_bytes=max_body_bytes)
     if api_key:
@@ -160,6 +165,7 @@ def build_app(engine: AsyncLLM, served_model_names: list[str], *, api_key: str |
         return {"prompt": serving.tokenizer.decode(body.tokens, skip_special_tokens=False)}
 
     app.include_router(ollama_router)  # Ollama's API, /api/... (pagoda/entrypoints/ollama)
+    app.include_router(responses_router)  # the Responses API, /v1/responses (responses.py)
     app.include_router(anthropic_router)  # Anthropic's Messages API, /v1/messages (pagoda/entrypoints/anthropic)
     install_web(app, web_ui=web_ui)  # /, /dashboard and /v1/debug/... (pagoda/entrypoints/web)
     return app
@@ -231,6 +237,7 @@ def _model_app(args, config, names: list[str], api_key: str | None, metric_famil
     async_engine = AsyncLLM(config, engine_process=args.engine_process, max_engine_restarts=args.max_engine_restarts)
     app = build_app(async_engine, names, api_key=api_key, max_queue_len=args.max_queue_len, model_root=args.model,
                     request_timeout=args.request_timeout, session_ttl=args.session_ttl, max_sessions=args.max_sessions,
+                    max_stored_responses=args.max_stored_responses,
                     moderation_words=getattr(args, "moderation_words", None),
                     moderation_action=getattr(args, "moderation_action", "stop"), metric_families=metric_families,
                     web_ui=not getattr(args, "no_web_ui", False))

@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 
 from pagoda.entrypoints.openai.admission import Admission
 from pagoda.entrypoints.openai.errors import OpenAIError
+from pagoda.entrypoints.openai.known_prefix import KnownPrefix
 from pagoda.entrypoints.openai.protocol import ChatCompletionRequest, ChatMessage, now, random_id
 from pagoda.entrypoints.openai.response_parts import Sample, sse, token_logprob_entries, usage
 from pagoda.entrypoints.openai.tool_calls import ToolCallStream, ToolChoice, render_messages
@@ -20,7 +21,8 @@ from pagoda.structured_output.grammar import validate_structured_outputs
 class ChatServing:
     """Serving's chat (a part of `Serving`: the attributes are its own)."""
 
-    def _chat_prompt(self, request: ChatCompletionRequest, tools: ToolChoice | None) -> list[int]:
+    def _chat_prompt(self, request: ChatCompletionRequest, tools: ToolChoice | None,
+                     prefix: KnownPrefix | None = None) -> list[int]:
         messages = self.chat_messages(request.messages)
         self.check_input([m["content"] for m in messages], "messages")
         template = self.tokenizer.chat_template or ""
@@ -28,7 +30,8 @@ class ChatServing:
             messages, extra = render_messages(messages, tools, template_takes_tools="tools" in template)
         except (ValueError, TypeError, KeyError) as e:
             raise OpenAIError(f"messages cannot be rendered with tools: {e!s}", param="messages") from None
-        return self.encode_chat(messages, request.add_generation_prompt, **{**extra, **(request.chat_template_kwargs or {})})
+        return self.encode_chat(messages, request.add_generation_prompt, prefix,
+                                **{**extra, **(request.chat_template_kwargs or {})})
 
     def chat_messages(self, messages: list[ChatMessage]) -> list[dict]:
         """The request's messages as a chat template takes them, text parts joined. 400s name the
@@ -53,10 +56,13 @@ class ChatServing:
         self.check_prompt_chars(sum(len(m["content"]) for m in out), "messages")
         return out
 
-    def encode_chat(self, messages: list[dict], add_generation_prompt: bool, **template_kwargs) -> list[int]:
-        """Render the chat template and tokenize; a template that fails on the messages is a 400."""
+    def encode_chat(self, messages: list[dict], add_generation_prompt: bool, prefix: KnownPrefix | None = None,
+                    **template_kwargs) -> list[int]:
+        """Render the chat template and tokenize (starting with `prefix`'s ids where the text
+        extends it); a template that fails on the messages is a 400."""
         try:
-            return self.tokenizer.encode_chat(messages, add_generation_prompt, **template_kwargs)
+            text = self.tokenizer.apply_chat_template(messages, add_generation_prompt, **template_kwargs)
+            return (prefix or KnownPrefix()).encode(self.tokenizer, text)
         except ValueError as e:
             raise OpenAIError(str(e), param="messages") from None
         except Exception as e:  # jinja TemplateError from raise_exception in the template
@@ -83,12 +89,13 @@ class ChatServing:
             raise OpenAIError(str(e), param="tools") from None
         params.structured_outputs = constraint
 
-    def prepare_chat(self, request: ChatCompletionRequest):
+    def prepare_chat(self, request: ChatCompletionRequest, prefix: KnownPrefix | None = None):
         """Check a chat request and make its engine input: (served model name, prompt token ids,
-        sampling parameters, the tools it may call). Shared with the gRPC service."""
+        sampling parameters, the tools it may call). Shared with the gRPC service, Anthropic's
+        Messages and the Responses API (whose `previous_response_id` gives a known `prefix`)."""
         model = self.check_model(request.model)
         tools = self._tools(request)
-        ids = self._chat_prompt(request, tools)
+        ids = self._chat_prompt(request, tools, prefix)
         params = self.chat_params(request, len(ids))
         self._constrain_to_tools(params, tools)
         return model, ids, params, tools

@@ -44,6 +44,7 @@ from pagoda.entrypoints.openai.protocol import (
 from pagoda.entrypoints.openai.errors import OpenAIError
 from pagoda.entrypoints.openai.admission import Admission
 from pagoda.entrypoints.openai.chat import ChatTurn
+from pagoda.entrypoints.openai.known_prefix import KnownPrefix
 from pagoda.entrypoints.openai.serving import Serving
 from pagoda.security.context import request_context
 
@@ -69,8 +70,7 @@ class ChatSession:
     created: int = field(default_factory=now)
     last_used: float = field(default_factory=time.monotonic)
     messages: list[dict] = field(default_factory=list)  # user and assistant turns, oldest first
-    token_ids: list[int] = field(default_factory=list)  # what the engine computed through the last turn
-    text: str = ""  # token_ids decoded: the rendered conversation they stand for
+    prefix: KnownPrefix = field(default_factory=KnownPrefix)  # what the engine computed through the last turn
     summary: str | None = None  # of the turns dropped for room (overflow: summarize)
     dropped_turns: int = 0
     busy: bool = False  # a turn is running: a second message at once is a 409
@@ -102,7 +102,7 @@ class ChatSession:
         return {"id": self.id, "object": "session", "model": self.model, "created": self.created,
                 "expires_in": max(0.0, round(ttl - (time.monotonic() - self.last_used), 1)),
                 "messages": self.conversation(), "summary": self.summary, "dropped_turns": self.dropped_turns,
-                "num_tokens": len(self.token_ids)}
+                "num_tokens": len(self.prefix.token_ids)}
 
 
 class ChatSessionStore:
@@ -232,8 +232,7 @@ class ChatSessionStore:
         if answer.finish_reason in (None, "abort"):
             return
         session.messages += [user, {"role": "assistant", "content": answer.text}]
-        session.token_ids = ids + answer.token_ids
-        session.text = self.serving.tokenizer.decode(session.token_ids, skip_special_tokens=False)
+        session.prefix = KnownPrefix.of(self.serving.tokenizer, ids, answer.token_ids)
         session.last_used = time.monotonic()
 
     async def _prompt(self, session: ChatSession, user: dict, request: ChatCompletionRequest) -> list[int]:
@@ -257,7 +256,7 @@ class ChatSessionStore:
             session.summary = await self._summarize(session, session.messages[:num_dropped])
         session.messages = session.messages[num_dropped:]
         session.dropped_turns += num_dropped // 2
-        session.token_ids, session.text = [], ""  # the prefix changed: the next turn starts afresh from here
+        session.prefix = KnownPrefix()  # the prefix changed: the next turn starts afresh from here
         ids = self._encode(session, session.conversation() + [user])
         while too_long(ids, room) and (session.summary or session.messages):  # a summary longer than planned
             if session.summary:
@@ -270,11 +269,7 @@ class ChatSessionStore:
         return ids
 
     def _encode(self, session: ChatSession, messages: list[dict], incremental: bool = False) -> list[int]:
-        text = self._render(messages)
-        if incremental and session.token_ids and text.startswith(session.text):
-            tail = self.serving.tokenizer.encode(text[len(session.text):], add_special_tokens=False)
-            return session.token_ids + tail
-        return self.serving.tokenizer.encode(text, add_special_tokens=False)
+        return (session.prefix if incremental else KnownPrefix()).encode(self.serving.tokenizer, self._render(messages))
 
     def _render(self, messages: list[dict]) -> str:
         self.serving.check_prompt_chars(sum(len(m["content"]) for m in messages), "content")

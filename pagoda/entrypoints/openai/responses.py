@@ -1,0 +1,209 @@
+"""The OpenAI Responses API: `POST /v1/responses` (a response, or its stream of semantic events),
+`GET` and `DELETE /v1/responses/{id}`, `GET /v1/responses/{id}/input_items`.
+
+A response is a chat turn: its request is translated into a chat request
+(responses_protocol.py) and goes through the chat path's checks, template and tools; its output
+is built as items (responses_output.py). `previous_response_id` continues a stored response
+(responses_store.py): the conversation through it comes before the new input, and the prompt
+starts with the token ids the engine computed for it, whose KV the engine kept pinned."""
+
+from __future__ import annotations
+
+import asyncio
+import re
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from functools import partial
+from typing import Literal
+
+from fastapi import APIRouter, Query, Request
+from pydantic import ValidationError
+
+from pagoda.entrypoints.openai.admission import Admission
+from pagoda.entrypoints.openai.errors import OpenAIError
+from pagoda.entrypoints.openai.known_prefix import KnownPrefix
+from pagoda.entrypoints.openai.protocol import ChatCompletionRequest, describe_validation_errors, now
+from pagoda.entrypoints.openai.respond import respond
+from pagoda.entrypoints.openai.response_parts import Sample, dumps, token_logprob_entries
+from pagoda.entrypoints.openai.responses_output import ResponseOutput, assistant_messages
+from pagoda.entrypoints.openai.responses_protocol import (
+    ResponsesRequest, chat_messages, chat_request, input_items, item_id,
+)
+from pagoda.entrypoints.openai.responses_store import ResponseStore, StoredResponse, caller_tenant
+from pagoda.entrypoints.openai.serving import Serving
+from pagoda.entrypoints.openai.tool_calls import ToolCallStream, ToolChoice
+
+router = APIRouter()
+
+
+@router.post("/v1/responses")
+async def create_response(body: ResponsesRequest, request: Request):
+    serving: Serving = request.app.state.serving
+    run = partial(_start, serving, request.app.state.responses)
+    return await respond(serving, request.app.state.lifecycle, run, body, request)
+
+
+@router.get("/v1/responses/{response_id}")
+async def retrieve_response(response_id: str, request: Request):
+    return _store(request).get(response_id).body
+
+
+@router.delete("/v1/responses/{response_id}")
+async def delete_response(response_id: str, request: Request):
+    _store(request).delete(response_id)
+    return {"id": response_id, "object": "response", "deleted": True}
+
+
+@router.get("/v1/responses/{response_id}/input_items")
+async def list_input_items(response_id: str, request: Request, limit: int = Query(20, ge=1, le=100),
+                           order: Literal["asc", "desc"] = "desc", after: str | None = None,
+                           before: str | None = None):
+    """This response's input items, a page at a time (OpenAI's cursor list: newest first unless
+    `order=asc`, starting past the item `after`, stopping at the item `before`)."""
+    items = list(_store(request).get(response_id).input_items)
+    if order == "desc":
+        items.reverse()
+    ids = [i["id"] for i in items]
+    for cursor, name in ((after, "after"), (before, "before")):
+        if cursor is not None and cursor not in ids:
+            raise OpenAIError(f"{name}: no input item {cursor!r} in response {response_id!r}", param=name)
+    start = ids.index(after) + 1 if after is not None else 0
+    end = ids.index(before) if before is not None else len(items)
+    page = items[start:end][:limit]
+    return {"object": "list", "data": page, "first_id": page[0]["id"] if page else None,
+            "last_id": page[-1]["id"] if page else None, "has_more": start + len(page) < end}
+
+
+def _store(request: Request) -> ResponseStore:
+    return request.app.state.responses
+
+
+@dataclass
+class _Turn:
+    """One response being made: what it asked, what it continues, and its engine input."""
+
+    body: ResponsesRequest
+    chat: ChatCompletionRequest
+    model: str
+    ids: list[int]
+    tools: ToolChoice | None
+    items: list[dict]  # its input items
+    previous: StoredResponse | None
+    id: str
+    created_at: int
+
+    def response(self, output: list[dict], status: str, usage: dict | None) -> dict:
+        """The response object (OpenAI's fields; what was asked, echoed)."""
+        body = self.body
+        incomplete = {"reason": "max_output_tokens"} if status == "incomplete" else None
+        return {"id": self.id, "object": "response", "created_at": self.created_at, "status": status,
+                "background": False, "error": None, "incomplete_details": incomplete,
+                "instructions": body.instructions, "max_output_tokens": body.max_output_tokens, "model": self.model,
+                "output": output, "parallel_tool_calls": body.parallel_tool_calls,
+                "previous_response_id": body.previous_response_id, "reasoning": body.reasoning or {"effort": None},
+                "store": body.store, "temperature": body.temperature, "top_p": body.top_p,
+                "text": body.text.model_dump(by_alias=True, exclude_none=True) if body.text else {"format": {"type": "text"}},
+                "tool_choice": body.tool_choice or "auto", "tools": body.tools or [],
+                "top_logprobs": body.top_logprobs, "truncation": body.truncation or "disabled", "usage": usage,
+                "user": body.user, "metadata": body.metadata or {}}
+
+
+async def _start(serving: Serving, store: ResponseStore, body: ResponsesRequest, admission: Admission):
+    """Check and prepare the response, then run it: its event stream, or the response."""
+    if body.background:
+        raise OpenAIError("background responses are not supported; leave background off (the response is "
+                          "answered on this connection, streamed or not)", param="background")
+    previous = store.get(body.previous_response_id, "previous_response_id") if body.previous_response_id else None
+    try:
+        items = input_items(body)
+        chat = chat_request(body, previous.history if previous else [])
+    except ValidationError as e:
+        message, param = describe_validation_errors(e.errors())
+        raise OpenAIError(message, param=param) from None
+    except ValueError as e:
+        name = re.match(r"[a-z_]+", str(e))
+        raise OpenAIError(str(e), param=name.group(0) if name else None) from None
+    prefix = previous.prefix if previous else None
+    model, ids, params, tools = await asyncio.to_thread(serving.prepare_chat, chat, prefix)
+    serving.check_capacity(1, admission)
+    turn = _Turn(body, chat, model, ids, tools, items, previous, item_id("resp"), now())
+    session = f"response/{caller_tenant() or ''}/{turn.id}" if body.store else None  # = StoredResponse.pin_id
+    outputs = serving.run_all([ids], [params], turn.id, chat.priority, chat.cache_salt, session)
+    k = body.top_logprobs if body.top_logprobs else None
+    if body.stream:
+        return _events(serving, store, turn, outputs, k)
+    return await _answer(serving, store, turn, outputs, k)
+
+
+def _status(sample: Sample) -> str:
+    return "incomplete" if sample.finish_reason in ("length", "content_filter") else "completed"
+
+
+def _usage(turn: _Turn, sample: Sample, cached: int) -> dict:
+    return {"input_tokens": len(turn.ids), "input_tokens_details": {"cached_tokens": cached},
+            "output_tokens": len(sample.token_ids), "output_tokens_details": {"reasoning_tokens": 0},
+            "total_tokens": len(turn.ids) + len(sample.token_ids)}
+
+
+async def _answer(serving: Serving, store: ResponseStore, turn: _Turn, outputs: AsyncIterator,
+                  k: int | None) -> dict:
+    sample, cached = Sample(), 0
+    async for _, out in outputs:
+        cached = out.num_cached_tokens
+        for c in out.outputs:
+            sample.add(c)
+    text, calls = turn.tools.parse(sample.text) if turn.tools else (sample.text, [])
+    logprobs = token_logprob_entries(sample.token_ids, sample.logprobs, k) if k is not None else None
+    output = ResponseOutput()
+    status = _status(sample)
+    output.add_whole(None, text, calls, logprobs, status)
+    response = turn.response(output.items, status, _usage(turn, sample, cached))
+    _keep(serving, store, turn, response, sample)
+    return response
+
+
+async def _events(serving: Serving, store: ResponseStore, turn: _Turn, outputs: AsyncIterator,
+                  k: int | None) -> AsyncIterator[bytes]:
+    """The semantic event stream: response.created and .in_progress, each item's events
+    (responses_output.py), then response.completed or .incomplete; on failure an error event
+    and response.failed."""
+    sequence = iter(range(1 << 62))
+
+    def event(data: dict) -> bytes:
+        data = {**data, "sequence_number": next(sequence)}
+        return b"event: " + data["type"].encode() + b"\ndata: " + dumps(data) + b"\n\n"
+
+    yield event({"type": "response.created", "response": turn.response([], "in_progress", None)})
+    yield event({"type": "response.in_progress", "response": turn.response([], "in_progress", None)})
+    stream = ToolCallStream(turn.tools) if turn.tools else None
+    output, sample, cached = ResponseOutput(), Sample(), 0
+    try:
+        async for _, out in outputs:
+            cached = out.num_cached_tokens
+            for c in out.outputs:
+                sample.add(c)
+                delta = stream.feed(c.text, c.finish_reason is not None) if stream else {"content": c.text}
+                logprobs = token_logprob_entries(c.token_ids, c.logprobs or [], k) if k is not None else None
+                for data in output.feed(delta, logprobs):
+                    yield event(data)
+        status = _status(sample)
+        for data in output.close(status):
+            yield event(data)
+        response = turn.response(output.items, status, _usage(turn, sample, cached))
+        _keep(serving, store, turn, response, sample)
+        yield event({"type": f"response.{status}", "response": response})
+    except OpenAIError as e:
+        yield event({"type": "error", "code": e.code, "message": e.message, "param": e.param})
+        failed = turn.response(output.items, "failed", None)
+        failed["error"] = {"code": e.code or "server_error", "message": e.message}
+        yield event({"type": "response.failed", "response": failed})
+
+
+def _keep(serving: Serving, store: ResponseStore, turn: _Turn, response: dict, sample: Sample) -> None:
+    """Store a finished response (`store`, the default) with the conversation through it."""
+    if not turn.body.store or sample.finish_reason in (None, "abort"):
+        return
+    history = (turn.previous.history if turn.previous else []) + chat_messages(turn.items)
+    stored = StoredResponse(response, turn.items, history + assistant_messages(response["output"]),
+                            KnownPrefix.of(serving.tokenizer, turn.ids, sample.token_ids), pinned=True)
+    store.put(stored, turn.previous)

@@ -1,0 +1,110 @@
+"""Responses kept on the server (`store`, the default), for `GET /v1/responses/{id}`, its input
+items, and `previous_response_id`.
+
+A stored response keeps the conversation through it (the chat messages, without the
+instructions, which OpenAI does not carry to the next response) and the token ids the engine
+computed for it (`KnownPrefix`), so the next response's prompt starts with exactly the tokens
+the engine cached. The response ran as an engine session (`pin_id`), so its computed prefix stays
+pinned in the prefix cache (core/session_pins.py) until a response continues it (the
+continuation's pin covers it), it is deleted, or it idles past `--session-ttl`.
+
+Responses live in this server's memory, the `--max-stored-responses` most recently used; with
+`--auth-config` they are the tenant's own, as sessions are.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections import OrderedDict
+from dataclasses import dataclass, field
+
+from pagoda.entrypoints.openai.errors import OpenAIError
+from pagoda.entrypoints.openai.known_prefix import KnownPrefix
+from pagoda.security.context import request_context
+
+logger = logging.getLogger("pagoda.responses")
+
+
+@dataclass
+class StoredResponse:
+    body: dict  # the response object, as GET answers it
+    input_items: list[dict]  # this response's input, with ids
+    history: list[dict]  # the conversation through this response, as chat messages
+    prefix: KnownPrefix  # its prompt and output token ids, as the engine computed them
+    tenant: str | None = None
+    pinned: bool = False  # its prefix is pinned in the engine (pin_id)
+    last_used: float = field(default_factory=time.monotonic)
+
+    @property
+    def id(self) -> str:
+        return self.body["id"]
+
+    @property
+    def pin_id(self) -> str:
+        """The engine's session name for its prefix, unique across tenants."""
+        return f"response/{self.tenant or ''}/{self.id}"
+
+
+def caller_tenant() -> str | None:
+    ctx = request_context()  # --auth-config: the key's tenant
+    return ctx.tenant if ctx is not None else None
+
+
+class ResponseStore:
+    def __init__(self, engine, ttl: float = 1800.0, max_responses: int = 10000) -> None:
+        self.engine = engine
+        self.ttl = ttl  # idle seconds after which a response's pinned prefix is let go
+        self.max_responses = max_responses
+        self.responses: OrderedDict[tuple[str | None, str], StoredResponse] = OrderedDict()  # LRU first
+        self._sweeper: asyncio.Task | None = None
+
+    def start(self) -> None:
+        if self._sweeper is None:
+            self._sweeper = asyncio.get_running_loop().create_task(self._sweep_forever())
+
+    def stop(self) -> None:
+        if self._sweeper is not None:
+            self._sweeper.cancel()
+            self._sweeper = None
+
+    async def _sweep_forever(self) -> None:
+        while True:
+            await asyncio.sleep(max(0.05, min(self.ttl / 4, 30.0)))
+            self.unpin_idle()
+
+    def unpin_idle(self) -> None:
+        limit = time.monotonic() - self.ttl
+        self._unpin([r for r in self.responses.values() if r.pinned and r.last_used < limit])
+
+    def _unpin(self, responses: list[StoredResponse]) -> None:
+        for response in responses:
+            response.pinned = False
+        if responses:
+            self.engine.release_sessions([r.pin_id for r in responses])
+
+    def get(self, response_id: str, param: str | None = None) -> StoredResponse:
+        response = self.responses.get((caller_tenant(), response_id))  # another tenant's does not exist here
+        if response is None:
+            raise OpenAIError(f"Response with id {response_id!r} not found (it was not stored, was deleted, or is "
+                              f"older than the server's last {self.max_responses} stored responses)", status=404,
+                              type_="invalid_request_error", param=param, code="response_not_found")
+        response.last_used = time.monotonic()
+        self.responses.move_to_end((response.tenant, response.id))
+        return response
+
+    def put(self, response: StoredResponse, continued: StoredResponse | None) -> None:
+        """Keep `response`; the response it continued lets its pin go (the new one's covers it)."""
+        response.tenant = caller_tenant()
+        self.responses[(response.tenant, response.id)] = response
+        if continued is not None and continued.pinned:
+            self._unpin([continued])
+        while len(self.responses) > self.max_responses:
+            _, oldest = self.responses.popitem(last=False)
+            self._unpin([oldest] if oldest.pinned else [])
+
+    def delete(self, response_id: str) -> None:
+        response = self.get(response_id)
+        del self.responses[(response.tenant, response.id)]
+        self._unpin([response] if response.pinned else [])
