@@ -18,6 +18,7 @@ from collections.abc import Callable
 from pagoda import __version__, config_file
 from pagoda.engine_args import EngineArgs  # not from pagoda.config, which imports torch (~1.5 s)
 from pagoda.entrypoints import served_models  # argparse only; the pool loads when several models are served
+from pagoda.entrypoints.openai.reasoning import REASONING_PARSERS  # the parsers' names; no torch
 from pagoda.quantize import command as quantize_command  # argparse only; torch loads when it runs
 from pagoda.router import options as router_options  # argparse only; the router loads when it runs
 from pagoda.sampling_params import RequestOutputKind, SamplingParams
@@ -317,6 +318,10 @@ def build_parser() -> argparse.ArgumentParser:
                         "KV prefix is let go")
     p.add_argument("--max-sessions", type=int, default=1000,
                    help="sessions held at once; past that, POST /v1/sessions answers 429")
+    p.add_argument("--reasoning-parser", choices=sorted(REASONING_PARSERS), default=None,
+                   help="split a thinking model's <think>...</think> from its answer: reasoning_content in chat, "
+                        "reasoning items in Responses, thinking blocks in Messages, Ollama's thinking; tool calls "
+                        "are parsed from the answer only")
     p.add_argument("--max-stored-responses", type=int, default=10000,
                    help="Responses API responses kept for GET /v1/responses/{id} and previous_response_id, the "
                         "most recently used; their pinned KV prefixes are let go after --session-ttl idle")

@@ -288,10 +288,11 @@ def test_chat_with_tools_and_a_tool_result(long_client):
 @pytest.mark.parametrize("step", [1, 5, 1000])
 def test_tool_calls_in_the_models_text_become_ollamas_tool_calls(step):
     from pagoda.entrypoints.ollama.generation import _ChatReply
+    from pagoda.entrypoints.openai.choice_parser import ChoiceParser
     from pagoda.entrypoints.openai.tool_calls import ToolChoice
 
     text = 'Let me look. <tool_call>{"name": "get_weather", "arguments": {"city": "Paris"}}</tool_call>'
-    reply = _ChatReply(ToolChoice([WEATHER], None, True))
+    reply = _ChatReply(ChoiceParser(None, ToolChoice([WEATHER], None, True)))
     pieces = [reply(text[i:i + step], False) for i in range(0, len(text), step)] + [reply("", True)]
     messages = [p["message"] for p in pieces if p is not None]
     assert "".join(m["content"] for m in messages).strip() == "Let me look."

@@ -23,7 +23,7 @@ from pagoda.entrypoints.openai.protocol import describe_validation_errors
 from pagoda.entrypoints.openai.respond import respond
 from pagoda.entrypoints.openai.response_parts import Sample
 from pagoda.entrypoints.openai.serving import Serving
-from pagoda.entrypoints.openai.tool_calls import ToolCallStream, ToolChoice
+from pagoda.entrypoints.openai.choice_parser import ChoiceParser
 
 router = APIRouter()
 
@@ -83,9 +83,10 @@ async def _message(serving: Serving, body: MessagesRequest, admission: Admission
     serving.check_capacity(1, admission)
     message_id = "msg_" + secrets.token_hex(12)
     outputs = serving.run_all([ids], [params], message_id, chat.priority, chat.cache_salt)
+    parser = serving.choice_parser(tools, ids, params.structured_outputs is not None)
     if body.stream:
-        return _events(message_id, model, outputs, tools, len(ids))
-    return await _answer(message_id, model, outputs, tools, len(ids))
+        return _events(message_id, model, outputs, parser, len(ids))
+    return await _answer(message_id, model, outputs, parser, len(ids))
 
 
 def _stop_reason(sample: Sample, called: bool) -> tuple[str, str | None]:
@@ -115,19 +116,21 @@ def _tool_use(call_id: str, name: str, arguments: str) -> dict:
             "input": arguments_value if isinstance(arguments_value, dict) else {"value": arguments_value}}
 
 
-async def _answer(message_id: str, model: str, outputs: AsyncIterator, tools: ToolChoice | None,
+async def _answer(message_id: str, model: str, outputs: AsyncIterator, parser: ChoiceParser,
                   prompt_tokens: int) -> dict:
     sample, cached = Sample(), 0
     async for _, out in outputs:
         cached = out.num_cached_tokens
         for c in out.outputs:
             sample.add(c)
+    parsed = parser.whole(sample.pieces)
     content: list[dict] = []
-    text, calls = (tools.parse(sample.text) if tools else (sample.text, []))
-    if text:
-        content.append({"type": "text", "text": text})
-    content += [_tool_use(c.id, c.name, c.arguments) for c in calls]
-    stop_reason, stop_sequence = _stop_reason(sample, bool(calls))
+    if parsed.reasoning:
+        content.append({"type": "thinking", "thinking": parsed.reasoning, "signature": ""})
+    if parsed.content:
+        content.append({"type": "text", "text": parsed.content})
+    content += [_tool_use(c.id, c.name, c.arguments) for c in parsed.calls]
+    stop_reason, stop_sequence = _stop_reason(sample, bool(parsed.calls))
     return {"id": message_id, "type": "message", "role": "assistant", "model": model, "content": content,
             "stop_reason": stop_reason, "stop_sequence": stop_sequence,
             "usage": _usage(prompt_tokens, cached, len(sample.token_ids))}
@@ -138,10 +141,10 @@ def _event(kind: str, data: dict) -> bytes:
 
 
 class _Blocks:
-    """The stream's content blocks: a text block or a tool_use block open at a time."""
+    """The stream's content blocks: a thinking, text or tool_use block open at a time."""
 
     def __init__(self) -> None:
-        self.index, self.open = -1, None  # None, "text" or "tool_use"
+        self.index, self.open = -1, None  # None, "thinking", "text" or "tool_use"
 
     def start(self, block: dict) -> list[bytes]:
         events = self.stop()
@@ -158,22 +161,25 @@ class _Blocks:
         return [_event("content_block_stop", {"index": self.index})]
 
 
-async def _events(message_id: str, model: str, outputs: AsyncIterator, tools: ToolChoice | None,
+async def _events(message_id: str, model: str, outputs: AsyncIterator, parser: ChoiceParser,
                   prompt_tokens: int) -> AsyncIterator[bytes]:
     """Anthropic's event sequence: message_start, per block content_block_start / _delta / _stop,
     message_delta (stop reason, output tokens), message_stop; an error event if the run fails."""
     yield _event("message_start", {"message": {
         "id": message_id, "type": "message", "role": "assistant", "model": model, "content": [],
         "stop_reason": None, "stop_sequence": None, "usage": _usage(prompt_tokens, 0, 0)}})
-    stream = ToolCallStream(tools) if tools else None
     blocks, sample, cached = _Blocks(), Sample(), 0
     try:
         async for _, out in outputs:
             cached = out.num_cached_tokens
             for c in out.outputs:
                 sample.add(c)
-                finished = c.finish_reason is not None
-                delta = stream.feed(c.text, finished) if stream else ({"content": c.text} if c.text else {})
+                delta = parser.feed(c.text, len(c.token_ids), c.finish_reason is not None)
+                if delta.get("reasoning_content"):
+                    if blocks.open != "thinking":
+                        for event in blocks.start({"type": "thinking", "thinking": "", "signature": ""}):
+                            yield event
+                    yield blocks.delta({"type": "thinking_delta", "thinking": delta["reasoning_content"]})
                 if delta.get("content"):
                     if blocks.open != "text":
                         for event in blocks.start({"type": "text", "text": ""}):
@@ -188,7 +194,7 @@ async def _events(message_id: str, model: str, outputs: AsyncIterator, tools: To
                         yield blocks.delta({"type": "input_json_delta", "partial_json": function["arguments"]})
         for event in blocks.stop():
             yield event
-        stop_reason, stop_sequence = _stop_reason(sample, bool(stream and stream.num_calls))
+        stop_reason, stop_sequence = _stop_reason(sample, bool(parser.num_calls))
         yield _event("message_delta", {"delta": {"stop_reason": stop_reason, "stop_sequence": stop_sequence},
                                        "usage": {"output_tokens": len(sample.token_ids),
                                                  "cache_read_input_tokens": cached}})

@@ -9,7 +9,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from pagoda.entrypoints.openai.protocol import ChatCompletionRequest
+from pagoda.entrypoints.openai.protocol import ChatCompletionRequest, extension_fields
 
 
 class ContentBlock(BaseModel):
@@ -44,6 +44,13 @@ class ToolChoice(BaseModel):
     disable_parallel_tool_use: bool | None = None
 
 
+class Thinking(BaseModel):
+    model_config = ConfigDict(extra="allow")
+
+    type: Literal["enabled", "disabled", "adaptive"]
+    budget_tokens: int | None = None  # accepted; the answer's length is bounded by max_tokens
+
+
 class MessagesRequest(BaseModel):
     model_config = ConfigDict(extra="allow")  # metadata, service_tier, ...: accepted, not used
 
@@ -58,6 +65,7 @@ class MessagesRequest(BaseModel):
     top_k: int | None = None
     tools: list[Tool] | None = None
     tool_choice: ToolChoice | None = None
+    thinking: Thinking | None = None
 
 
 class CountTokensRequest(BaseModel):
@@ -68,6 +76,7 @@ class CountTokensRequest(BaseModel):
     system: str | list[ContentBlock] | None = None
     tools: list[Tool] | None = None
     tool_choice: ToolChoice | None = None
+    thinking: Thinking | None = None
 
 
 def _text_of(content: str | list[dict[str, Any]] | list[ContentBlock] | None) -> str:
@@ -136,6 +145,10 @@ def chat_request(body: MessagesRequest | CountTokensRequest) -> ChatCompletionRe
     tools, tool_choice, parallel = _tools(body)
     fields: dict[str, Any] = {"model": body.model, "messages": _messages(body), "tools": tools,
                               "tool_choice": tool_choice, "parallel_tool_calls": parallel}
+    fields.update(extension_fields(body))  # vLLM's fields (top_k, seed, guided_*, chat_template_kwargs, ...)
+    if body.thinking is not None:  # for thinking templates: Qwen3's and others' switch
+        fields["chat_template_kwargs"] = {"enable_thinking": body.thinking.type != "disabled",
+                                          **(fields.get("chat_template_kwargs") or {})}
     if isinstance(body, MessagesRequest):
         fields.update(max_tokens=body.max_tokens, stream=body.stream, stop=body.stop_sequences,
                       temperature=body.temperature, top_p=body.top_p, top_k=body.top_k)

@@ -39,7 +39,8 @@ from pagoda.entrypoints.openai.protocol import random_id
 from pagoda.entrypoints.openai.errors import OpenAIError
 from pagoda.entrypoints.openai.response_parts import token_logprob_entries
 from pagoda.entrypoints.openai.serving import Serving
-from pagoda.entrypoints.openai.tool_calls import ToolCallStream, ToolChoice
+from pagoda.entrypoints.openai.choice_parser import ChoiceParser
+from pagoda.entrypoints.openai.tool_calls import ToolChoice
 from pagoda.sampling_params import SamplingParams, StructuredOutputsParams
 from pagoda.security.context import request_context
 from pagoda.structured_output.grammar import validate_structured_outputs
@@ -157,9 +158,10 @@ def sampling_params(serving: Serving, body: GenerateBase, prompt_len: int) -> Sa
 MAX_TOP_LOGPROBS = 20  # as Ollama (and OpenAI's chat) allow
 
 
-def _refuse_unsupported(body: GenerateBase) -> None:
-    if body.think not in (None, False, ""):
-        raise OllamaError("this model does not support thinking (`think`)")
+def _refuse_unsupported(body: GenerateBase, serving: Serving) -> None:
+    if body.think not in (None, False, "") and serving.reasoning is None:
+        raise OllamaError("this model does not support thinking (`think`): the server splits a thinking model's "
+                          "reasoning when started with --reasoning-parser")
     if body.top_logprobs is not None and not 0 <= body.top_logprobs <= MAX_TOP_LOGPROBS:
         raise OllamaError(f"top_logprobs must be between 0 and {MAX_TOP_LOGPROBS}, got {body.top_logprobs}")
 
@@ -181,22 +183,37 @@ def _tools(body: ChatBody) -> ToolChoice | None:
 
 
 class _ChatReply:
-    """The assistant's message, piece by piece: with tools, the model's `<tool_call>` blocks become
-    Ollama's `tool_calls` (arguments as objects) as each one closes, and never show as text."""
+    """The assistant's message, piece by piece: with --reasoning-parser, the model's reasoning as
+    `thinking`; with tools, the model's `<tool_call>` blocks become Ollama's `tool_calls`
+    (arguments as objects) as each one closes, and never show as text."""
 
-    def __init__(self, tools: ToolChoice | None) -> None:
-        self.stream = ToolCallStream(tools) if tools is not None else None
+    def __init__(self, parser: ChoiceParser) -> None:
+        self.parser = parser
 
     def __call__(self, text: str, finished: bool) -> dict | None:
-        if self.stream is None:
-            return {"message": {"role": "assistant", "content": text}} if text or finished else None
-        delta = self.stream.feed(text, finished)
+        delta = self.parser.feed(text, 0, finished)
         message = {"role": "assistant", "content": delta.get("content", "")}
+        if delta.get("reasoning_content"):
+            message["thinking"] = delta["reasoning_content"]
         if delta.get("tool_calls"):
             message["tool_calls"] = [{"function": {"index": call["index"], "name": call["function"]["name"],
                                                    "arguments": _arguments(call["function"]["arguments"])}}
                                      for call in delta["tool_calls"]]
-        return {"message": message} if message["content"] or "tool_calls" in message or finished else None
+        return {"message": message} if len(message) > 2 or message["content"] or finished else None
+
+
+class _GenerateReply:
+    """/api/generate's `response` piece by piece, and its `thinking` with --reasoning-parser."""
+
+    def __init__(self, parser: ChoiceParser) -> None:
+        self.parser = parser
+
+    def __call__(self, text: str, finished: bool) -> dict | None:
+        delta = self.parser.feed(text, 0, finished)
+        fields = {"response": delta.get("content", "")}
+        if delta.get("reasoning_content"):
+            fields["thinking"] = delta["reasoning_content"]
+        return fields if len(fields) > 1 or fields["response"] or finished else None
 
 
 def _arguments(text: str) -> dict:
@@ -307,7 +324,7 @@ async def _generation_request(request: Request, kind: type[GenerateBase]):
     serving = serving_of(request)
     model = served_name(serving, body.model)
     _check_alive(request)
-    _refuse_unsupported(body)
+    _refuse_unsupported(body, serving)
     return body, serving, model
 
 
@@ -325,7 +342,8 @@ async def generate(request: Request):
                               "done_reason": "load"})
     ids = await asyncio.to_thread(generate_prompt, serving, body)
     extra = (lambda generated: {}) if body.raw else (lambda generated: {"context": ids + generated})
-    return await _run(request, body, ids, model, lambda text, finished: {"response": text}, extra)
+    reply = _GenerateReply(serving.choice_parser(None, ids, constrained=bool(body.format)))
+    return await _run(request, body, ids, model, reply, extra)
 
 
 @router.post("/api/chat")
@@ -337,4 +355,5 @@ async def chat(request: Request):
                               "done": True, "done_reason": "load"})
     tools = _tools(body)
     ids = await asyncio.to_thread(chat_prompt, serving, body, tools)
-    return await _run(request, body, ids, model, _ChatReply(tools), lambda generated: {})
+    reply = _ChatReply(serving.choice_parser(tools, ids, constrained=bool(body.format)))
+    return await _run(request, body, ids, model, reply, lambda generated: {})

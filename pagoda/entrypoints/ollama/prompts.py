@@ -8,7 +8,7 @@ from typing import Any
 
 from jinja2.exceptions import TemplateError
 
-from pagoda.entrypoints.ollama.common import ChatBody, GenerateBody, OllamaError
+from pagoda.entrypoints.ollama.common import ChatBody, GenerateBase, GenerateBody, OllamaError
 from pagoda.entrypoints.openai.serving import Serving
 from pagoda.entrypoints.openai.tool_calls import ToolChoice, render_messages
 from pagoda.store.gotemplate import to_jinja
@@ -30,7 +30,7 @@ def generate_prompt(serving: Serving, body: GenerateBody) -> list[int]:
         if body.template:
             ids = tokenizer.encode(render_go_template(serving, body.template, messages), add_special_tokens=False)
         elif tokenizer.chat_template:
-            ids = serving.encode_chat(messages, True)
+            ids = serving.encode_chat(messages, True, **think_kwargs(body))
         else:  # no template: the prompt as given (Ollama's default template is `{{ .Prompt }}`)
             ids = tokenizer.encode(f"{body.system}\n\n{prompt}" if body.system else prompt)
     return list(body.context or []) + ids
@@ -74,7 +74,17 @@ def chat_prompt(serving: Serving, body: ChatBody, tools: ToolChoice | None) -> l
         messages, extra = render_messages(messages, tools, template_takes_tools="tools" in template)
     except (ValueError, TypeError, KeyError) as e:
         raise OllamaError(f"messages cannot be rendered with tools: {e!s}") from None
-    return serving.encode_chat(messages, True, **extra)
+    return serving.encode_chat(messages, True, **extra, **think_kwargs(body))
+
+
+def think_kwargs(body: GenerateBase) -> dict:
+    """`think` for the chat template: `enable_thinking` (Qwen3's and others' switch), and a level
+    ("low", "medium", "high") as `reasoning_effort`; nothing when the request does not say."""
+    if body.think is None:
+        return {}
+    if isinstance(body.think, str):
+        return {"enable_thinking": bool(body.think), "reasoning_effort": body.think} if body.think else {}
+    return {"enable_thinking": body.think}
 
 
 def _template_call(call: Any, i: int) -> dict:

@@ -13,7 +13,8 @@ from pagoda.entrypoints.openai.errors import OpenAIError
 from pagoda.entrypoints.openai.known_prefix import KnownPrefix
 from pagoda.entrypoints.openai.protocol import ChatCompletionRequest, ChatMessage, now, random_id
 from pagoda.entrypoints.openai.response_parts import Sample, sse, token_logprob_entries, usage
-from pagoda.entrypoints.openai.tool_calls import ToolCallStream, ToolChoice, render_messages
+from pagoda.entrypoints.openai.choice_parser import ChoiceParser, ParsedChoice
+from pagoda.entrypoints.openai.tool_calls import ToolChoice, render_messages
 from pagoda.outputs import PositionLogprobs
 from pagoda.structured_output.grammar import validate_structured_outputs
 
@@ -125,16 +126,18 @@ class ChatServing:
             return self._chat_stream(request, model, request_id, ids, params, tools, turn)
         samples, _, cached = await self._collect([ids], [params], request_id, request,
                                                  turn.session_id if turn else None)
-        choices, completion_tokens = [], 0
+        choices, completion_tokens, reasoning_tokens = [], 0, 0
         for j in range(request.n):
             sample = samples.get((0, j), Sample())
             completion_tokens += len(sample.token_ids)
-            message, finish_reason = _chat_message(sample, tools)
+            parsed = self.choice_parser(tools, ids, params.structured_outputs is not None).whole(sample.pieces)
+            reasoning_tokens += parsed.reasoning_tokens
+            message, finish_reason = _chat_message(parsed, sample.finish_reason)
             choices.append({"index": j, "message": message,
                             "logprobs": self._chat_logprobs(sample.token_ids, sample.logprobs, k) if request.logprobs else None,
                             "finish_reason": finish_reason, "stop_reason": sample.stop_reason})
         answer = {"id": request_id, "object": "chat.completion", "created": now(), "model": model, "choices": choices,
-                  "usage": usage(len(ids), completion_tokens, cached)}
+                  "usage": usage(len(ids), completion_tokens, cached, reasoning_tokens if self.reasoning else None)}
         if turn is not None:
             turn.on_answer(samples.get((0, 0), Sample()))
             answer.update(turn.fields)
@@ -147,7 +150,7 @@ class ChatServing:
                 **(turn.fields if turn else {})}
         completion_tokens = 0
         first = Sample()  # the first choice, gathered for a session's history
-        streams = {j: ToolCallStream(tools) for j in range(request.n)} if tools else {}
+        parsers = {j: self.choice_parser(tools, ids, params.structured_outputs is not None) for j in range(request.n)}
         try:
             for j in range(request.n):
                 yield sse({**head, "choices": [{"index": j, "delta": {"role": "assistant", "content": ""},
@@ -163,15 +166,12 @@ class ChatServing:
                     if not c.text and c.finish_reason is None:
                         continue
                     finish_reason = c.finish_reason
-                    if tools:
-                        stream = streams[c.index]
-                        delta = stream.feed(c.text, finished=finish_reason is not None)
-                        if stream.num_calls and finish_reason == "stop":
-                            finish_reason = "tool_calls"
-                        if not delta and finish_reason is None:
-                            continue
-                    else:
-                        delta = {"content": c.text} if c.text else {}
+                    parser = parsers[c.index]
+                    delta = parser.feed(c.text, len(c.token_ids), finished=finish_reason is not None)
+                    if parser.num_calls and finish_reason == "stop":
+                        finish_reason = "tool_calls"
+                    if not delta and finish_reason is None:
+                        continue
                     yield sse({**head, "choices": [{
                         "index": c.index, "delta": delta,
                         "logprobs": self._chat_logprobs(c.token_ids, c.logprobs or [], params.logprobs) if request.logprobs else None,
@@ -179,10 +179,20 @@ class ChatServing:
             if turn is not None:
                 turn.on_answer(first)
             if request.stream_options and request.stream_options.include_usage:
-                yield sse({**head, "choices": [], "usage": usage(len(ids), completion_tokens, cached)})
+                reasoning = sum(p.reasoning_tokens for p in parsers.values()) if self.reasoning else None
+                yield sse({**head, "choices": [], "usage": usage(len(ids), completion_tokens, cached, reasoning)})
         except OpenAIError as e:
             yield sse(e.body())
         yield sse("[DONE]")
+
+    def choice_parser(self, tools: ToolChoice | None, ids: list[int], constrained: bool) -> ChoiceParser:
+        """How one choice of this prompt is read: reasoning split off (--reasoning-parser; where
+        the prompt ends, and whether a constraint shapes the output, decide whether it starts
+        inside the reasoning), tool calls parsed."""
+        if self.reasoning is None:
+            return ChoiceParser(None, tools)
+        tail = self.tokenizer.decode(ids[-8:], skip_special_tokens=False)
+        return ChoiceParser(self.reasoning.splitter(tail, constrained), tools)
 
     def _chat_logprobs(self, token_ids: list[int], positions: list[PositionLogprobs], k: int) -> dict:
         return {"content": token_logprob_entries(token_ids, positions, k)}
@@ -198,12 +208,13 @@ class ChatTurn:
     fields: dict = field(default_factory=dict)
 
 
-def _chat_message(sample: Sample, tools: ToolChoice | None) -> tuple[dict, str | None]:
-    """The assistant message of a finished choice, with its tool calls parsed out."""
-    if tools is None:
-        return {"role": "assistant", "content": sample.text}, sample.finish_reason
-    content, calls = tools.parse(sample.text)
-    if not calls:
-        return {"role": "assistant", "content": sample.text}, sample.finish_reason
-    message = {"role": "assistant", "content": content, "tool_calls": [c.to_openai() for c in calls]}
-    return message, "tool_calls" if sample.finish_reason == "stop" else sample.finish_reason
+def _chat_message(parsed: ParsedChoice, finish_reason: str | None) -> tuple[dict, str | None]:
+    """The assistant message of a finished choice: its reasoning (with --reasoning-parser), its
+    content, its tool calls."""
+    message: dict = {"role": "assistant", "content": parsed.content}
+    if parsed.split:
+        message["reasoning_content"] = parsed.reasoning
+    if not parsed.calls:
+        return message, finish_reason
+    message["tool_calls"] = [c.to_openai() for c in parsed.calls]
+    return message, "tool_calls" if finish_reason == "stop" else finish_reason

@@ -32,18 +32,24 @@ class Sample:
     logprobs: list[PositionLogprobs] = field(default_factory=list)
     finish_reason: str | None = "abort"
     stop_reason: int | str | None = None
+    pieces: list[tuple[str, int]] = field(default_factory=list)  # (text, tokens) as generated: for choice_parser
 
     def add(self, delta: CompletionOutput) -> None:
+        self.pieces.append((delta.text, len(delta.token_ids)))
         self.text += delta.text
         self.token_ids += delta.token_ids
         self.logprobs += delta.logprobs or []
         self.finish_reason, self.stop_reason = delta.finish_reason, delta.stop_reason
 
 
-def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int) -> dict:
-    return UsageInfo(prompt_tokens=prompt_tokens, completion_tokens=completion_tokens,
+def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int, reasoning_tokens: int | None = None) -> dict:
+    """OpenAI's usage; `reasoning_tokens` (with --reasoning-parser) in completion_tokens_details."""
+    body = UsageInfo(prompt_tokens=prompt_tokens, completion_tokens=completion_tokens,
                      total_tokens=prompt_tokens + completion_tokens,
                      prompt_tokens_details={"cached_tokens": cached_tokens}).model_dump()
+    if reasoning_tokens is not None:
+        body["completion_tokens_details"] = {"reasoning_tokens": reasoning_tokens}
+    return body
 
 
 def token_logprob_entries(token_ids: list[int], positions: list[PositionLogprobs], k: int) -> list[dict]:

@@ -31,7 +31,8 @@ from pagoda.entrypoints.openai.responses_protocol import (
 )
 from pagoda.entrypoints.openai.responses_store import ResponseStore, StoredResponse, caller_tenant
 from pagoda.entrypoints.openai.serving import Serving
-from pagoda.entrypoints.openai.tool_calls import ToolCallStream, ToolChoice
+from pagoda.entrypoints.openai.choice_parser import ChoiceParser
+from pagoda.entrypoints.openai.tool_calls import ToolChoice
 
 router = APIRouter()
 
@@ -91,6 +92,10 @@ class _Turn:
     previous: StoredResponse | None
     id: str
     created_at: int
+    constrained: bool  # text.format or a tool_choice shapes the output
+
+    def parser(self, serving: Serving) -> ChoiceParser:
+        return serving.choice_parser(self.tools, self.ids, self.constrained)
 
     def response(self, output: list[dict], status: str, usage: dict | None) -> dict:
         """The response object (OpenAI's fields; what was asked, echoed)."""
@@ -126,7 +131,8 @@ async def _start(serving: Serving, store: ResponseStore, body: ResponsesRequest,
     prefix = previous.prefix if previous else None
     model, ids, params, tools = await asyncio.to_thread(serving.prepare_chat, chat, prefix)
     serving.check_capacity(1, admission)
-    turn = _Turn(body, chat, model, ids, tools, items, previous, item_id("resp"), now())
+    turn = _Turn(body, chat, model, ids, tools, items, previous, item_id("resp"), now(),
+                 params.structured_outputs is not None)
     session = f"response/{caller_tenant() or ''}/{turn.id}" if body.store else None  # = StoredResponse.pin_id
     outputs = serving.run_all([ids], [params], turn.id, chat.priority, chat.cache_salt, session)
     k = body.top_logprobs if body.top_logprobs else None
@@ -139,9 +145,9 @@ def _status(sample: Sample) -> str:
     return "incomplete" if sample.finish_reason in ("length", "content_filter") else "completed"
 
 
-def _usage(turn: _Turn, sample: Sample, cached: int) -> dict:
+def _usage(turn: _Turn, sample: Sample, cached: int, reasoning_tokens: int) -> dict:
     return {"input_tokens": len(turn.ids), "input_tokens_details": {"cached_tokens": cached},
-            "output_tokens": len(sample.token_ids), "output_tokens_details": {"reasoning_tokens": 0},
+            "output_tokens": len(sample.token_ids), "output_tokens_details": {"reasoning_tokens": reasoning_tokens},
             "total_tokens": len(turn.ids) + len(sample.token_ids)}
 
 
@@ -152,12 +158,12 @@ async def _answer(serving: Serving, store: ResponseStore, turn: _Turn, outputs: 
         cached = out.num_cached_tokens
         for c in out.outputs:
             sample.add(c)
-    text, calls = turn.tools.parse(sample.text) if turn.tools else (sample.text, [])
+    parsed = turn.parser(serving).whole(sample.pieces)
     logprobs = token_logprob_entries(sample.token_ids, sample.logprobs, k) if k is not None else None
     output = ResponseOutput()
     status = _status(sample)
-    output.add_whole(None, text, calls, logprobs, status)
-    response = turn.response(output.items, status, _usage(turn, sample, cached))
+    output.add_whole(parsed.reasoning, parsed.content, parsed.calls, logprobs, status)
+    response = turn.response(output.items, status, _usage(turn, sample, cached, parsed.reasoning_tokens))
     _keep(serving, store, turn, response, sample)
     return response
 
@@ -175,21 +181,21 @@ async def _events(serving: Serving, store: ResponseStore, turn: _Turn, outputs: 
 
     yield event({"type": "response.created", "response": turn.response([], "in_progress", None)})
     yield event({"type": "response.in_progress", "response": turn.response([], "in_progress", None)})
-    stream = ToolCallStream(turn.tools) if turn.tools else None
+    parser = turn.parser(serving)
     output, sample, cached = ResponseOutput(), Sample(), 0
     try:
         async for _, out in outputs:
             cached = out.num_cached_tokens
             for c in out.outputs:
                 sample.add(c)
-                delta = stream.feed(c.text, c.finish_reason is not None) if stream else {"content": c.text}
+                delta = parser.feed(c.text, len(c.token_ids), c.finish_reason is not None)
                 logprobs = token_logprob_entries(c.token_ids, c.logprobs or [], k) if k is not None else None
                 for data in output.feed(delta, logprobs):
                     yield event(data)
         status = _status(sample)
         for data in output.close(status):
             yield event(data)
-        response = turn.response(output.items, status, _usage(turn, sample, cached))
+        response = turn.response(output.items, status, _usage(turn, sample, cached, parser.reasoning_tokens))
         _keep(serving, store, turn, response, sample)
         yield event({"type": f"response.{status}", "response": response})
     except OpenAIError as e:

@@ -11,12 +11,10 @@ from typing import Any, Literal
 from pydantic import Field, field_validator
 
 from pagoda.entrypoints.input_limits import check_json
-from pagoda.entrypoints.openai.protocol import ChatCompletionRequest, Int64, OpenAIBase, RequestBody
+from pagoda.entrypoints.openai.protocol import (
+    ChatCompletionRequest, Int64, OpenAIBase, RequestBody, extension_fields,
+)
 
-# SamplingFields' extensions a Responses body may carry too (vLLM accepts them there).
-_PASSED_THROUGH = ("seed", "top_k", "min_p", "repetition_penalty", "presence_penalty", "frequency_penalty", "stop",
-                   "stop_token_ids", "logit_bias", "min_tokens", "ignore_eos", "priority", "cache_salt", "speculative",
-                   "skip_special_tokens", "chat_template_kwargs")
 
 
 def item_id(prefix: str) -> str:
@@ -189,13 +187,16 @@ def chat_request(body: ResponsesRequest, history: list[dict]) -> ChatCompletionR
     messages = ([{"role": "system", "content": body.instructions}] if body.instructions else [])
     messages += history + chat_messages(input_items(body))
     tools, tool_choice = _tools(body)
-    extra = body.model_extra or {}
     fields: dict[str, Any] = {
         "model": body.model, "messages": messages, "tools": tools, "tool_choice": tool_choice,
         "parallel_tool_calls": body.parallel_tool_calls, "max_tokens": body.max_output_tokens,
         "temperature": body.temperature, "top_p": body.top_p, "stream": body.stream, "user": body.user,
         "response_format": _response_format(body), "logprobs": bool(body.top_logprobs),
         "top_logprobs": body.top_logprobs or None,
-        **{k: extra[k] for k in _PASSED_THROUGH if k in extra}}
+        **extension_fields(body)}
+    effort = (body.reasoning or {}).get("effort")
+    if effort is not None:  # for thinking templates: enable_thinking (Qwen3's switch), reasoning_effort
+        fields["chat_template_kwargs"] = {"enable_thinking": effort != "none", "reasoning_effort": effort,
+                                          **(fields.get("chat_template_kwargs") or {})}
     return ChatCompletionRequest.model_validate(fields)
 

@@ -158,7 +158,7 @@ class HermesStreamParser:
         while True:
             start = self.buffer.find(TOOL_CALL_OPEN)
             if start < 0:
-                safe = len(self.buffer) - _partial_suffix(self.buffer, TOOL_CALL_OPEN)
+                safe = len(self.buffer) - partial_suffix(self.buffer, TOOL_CALL_OPEN)
                 content.append(self.buffer[:safe])
                 self.buffer = self.buffer[safe:]
                 break
@@ -186,7 +186,7 @@ class HermesStreamParser:
         return rest
 
 
-def _partial_suffix(text: str, tag: str) -> int:
+def partial_suffix(text: str, tag: str) -> int:
     """Length of the longest suffix of text that is a proper prefix of tag."""
     for n in range(min(len(tag) - 1, len(text)), 0, -1):
         if text.endswith(tag[:n]):
