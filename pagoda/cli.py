@@ -19,6 +19,7 @@ from pagoda import __version__, config_file
 from pagoda.engine_args import EngineArgs  # not from pagoda.config, which imports torch (~1.5 s)
 from pagoda.entrypoints import served_models  # argparse only; the pool loads when several models are served
 from pagoda.entrypoints.openai.reasoning import REASONING_PARSERS  # the parsers' names; no torch
+from pagoda.entrypoints.openai.tool_formats import TOOL_CALL_FORMATS  # the formats' names
 from pagoda.quantize import command as quantize_command  # argparse only; torch loads when it runs
 from pagoda.router import options as router_options  # argparse only; the router loads when it runs
 from pagoda.sampling_params import RequestOutputKind, SamplingParams
@@ -322,6 +323,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="split a thinking model's <think>...</think> from its answer: reasoning_content in chat, "
                         "reasoning items in Responses, thinking blocks in Messages, Ollama's thinking; tool calls "
                         "are parsed from the answer only")
+    p.add_argument("--tool-call-parser", choices=sorted(TOOL_CALL_FORMATS), default="hermes",
+                   help="how the model writes tool calls (tool_choice auto): hermes <tool_call> blocks (Qwen, "
+                        "SmolLM2), llama3_json (Llama 3.1/3.2), pythonic (Llama 3.2/4), mistral [TOOL_CALLS]")
     p.add_argument("--max-stored-responses", type=int, default=10000,
                    help="Responses API responses kept for GET /v1/responses/{id} and previous_response_id, the "
                         "most recently used; their pinned KV prefixes are let go after --session-ttl idle")

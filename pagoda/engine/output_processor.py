@@ -156,7 +156,11 @@ class OutputProcessor:
             for lp in out.new_logprobs:
                 sample.logprobs.append(self._position(lp))
                 sample.cumulative_logprob += lp.logprobs[0]
-        delta = sample.detokenizer.step(out.new_token_ids)
+        tokens = out.new_token_ids
+        if out.finish_reason == "stop" and not sample.params.include_stop_str_in_output \
+                and _ended_by_stop_token(tokens[-1], out.stop_reason, sample.params):
+            tokens = tokens[:-1]  # a stop token's text (EOS, stop_token_ids) is not output, as in vLLM
+        delta = sample.detokenizer.step(tokens) if tokens else ""
         sample.text += delta
         if not sample.params.stop or not delta:
             return False
@@ -268,3 +272,12 @@ def _find_stop(text: str, new_chars: int, params: SamplingParams) -> tuple[str, 
         return None
     stop, pos = best
     return stop, pos + len(stop) if params.include_stop_str_in_output else pos
+
+
+def _ended_by_stop_token(token: int, stop_reason: int | str | None, params: SamplingParams) -> bool:
+    """Whether the core stopped the sample on `token` as a stop token: one of stop_token_ids (its
+    id is the reason), or end of sequence (no reason; a grammar that completed has none either,
+    but its last token is then no EOS)."""
+    if stop_reason is not None:
+        return token == stop_reason
+    return not params.ignore_eos and token in params.all_stop_token_ids

@@ -73,3 +73,26 @@ def test_samples_of_one_request_are_gathered(tokenizer):
     assert first == []  # one sample of two done: nothing yet
     (out,), _ = processor.process_outputs([EngineCoreOutput("1_r", ids[:3], finish_reason="length")])
     assert [c.index for c in out.outputs] == [0, 1] and [len(c.token_ids) for c in out.outputs] == [2, 3]
+
+
+@pytest.mark.parametrize("keep", [False, True])
+def test_a_stop_tokens_text_is_not_output_unless_asked_for(tokenizer, keep):
+    """The core stopped on a stop token (end of sequence, or one of stop_token_ids): its text is
+    not in the output, even where special tokens are kept, unless include_stop_str_in_output."""
+    ids = _tokens(tokenizer)
+    eos = tokenizer.eos_token_id
+    for stop_token, stop_reason, params in [
+        (eos, None, SamplingParams(skip_special_tokens=False, include_stop_str_in_output=keep)),
+        (ids[-1], ids[-1], SamplingParams(stop_token_ids=[ids[-1]], include_stop_str_in_output=keep)),
+    ]:
+        params.output_kind, params.all_stop_token_ids = RequestOutputKind.FINAL_ONLY, {eos}
+        processor = OutputProcessor(tokenizer)
+        processor.add_request("r", None, [1, 2], [("r", params)], arrival_time=0.0)
+        body = ids[:-1] if stop_token == ids[-1] else ids
+        processor.process_outputs([EngineCoreOutput("r", body)])
+        (out,), _ = processor.process_outputs([EngineCoreOutput("r", [stop_token], finish_reason="stop",
+                                                                stop_reason=stop_reason)])
+        choice = out.outputs[0]
+        stop_text = tokenizer.decode([stop_token], skip_special_tokens=False)
+        assert choice.token_ids[-1] == stop_token
+        assert choice.text == tokenizer.decode(body) + (stop_text if keep else "")

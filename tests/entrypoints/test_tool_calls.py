@@ -6,7 +6,8 @@ import json
 
 import pytest
 
-from pagoda.entrypoints.openai.tool_calls import HermesStreamParser, ToolChoice, parse_hermes, render_messages
+from pagoda.entrypoints.openai.tool_calls import ToolChoice, render_messages
+from pagoda.entrypoints.openai.tool_formats import HermesStreamParser, parse_hermes
 
 TOOLS = [
     {"type": "function", "function": {"name": "add", "parameters": {"type": "object", "properties": {"a": {"type": "integer"}}}}},
@@ -33,7 +34,7 @@ def test_stream_parser_gives_the_same_calls_whatever_the_chunking(step):
         text, new = parser.feed(TEXT[i:i + step])
         content += text
         calls += new
-    content += parser.flush()
+    content += parser.flush()[0]
     assert [(c.name, json.loads(c.arguments)) for c in calls] == [("add", {"a": 1}), ("now", {})]
     assert "<tool_call>" not in content and content.startswith("Sure.") and content.endswith("done")
 
@@ -43,7 +44,7 @@ def test_stream_parser_releases_text_that_only_looked_like_a_tag():
     assert parser.feed("a <tool") == ("a ", [])
     assert parser.feed("box>") == ("<toolbox>", [])
     assert parser.feed("<tool_call>{unclosed") == ("", [])
-    assert parser.flush() == "<tool_call>{unclosed"
+    assert parser.flush() == ("<tool_call>{unclosed", [])
 
 
 def test_tool_choice_validation():

@@ -150,7 +150,9 @@ def sampling_params(serving: Serving, body: GenerateBase, prompt_len: int) -> Sa
             top_k=pick("top_k", DEFAULTS["top_k"]), min_p=pick("min_p", DEFAULTS["min_p"]),
             repetition_penalty=pick("repeat_penalty", 1.0), presence_penalty=pick("presence_penalty", 0.0),
             frequency_penalty=pick("frequency_penalty", 0.0), seed=pick("seed", None), max_tokens=max_tokens,
-            stop=stop or None, structured_outputs=_structured(body.format), logprobs=_logprobs_k(body))
+            stop=stop or None, structured_outputs=_structured(body.format), logprobs=_logprobs_k(body),
+            # a tool-call format whose markers are special tokens ([TOOL_CALLS]) needs them in the text
+            skip_special_tokens=not (getattr(body, "tools", None) and serving.tool_format.keeps_special_tokens))
     except ValueError as e:
         raise OllamaError(f"options: {e}") from None
 
@@ -173,11 +175,11 @@ def _logprobs_k(body: GenerateBase) -> int | None:
     return body.top_logprobs or 0
 
 
-def _tools(body: ChatBody) -> ToolChoice | None:
+def _tools(body: ChatBody, serving: Serving) -> ToolChoice | None:
     """The request's `tools` (OpenAI's function schema, as Ollama takes them): the model may call
     them (tool_choice "auto"); a malformed tool is a 400 naming it."""
     try:
-        return ToolChoice.from_request(body.tools, None, parallel=True)
+        return ToolChoice.from_request(body.tools, None, parallel=True, fmt=serving.tool_format)
     except ValueError as e:
         raise OllamaError(str(e)) from None
 
@@ -353,7 +355,7 @@ async def chat(request: Request):
     if not body.messages:
         return json_response({"model": model, "created_at": now_iso(), "message": {"role": "assistant", "content": ""},
                               "done": True, "done_reason": "load"})
-    tools = _tools(body)
+    tools = _tools(body, serving)
     ids = await asyncio.to_thread(chat_prompt, serving, body, tools)
     reply = _ChatReply(serving.choice_parser(tools, ids, constrained=bool(body.format)))
     return await _run(request, body, ids, model, reply, lambda generated: {})

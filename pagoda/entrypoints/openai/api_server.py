@@ -37,6 +37,7 @@ from pagoda.entrypoints.openai.respond import respond
 from pagoda.entrypoints.openai.serving import Serving
 from pagoda.entrypoints.openai.chat_sessions import ChatSessionStore
 from pagoda.entrypoints.openai.reasoning import reasoning_format
+from pagoda.entrypoints.openai.tool_formats import tool_call_format
 from pagoda.entrypoints.openai.responses import router as responses_router
 from pagoda.entrypoints.openai.responses_store import ResponseStore
 from pagoda.executor.multiproc import run_headless
@@ -56,7 +57,8 @@ def build_app(engine: AsyncLLM, served_model_names: list[str], *, api_key: str |
               request_timeout: float | None = None, max_body_bytes: int = MAX_BODY_BYTES,
               session_ttl: float = 1800.0, max_sessions: int = 1000, max_stored_responses: int = 10000,
               moderation_words: list[str] | None = None, moderation_action: str = "stop",
-              metric_families=None, web_ui: bool = True, reasoning_parser: str | None = None) -> FastAPI:
+              metric_families=None, web_ui: bool = True, reasoning_parser: str | None = None,
+              tool_call_parser: str | None = None) -> FastAPI:
     """The app of one served model. Several models (pagoda serve --model A --model B) get one
     app each, behind the dispatcher of pagoda/entrypoints/model_dispatch.py, with one shared
     `metric_families` (pagoda/entrypoints/prometheus.py)."""
@@ -67,6 +69,7 @@ def build_app(engine: AsyncLLM, served_model_names: list[str], *, api_key: str |
                       metric_families=metric_families)
     app.state.serving = serving
     serving.reasoning = reasoning_format(reasoning_parser)
+    serving.tool_format = tool_call_format(tool_call_parser)
     if not serving.tokenizer.chat_template:
         logger.warning("%s has no chat template (a base model): chat routes answer 400; use /v1/completions or "
                        "/api/generate, or give a template with --chat-template", served_model_names[0])
@@ -242,7 +245,8 @@ def _model_app(args, config, names: list[str], api_key: str | None, metric_famil
                     max_stored_responses=args.max_stored_responses,
                     moderation_words=getattr(args, "moderation_words", None),
                     moderation_action=getattr(args, "moderation_action", "stop"), metric_families=metric_families,
-                    web_ui=not getattr(args, "no_web_ui", False), reasoning_parser=args.reasoning_parser)
+                    web_ui=not getattr(args, "no_web_ui", False), reasoning_parser=args.reasoning_parser,
+                    tool_call_parser=args.tool_call_parser)
     return app, async_engine
 
 

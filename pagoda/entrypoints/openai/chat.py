@@ -69,10 +69,10 @@ class ChatServing:
         except Exception as e:  # jinja TemplateError from raise_exception in the template
             raise OpenAIError(f"chat template error: {e}", param="messages") from None
 
-    @staticmethod
-    def _tools(request: ChatCompletionRequest) -> ToolChoice | None:
+    def _tools(self, request: ChatCompletionRequest) -> ToolChoice | None:
         try:
-            return ToolChoice.from_request(request.tools, request.tool_choice, request.parallel_tool_calls)
+            return ToolChoice.from_request(request.tools, request.tool_choice, request.parallel_tool_calls,
+                                           self.tool_format)
         except ValueError as e:
             raise OpenAIError(str(e), param="tool_choice" if str(e).startswith("tool_choice") else "tools") from None
 
@@ -99,6 +99,8 @@ class ChatServing:
         ids = self._chat_prompt(request, tools, prefix)
         params = self.chat_params(request, len(ids))
         self._constrain_to_tools(params, tools)
+        if tools and tools.mode == "auto" and tools.fmt.keeps_special_tokens:
+            params.skip_special_tokens = False  # the format's markers ([TOOL_CALLS]) are special tokens
         return model, ids, params, tools
 
     def chat_params(self, request: ChatCompletionRequest, prompt_len: int, prompt_param: str = "messages"):

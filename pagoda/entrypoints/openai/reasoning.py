@@ -17,7 +17,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from pagoda.entrypoints.openai.tool_calls import partial_suffix
+from pagoda.entrypoints.openai.tool_formats import partial_suffix
 
 
 @dataclass(frozen=True)

@@ -13,6 +13,7 @@ from pagoda.entrypoints.openai.completion import CompletionServing
 from pagoda.entrypoints.openai.errors import OpenAIError, bad_value
 from pagoda.entrypoints.openai.protocol import SamplingFields
 from pagoda.entrypoints.openai.reasoning import ReasoningFormat
+from pagoda.entrypoints.openai.tool_formats import ToolCallFormat, tool_call_format
 from pagoda.entrypoints.openai.response_parts import Sample
 from pagoda.outputs import RequestOutput
 from pagoda.security.context import (
@@ -48,6 +49,7 @@ class Serving(AdmissionChecks, CompletionServing, ChatServing):
         self.moderation = None
         self.sampling_defaults = engine.sampling_defaults  # the model's own (--generation-config)
         self.reasoning: ReasoningFormat | None = None  # --reasoning-parser (reasoning.py); build_app sets it
+        self.tool_format: ToolCallFormat = tool_call_format(None)  # --tool-call-parser (tool_formats.py)
 
     def params(self, request: SamplingFields, max_tokens: int, logprobs: int | None, prompt_logprobs: int | None = None):
         try:
