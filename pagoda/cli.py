@@ -152,6 +152,12 @@ def cmd_generate(ns: argparse.Namespace) -> int:
         engine.shutdown()  # tensor-parallel ranks, if any
 
 
+def cmd_run_batch(ns: argparse.Namespace) -> int:
+    from pagoda.entrypoints.openai import run_batch  # deferred: loads torch, the engine and the server's request path
+
+    return run_batch.main(ns)
+
+
 def cmd_chat(ns: argparse.Namespace) -> int:
     from pagoda.engine.llm_engine import LLMEngine  # deferred: loads llguidance, tokenizers, torch
 
@@ -295,6 +301,14 @@ def build_parser() -> argparse.ArgumentParser:
     config_file.add_cli_arg(p)  # --config FILE.yaml (pagoda/config_file.py)
     p.set_defaults(func=cmd_generate)
 
+    p = sub.add_parser("run-batch", help="run a Batch API file (JSONL requests) offline, as vLLM's run_batch")
+    p.add_argument("-i", "--input-file", required=True, help="the requests, one JSON object per line ('-': stdin)")
+    p.add_argument("-o", "--output-file", required=True, help="the answers, in the input's order ('-': stdout)")
+    p.add_argument("--served-model-name", nargs="+", default=None, help="the name the lines' `model` may give")
+    EngineArgs.add_cli_args(p)
+    config_file.add_cli_arg(p)
+    p.set_defaults(func=cmd_run_batch)
+
     p = sub.add_parser("chat", help="interactive chat that keeps the conversation")
     p.add_argument("--system", default=None, help="system prompt")
     EngineArgs.add_cli_args(p)
@@ -326,6 +340,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--tool-call-parser", choices=sorted(TOOL_CALL_FORMATS), default="hermes",
                    help="how the model writes tool calls (tool_choice auto): hermes <tool_call> blocks (Qwen, "
                         "SmolLM2), llama3_json (Llama 3.1/3.2), pythonic (Llama 3.2/4), mistral [TOOL_CALLS]")
+    p.add_argument("--state-dir", default=None,
+                   help="where sessions, stored responses and Batch API files and jobs are kept, so that a restart "
+                        "resumes them (default: $PAGODA_HOME/state/MODEL-PORT; 'none': in memory only)")
+    p.add_argument("--batch-concurrency", type=int, default=None,
+                   help="batch lines run at once, at a priority below every interactive request "
+                        "(default: --max-num-seqs)")
     p.add_argument("--max-stored-responses", type=int, default=10000,
                    help="Responses API responses kept for GET /v1/responses/{id} and previous_response_id, the "
                         "most recently used; their pinned KV prefixes are let go after --session-ttl idle")

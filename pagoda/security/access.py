@@ -122,6 +122,19 @@ class Access:
         role = config.roles[entry.role]
         return Grant(entry, role, self.limits.get(entry.tenant, role.name), config.isolate_prefix_cache)
 
+    def grant_for_key(self, key_id: str) -> Grant | None:
+        """The grant of the key with this id, as the config says now (work a key started, such
+        as a batch job, runs under it); a key removed or revoked since is a 401."""
+        config = self.config
+        if config is None:
+            return None
+        entry = next((k for k in config.keys.values() if k.id == key_id and k.revoked is None), None)
+        if entry is None:
+            raise OpenAIError(f"the key {key_id} that created this work was revoked or removed", status=401,
+                              type_="authentication_error", code="key_revoked")
+        role = config.roles[entry.role]
+        return Grant(entry, role, self.limits.get(entry.tenant, role.name), config.isolate_prefix_cache)
+
     @staticmethod
     def admit_request(grant: Grant | None, path: str | None = None) -> None:
         """403 for the store's write routes unless the role is admin; 429 past requests per second."""

@@ -5,10 +5,16 @@ text too long to tokenize, and the content filter on its input. A refusal is an 
 
 from __future__ import annotations
 
+from contextvars import ContextVar
+
 from pagoda.entrypoints.openai.errors import OpenAIError
 from pagoda.security.context import (
     request_context,  # --auth-config / --audit-log (pagoda/security/access.py)
 )
+
+# Set in a batch line's task (batch_runner.py): its requests are background work, which waits in
+# the engine's queue below interactive requests instead of counting against --max-queue-len.
+BACKGROUND_WORK: ContextVar[bool] = ContextVar("pagoda_background_work", default=False)
 
 
 class Admission:
@@ -61,10 +67,12 @@ class AdmissionChecks:
         if ctx is not None and admission is not None and admission.tenant_slot is None:
             ctx.admit()  # auth: the tenant's max_concurrent and tokens_per_minute (429), held to the end
             admission.tenant_slot = ctx
-        if self.max_queue_len is None:
-            return
+        if self.max_queue_len is None or BACKGROUND_WORK.get():
+            return  # a batch line waits below every request instead of being refused
         running = self.engine.config.scheduler.max_num_seqs
-        if max(self.admitted, self.engine.num_pending) + new_requests > running + self.max_queue_len:
+        # batch lines (self.background) wait below every interactive request: they take no room
+        pending = max(self.admitted, self.engine.num_pending - self.background)
+        if pending + new_requests > running + self.max_queue_len:
             raise OpenAIError(f"the server is full ({running} requests running, --max-num-seqs, and "
                               f"{self.max_queue_len} waiting, --max-queue-len); retry later", status=429,
                               type_="rate_limit_error", code="queue_full", headers={"Retry-After": "1"})

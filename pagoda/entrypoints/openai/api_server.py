@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import gc
 import logging
+from pathlib import Path
 
 import torch
 import uvicorn
@@ -35,11 +36,10 @@ from pagoda.entrypoints.openai.error_handlers import install_error_handlers
 from pagoda.entrypoints.openai.errors import OpenAIError
 from pagoda.entrypoints.openai.respond import respond
 from pagoda.entrypoints.openai.serving import Serving
-from pagoda.entrypoints.openai.chat_sessions import ChatSessionStore
+from pagoda.entrypoints.openai.durable import DurableOptions, install_durable_state
+from pagoda.entrypoints.state_db import default_state_dir
 from pagoda.entrypoints.openai.reasoning import reasoning_format
 from pagoda.entrypoints.openai.tool_formats import tool_call_format
-from pagoda.entrypoints.openai.responses import router as responses_router
-from pagoda.entrypoints.openai.responses_store import ResponseStore
 from pagoda.executor.multiproc import run_headless
 from pagoda.loader.catalog import catalog_aliases
 from pagoda.security import tls
@@ -55,7 +55,7 @@ logger = logging.getLogger("pagoda.server")
 def build_app(engine: AsyncLLM, served_model_names: list[str], *, api_key: str | None = None,
               max_queue_len: int | None = None, model_root: str | None = None,
               request_timeout: float | None = None, max_body_bytes: int = MAX_BODY_BYTES,
-              session_ttl: float = 1800.0, max_sessions: int = 1000, max_stored_responses: int = 10000,
+              durable: DurableOptions | None = None,
               moderation_words: list[str] | None = None, moderation_action: str = "stop",
               metric_families=None, web_ui: bool = True, reasoning_parser: str | None = None,
               tool_call_parser: str | None = None) -> FastAPI:
@@ -77,12 +77,9 @@ def build_app(engine: AsyncLLM, served_model_names: list[str], *, api_key: str |
     serving.moderation = ServerModeration.from_args(moderation_words, moderation_action,
                                                     serving.metrics.content_filter_hit)
     app.state.lifecycle = lifecycle = Lifecycle()
-    app.state.sessions = sessions = ChatSessionStore(serving, session_ttl, max_sessions)
-    app.router.on_startup.append(sessions.start)
-    app.router.on_shutdown.append(sessions.stop)
-    app.state.responses = responses = ResponseStore(engine, session_ttl, max_stored_responses)
-    app.router.on_startup.append(responses.start)
-    app.router.on_shutdown.append(responses.stop)
+    # sessions, stored responses, batch files and jobs, on the state database (durable.py)
+    install_durable_state(app, serving, durable or DurableOptions())
+    sessions = app.state.sessions
 
     app.add_middleware(BodyLimit, max_bytes=max_body_bytes)
     if api_key:
@@ -170,7 +167,6 @@ def build_app(engine: AsyncLLM, served_model_names: list[str], *, api_key: str |
         return {"prompt": serving.tokenizer.decode(body.tokens, skip_special_tokens=False)}
 
     app.include_router(ollama_router)  # Ollama's API, /api/... (pagoda/entrypoints/ollama)
-    app.include_router(responses_router)  # the Responses API, /v1/responses (responses.py)
     app.include_router(anthropic_router)  # Anthropic's Messages API, /v1/messages (pagoda/entrypoints/anthropic)
     install_web(app, web_ui=web_ui)  # /, /dashboard and /v1/debug/... (pagoda/entrypoints/web)
     return app
@@ -236,13 +232,26 @@ def run_server(args) -> int:
     return server.exit_code
 
 
+def _durable_options(args, name: str) -> DurableOptions:
+    """Where this model's app keeps its state (--state-dir; by default its own directory, named
+    after the model and the port, so that a restart finds it), and its bounds."""
+    state_dir = args.state_dir
+    if state_dir is None:
+        state_dir = default_state_dir(name, args.port)
+    elif state_dir == "none":
+        state_dir = None
+    elif serves_several(args):
+        state_dir = Path(state_dir) / name  # one database per model
+    return DurableOptions(state_dir, args.session_ttl, args.max_sessions, args.max_stored_responses,
+                          args.batch_concurrency)
+
+
 def _model_app(args, config, names: list[str], api_key: str | None, metric_families=None) -> tuple[FastAPI, AsyncLLM]:
     """One model's engine and app, from serve's options (`args.model` and its engine flags)."""
     # the core is built where it runs: its thread or its process
     async_engine = AsyncLLM(config, engine_process=args.engine_process, max_engine_restarts=args.max_engine_restarts)
     app = build_app(async_engine, names, api_key=api_key, max_queue_len=args.max_queue_len, model_root=args.model,
-                    request_timeout=args.request_timeout, session_ttl=args.session_ttl, max_sessions=args.max_sessions,
-                    max_stored_responses=args.max_stored_responses,
+                    request_timeout=args.request_timeout, durable=_durable_options(args, names[0]),
                     moderation_words=getattr(args, "moderation_words", None),
                     moderation_action=getattr(args, "moderation_action", "stop"), metric_families=metric_families,
                     web_ui=not getattr(args, "no_web_ui", False), reasoning_parser=args.reasoning_parser,

@@ -21,8 +21,10 @@ summary rides along in the system prompt. A turn never fails because the convers
 only a single message too long for the context on its own is a 400.
 
 Sessions live in this server's memory (a replica's, behind the router: `X-Session-ID` affinity
-sends every call of a session to the replica that holds it), expire after `--session-ttl`
-seconds idle, and are bounded in number (`--max-sessions`). With `--auth-config` a session id is
+sends every call of a session to the replica that holds it) and in its state database
+(state_db.py: a restarted server takes its sessions back, their token ids kept where the same
+tokenizer made them), expire after `--session-ttl` seconds idle, and are bounded in number
+(`--max-sessions`). With `--auth-config` a session id is
 the tenant's own: the store keys sessions by (tenant, id), so two tenants may choose the same
 `X-Session-ID` without learning of each other (a 409 names only the caller's own sessions).
 """
@@ -45,6 +47,7 @@ from pagoda.entrypoints.openai.errors import OpenAIError
 from pagoda.entrypoints.openai.admission import Admission
 from pagoda.entrypoints.openai.chat import ChatTurn
 from pagoda.entrypoints.openai.known_prefix import KnownPrefix
+from pagoda.entrypoints.state_db import StateDB
 from pagoda.entrypoints.openai.serving import Serving
 from pagoda.security.context import request_context
 
@@ -58,6 +61,8 @@ SUMMARY_PROMPT = ("Summarize the conversation below in a few sentences. Keep nam
 # that at least this many tokens (or a quarter of the context, if less) remain.
 DEFAULT_ANSWER_ROOM = 256
 _SESSION_ONLY = {"system", "overflow", "messages"}
+_RECORDED = ("id", "model", "system", "defaults", "overflow", "created", "messages", "summary", "dropped_turns",
+             "tenant")
 
 
 @dataclass
@@ -98,6 +103,20 @@ class ChatSession:
         head = [{"role": "system", "content": system}] if system else []
         return head + (self.messages if history is None else history)
 
+    def record(self, fingerprint: str) -> dict:
+        fields = {name: getattr(self, name) for name in _RECORDED}
+        idle = time.monotonic() - self.last_used
+        return {**fields, "token_ids": self.prefix.token_ids, "text": self.prefix.text, "fingerprint": fingerprint,
+                "last_used_at": time.time() - idle}
+
+    @classmethod
+    def from_record(cls, record: dict, fingerprint: str) -> "ChatSession":
+        session = cls(**{name: record[name] for name in _RECORDED})
+        session.last_used = time.monotonic() - max(0.0, time.time() - record["last_used_at"])
+        if record.get("fingerprint") == fingerprint:  # token ids of another tokenizer mean nothing here
+            session.prefix = KnownPrefix(record["token_ids"], record["text"])
+        return session
+
     def describe(self, ttl: float) -> dict:
         return {"id": self.id, "object": "session", "model": self.model, "created": self.created,
                 "expires_in": max(0.0, round(ttl - (time.monotonic() - self.last_used), 1)),
@@ -106,8 +125,11 @@ class ChatSession:
 
 
 class ChatSessionStore:
-    def __init__(self, serving: Serving, ttl: float = 1800.0, max_sessions: int = 1000) -> None:
+    def __init__(self, serving: Serving, ttl: float = 1800.0, max_sessions: int = 1000, db: StateDB | None = None,
+                 fingerprint: str = "") -> None:
         self.serving = serving
+        self.db = db
+        self.fingerprint = fingerprint  # the tokenizer's identity: whose token ids a record holds
         self.ttl = ttl
         self.max_sessions = max_sessions
         self.sessions: dict[tuple[str | None, str], ChatSession] = {}  # by (tenant, id)
@@ -115,7 +137,13 @@ class ChatSessionStore:
 
     # -- lifetime ---------------------------------------------------------------------------
     def start(self) -> None:
-        """Expire idle sessions in the background (their pins go even if nobody calls)."""
+        """Take back the sessions a restart left (those not yet expired); expire idle sessions in
+        the background (their pins go even if nobody calls)."""
+        if self.db is not None and not self.sessions:
+            for _, _, record in self.db.all("session")[-self.max_sessions:]:
+                session = ChatSession.from_record(record, self.fingerprint)
+                self.sessions[session.key] = session
+            self.expire()
         if self._sweeper is None:
             self._sweeper = asyncio.get_running_loop().create_task(self._sweep_forever())
 
@@ -135,6 +163,7 @@ class ChatSessionStore:
         gone = [s for s in self.sessions.values() if s.last_used < limit and not s.busy]
         for session in gone:
             del self.sessions[session.key]
+            self._forget(session)
         if gone:
             logger.info("%d session(s) expired", len(gone))
             self.serving.engine.release_sessions([s.pin_id for s in gone])
@@ -171,7 +200,16 @@ class ChatSessionStore:
                                   "is `system`)", param="messages")
         session.tenant = _key(session.id)[0]
         self.sessions[session.key] = session
+        self._save(session)
         return session
+
+    def _save(self, session: ChatSession) -> None:
+        if self.db is not None:
+            self.db.put("session", session.tenant, session.id, session.record(self.fingerprint), time.time())
+
+    def _forget(self, session: ChatSession) -> None:
+        if self.db is not None:
+            self.db.delete("session", session.tenant, session.id)
 
     def get(self, session_id: str) -> ChatSession:
         self.expire()
@@ -184,6 +222,7 @@ class ChatSessionStore:
     def delete(self, session_id: str) -> None:
         session = self.get(session_id)
         del self.sessions[session.key]
+        self._forget(session)
         self.serving.engine.release_sessions([session.pin_id])
 
     # -- a turn -----------------------------------------------------------------------------
@@ -234,6 +273,7 @@ class ChatSessionStore:
         session.messages += [user, {"role": "assistant", "content": answer.text}]
         session.prefix = KnownPrefix.of(self.serving.tokenizer, ids, answer.token_ids)
         session.last_used = time.monotonic()
+        self._save(session)
 
     async def _prompt(self, session: ChatSession, user: dict, request: ChatCompletionRequest) -> list[int]:
         """The turn's prompt ids, the oldest turns dropped (or summarized) until the answer has room."""

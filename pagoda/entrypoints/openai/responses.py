@@ -40,7 +40,7 @@ router = APIRouter()
 @router.post("/v1/responses")
 async def create_response(body: ResponsesRequest, request: Request):
     serving: Serving = request.app.state.serving
-    run = partial(_start, serving, request.app.state.responses)
+    run = partial(start_response, serving, request.app.state.responses)
     return await respond(serving, request.app.state.lifecycle, run, body, request)
 
 
@@ -113,7 +113,8 @@ class _Turn:
                 "user": body.user, "metadata": body.metadata or {}}
 
 
-async def _start(serving: Serving, store: ResponseStore, body: ResponsesRequest, admission: Admission):
+async def start_response(serving: Serving, store: ResponseStore, body: ResponsesRequest,
+                         admission: Admission | None):
     """Check and prepare the response, then run it: its event stream, or the response."""
     if body.background:
         raise OpenAIError("background responses are not supported; leave background off (the response is "

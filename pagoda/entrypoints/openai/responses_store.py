@@ -8,8 +8,10 @@ the engine cached. The response ran as an engine session (`pin_id`), so its comp
 pinned in the prefix cache (core/session_pins.py) until a response continues it (the
 continuation's pin covers it), it is deleted, or it idles past `--session-ttl`.
 
-Responses live in this server's memory, the `--max-stored-responses` most recently used; with
-`--auth-config` they are the tenant's own, as sessions are.
+The server keeps the `--max-stored-responses` most recently used, in memory and in its state
+database (state_db.py), so they outlive a restart; with `--auth-config` they are the tenant's
+own, as sessions are. A response read back after a restart continues with its history encoded
+afresh unless the same tokenizer (`fingerprint`) made its token ids.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ from dataclasses import dataclass, field
 
 from pagoda.entrypoints.openai.errors import OpenAIError
 from pagoda.entrypoints.openai.known_prefix import KnownPrefix
+from pagoda.entrypoints.state_db import StateDB
 from pagoda.security.context import request_context
 
 logger = logging.getLogger("pagoda.responses")
@@ -46,6 +49,16 @@ class StoredResponse:
         """The engine's session name for its prefix, unique across tenants."""
         return f"response/{self.tenant or ''}/{self.id}"
 
+    def record(self, fingerprint: str) -> dict:
+        return {"body": self.body, "input_items": self.input_items, "history": self.history,
+                "token_ids": self.prefix.token_ids, "text": self.prefix.text, "fingerprint": fingerprint}
+
+    @classmethod
+    def from_record(cls, record: dict, tenant: str | None, fingerprint: str) -> "StoredResponse":
+        same = record.get("fingerprint") == fingerprint  # token ids of another tokenizer mean nothing here
+        prefix = KnownPrefix(record["token_ids"], record["text"]) if same else KnownPrefix()
+        return cls(record["body"], record["input_items"], record["history"], prefix, tenant)
+
 
 def caller_tenant() -> str | None:
     ctx = request_context()  # --auth-config: the key's tenant
@@ -53,11 +66,15 @@ def caller_tenant() -> str | None:
 
 
 class ResponseStore:
-    def __init__(self, engine, ttl: float = 1800.0, max_responses: int = 10000) -> None:
+    def __init__(self, engine, ttl: float = 1800.0, max_responses: int = 10000, db: StateDB | None = None,
+                 fingerprint: str = "") -> None:
         self.engine = engine
+        self.db = db
+        self.fingerprint = fingerprint  # the tokenizer's identity: whose token ids a record holds
         self.ttl = ttl  # idle seconds after which a response's pinned prefix is let go
         self.max_responses = max_responses
         self.responses: OrderedDict[tuple[str | None, str], StoredResponse] = OrderedDict()  # LRU first
+        self._puts = 0
         self._sweeper: asyncio.Task | None = None
 
     def start(self) -> None:
@@ -85,7 +102,13 @@ class ResponseStore:
             self.engine.release_sessions([r.pin_id for r in responses])
 
     def get(self, response_id: str, param: str | None = None) -> StoredResponse:
-        response = self.responses.get((caller_tenant(), response_id))  # another tenant's does not exist here
+        tenant = caller_tenant()
+        response = self.responses.get((tenant, response_id))  # another tenant's does not exist here
+        if response is None and self.db is not None:
+            record = self.db.get("response", tenant, response_id)
+            if record is not None:
+                response = StoredResponse.from_record(record, tenant, self.fingerprint)
+                self.responses[(tenant, response_id)] = response
         if response is None:
             raise OpenAIError(f"Response with id {response_id!r} not found (it was not stored, was deleted, or is "
                               f"older than the server's last {self.max_responses} stored responses)", status=404,
@@ -103,8 +126,15 @@ class ResponseStore:
         while len(self.responses) > self.max_responses:
             _, oldest = self.responses.popitem(last=False)
             self._unpin([oldest] if oldest.pinned else [])
+        if self.db is not None:
+            self.db.put("response", response.tenant, response.id, response.record(self.fingerprint), time.time())
+            self._puts += 1
+            if self._puts % 100 == 0:
+                self.db.keep_newest("response", self.max_responses)
 
     def delete(self, response_id: str) -> None:
         response = self.get(response_id)
         del self.responses[(response.tenant, response.id)]
         self._unpin([response] if response.pinned else [])
+        if self.db is not None:
+            self.db.delete("response", response.tenant, response.id)

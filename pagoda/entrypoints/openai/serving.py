@@ -44,6 +44,7 @@ class Serving(AdmissionChecks, CompletionServing, ChatServing):
         self.max_model_len = engine.max_model_len
         self.max_queue_len = max_queue_len
         self.admitted = 0  # engine requests of the HTTP requests admitted and not yet answered
+        self.background = 0  # batch lines running (batch_runner.py), at a priority below every request
         self.request_timeout = request_timeout  # seconds a request may live (--request-timeout)
         # The content filter (pagoda/security/moderation.py: --moderation-words, a role's lists); build_app sets it
         self.moderation = None
