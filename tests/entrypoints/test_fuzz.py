@@ -37,7 +37,9 @@ MODEL = "tiny"
 @pytest.fixture(scope="module")
 def server(tiny_llama):
     grpc_port = _free_port()
-    proc, base = start_server(tiny_llama, "--max-model-len", "128", "--grpc-port", str(grpc_port), name=MODEL)
+    # --session-ttl 2: a stored response the fuzzer makes keeps its prefix pinned until then
+    proc, base = start_server(tiny_llama, "--max-model-len", "128", "--grpc-port", str(grpc_port), "--session-ttl", "2",
+                              name=MODEL)
     log = fuzz_server.drain_log(proc)
     yield base, log, f"127.0.0.1:{grpc_port}"
     proc.terminate()

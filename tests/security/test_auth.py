@@ -78,7 +78,8 @@ def srv(long_tiny_llama, tmp_path_factory):
     proc, base = start_server(long_tiny_llama, "--max-model-len", "4096", "--served-model-name", "tiny", "tiny-pro",
                               "--auth-config", str(config),
                               "--audit-log", str(audit), "--audit-log-content", "--read-timeout", str(READ_TIMEOUT),
-                              "--max-num-seqs", "2", "--grpc-port", str(grpc_port))
+                              "--max-num-seqs", "2", "--grpc-port", str(grpc_port),
+                              "--session-ttl", "5")  # the fuzz test's stored responses let their pins go by then
     log = fuzz_server.drain_log(proc)
     with httpx.Client(timeout=60) as http:
         yield SimpleNamespace(base=base, keys=keys, config=config, audit=audit, proc=proc, log=log, root=root,
@@ -281,6 +282,37 @@ def test_session_ids_are_per_tenant(srv):
     assert get("beta").status_code == 404 and get("acme1").status_code == 200
     assert srv.http.delete(f"{srv.base}/v1/sessions/{sid}", headers={"Authorization": f"Bearer {srv.keys['acme1']}"}
                            ).status_code == 200
+
+
+def test_files_batches_and_responses_are_the_tenants_own(srv):
+    """Another tenant's file, batch job and stored response do not exist for it; a job runs under
+    the key that created it (the role's max_tokens refuses a line that asks more)."""
+    acme, acme2, beta = sdk(srv, "acme1"), sdk(srv, "acme2"), sdk(srv, "beta")
+    chat = {"model": "tiny", "messages": [{"role": "user", "content": "Hi"}], "temperature": 0}
+    lines = [{"custom_id": "fits", "method": "POST", "url": "/v1/chat/completions", "body": {**chat, "max_tokens": 4}},
+             {"custom_id": "over", "method": "POST", "url": "/v1/chat/completions", "body": {**chat, "max_tokens": 50}}]
+    file = acme.files.create(file=("b.jsonl", "\n".join(map(json.dumps, lines)).encode()), purpose="batch")
+    batch = acme.batches.create(input_file_id=file.id, endpoint="/v1/chat/completions", completion_window="24h")
+    for call in (lambda: beta.files.retrieve(file.id), lambda: beta.batches.retrieve(batch.id),
+                 lambda: beta.batches.create(input_file_id=file.id, endpoint="/v1/chat/completions",
+                                             completion_window="24h")):
+        with pytest.raises(openai.NotFoundError):
+            call()
+    assert file.id not in [f.id for f in beta.files.list().data] and not beta.batches.list().data
+    deadline = time.monotonic() + 60
+    while (done := acme2.batches.retrieve(batch.id)).status not in ("completed", "failed"):  # the same tenant's key
+        assert time.monotonic() < deadline, done
+        time.sleep(0.1)
+    assert (done.status, done.request_counts.completed, done.request_counts.failed) == ("completed", 1, 1)
+    (refused,) = [json.loads(line) for line in acme.files.content(done.error_file_id).text.splitlines()]
+    assert refused["custom_id"] == "over" and refused["response"]["body"]["error"]["code"] == "max_tokens_exceeded"
+    response = acme.responses.create(model="tiny", input="Hi", max_output_tokens=2)
+    assert acme2.responses.retrieve(response.id).id == response.id
+    with pytest.raises(openai.NotFoundError):
+        beta.responses.retrieve(response.id)
+    with pytest.raises(openai.NotFoundError):
+        beta.responses.create(model="tiny", input="Hi", max_output_tokens=2, previous_response_id=response.id)
+    acme2.responses.delete(response.id)  # (and its pinned prefix)
 
 
 # -- limits ---------------------------------------------------------------------------------------
