@@ -17,15 +17,13 @@ while no beam ends:
 
 from __future__ import annotations
 
-import json
-
 import pytest
 import torch
 
 from pagoda import LLM, BeamSearchParams, SamplingParams
-from tiny_models import make_tiny_hf_model
+from tiny_models import boost_eos, make_tiny_hf_model
 
-PROMPTS = ["Hello", "The quick brown fox jumps over", "def main():", "Paris is the capital of France. Berlin is"]
+PROMPTS = ["Hello", "Once upon a time", "def main():", "Paris is the capital of France. Berlin is", "In 1492"]
 EOS = 2  # the tiny models' <|im_end|>
 
 
@@ -61,16 +59,8 @@ def _reference_beam_search(model, prompt_ids: list[int], width: int, max_tokens:
 
 @pytest.fixture(scope="module")
 def eos_model(tmp_path_factory):
-    """A tiny Llama whose end-of-sequence row of lm_head is scaled up, so its logit swings wide and
-    often lands among a beam's top candidates: beams end at different lengths."""
-    from safetensors.torch import load_file, save_file
-
-    out = make_tiny_hf_model("llama", tmp_path_factory.mktemp("eos_llama"), seed=11)
-    weights = load_file(out / "model.safetensors")
-    weights["lm_head.weight"][EOS] *= 4.0
-    save_file(weights, out / "model.safetensors", metadata={"format": "pt"})
-    (out / "generation_config.json").write_text(json.dumps({"eos_token_id": EOS, "bos_token_id": 1}))
-    return out
+    """A tiny Llama whose end-of-sequence logit swings wide (tiny_models.boost_eos): beams end."""
+    return boost_eos(make_tiny_hf_model("llama", tmp_path_factory.mktemp("eos_llama"), seed=11), EOS)
 
 
 @pytest.fixture(scope="module")
