@@ -166,6 +166,56 @@ class SamplingParams:
         return new
 
 
+MAX_BEAM_WIDTH = 10  # each step asks for 2 x beam_width logprobs, and logprobs stop at 20
+
+
+@dataclass
+class BeamSearchParams:
+    """A beam search's parameters, in vLLM's shape (`LLM.beam_search`, `use_beam_search`).
+
+    Each step keeps the `beam_width` likeliest continuations (by cumulative logprob); a beam that
+    samples an end-of-sequence token is finished, and the answer ranks finished and live beams by
+    `cum_logprob / len ** length_penalty` (len counts the prompt, as vLLM's does). temperature
+    must be 0: candidates come from the model's logprobs, not from sampling. pagoda's additions:
+    `early_stopping` (stop once `beam_width` beams have finished and answer those, as
+    transformers' `early_stopping=True`), `n` (return only the best n), `skip_special_tokens`
+    (for the server's text).
+    """
+
+    beam_width: int
+    max_tokens: int
+    ignore_eos: bool = False
+    temperature: float = 0.0
+    length_penalty: float = 1.0
+    include_stop_str_in_output: bool = False
+    early_stopping: bool = False
+    n: int | None = None
+    skip_special_tokens: bool = True
+
+    def __post_init__(self) -> None:
+        _check(isinstance(self.beam_width, int) and not isinstance(self.beam_width, bool)
+               and 1 <= self.beam_width <= MAX_BEAM_WIDTH, "beam_width",
+               f"must be an integer in [1, {MAX_BEAM_WIDTH}] (each step asks for 2 x beam_width logprobs, "
+               f"at most 20), got {self.beam_width!r}")
+        _check(isinstance(self.max_tokens, int) and self.max_tokens >= 1, "max_tokens",
+               f"must be an integer >= 1, got {self.max_tokens!r}")
+        _check_number(self.temperature, "temperature", lo=0.0)
+        _check(self.temperature < _GREEDY_EPS, "temperature",
+               f"must be 0 with beam search (beams are chosen by logprob, not sampled), got {self.temperature}")
+        _check_number(self.length_penalty, "length_penalty")
+        _check(abs(self.length_penalty) != float("inf"), "length_penalty", "must be finite")
+        for name in ("ignore_eos", "include_stop_str_in_output", "early_stopping", "skip_special_tokens"):
+            _check(isinstance(getattr(self, name), bool), name, f"must be true or false, got {getattr(self, name)!r}")
+        if self.n is not None:
+            _check(isinstance(self.n, int) and 1 <= self.n <= self.beam_width, "n",
+                   f"must be an integer in [1, beam_width={self.beam_width}], got {self.n!r}")
+
+    @property
+    def structured_outputs(self) -> None:
+        """Beam search takes no output constraint (the paths that read a request's constraint ask)."""
+        return None
+
+
 def _check(ok: bool, name: str, message: str) -> None:
     if not ok:
         raise ValueError(f"{name} {message}")

@@ -160,3 +160,15 @@ def make_tiny_hf_model(arch: str, out_dir: Path, *, seed: int = 0, tie_word_embe
                 p.normal_(0.0, 0.08)
     model.save_pretrained(out_dir, safe_serialization=True)
     return out_dir
+
+
+def boost_eos(model_dir: Path, eos: int = 2, factor: float = 4.0) -> Path:
+    """Scale a tiny model's end-of-sequence row of lm_head so its logit swings wide and often lands
+    among the top candidates (beam search tests: beams end at different lengths)."""
+    from safetensors.torch import load_file, save_file
+
+    weights = load_file(model_dir / "model.safetensors")
+    weights["lm_head.weight"][eos] *= factor
+    save_file(weights, model_dir / "model.safetensors", metadata={"format": "pt"})
+    (model_dir / "generation_config.json").write_text(json.dumps({"eos_token_id": eos, "bos_token_id": 1}))
+    return model_dir

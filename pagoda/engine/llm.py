@@ -8,11 +8,12 @@ from collections.abc import Sequence
 from tqdm import tqdm
 
 from pagoda.config import DEFAULT_MODEL, EngineArgs
+from pagoda.engine.beam_search import BeamSearch, BeamSearchOutput, step_params
 from pagoda.engine.content_filter import Moderation
 from pagoda.engine.input_processor import PromptType
 from pagoda.engine.llm_engine import LLMEngine
 from pagoda.outputs import RequestOutput
-from pagoda.sampling_params import RequestOutputKind, SamplingParams
+from pagoda.sampling_params import BeamSearchParams, RequestOutputKind, SamplingParams
 
 Conversation = list[dict]
 
@@ -96,6 +97,35 @@ class LLM:
             text = tokenizer.apply_chat_template(conv, add_generation_prompt, **(chat_template_kwargs or {}))
             prompts.append({"prompt": text, "prompt_token_ids": tokenizer.encode(text, add_special_tokens=False)})
         return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
+
+    def beam_search(self, prompts: PromptType | Sequence[PromptType], params: BeamSearchParams, *,
+                    use_tqdm: bool = False) -> list[BeamSearchOutput]:
+        """Beam search, as vLLM's `LLM.beam_search` (engine/beam_search.py): each prompt's best
+        `beam_width` sequences, best first, each with `tokens` (the prompt's, then the generated
+        ones), `text` (all of them decoded, special tokens kept), `cum_logprob`, `finish_reason`.
+        Every step runs the live beams of all prompts as one batch of one-token requests."""
+        if not isinstance(params, BeamSearchParams):
+            raise ValueError(f"params must be a BeamSearchParams, got {type(params).__name__}")
+        if isinstance(prompts, (str, dict)):
+            prompts = [prompts]
+        eos = set(self.engine.tokenizer.eos_token_ids)
+        searches = [BeamSearch(self.engine.input_processor.tokenize_prompt(p)[1], params, eos, self.engine.max_model_len)
+                    for p in prompts]
+        one_token = step_params(params)
+        with tqdm(total=params.max_tokens, desc="Beam search", unit="step", disable=not use_tqdm) as bar:
+            while active := [s for s in searches if not s.done]:
+                beams = [beam for s in active for beam in s.live]
+                outs = iter(self.generate([{"prompt_token_ids": b.tokens} for b in beams], one_token, use_tqdm=False))
+                for s in active:
+                    s.advance([next(outs).outputs[0].logprobs[0] for _ in s.live])
+                bar.update(1)
+        results = []
+        for s in searches:
+            best = s.best()
+            for beam in best:
+                beam.text = self.engine.tokenizer.decode(beam.tokens, skip_special_tokens=False)
+            results.append(BeamSearchOutput(best))
+        return results
 
     def get_default_sampling_params(self) -> SamplingParams:
         """What a call without sampling parameters uses: the model's generation_config defaults

@@ -9,6 +9,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from pagoda.entrypoints.openai.admission import Admission
+from pagoda.entrypoints.openai.beam_requests import beam_search_params, beam_width, check_best_of
 from pagoda.entrypoints.openai.errors import OpenAIError
 from pagoda.entrypoints.openai.known_prefix import KnownPrefix
 from pagoda.entrypoints.openai.protocol import ChatCompletionRequest, ChatMessage, now, random_id
@@ -108,13 +109,16 @@ class ChatServing:
         and max_tokens checked; shared with /v1/sessions, whose prompt is its `content`)."""
         if request.top_logprobs is not None and not 0 <= request.top_logprobs <= 20:
             raise OpenAIError(f"top_logprobs must be in [0, 20], got {request.top_logprobs}", param="top_logprobs")
+        check_best_of(request)
         max_tokens = self.max_tokens_for(request.max_completion_tokens or request.max_tokens, prompt_len, prompt_param)
+        if request.use_beam_search:
+            return beam_search_params(request, max_tokens)
         k = (request.top_logprobs or 0) if request.logprobs else None
         return self.params(request, max_tokens, k)
 
     async def chat(self, request: ChatCompletionRequest, admission: Admission | None = None):
         model, ids, params, tools = await asyncio.to_thread(self.prepare_chat, request)  # as completion's
-        self.check_capacity(1, admission)
+        self.check_capacity(beam_width(request), admission)  # a beam search runs its width
         return await self.answer_chat(request, model, ids, params, tools)
 
     async def answer_chat(self, request: ChatCompletionRequest, model: str, ids: list[int], params,

@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 
 from pagoda.entrypoints.openai.admission import Admission
+from pagoda.entrypoints.openai.beam_requests import beam_search_params, beam_width, check_best_of
 from pagoda.entrypoints.openai.errors import OpenAIError
 from pagoda.entrypoints.openai.protocol import CompletionRequest, now, random_id
 from pagoda.entrypoints.openai.response_parts import Sample, sse, top_k, usage
@@ -47,10 +48,14 @@ class CompletionServing:
         model = self.check_model(request.model)
         if request.logprobs is not None and not 0 <= request.logprobs <= 20:
             raise OpenAIError(f"logprobs must be in [0, 20], got {request.logprobs}", param="logprobs")
+        check_best_of(request)
         prompts = self._completion_prompts(request)
         params_list = []
         for _, ids in prompts:
             max_tokens = self.max_tokens_for(request.max_tokens, len(ids))
+            if request.use_beam_search:
+                params_list.append(beam_search_params(request, max_tokens))
+                continue
             prompt_lp = request.logprobs if (request.echo and request.logprobs is not None) else None
             params_list.append(self.params(request, max_tokens, request.logprobs, prompt_lp))
         return model, prompts, params_list
@@ -58,7 +63,7 @@ class CompletionServing:
     async def completion(self, request: CompletionRequest, admission: Admission | None = None):
         # Off the event loop: tokenizing and a structured-output grammar take time in proportion to the body.
         model, prompts, params_list = await asyncio.to_thread(self.prepare_completion, request)
-        self.check_capacity(len(prompts), admission)
+        self.check_capacity(len(prompts) * beam_width(request), admission)  # a beam search runs its width
         request_id = random_id("cmpl")
         n = request.n
         ids_only = [ids for _, ids in prompts]

@@ -88,6 +88,11 @@ class SamplingFields(RequestBody):
     guided_choice: list[str] | None = None
     guided_grammar: str | None = None
     structured_outputs: dict[str, Any] | None = None
+    # Beam search (vLLM's; beam_requests.py): width best_of, else n; the best n beams are the choices.
+    use_beam_search: bool = False
+    best_of: Int64 | None = None
+    length_penalty: float = 1.0
+    early_stopping: bool = False
 
     @field_validator("n")
     @classmethod

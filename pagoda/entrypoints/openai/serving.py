@@ -7,6 +7,7 @@ import logging
 from collections.abc import AsyncIterator, Sequence
 
 from pagoda.engine.async_llm import AsyncLLM, EngineUnavailableError, ShuttingDownError
+from pagoda.engine.beam_search import beam_search_async
 from pagoda.entrypoints.openai.admission import AdmissionChecks
 from pagoda.entrypoints.openai.chat import ChatServing
 from pagoda.entrypoints.openai.completion import CompletionServing
@@ -16,6 +17,7 @@ from pagoda.entrypoints.openai.reasoning import ReasoningFormat
 from pagoda.entrypoints.openai.tool_formats import ToolCallFormat, tool_call_format
 from pagoda.entrypoints.openai.response_parts import Sample
 from pagoda.outputs import RequestOutput
+from pagoda.sampling_params import BeamSearchParams
 from pagoda.security.context import (
     request_context,  # --auth-config / --audit-log (pagoda/security/access.py)
 )
@@ -69,15 +71,17 @@ class Serving(AdmissionChecks, CompletionServing, ChatServing):
         if ctx is not None:
             priority, cache_salt = ctx.engine_args(priority, cache_salt)
             for params in params_list:
-                ctx.cap_params(params)
+                if isinstance(params, BeamSearchParams):  # the role's max_tokens; a beam has no min_tokens
+                    params.max_tokens = min(params.max_tokens, ctx.max_tokens or params.max_tokens)
+                else:
+                    ctx.cap_params(params)
         content = ctx is not None and ctx.outputs is not None  # --audit-log-content
 
         async def pump(i: int, ids: list[int], params) -> None:
             tracker = self.metrics.tracker(len(ids))
             sub_id, reason, cached = f"{request_id}-{i}", "abort", 0
             try:
-                async for out in self.engine.generate({"prompt_token_ids": ids}, params, sub_id, priority, cache_salt,
-                                                      session_id, moderation=moderation):
+                async for out in self._generate(ids, params, sub_id, priority, cache_salt, session_id, moderation):
                     tracker.on_output(out)
                     cached = out.num_cached_tokens
                     if content:
@@ -117,6 +121,17 @@ class Serving(AdmissionChecks, CompletionServing, ChatServing):
         finally:
             for t in tasks:
                 t.cancel()
+
+    async def _generate(self, ids: list[int], params, request_id: str, priority: int, cache_salt: str | None,
+                        session_id: str | None, moderation) -> AsyncIterator[RequestOutput]:
+        """One prompt's outputs from the engine: its deltas, or a beam search's one final output
+        (engine/beam_search.py: its beams as one-token requests, the best as the choices)."""
+        if not isinstance(params, BeamSearchParams):
+            async for out in self.engine.generate({"prompt_token_ids": ids}, params, request_id, priority, cache_salt,
+                                                  session_id, moderation=moderation):
+                yield out
+            return
+        yield await beam_search_async(self.engine, ids, params, request_id, priority, cache_salt, moderation)
 
     async def _before(self, deadline: float, waiting):
         """Await `waiting` until the loop time `deadline` (--request-timeout), else a 504."""
