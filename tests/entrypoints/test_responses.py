@@ -6,6 +6,7 @@ cached, a tool round trip streamed and not, structured output, clear errors."""
 from __future__ import annotations
 
 import json
+import time
 
 import httpx
 import openai
@@ -178,6 +179,24 @@ def test_input_items_are_listed_a_page_at_a_time(client):
     assert [i.role for i in oldest.data] == ["user", "assistant", "user"]
 
 
+def test_a_background_response_is_polled_and_can_be_cancelled(client):
+    ask = {"model": "tiny", "input": QUESTION, "max_output_tokens": 12, **GREEDY}
+    started = client.responses.create(background=True, **ask)
+    assert started.background and started.status in ("queued", "in_progress")
+    deadline = time.monotonic() + 60
+    while (done := client.responses.retrieve(started.id)).status == "in_progress":
+        assert time.monotonic() < deadline
+        time.sleep(0.05)
+    assert done.output_text == client.responses.create(**ask).output_text and done.usage.output_tokens > 0
+
+    long = client.responses.create(background=True, model="tiny", input=QUESTION, max_output_tokens=1500,
+                                   extra_body={"ignore_eos": True}, **GREEDY)
+    cancelled = client.responses.cancel(long.id)
+    assert cancelled.status == "cancelled" and client.responses.retrieve(long.id).status == "cancelled"
+    with pytest.raises(openai.BadRequestError):
+        client.responses.cancel(client.responses.create(**ask).id)  # only background responses
+
+
 def test_bad_requests_get_clear_errors(client, base):
     with pytest.raises(openai.NotFoundError) as missing:
         client.responses.create(model="tiny", previous_response_id="resp_nope", input="hi", max_output_tokens=2)
@@ -194,6 +213,7 @@ def test_bad_requests_get_clear_errors(client, base):
     assert refused({"input": [{"type": "computer_call"}]})["param"] == "input"
     assert "image" in refused({"input": [{"role": "user", "content": [{"type": "input_image"}]}]})["message"]
     assert refused({"input": "hi", "tools": [{"type": "web_search"}]})["param"] == "tools"
-    assert refused({"input": "hi", "background": True})["param"] == "background"
+    assert refused({"input": "hi", "background": True, "stream": True})["param"] == "background"
+    assert refused({"input": "hi", "background": True, "store": False})["param"] == "background"
     assert refused({"input": "hi", "max_output_tokens": 0})["param"] == "max_output_tokens"
     assert refused({})["param"] == "input"

@@ -55,6 +55,20 @@ async def delete_response(response_id: str, request: Request):
     return {"id": response_id, "object": "response", "deleted": True}
 
 
+@router.post("/v1/responses/{response_id}/cancel")
+async def cancel_response(response_id: str, request: Request):
+    """Stop a background response (its answer so far is dropped; it ends as cancelled)."""
+    store = _store(request)
+    response = store.get(response_id)
+    if not response.body.get("background"):
+        raise OpenAIError("Only background responses can be cancelled.", param="response_id")
+    task = store.tasks.get(response_id)
+    if task is not None:
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+    return store.get(response_id).body
+
+
 @router.get("/v1/responses/{response_id}/input_items")
 async def list_input_items(response_id: str, request: Request, limit: int = Query(20, ge=1, le=100),
                            order: Literal["asc", "desc"] = "desc", after: str | None = None,
@@ -102,7 +116,7 @@ class _Turn:
         body = self.body
         incomplete = {"reason": "max_output_tokens"} if status == "incomplete" else None
         return {"id": self.id, "object": "response", "created_at": self.created_at, "status": status,
-                "background": False, "error": None, "incomplete_details": incomplete,
+                "background": body.background, "error": None, "incomplete_details": incomplete,
                 "instructions": body.instructions, "max_output_tokens": body.max_output_tokens, "model": self.model,
                 "output": output, "parallel_tool_calls": body.parallel_tool_calls,
                 "previous_response_id": body.previous_response_id, "reasoning": body.reasoning or {"effort": None},
@@ -116,9 +130,9 @@ class _Turn:
 async def start_response(serving: Serving, store: ResponseStore, body: ResponsesRequest,
                          admission: Admission | None):
     """Check and prepare the response, then run it: its event stream, or the response."""
-    if body.background:
-        raise OpenAIError("background responses are not supported; leave background off (the response is "
-                          "answered on this connection, streamed or not)", param="background")
+    if body.background and (body.stream or not body.store):
+        raise OpenAIError("a background response is stored and polled (GET /v1/responses/{id}): it takes store "
+                          "true and no stream", param="background")
     previous = store.get(body.previous_response_id, "previous_response_id") if body.previous_response_id else None
     try:
         items = input_items(body)
@@ -139,7 +153,33 @@ async def start_response(serving: Serving, store: ResponseStore, body: Responses
     k = body.top_logprobs if body.top_logprobs else None
     if body.stream:
         return _events(serving, store, turn, outputs, k)
+    if body.background:
+        return _in_background(serving, store, turn, outputs, k)
     return await _answer(serving, store, turn, outputs, k)
+
+
+def _in_background(serving: Serving, store: ResponseStore, turn: _Turn, outputs: AsyncIterator,
+                   k: int | None) -> dict:
+    """Store the response as in progress and make it in a task of its own; GET shows it as it
+    stands, POST .../cancel stops it."""
+    history = (turn.previous.history if turn.previous else []) + chat_messages(turn.items)
+    placeholder = StoredResponse(turn.response([], "in_progress", None), turn.items, history, KnownPrefix())
+    store.put(placeholder, None)
+
+    async def run() -> None:
+        try:
+            await _answer(serving, store, turn, outputs, k)  # stores the finished response in its place
+        except asyncio.CancelledError:
+            store.finish(turn.id, "cancelled", None)
+        except OpenAIError as e:
+            store.finish(turn.id, "failed", {"code": e.code or "server_error", "message": e.message})
+        else:
+            store.finish(turn.id, "failed", {"code": "aborted", "message": "the response was aborted"})
+        finally:
+            store.tasks.pop(turn.id, None)
+
+    store.tasks[turn.id] = asyncio.get_running_loop().create_task(run())
+    return placeholder.body
 
 
 def _status(sample: Sample) -> str:

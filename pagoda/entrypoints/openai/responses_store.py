@@ -57,7 +57,11 @@ class StoredResponse:
     def from_record(cls, record: dict, tenant: str | None, fingerprint: str) -> "StoredResponse":
         same = record.get("fingerprint") == fingerprint  # token ids of another tokenizer mean nothing here
         prefix = KnownPrefix(record["token_ids"], record["text"]) if same else KnownPrefix()
-        return cls(record["body"], record["input_items"], record["history"], prefix, tenant)
+        body = record["body"]
+        if body["status"] in ("queued", "in_progress"):  # a background response the last run left unfinished
+            body = {**body, "status": "failed",
+                    "error": {"code": "server_restarted", "message": "the server restarted before it finished"}}
+        return cls(body, record["input_items"], record["history"], prefix, tenant)
 
 
 def caller_tenant() -> str | None:
@@ -75,6 +79,7 @@ class ResponseStore:
         self.max_responses = max_responses
         self.responses: OrderedDict[tuple[str | None, str], StoredResponse] = OrderedDict()  # LRU first
         self._puts = 0
+        self.tasks: dict[str, asyncio.Task] = {}  # background responses being made, by id
         self._sweeper: asyncio.Task | None = None
 
     def start(self) -> None:
@@ -131,6 +136,15 @@ class ResponseStore:
             self._puts += 1
             if self._puts % 100 == 0:
                 self.db.keep_newest("response", self.max_responses)
+
+    def finish(self, response_id: str, status: str, error: dict | None) -> None:
+        """A background response that ended without an answer to store: cancelled or failed."""
+        response = self.responses.get((caller_tenant(), response_id))
+        if response is None or response.body["status"] != "in_progress":
+            return  # stored as finished by then, or deleted
+        response.body = {**response.body, "status": status, "error": error}
+        if self.db is not None:
+            self.db.put("response", response.tenant, response.id, response.record(self.fingerprint), time.time())
 
     def delete(self, response_id: str) -> None:
         response = self.get(response_id)
