@@ -23,11 +23,11 @@ from collections.abc import Coroutine
 from typing import Any
 
 import httpx
-import orjson
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
 from pagoda.entrypoints.disconnect import GONE, unless_disconnected
+from pagoda.router.homes import LISTS, Homes, created_id, merged_list, named_thing
 from pagoda.router.affinity import (
     SESSION_HEADER, SESSIONS_PATH, RouteRequest, new_session_id, route_request, session_in_path,
 )
@@ -35,8 +35,8 @@ from pagoda.router.limits import GatewayLimits
 from pagoda.router.prometheus import RouterMetrics
 from pagoda.router.policies import Decision, Policy, make_policy
 from pagoda.router.proxy import (
-    WORKER_HEADER, BodyTooLarge, OpenAIErrorResponse, RelayResponse, answer_headers, forward_headers,
-    is_event_stream, read_body,
+    WORKER_HEADER, BodyTooLarge, OpenAIErrorResponse, RelayResponse, answer_headers, bearer_token, forward_headers,
+    is_event_stream, models_of, parse_json, read_body, read_raw,
 )
 from pagoda.router.workers import BreakerState, Worker, WorkerRegistry
 
@@ -97,6 +97,7 @@ class Router:
                                        breaker_open_seconds=config.breaker_open_seconds,
                                        probe_timeout=max(1.0, min(config.health_interval, 5.0)))
         self.policy: Policy = make_policy(config.policy, **self._cache_aware_options())
+        self.homes = Homes()  # where stored responses, files and batch jobs live (homes.py)
         self.limits = GatewayLimits(config.qps, config.qps_per_key, config.max_requests_in_flight)
         self.metrics = RouterMetrics(lambda: list(self.registry.workers.values()))
         self.client: httpx.AsyncClient | None = None
@@ -125,6 +126,7 @@ class Router:
         worker = self.registry.remove(url)
         if worker is not None:
             self.policy.remove_worker(worker.url)
+            self.homes.forget_worker(worker.url)
         return worker is not None
 
     async def start(self) -> None:
@@ -169,7 +171,7 @@ class Router:
         except BodyTooLarge:
             return OpenAIErrorResponse("the request body is larger than the router's limit", 413,
                                        "invalid_request_error", "request_too_large")
-        rejection = self.limits.admit(_bearer_token(request))
+        rejection = self.limits.admit(bearer_token(request))
         if rejection is not None:
             self.metrics.rejected.labels(rejection.level).inc()
             return OpenAIErrorResponse(rejection.message, 429, "rate_limit_error", "rate_limit_exceeded",
@@ -200,8 +202,14 @@ class Router:
             self._forwarding.discard(task)
 
     async def _dispatch(self, request: Request, path: str, body: bytes) -> Response:
-        route = route_request(request.headers, _parse_json(body))
+        parsed = parse_json(body)
+        route = route_request(request.headers, parsed)
         headers = forward_headers(request.headers)
+        if request.method == "GET" and path.split("?", 1)[0] in LISTS:
+            return await self._merged_list(path, headers)
+        thing = named_thing(request.method, path, parsed)
+        if thing is not None:  # a stored response, file or batch job: where it lives (homes.py)
+            return await self._at_home(thing, request.method, path, body, headers)
         session = session_in_path(path)
         if session is None and request.method == "POST" and path.rstrip("/") == SESSIONS_PATH \
                 and SESSION_HEADER not in headers:
@@ -221,6 +229,7 @@ class Router:
                 logger.info("retrying on %s after: %s", decision.worker.url, failure.reason if failure else "")
             outcome = await self._attempt(decision.worker, request.method, path, body, headers)
             if not isinstance(outcome, _Failure):
+                self._learn(request.method, path, outcome, decision.worker.url)
                 return outcome
             failure = outcome
         if failure is None:
@@ -228,6 +237,39 @@ class Router:
         if failure.answer is not None:
             return failure.answer
         return OpenAIErrorResponse(f"no worker could answer: {failure.reason}", 502, "server_error", "worker_failed")
+
+    async def _at_home(self, thing: str, method: str, path: str, body: bytes, headers: dict[str, str]) -> Response:
+        """To the replica that keeps `thing`; one not known yet is looked for, replica by replica,
+        past their 404s."""
+        candidates = self.registry.available()
+        home = self.homes.get(thing)
+        candidates.sort(key=lambda w: w.url != home)
+        answer: Response | None = None
+        for worker in candidates:
+            outcome = await self._attempt(worker, method, path, body, headers)
+            if isinstance(outcome, _Failure):
+                answer = outcome.answer or answer
+                continue
+            answer = outcome
+            if outcome.status_code != 404:
+                self.homes.remember(thing, worker.url)
+                self._learn(method, path, outcome, worker.url)
+                return outcome
+        return answer if answer is not None else self.no_worker_available()
+
+    def _learn(self, method: str, path: str, answer: Response, url: str) -> None:
+        """A creating POST's answer names a new thing that lives on the replica that answered."""
+        if not isinstance(answer, RelayResponse):
+            thing = created_id(method, path, answer.status_code, answer.body)
+            if thing is not None:
+                self.homes.remember(thing, url)
+
+    async def _merged_list(self, path: str, headers: dict[str, str]) -> Response:
+        answers = [await self._attempt(worker, "GET", path, b"", headers) for worker in self.registry.available()]
+        bodies = [a.body for a in answers if not isinstance(a, _Failure) and a.status_code == 200]
+        if not bodies:
+            return self.no_worker_available()
+        return Response(merged_list(bodies), 200, media_type="application/json")
 
     def _choose(self, route: RouteRequest, candidates: list[Worker]) -> Decision:
         decision = self.policy.choose(route, candidates)
@@ -251,13 +293,13 @@ class Router:
             outgoing = self.client.build_request(method, worker.url + path, content=body, headers=headers)
             upstream = await self.client.send(outgoing, stream=True)
             if upstream.status_code in RETRYABLE_STATUS:
-                content = await _read_raw(upstream)
+                content = await read_raw(upstream)
                 self._failed(worker, "status", f"{worker.url} answered {upstream.status_code}")
                 return _Failure(f"{worker.url} answered {upstream.status_code}",
                                 Response(content, upstream.status_code, answer_headers(upstream, worker.url)))
             if upstream.status_code == 429:  # the engine-level limit: full there, not unwell
                 self.metrics.rejected.labels("engine").inc()
-                content = await _read_raw(upstream)  # another replica may have room; else this is the answer
+                content = await read_raw(upstream)  # another replica may have room; else this is the answer
                 return _Failure(f"{worker.url} is full (429)",
                                 Response(content, 429, answer_headers(upstream, worker.url)))
             if is_event_stream(upstream):
@@ -273,7 +315,7 @@ class Router:
                 relay.on_close(lambda: self.streams.discard(relay))
                 handed_over = True
                 return relay
-            content = await _read_raw(upstream)
+            content = await read_raw(upstream)
             self.registry.record_success(worker)
             return Response(content, upstream.status_code, answer_headers(upstream, worker.url))
         except httpx.HTTPError as e:
@@ -311,7 +353,7 @@ class Router:
                 continue
             statuses.append(answer.status_code)
             if answer.status_code == 200:
-                for model in _models_of(answer):
+                for model in models_of(answer):
                     seen.setdefault(model.get("id"), model)
         if not seen and statuses and all(s == 401 for s in statuses):
             return OpenAIErrorResponse("invalid or missing API key", 401, "authentication_error", "invalid_api_key")
@@ -333,33 +375,6 @@ class Router:
     def describe(self) -> dict:
         return {"policy": self.policy.name, "in_flight": self.limits.in_flight,
                 "workers": [w.describe() for w in self.registry.workers.values()]}
-
-
-def _models_of(answer: httpx.Response) -> list[dict]:
-    """The model entries of a worker's /v1/models answer (none if it is not the expected JSON)."""
-    try:
-        data = answer.json().get("data", [])
-    except (ValueError, AttributeError):
-        return []
-    return [m for m in data if isinstance(m, dict)] if isinstance(data, list) else []
-
-
-async def _read_raw(upstream: httpx.Response) -> bytes:
-    """The worker's body as sent (not decoded: its Content-Encoding header goes on with it)."""
-    return b"".join([chunk async for chunk in upstream.aiter_raw()])
-
-
-def _parse_json(body: bytes) -> Any:
-    try:
-        return orjson.loads(body)
-    except orjson.JSONDecodeError:
-        return None  # the worker will say what is wrong with it
-
-
-def _bearer_token(request: Request) -> str:
-    """The API key a request carries ("" without one): the unit of the per-key rate limit."""
-    auth = request.headers.get("authorization", "")
-    return auth[7:] if auth[:7].lower() == "bearer " else auth
 
 
 __all__ = ["RouterConfig", "Router", "WORKER_HEADER"]

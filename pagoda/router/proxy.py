@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import Any
 
 import httpx
 import orjson
@@ -169,3 +170,28 @@ class RelayResponse(StreamingResponse):
                 await result
 
 
+def models_of(answer: httpx.Response) -> list[dict]:
+    """The model entries of a worker's /v1/models answer (none if it is not the expected JSON)."""
+    try:
+        data = answer.json().get("data", [])
+    except (ValueError, AttributeError):
+        return []
+    return [m for m in data if isinstance(m, dict)] if isinstance(data, list) else []
+
+
+async def read_raw(upstream: httpx.Response) -> bytes:
+    """The worker's body as sent (not decoded: its Content-Encoding header goes on with it)."""
+    return b"".join([chunk async for chunk in upstream.aiter_raw()])
+
+
+def parse_json(body: bytes) -> Any:
+    try:
+        return orjson.loads(body)
+    except orjson.JSONDecodeError:
+        return None  # the worker will say what is wrong with it
+
+
+def bearer_token(request: Request) -> str:
+    """The API key a request carries ("" without one): the unit of the per-key rate limit."""
+    auth = request.headers.get("authorization", "")
+    return auth[7:] if auth[:7].lower() == "bearer " else auth

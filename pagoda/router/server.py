@@ -74,7 +74,8 @@ def build_app(config: RouterConfig) -> Starlette:
         return None
 
     async def proxied(request: Request) -> Response:
-        return await router.forward(request, request.url.path)
+        query = request.url.query
+        return await router.forward(request, request.url.path + (f"?{query}" if query else ""))
 
     async def models(request: Request) -> Response:
         return await router.models(request)
@@ -135,6 +136,8 @@ def build_app(config: RouterConfig) -> Starlette:
         Route("/workers", remove_worker, methods=["DELETE"]),
         Route("/v1/sessions/{path:path}", proxied, methods=["GET", "POST", "DELETE"]),  # one replica's sessions
         Route("/v1/{path:path}", proxied, methods=["POST"]),
+        # stored responses, files and batch jobs: at the replica that keeps them (homes.py)
+        Route("/v1/{path:path}", proxied, methods=["GET", "DELETE"]),
         Route("/tokenize", proxied, methods=["POST"]),
         Route("/detokenize", proxied, methods=["POST"]),
     ]
