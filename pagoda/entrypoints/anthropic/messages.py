@@ -23,7 +23,7 @@ from pagoda.entrypoints.openai.protocol import describe_validation_errors
 from pagoda.entrypoints.openai.respond import respond
 from pagoda.entrypoints.openai.response_parts import Sample
 from pagoda.entrypoints.openai.serving import Serving
-from pagoda.entrypoints.openai.choice_parser import ChoiceParser
+from pagoda.entrypoints.openai.choice_parser import ChoiceParser, StreamedChoice
 
 router = APIRouter()
 
@@ -168,36 +168,32 @@ async def _events(message_id: str, model: str, outputs: AsyncIterator, parser: C
     yield _event("message_start", {"message": {
         "id": message_id, "type": "message", "role": "assistant", "model": model, "content": [],
         "stop_reason": None, "stop_sequence": None, "usage": _usage(prompt_tokens, 0, 0)}})
-    blocks, sample, cached = _Blocks(), Sample(), 0
+    blocks, choice = _Blocks(), StreamedChoice()
     try:
-        async for _, out in outputs:
-            cached = out.num_cached_tokens
-            for c in out.outputs:
-                sample.add(c)
-                delta = parser.feed(c.text, len(c.token_ids), c.finish_reason is not None)
-                if delta.get("reasoning_content"):
-                    if blocks.open != "thinking":
-                        for event in blocks.start({"type": "thinking", "thinking": "", "signature": ""}):
-                            yield event
-                    yield blocks.delta({"type": "thinking_delta", "thinking": delta["reasoning_content"]})
-                if delta.get("content"):
-                    if blocks.open != "text":
-                        for event in blocks.start({"type": "text", "text": ""}):
-                            yield event
-                    yield blocks.delta({"type": "text_delta", "text": delta["content"]})
-                for call in delta.get("tool_calls", ()):
-                    function = call.get("function", {})
-                    if call.get("id"):
-                        for event in blocks.start({**_tool_use(call["id"], function.get("name", ""), ""), "input": {}}):
-                            yield event
-                    if function.get("arguments"):
-                        yield blocks.delta({"type": "input_json_delta", "partial_json": function["arguments"]})
+        async for _, delta in choice.deltas(outputs, parser):
+            if delta.get("reasoning_content"):
+                if blocks.open != "thinking":
+                    for event in blocks.start({"type": "thinking", "thinking": "", "signature": ""}):
+                        yield event
+                yield blocks.delta({"type": "thinking_delta", "thinking": delta["reasoning_content"]})
+            if delta.get("content"):
+                if blocks.open != "text":
+                    for event in blocks.start({"type": "text", "text": ""}):
+                        yield event
+                yield blocks.delta({"type": "text_delta", "text": delta["content"]})
+            for call in delta.get("tool_calls", ()):
+                function = call.get("function", {})
+                if call.get("id"):
+                    for event in blocks.start({**_tool_use(call["id"], function.get("name", ""), ""), "input": {}}):
+                        yield event
+                if function.get("arguments"):
+                    yield blocks.delta({"type": "input_json_delta", "partial_json": function["arguments"]})
         for event in blocks.stop():
             yield event
-        stop_reason, stop_sequence = _stop_reason(sample, bool(parser.num_calls))
+        stop_reason, stop_sequence = _stop_reason(choice.sample, bool(parser.num_calls))
         yield _event("message_delta", {"delta": {"stop_reason": stop_reason, "stop_sequence": stop_sequence},
-                                       "usage": {"output_tokens": len(sample.token_ids),
-                                                 "cache_read_input_tokens": cached}})
+                                       "usage": {"output_tokens": len(choice.sample.token_ids),
+                                                 "cache_read_input_tokens": choice.cached}})
         yield _event("message_stop", {})
     except OpenAIError as e:
         yield _event("error", {"error": _error_body(e.message, e.status)["error"]})

@@ -18,6 +18,7 @@ from pagoda.entrypoints.openai.batch_runner import BatchRunner
 from pagoda.entrypoints.openai.errors import OpenAIError
 from pagoda.entrypoints.openai.files import FileStore
 from pagoda.entrypoints.openai.protocol import RequestBody
+from pagoda.entrypoints.openai.response_parts import cursor_page
 from pagoda.entrypoints.openai.responses_store import caller_tenant
 from pagoda.security.context import request_context
 
@@ -105,10 +106,4 @@ async def cancel_batch(batch_id: str, request: Request):
 async def list_batches(request: Request, limit: int = Query(20, ge=1, le=100), after: str | None = None,
                        order: Literal["asc", "desc"] = "desc"):
     batches = [_public(b) for b in _runner(request).db.listing("batch", caller_tenant())]
-    if order == "asc":
-        batches.reverse()
-    ids = [b["id"] for b in batches]
-    start = ids.index(after) + 1 if after in ids else 0
-    page = batches[start:start + limit]
-    return {"object": "list", "data": page, "first_id": page[0]["id"] if page else None,
-            "last_id": page[-1]["id"] if page else None, "has_more": start + limit < len(batches)}
+    return cursor_page(batches, limit, order, after)

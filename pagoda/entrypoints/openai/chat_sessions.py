@@ -31,7 +31,6 @@ the tenant's own: the store keys sessions by (tenant, id), so two tenants may ch
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import re
 import time
@@ -47,6 +46,7 @@ from pagoda.entrypoints.openai.errors import OpenAIError
 from pagoda.entrypoints.openai.admission import Admission
 from pagoda.entrypoints.openai.chat import ChatTurn
 from pagoda.entrypoints.openai.known_prefix import KnownPrefix
+from pagoda.entrypoints.openai.periodic import Periodic
 from pagoda.entrypoints.state_db import StateDB
 from pagoda.entrypoints.openai.serving import Serving
 from pagoda.security.context import request_context
@@ -133,7 +133,7 @@ class ChatSessionStore:
         self.ttl = ttl
         self.max_sessions = max_sessions
         self.sessions: dict[tuple[str | None, str], ChatSession] = {}  # by (tenant, id)
-        self._sweeper: asyncio.Task | None = None
+        self._sweeper = Periodic.sweep(ttl, self.expire)
 
     # -- lifetime ---------------------------------------------------------------------------
     def start(self) -> None:
@@ -144,19 +144,11 @@ class ChatSessionStore:
                 session = ChatSession.from_record(record, self.fingerprint)
                 self.sessions[session.key] = session
             self.expire()
-        if self._sweeper is None:
-            self._sweeper = asyncio.get_running_loop().create_task(self._sweep_forever())
+        self._sweeper.start()
 
     def stop(self) -> None:
         """The app shuts down (the server stops, or its model is unloaded)."""
-        if self._sweeper is not None:
-            self._sweeper.cancel()
-            self._sweeper = None
-
-    async def _sweep_forever(self) -> None:
-        while True:
-            await asyncio.sleep(max(0.05, min(self.ttl / 4, 30.0)))
-            self.expire()
+        self._sweeper.stop()
 
     def expire(self) -> None:
         limit = time.monotonic() - self.ttl

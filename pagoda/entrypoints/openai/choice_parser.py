@@ -6,10 +6,13 @@ Messages and Ollama's chat all read their output through it."""
 
 from __future__ import annotations
 
+from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
 from pagoda.entrypoints.openai.reasoning import ReasoningSplitter
+from pagoda.entrypoints.openai.response_parts import Sample
 from pagoda.entrypoints.openai.tool_calls import ToolCall, ToolCallStream, ToolChoice
+from pagoda.outputs import CompletionOutput
 
 
 @dataclass
@@ -51,3 +54,19 @@ class ChoiceParser:
             text = "".join(c for _, c in split)
         content, calls = self.tools.parse(text) if self.tools else (text, [])
         return ParsedChoice(thought, content, calls, self.reasoning_tokens, self.reasoning is not None)
+
+
+@dataclass
+class StreamedChoice:
+    """One choice as it streams: gathered (`sample`), with the prompt tokens served from cache."""
+
+    sample: Sample = field(default_factory=Sample)
+    cached: int = 0
+
+    async def deltas(self, outputs: AsyncIterator, parser: ChoiceParser) -> AsyncIterator[tuple[CompletionOutput, dict]]:
+        """Each engine delta of `outputs` (Serving.run_all's, one prompt) with its parsed chat delta."""
+        async for _, out in outputs:
+            self.cached = out.num_cached_tokens
+            for c in out.outputs:
+                self.sample.add(c)
+                yield c, parser.feed(c.text, len(c.token_ids), c.finish_reason is not None)

@@ -14,6 +14,7 @@ from fastapi import APIRouter, File, Form, Query, Request, UploadFile
 from fastapi.responses import Response
 
 from pagoda.entrypoints.openai.errors import OpenAIError
+from pagoda.entrypoints.openai.response_parts import cursor_page
 from pagoda.entrypoints.openai.responses_store import caller_tenant
 from pagoda.entrypoints.state_db import StateDB
 
@@ -74,13 +75,7 @@ async def upload(request: Request, file: UploadFile = File(...), purpose: str = 
 async def list_files(request: Request, purpose: str | None = None, limit: int = Query(10000, ge=1, le=10000),
                      order: Literal["asc", "desc"] = "desc", after: str | None = None):
     files = [f for f in _files(request).listing(caller_tenant()) if purpose is None or f["purpose"] == purpose]
-    if order == "asc":
-        files.reverse()
-    ids = [f["id"] for f in files]
-    start = ids.index(after) + 1 if after in ids else 0
-    page = files[start:start + limit]
-    return {"object": "list", "data": page, "first_id": page[0]["id"] if page else None,
-            "last_id": page[-1]["id"] if page else None, "has_more": start + limit < len(files)}
+    return cursor_page(files, limit, order, after)
 
 
 @router.get("/v1/files/{file_id}")

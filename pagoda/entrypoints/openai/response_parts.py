@@ -68,3 +68,19 @@ def token_logprob_entries(token_ids: list[int], positions: list[PositionLogprobs
 def top_k(position: PositionLogprobs, k: int):
     """The position's top-k alternatives (ranks 1..k), most likely first."""
     return sorted(((t, lp) for t, lp in position.items() if lp.rank is not None and lp.rank <= k), key=lambda x: x[1].rank)
+
+
+def cursor_page(items: list[dict], limit: int, order: str = "desc", after: str | None = None,
+                before: str | None = None) -> dict:
+    """OpenAI's cursor list of `items` (given newest first): `order` asc reverses them; the page
+    starts past the item `after` and stops at the item `before` (ValueError for an unknown one)."""
+    items = list(reversed(items)) if order == "asc" else list(items)
+    ids = [item["id"] for item in items]
+    for cursor, name in ((after, "after"), (before, "before")):
+        if cursor is not None and cursor not in ids:
+            raise ValueError(f"{name} names no item {cursor!r} in this list")
+    start = ids.index(after) + 1 if after is not None else 0
+    end = ids.index(before) if before is not None else len(items)
+    page = items[start:end][:limit]
+    return {"object": "list", "data": page, "first_id": page[0]["id"] if page else None,
+            "last_id": page[-1]["id"] if page else None, "has_more": start + len(page) < end}

@@ -24,14 +24,14 @@ from pagoda.entrypoints.openai.errors import OpenAIError
 from pagoda.entrypoints.openai.known_prefix import KnownPrefix
 from pagoda.entrypoints.openai.protocol import ChatCompletionRequest, describe_validation_errors, now
 from pagoda.entrypoints.openai.respond import respond
-from pagoda.entrypoints.openai.response_parts import Sample, dumps, token_logprob_entries
+from pagoda.entrypoints.openai.response_parts import Sample, cursor_page, dumps, token_logprob_entries
 from pagoda.entrypoints.openai.responses_output import ResponseOutput, assistant_messages
 from pagoda.entrypoints.openai.responses_protocol import (
     ResponsesRequest, chat_messages, chat_request, input_items, item_id,
 )
 from pagoda.entrypoints.openai.responses_store import ResponseStore, StoredResponse, caller_tenant
 from pagoda.entrypoints.openai.serving import Serving
-from pagoda.entrypoints.openai.choice_parser import ChoiceParser
+from pagoda.entrypoints.openai.choice_parser import ChoiceParser, StreamedChoice
 from pagoda.entrypoints.openai.tool_calls import ToolChoice
 
 router = APIRouter()
@@ -75,18 +75,8 @@ async def list_input_items(response_id: str, request: Request, limit: int = Quer
                            before: str | None = None):
     """This response's input items, a page at a time (OpenAI's cursor list: newest first unless
     `order=asc`, starting past the item `after`, stopping at the item `before`)."""
-    items = list(_store(request).get(response_id).input_items)
-    if order == "desc":
-        items.reverse()
-    ids = [i["id"] for i in items]
-    for cursor, name in ((after, "after"), (before, "before")):
-        if cursor is not None and cursor not in ids:
-            raise OpenAIError(f"{name}: no input item {cursor!r} in response {response_id!r}", param=name)
-    start = ids.index(after) + 1 if after is not None else 0
-    end = ids.index(before) if before is not None else len(items)
-    page = items[start:end][:limit]
-    return {"object": "list", "data": page, "first_id": page[0]["id"] if page else None,
-            "last_id": page[-1]["id"] if page else None, "has_more": start + len(page) < end}
+    items = list(reversed(_store(request).get(response_id).input_items))  # newest first
+    return cursor_page(items, limit, order, after, before)
 
 
 def _store(request: Request) -> ResponseStore:
@@ -222,17 +212,13 @@ async def _events(serving: Serving, store: ResponseStore, turn: _Turn, outputs: 
 
     yield event({"type": "response.created", "response": turn.response([], "in_progress", None)})
     yield event({"type": "response.in_progress", "response": turn.response([], "in_progress", None)})
-    parser = turn.parser(serving)
-    output, sample, cached = ResponseOutput(), Sample(), 0
+    parser, output, choice = turn.parser(serving), ResponseOutput(), StreamedChoice()
     try:
-        async for _, out in outputs:
-            cached = out.num_cached_tokens
-            for c in out.outputs:
-                sample.add(c)
-                delta = parser.feed(c.text, len(c.token_ids), c.finish_reason is not None)
-                logprobs = token_logprob_entries(c.token_ids, c.logprobs or [], k) if k is not None else None
-                for data in output.feed(delta, logprobs):
-                    yield event(data)
+        async for c, delta in choice.deltas(outputs, parser):
+            logprobs = token_logprob_entries(c.token_ids, c.logprobs or [], k) if k is not None else None
+            for data in output.feed(delta, logprobs):
+                yield event(data)
+        sample, cached = choice.sample, choice.cached
         status = _status(sample)
         for data in output.close(status):
             yield event(data)

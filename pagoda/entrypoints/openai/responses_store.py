@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 
 from pagoda.entrypoints.openai.errors import OpenAIError
 from pagoda.entrypoints.openai.known_prefix import KnownPrefix
+from pagoda.entrypoints.openai.periodic import Periodic
 from pagoda.entrypoints.state_db import StateDB
 from pagoda.security.context import request_context
 
@@ -80,21 +81,13 @@ class ResponseStore:
         self.responses: OrderedDict[tuple[str | None, str], StoredResponse] = OrderedDict()  # LRU first
         self._puts = 0
         self.tasks: dict[str, asyncio.Task] = {}  # background responses being made, by id
-        self._sweeper: asyncio.Task | None = None
+        self._sweeper = Periodic.sweep(ttl, self.unpin_idle)
 
     def start(self) -> None:
-        if self._sweeper is None:
-            self._sweeper = asyncio.get_running_loop().create_task(self._sweep_forever())
+        self._sweeper.start()
 
     def stop(self) -> None:
-        if self._sweeper is not None:
-            self._sweeper.cancel()
-            self._sweeper = None
-
-    async def _sweep_forever(self) -> None:
-        while True:
-            await asyncio.sleep(max(0.05, min(self.ttl / 4, 30.0)))
-            self.unpin_idle()
+        self._sweeper.stop()
 
     def unpin_idle(self) -> None:
         limit = time.monotonic() - self.ttl
