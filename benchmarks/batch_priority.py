@@ -5,7 +5,8 @@
 3. the same while the same job runs with every line's `priority` raised back to 0 (as if it
    were interactive traffic: what the batch priority buys).
 
-For 2 and 3 it also reports the batch's lines per second while the interactive requests ran.
+For 2 and 3 it also reports the batch's generated tokens per second while the interactive
+requests ran (the server's generation counter, less the interactive requests' own tokens).
 
     python benchmarks/batch_priority.py --model smollm2-135m-instruct --out benchmarks/results/batch-priority.json
 """
@@ -53,11 +54,12 @@ def _ttft(base: str, question: str, max_tokens: int) -> float:
     started = time.perf_counter()
     with httpx.stream("POST", f"{base}/v1/chat/completions", timeout=300, json={
             "model": "m", "messages": [{"role": "user", "content": question}], "max_tokens": max_tokens,
-            "temperature": 0, "stream": True}) as response:
-        for line in response.iter_lines():
-            if line.startswith("data: {") and '"content":"' in line and '"content":""' not in line:
-                return time.perf_counter() - started
-    return time.perf_counter() - started
+            "temperature": 0, "stream": True, "ignore_eos": True}) as response:
+        first = None
+        for line in response.iter_lines():  # read to the end: the request's tokens are all counted
+            if first is None and line.startswith("data: {") and '"content":"' in line and '"content":""' not in line:
+                first = time.perf_counter() - started
+    return first if first is not None else time.perf_counter() - started
 
 
 def _interactive(base: str, count: int, max_tokens: int) -> list[float]:
@@ -75,19 +77,23 @@ def _submit_batch(base: str, lines: int, max_tokens: int, priority: int) -> str:
     return batch.json()["id"]
 
 
-def _completed(base: str, batch_id: str) -> int:
-    return httpx.get(f"{base}/v1/batches/{batch_id}", timeout=30).json()["request_counts"]["completed"]
+def _metric(base: str, name: str) -> float:
+    text = httpx.get(f"{base}/metrics", timeout=30).text
+    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines() if line.startswith(name))
 
 
 def _under_batch(base: str, args, priority: int) -> dict:
     batch_id = _submit_batch(base, args.batch_lines, args.batch_tokens, priority)
-    while _completed(base, batch_id) < 1:
-        time.sleep(0.2)
-    start, done0 = time.perf_counter(), _completed(base, batch_id)
+    while _metric(base, "pagoda:num_requests_running") < min(8, args.batch_lines):  # the batch is running
+        time.sleep(0.1)
+    start, tokens0 = time.perf_counter(), _metric(base, "pagoda:generation_tokens_total")
     ttfts = _interactive(base, args.requests, args.max_tokens)
-    elapsed, done = time.perf_counter() - start, _completed(base, batch_id) - done0
+    elapsed = time.perf_counter() - start
+    batch_tokens = _metric(base, "pagoda:generation_tokens_total") - tokens0 - args.requests * args.max_tokens
     httpx.post(f"{base}/v1/batches/{batch_id}/cancel", timeout=30)
-    return {"ttft": ttfts, "batch_lines_per_s": done / elapsed}
+    while _metric(base, "pagoda:num_requests_running") > 0:  # the next phase starts idle
+        time.sleep(0.1)
+    return {"ttft": ttfts, "batch_tokens_per_s": batch_tokens / elapsed}
 
 
 def _summary(ttfts: list[float]) -> dict:
@@ -122,9 +128,9 @@ def main() -> int:
         proc.wait(timeout=60)
     result = {"model": args.model, "cpu": platform.processor() or platform.machine(), "cpu_flags": _cpu_flags(),
               "command": " ".join(sys.argv), "idle": _summary(idle),
-              "batch_priority": {**_summary(low["ttft"]), "batch_lines_per_s": low["batch_lines_per_s"]},
+              "batch_priority": {**_summary(low["ttft"]), "batch_tokens_per_s": low["batch_tokens_per_s"]},
               "batch_at_interactive_priority": {**_summary(same["ttft"]),
-                                                "batch_lines_per_s": same["batch_lines_per_s"]}}
+                                                "batch_tokens_per_s": same["batch_tokens_per_s"]}}
     print(json.dumps(result, indent=2))
     if args.out:
         Path(args.out).write_text(json.dumps(result, indent=2) + "\n")

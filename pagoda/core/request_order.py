@@ -13,6 +13,23 @@ from pagoda.request import Request
 
 _ARRIVAL = operator.attrgetter("arrival_time", "arrival_seq")  # the fcfs order
 
+# A request of this priority or below (its own, not aged) is background work, such as a Batch API
+# line (entrypoints/openai/batch_lines.py): it takes no step in which another request prefills,
+# so an interactive prompt's first token waits for no batch decode.
+BACKGROUND_PRIORITY = -1000
+
+
+def is_background(request: Request) -> bool:
+    return request.priority <= BACKGROUND_PRIORITY
+
+
+def foreground_prefill(running: list[Request], waiting: list[Request]) -> bool:
+    """Whether a request that is not background work has a prompt to compute (running
+    mid-prefill, or waiting): only then do background requests yield their step."""
+    def prefilling(r: Request) -> bool:
+        return r.num_tokens - r.num_computed_tokens > 1 and not is_background(r)
+    return any(map(prefilling, running)) or any(not is_background(r) for r in waiting)
+
 
 class RequestOrder:
     def __init__(self, policy: str = EngineArgs.scheduling_policy, aging_seconds: float = EngineArgs.aging_seconds) -> None:

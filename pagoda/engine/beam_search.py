@@ -79,13 +79,11 @@ class BeamSearch:
         candidates = []
         for beam, position in zip(self.live, positions):
             for token, lp in position.items():
+                ends = token in self.eos
                 child = BeamSearchSequence(beam.tokens + [token], beam.logprobs + [position],
-                                           beam.cum_logprob + lp.logprob)
-                if token in self.eos:
-                    child.finish_reason, child.stop_reason = "stop", token
-                    self.finished.append(child)
-                else:
-                    candidates.append(child)
+                                           beam.cum_logprob + lp.logprob, finish_reason="stop" if ends else None,
+                                           stop_reason=token if ends else None)
+                (self.finished if ends else candidates).append(child)
         # All live candidates have one length, so the cumulative logprob alone ranks them (a
         # stable sort: ties keep the beams' order, then the logprobs' rank order).
         candidates.sort(key=lambda beam: beam.cum_logprob, reverse=True)

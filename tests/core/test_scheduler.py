@@ -9,6 +9,7 @@ from concurrent.futures import Future
 import llguidance
 
 from pagoda.core.kv_cache_manager import KVCacheManager, cdiv
+from pagoda.core.request_order import BACKGROUND_PRIORITY
 from pagoda.core.scheduler import Scheduler
 from pagoda.core.scheduler_output import SchedulerOutput
 from pagoda.outputs import ModelRunnerOutput
@@ -193,6 +194,27 @@ def test_high_priority_arrival_preempts_low_priority_running():
     assert [r.request_id for r in finished][0] == "vip"
     assert {r.request_id for r in finished} == {"vip", "low-a", "low-b"}
     assert all(r.num_output_tokens == r.sampling_params.max_tokens for r in finished)
+
+
+def test_background_work_sits_out_the_steps_that_compute_an_interactive_prompt():
+    """Batch lines (priority BACKGROUND_PRIORITY) decode while nothing else prefills; a step
+    that computes an interactive prompt is the prompt's alone, so its first token waits for no
+    batch decode; then both decode together, and everything finishes."""
+    sched = make_scheduler(max_num_seqs=8, budget=8)
+    for i in range(3):
+        sched.add_request(req(f"batch-{i}", 2, max_tokens=20, priority=BACKGROUND_PRIORITY, t=i))
+    for _ in range(3):
+        out, _ = fake_step(sched)
+    assert set(out.num_scheduled_tokens) == {"batch-0", "batch-1", "batch-2"}  # decoding, alone
+    sched.add_request(req("chat", 12, max_tokens=3, t=10))  # a prompt of two chunks of the budget
+    for _ in range(2):
+        out, _ = fake_step(sched)
+        assert list(out.num_scheduled_tokens) == ["chat"]  # its prefill chunks: the batch waits
+    out, _ = fake_step(sched)
+    assert set(out.num_scheduled_tokens) == {"chat", "batch-0", "batch-1", "batch-2"}  # decodes share steps
+    assert not out.preempted_req_ids
+    finished = run_to_completion(sched)
+    assert {r.request_id for r in finished} == {"chat", "batch-0", "batch-1", "batch-2"}
 
 
 def test_equal_priority_arrival_does_not_preempt():

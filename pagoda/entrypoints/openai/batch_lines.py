@@ -2,8 +2,10 @@
 way its route would answer it (`run_line`), and its answer written as OpenAI's output line.
 Shared by the server's batches (batch_runner.py) and `pagoda run-batch` (run_batch.py).
 
-Batch work runs at `BATCH_PRIORITY`, far below any interactive request: it fills the engine's
-idle capacity, and an interactive arrival preempts it (core/scheduler.py) rather than wait.
+Batch work runs at `BATCH_PRIORITY`, far below any interactive request, as background work: it
+fills the engine's idle capacity, sits out every step in which an interactive prompt is computed
+(so that prompt's first token waits for no batch decode), and an interactive arrival that finds
+no room preempts it (core/scheduler.py).
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ from typing import Any, Awaitable, Callable
 import orjson
 from pydantic import ValidationError
 
+from pagoda.core.request_order import BACKGROUND_PRIORITY
 from pagoda.entrypoints.openai.errors import OpenAIError, bad_value
 from pagoda.entrypoints.openai.protocol import ChatCompletionRequest, CompletionRequest, describe_validation_errors
 from pagoda.entrypoints.openai.responses import start_response
@@ -22,7 +25,9 @@ from pagoda.entrypoints.openai.responses_protocol import ResponsesRequest
 from pagoda.entrypoints.openai.responses_store import ResponseStore
 from pagoda.entrypoints.openai.serving import Serving
 
-BATCH_PRIORITY = -1000  # below interactive work for 1000 × the scheduler's aging period (8 h at 30 s)
+# Background work for the scheduler (core/request_order.py): it yields any step in which an
+# interactive prompt is computed, and ranks below interactive work for 1000 × the aging period.
+BATCH_PRIORITY = BACKGROUND_PRIORITY
 
 
 @dataclass
