@@ -20,7 +20,6 @@ from torch import nn
 
 from pagoda.forward_context import get_attention_metadata
 from pagoda.layers.backend import current_backend
-from pagoda.layers.packed_weights import packed_of
 from pagoda.layers.stored_weights import PackedWeight
 from pagoda.models.decode_stack import ForwardPath
 
@@ -82,17 +81,12 @@ class SequenceBatch:
         return out.transpose(1, 2)[self.valid]
 
 
-def _linear(layer: nn.Linear, x: torch.Tensor, backend) -> torch.Tensor:
-    """``layer(x)`` through the backend's GEMM (the copy packed at load, where one is)."""
-    return backend.linear(x, layer.weight, packed_of(layer)) + layer.bias
-
-
 class BertLayer(nn.Module):
     """One encoder layer, its parameters named as transformers' (``attention.self.query`` ...)."""
 
     def __init__(self, cfg: BertConfig) -> None:
         super().__init__()
-        self.cfg, self.backend = cfg, current_backend()
+        self.cfg = cfg
         h = cfg.hidden_size
         self.attention = nn.Module()
         self.attention.self = nn.Module()
@@ -109,12 +103,15 @@ class BertLayer(nn.Module):
         self.act = _ACTIVATIONS[cfg.hidden_act]
 
     def forward(self, x: torch.Tensor, seqs: SequenceBatch) -> torch.Tensor:
-        att, b, heads = self.attention, self.backend, self.cfg.num_heads
-        q, k, v = (_linear(getattr(att.self, n), x, b).view(x.shape[0], heads, -1) for n in ("query", "key", "value"))
+        # The projections are torch's (MKL, bias fused), as transformers computes them: pagoda's
+        # small-row GEMM takes bias-free weights, and measured no faster here (benchmarks/README.md,
+        # "Embeddings against sentence-transformers").
+        att, heads = self.attention, self.cfg.num_heads
+        q, k, v = (getattr(att.self, n)(x).view(x.shape[0], heads, -1) for n in ("query", "key", "value"))
         context = seqs.attend(q, k, v).reshape(x.shape)
-        x = att.output.LayerNorm(_linear(att.output.dense, context, b) + x)
-        inner = self.act(_linear(self.intermediate.dense, x, b))
-        return self.output.LayerNorm(_linear(self.output.dense, inner, b) + x)
+        x = att.output.LayerNorm(att.output.dense(context) + x)
+        inner = self.act(self.intermediate.dense(x))
+        return self.output.LayerNorm(self.output.dense(inner) + x)
 
 
 class BertModel(nn.Module):
