@@ -81,6 +81,7 @@ def test_base64_is_little_endian_float32(servers):
     ("/v1/embeddings", {"input": "word " * 300}, "input"),  # 302 tokens, the model's maximum is 256
     ("/v1/embeddings", {"input": "hello", "dimensions": 64}, "dimensions"),
     ("/v1/embeddings", {"input": "hello", "encoding_format": "int8"}, "encoding_format"),
+    ("/v1/embeddings", {"input": "hello", "truncate_prompt_tokens": 0}, "truncate_prompt_tokens"),
     ("/v1/score", {"text_1": ["a", "b"], "text_2": ["c", "d", "e"]}, "text_1"),
     ("/v1/rerank", {"query": "a", "documents": []}, "documents"),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}]}, "model"),

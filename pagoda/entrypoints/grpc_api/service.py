@@ -152,6 +152,8 @@ class EngineService(pb_grpc.EngineServicer):
             outputs = await self.serving.encode_all(body.input, params, random_id("embd"), body.priority)
         except OpenAIError as e:
             await _abort(context, e)
+        except ValueError as e:  # PoolingParams' checks: the message names the field
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
         finally:
             admission.release()
         tokens = sum(len(o.prompt_token_ids) for o in outputs)

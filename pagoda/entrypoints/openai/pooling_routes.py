@@ -13,7 +13,7 @@ from fastapi.responses import Response
 
 from pagoda.engine.scoring import cosine, score_pairs
 from pagoda.entrypoints.disconnect import GONE, unless_disconnected
-from pagoda.entrypoints.openai.errors import OpenAIError
+from pagoda.entrypoints.openai.errors import OpenAIError, bad_value
 from pagoda.entrypoints.openai.lifecycle import check_serving
 from pagoda.entrypoints.openai.middleware import FastJSONResponse
 from pagoda.entrypoints.openai.pooling import encode_vector
@@ -34,6 +34,8 @@ async def answer(request: Request, n: int, work: Callable[[Serving], Awaitable[d
         serving.check_capacity(n, admission)
         result = await unless_disconnected(request, work(serving))
         return FastJSONResponse(result) if result is not GONE else Response(status_code=499)
+    except ValueError as e:  # PoolingParams' checks: the message names the field
+        raise bad_value(e) from None
     finally:
         admission.release()
 
