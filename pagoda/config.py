@@ -154,6 +154,8 @@ def create_engine_config(args: EngineArgs) -> EngineConfig:
     chat_template = _read_template(args.chat_template)
     quantization = _pooling_quantization(args.quantization, encoder) if pools else \
         _check_quantization(args.quantization, files, device, args.dtype)
+    if encoder and args.tensor_parallel_size > 1:
+        raise ValueError(f"tensor_parallel_size={args.tensor_parallel_size}: an encoder ({architecture}) runs on one rank")
     if pools and args.speculative_config:
         raise ValueError("speculative_config: the pooling runner decodes nothing (--runner pooling)")
     if quantization == "gguf" and str(args.dtype).lower() == "auto":

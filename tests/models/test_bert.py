@@ -57,3 +57,5 @@ def test_an_encoder_cannot_generate(tiny_bert):
 
     with pytest.raises(ValueError, match="encoder: it cannot generate"):
         create_engine_config(EngineArgs(model=str(tiny_bert), runner="generate"))
+    with pytest.raises(ValueError, match="an encoder \\(BertModel\\) runs on one rank"):
+        create_engine_config(EngineArgs(model=str(tiny_bert), tensor_parallel_size=2))
