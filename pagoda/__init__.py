@@ -1,6 +1,7 @@
 """pagoda: an LLM inference engine with a paged KV cache and continuous batching."""
 
-from pagoda.outputs import CompletionOutput, Logprob, RequestOutput
+from pagoda.outputs import CompletionOutput, Logprob, PoolingRequestOutput, RequestOutput
+from pagoda.pooling_params import PoolingParams
 from pagoda.sampling_params import BeamSearchParams, RequestOutputKind, SamplingParams
 
 __version__ = "0.1.0"
@@ -15,4 +16,5 @@ def __getattr__(name: str):
     raise AttributeError(name)
 
 
-__all__ = ["LLM", "SamplingParams", "BeamSearchParams", "RequestOutput", "CompletionOutput", "Logprob", "RequestOutputKind", "__version__"]
+__all__ = ["LLM", "SamplingParams", "BeamSearchParams", "RequestOutput", "CompletionOutput", "Logprob",
+           "RequestOutputKind", "PoolingParams", "PoolingRequestOutput", "__version__"]

@@ -7,6 +7,7 @@
             print(piece.text, end="", flush=True)
         print(client.complete("2 + 2 =", max_tokens=4))
         print(client.tokenize("hello"), client.list_models())
+        vectors = client.embed(["a text", "another"])  # an embedding model's (--runner pooling)
 
 Sampling keywords are SamplingOptions' fields (pagoda.proto): max_tokens, temperature, top_p,
 top_k, min_p, presence_penalty, frequency_penalty, repetition_penalty, seed, stop,
@@ -64,6 +65,15 @@ class EngineClient:
     def detokenize(self, token_ids: list[int], model: str = "") -> str:
         request = pb.DetokenizeRequest(model=model, token_ids=token_ids)
         return self.stub.Detokenize(request, metadata=self.metadata, timeout=self.timeout).text
+
+    def embed(self, texts: str | list[str], model: str = "", *, dimensions: int | None = None,
+              normalize: bool | None = None, truncate_prompt_tokens: int | None = None) -> list[list[float]]:
+        """Each text's vector (an embedding model's, or a model served with --runner pooling)."""
+        request = pb.EmbedRequest(model=model, input=[texts] if isinstance(texts, str) else list(texts),
+                                  dimensions=dimensions, normalize=normalize,
+                                  truncate_prompt_tokens=truncate_prompt_tokens)
+        answer = self.stub.Embed(request, metadata=self.metadata, timeout=self.timeout)
+        return [list(e.values) for e in answer.embeddings]
 
     def list_models(self) -> list[str]:
         answer = self.stub.ListModels(pb.ListModelsRequest(), metadata=self.metadata, timeout=self.timeout)

@@ -19,9 +19,11 @@ from pagoda.layers.auto_quantization import announce, choose_quantization
 from pagoda.layers.quantization import check_quantization
 from pagoda.loader.catalog import DEFAULT_MODEL  # noqa: F401 - the engine's default, re-exported
 from pagoda.loader.model_files import ModelFiles
+from pagoda.loader.pooling_model import choose_runner
 from pagoda.loader.resolve import resolve_model
 from pagoda.models.model_classes import resolve_architecture
 from pagoda.platform import available_memory_bytes, default_device
+from pagoda.pooling_params import PoolerConfig
 from pagoda.spec_decode.speculative_config import SpeculativeConfig
 from pagoda.worker.kv_cache import GiB, bytes_per_block, cpu_budget_gib
 
@@ -47,6 +49,12 @@ class ModelConfig:
     chat_template: str | None = None
     quantization: str | None = None  # None, "int8", "int4" or "gguf" (pagoda/layers/quantization.py)
     generation_config: str = "auto"  # where default sampling parameters come from (generation_defaults.py)
+    runner: str = "generate"  # or "pooling": embeddings and scores (loader/pooling_model.py, --runner)
+    pooler: PoolerConfig | None = None  # the pooling runner's pooling (pooling_params.py)
+
+    @property
+    def pools(self) -> bool:
+        return self.runner == "pooling"
 
     @property
     def name(self) -> str:
@@ -130,15 +138,26 @@ def create_engine_config(args: EngineArgs) -> EngineConfig:
     if args.model_key_file is not None and files.encryption is None:
         _warn_once(f"--model-key-file is ignored: {args.model!r} is not an encrypted model")
     hf_config = files.hf_config()
-    architecture, _ = resolve_architecture(hf_config)
-    dtype = resolve_dtype(args.dtype, device)
+    architecture, model_cls = resolve_architecture(hf_config)
+    encoder = not getattr(model_cls, "uses_kv_cache", True)  # an encoder (BERT): pooling only
+    runner = choose_runner(args.runner, files.metadata_dir, architecture, encoder, hf_config, args.pooler_config)
+    pools = runner.runner == "pooling"
+    # pooling: float32 on the CPU unless asked (embeddings as sentence-transformers computes them)
+    dtype = resolve_dtype("float32" if pools and _is_auto(args.dtype) and device.type == "cpu" else args.dtype, device)
     model_max = int(hf_config.get("max_position_embeddings") or 2048)
+    if runner.max_seq_length:  # sentence-transformers' max_seq_length caps a prompt, as vLLM reads it
+        model_max = min(model_max, runner.max_seq_length)
     if args.max_model_len is not None and args.max_model_len > model_max:
         raise ValueError(f"max_model_len={args.max_model_len} is larger than the model's context ({model_max})")
     parallel = _parallel_config(args)
     check_tensor_parallel(parallel.tensor_parallel_size, hf_config)
     chat_template = _read_template(args.chat_template)
-    quantization = _check_quantization(args.quantization, files, device, args.dtype)
+    quantization = _pooling_quantization(args.quantization, encoder) if pools else \
+        _check_quantization(args.quantization, files, device, args.dtype)
+    if encoder and args.tensor_parallel_size > 1:
+        raise ValueError(f"tensor_parallel_size={args.tensor_parallel_size}: an encoder ({architecture}) runs on one rank")
+    if pools and args.speculative_config:
+        raise ValueError("speculative_config: the pooling runner decodes nothing (--runner pooling)")
     if quantization == "gguf" and str(args.dtype).lower() == "auto":
         dtype = torch.float32  # the block kernels' activations, and the decode stack's dtype
     deterministic = _resolve_deterministic(args, device, dtype)
@@ -146,13 +165,16 @@ def create_engine_config(args: EngineArgs) -> EngineConfig:
     max_model_len = _within_kv_budget(args.max_model_len or model_max, hf_config, args.kv_cache_memory, device,
                                       kv_dtype)
     model_config = ModelConfig(files, hf_config, architecture, dtype, device, max_model_len,
-                               chat_template, quantization, args.generation_config)
+                               chat_template, quantization, args.generation_config, runner.runner, runner.pooler)
     return EngineConfig(
         model=model_config,
-        cache=CacheConfig(args.block_size, args.kv_cache_memory, args.gpu_memory_utilization, args.enable_prefix_caching,
+        # pooling: no prefix caching (a cached prefix's hidden states are not computed again, so
+        # mean or first-token pooling could not see them)
+        cache=CacheConfig(args.block_size, args.kv_cache_memory, args.gpu_memory_utilization,
+                          args.enable_prefix_caching and not pools,
                           args.session_kv_fraction, args.max_session_kv_tokens,
                           not args.disable_hybrid_kv_cache_manager, kv_dtype),
-        scheduler=_scheduler_config(args, max_model_len),
+        scheduler=_scheduler_config(args, max_model_len, pools),
         parallel=parallel,
         seed=args.seed,
         enforce_eager=args.enforce_eager,
@@ -184,13 +206,15 @@ def _within_kv_budget(max_model_len: int, hf_config: dict, kv_cache_memory: floa
     return bound
 
 
-def _scheduler_config(args: EngineArgs, max_model_len: int) -> SchedulerConfig:
+def _scheduler_config(args: EngineArgs, max_model_len: int, pools: bool = False) -> SchedulerConfig:
     """The scheduler's knobs; with several partial prefills and no threshold, vLLM's default
-    threshold (4 % of the context)."""
+    threshold (4 % of the context). A pooling request runs its whole prompt in one step, so the
+    pooling runner's step budget holds at least the longest prompt."""
     threshold = resolve_long_prefill_threshold(args.long_prefill_token_threshold, args.max_num_partial_prefills,
                                                max_model_len)
+    budget = max(args.max_num_batched_tokens, max_model_len) if pools else args.max_num_batched_tokens
     return SchedulerConfig(
-        args.max_num_seqs, args.max_num_batched_tokens, args.aging_seconds, args.admission_pressure_threshold,
+        args.max_num_seqs, budget, args.aging_seconds, args.admission_pressure_threshold,
         args.short_chunk_tokens, long_prefill_token_threshold=threshold,
         max_num_partial_prefills=args.max_num_partial_prefills,
         max_long_partial_prefills=args.max_long_partial_prefills, policy=args.scheduling_policy,
@@ -319,6 +343,20 @@ def _check_quantization(quantization: str | None, files: ModelFiles, device: tor
     if mode == "gguf" and files.format != "gguf":
         raise ValueError(f"quantization='gguf' keeps a GGUF's own quantized weights, but {files.name!r} is not a GGUF file")
     return mode
+
+
+def _is_auto(value) -> bool:
+    return value is None or str(value).lower() == "auto"
+
+
+def _pooling_quantization(quantization: str | None, encoder: bool) -> str | None:
+    """The pooling runner's weights: float unless a mode is named (auto: none, so embeddings match
+    the reference's); an encoder's layers have no quantized form."""
+    if _is_auto(quantization) or str(quantization).lower() == "none":
+        return None
+    if encoder:
+        raise ValueError(f"quantization={quantization!r}: an encoder's layers (BERT) run in float only")
+    return check_quantization(quantization)
 
 
 def _read_template(template: str | None) -> str | None:

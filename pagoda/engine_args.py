@@ -24,7 +24,8 @@ KV_CACHE_DTYPES = ("auto", "float32", "fp32", "bfloat16", "bf16", "float16", "fp
 QUANTIZATIONS = ("auto", "none", "int8", "int4", "gguf")
 DISTRIBUTED_BACKENDS = ("mp", "ray", "uni")
 BLOCK_SIZES = (8, 16, 32, 64, 128)
-SCHEDULING_POLICIES = ("fcfs", "priority")  # how the scheduler orders its queues (pagoda/core/scheduler.py)
+SCHEDULING_POLICIES = ("fcfs", "priority")
+RUNNERS = ("auto", "generate", "pooling")  # --runner (loader/pooling_model.py)  # how the scheduler orders its queues (pagoda/core/scheduler.py)
 
 
 def _option(help: str | None = None, **argparse_kwargs: Any) -> dict[str, Any]:
@@ -140,6 +141,13 @@ class EngineArgs:
         "\"prompt_lookup_min\": 2, \"prompt_lookup_max\": 5} or {\"method\": \"draft_model\", \"model\": NAME, "
         "\"quantization\": ..., \"num_speculative_tokens\": 4} (num_speculative_tokens 1-5; disable_by_batch_size, "
         "default 4: no drafts above that many running requests)", type=str))
+    runner: str = field(default="auto", metadata=_option(
+        "what the model serves: generate (text), or pooling (embeddings, scores: /v1/embeddings, /v1/score, "
+        "/v1/rerank, /api/embed); auto: pooling for an encoder (BERT) or a sentence-transformers directory "
+        "(modules.json), else generate", choices=RUNNERS))
+    pooler_config: str | None = field(default=None, metadata=_option(
+        "the pooling runner's pooling, as JSON: {\"pooling_type\": \"MEAN\" | \"CLS\" | \"LAST\", \"normalize\": true} "
+        "(default: a sentence-transformers directory's own, else CLS for an encoder, LAST for a decoder; normalized)"))
     num_threads: int | None = field(default=None, metadata=_option(
         "CPU threads the engine computes with (torch's intra-op threads; default: torch's choice, one per core)"))
     extra: dict = field(default_factory=dict, metadata=NO_OPTION)

@@ -4,6 +4,7 @@ worker's per-step output (ModelRunnerOutput) that the engine core turns into the
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 
 @dataclass
@@ -35,6 +36,8 @@ class ModelRunnerOutput:
     spec_token_ids: dict[str, list[int]] = field(default_factory=dict)  # drafts to verify next step
     spec_draft_seconds: float = 0.0  # time spent proposing drafts this step
     spec_verify_seconds: float = 0.0  # the step's time, when it verified drafts
+    # the pooling runner: request id → its pooled vector (float32, on the CPU), once its prompt ran
+    pooler_output: dict[str, Any] = field(default_factory=dict)
 
 
 # One position: token id → Logprob (the chosen token plus the top-k alternatives).
@@ -62,6 +65,35 @@ class RequestMetrics:
     first_token_time: float | None = None
     last_token_time: float | None = None
     finished_time: float | None = None
+
+
+@dataclass
+class PoolingOutput:
+    """A pooling request's vector (float32 tensor, on the CPU), as vLLM's ``PoolingOutput.data``."""
+
+    data: Any
+
+    @property
+    def embedding(self) -> list[float]:
+        return self.data.tolist()
+
+
+@dataclass
+class ScoringOutput:
+    """A pair's score: the cosine similarity of the two texts' vectors (vLLM's ``ScoringOutput``)."""
+
+    score: float
+
+
+@dataclass
+class PoolingRequestOutput:
+    """A pooling request's result (vLLM's shape: ``EmbeddingRequestOutput`` and
+    ``ScoringRequestOutput`` are this with ``outputs.embedding`` / ``outputs.score``)."""
+
+    request_id: str
+    outputs: PoolingOutput | ScoringOutput | None  # None: it was aborted
+    prompt_token_ids: list[int]
+    finished: bool = True
 
 
 @dataclass

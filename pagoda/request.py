@@ -13,6 +13,7 @@ import time
 from dataclasses import dataclass, field, fields
 from typing import TYPE_CHECKING
 
+from pagoda.pooling_params import PoolingParams
 from pagoda.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
@@ -50,15 +51,17 @@ _arrival_counter = itertools.count()
 @dataclass
 class EngineCoreRequest:
     """What a front end sends the core (as vLLM's EngineCoreRequest): a prompt's token ids and one
-    sample's parameters (n > 1 is n of these). The core makes a ``Request`` of it."""
+    sample's parameters (n > 1 is n of these), or for the pooling runner its pooling parameters
+    (``sampling_params`` None: it computes its prompt and ends). The core makes a ``Request`` of it."""
 
     request_id: str
     prompt_token_ids: list[int]
-    sampling_params: SamplingParams
+    sampling_params: SamplingParams | None
     priority: int = 0
     arrival_time: float = field(default_factory=time.monotonic)
     cache_salt: str | None = None  # requests with different salts never share cached blocks
     session_id: str | None = None  # a conversation's turn: its prefix stays pinned for the next turn
+    pooling_params: PoolingParams | None = None  # a pooling request's (the pooling runner's only kind)
 
 
 @dataclass

@@ -41,6 +41,11 @@ class Tokenizer:
             self._tok = HFTokenizer.from_file(str(path))
         except Exception as e:
             raise ValueError(f"cannot load {path}: {e}") from None
+        # A tokenizer.json may carry padding and truncation (all-MiniLM-L6-v2's: pad every text to
+        # 128 tokens, cut it there): a prompt is neither padded nor silently cut; the engine's
+        # limits refuse one too long for the model.
+        self._tok.no_padding()
+        self._tok.no_truncation()
         config = _read_json(model_dir / "tokenizer_config.json")
         generation = _read_json(model_dir / "generation_config.json")
         model_config = _read_json(model_dir / "config.json")
@@ -80,6 +85,14 @@ class Tokenizer:
     # -- encode / decode --------------------------------------------------------------------
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         return self._tok.encode(text, add_special_tokens=add_special_tokens).ids
+
+    def encode_truncated(self, text: str, max_tokens: int) -> list[int]:
+        """At most ``max_tokens`` ids, the text cut at its end and the special tokens kept (as
+        transformers truncates: a BERT prompt still ends in [SEP]); for truncate_prompt_tokens and
+        Ollama's `truncate`."""
+        encoding = self._tok.encode(text, add_special_tokens=False)
+        encoding.truncate(max(1, max_tokens - self._tok.num_special_tokens_to_add(False)))
+        return self._tok.post_process(encoding).ids
 
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
         return self._tok.decode(ids, skip_special_tokens=skip_special_tokens)

@@ -26,17 +26,18 @@ def _free_port() -> int:
 
 
 def start_server(model_dir, *extra: str, launcher: list[str] | None = None, name: str | None = "tiny",
-                 port: int | None = None, scheme: str = "http", verify=True):
+                 port: int | None = None, scheme: str = "http", verify=True, bare: bool = False):
     """(process, base URL) once /health answers; a tiny fp32 engine unless `extra` says otherwise.
     On a free port unless `port` is given (a replica restarted where it was). A server over TLS
     (`--ssl-*` in `extra`) takes scheme="https" and what httpx should `verify` it with. `name`
-    None: no --served-model-name (several models give their own in `extra`)."""
+    None: no --served-model-name (several models give their own in `extra`). `bare`: no engine
+    flags but the port and `extra` (the model as `pagoda serve --model DIR` serves it)."""
     port = port or _free_port()
     launcher = launcher or ["-m", "pagoda.cli"]
     names = ["--served-model-name", name] if name is not None else []
     model = ["--model", str(model_dir)] if model_dir is not None else []  # None: --models-file in `extra`
-    cmd = [sys.executable, *launcher, "serve", *model, "--port", str(port),
-           "--dtype", "float32", "--kv-cache-memory", "0.02", *names, "--log-level", "warning", *extra]
+    engine = [] if bare else ["--dtype", "float32", "--kv-cache-memory", "0.02", *names, "--log-level", "warning"]
+    cmd = [sys.executable, *launcher, "serve", *model, "--port", str(port), *engine, *extra]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=dict(os.environ))
     base = f"{scheme}://127.0.0.1:{port}"
     deadline = time.monotonic() + 120

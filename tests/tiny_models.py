@@ -172,3 +172,65 @@ def boost_eos(model_dir: Path, eos: int = 2, factor: float = 4.0) -> Path:
     save_file(weights, model_dir / "model.safetensors", metadata={"format": "pt"})
     (model_dir / "generation_config.json").write_text(json.dumps({"eos_token_id": eos, "bos_token_id": 1}))
     return model_dir
+
+
+# -- an encoder: BERT with a WordPiece tokenizer ---------------------------------------------------
+BERT_SPECIALS = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"]
+
+
+def make_bert_tokenizer(out_dir: Path) -> int:
+    """A BERT-style WordPiece tokenizer (lower case, [CLS] ... [SEP]) over the corpus's words and
+    characters; returns its vocabulary size."""
+    import re
+
+    from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers, processors
+
+    words = sorted({w for text in _CORPUS for w in re.findall(r"\w+", text.lower())})
+    chars = sorted({c for text in _CORPUS for c in text.lower() if not c.isspace()})
+    vocab = {t: i for i, t in enumerate(dict.fromkeys(BERT_SPECIALS + chars + ["##" + c for c in chars] + words))}
+    tok = Tokenizer(models.WordPiece(vocab, unk_token="[UNK]"))
+    tok.normalizer = normalizers.BertNormalizer(lowercase=True)
+    tok.pre_tokenizer = pre_tokenizers.BertPreTokenizer()
+    tok.post_processor = processors.TemplateProcessing(
+        single="[CLS] $A [SEP]", pair="[CLS] $A [SEP] $B:1 [SEP]:1",
+        special_tokens=[("[CLS]", vocab["[CLS]"]), ("[SEP]", vocab["[SEP]"])])
+    tok.decoder = decoders.WordPiece()
+    tok.save(str(out_dir / "tokenizer.json"))
+    (out_dir / "tokenizer_config.json").write_text(json.dumps({
+        "tokenizer_class": "BertTokenizerFast", "do_lower_case": True, "cls_token": "[CLS]", "sep_token": "[SEP]",
+        "pad_token": "[PAD]", "unk_token": "[UNK]", "mask_token": "[MASK]", "model_max_length": 128}))
+    return len(vocab)
+
+
+def make_tiny_bert(out_dir: Path, *, seed: int = 0, sentence_transformers: str | None = None,
+                   matryoshka: bool = False) -> Path:
+    """A random BertModel directory (2 layers, hidden 32). ``sentence_transformers``: a pooling
+    mode ("mean", "cls") makes it a sentence-transformers directory (modules.json, the Pooling
+    module's config, Normalize); ``matryoshka``: its config.json says it may be cut to 8 or 16."""
+    import transformers
+
+    out_dir.mkdir(parents=True, exist_ok=True)
+    vocab_size = make_bert_tokenizer(out_dir)
+    torch.manual_seed(seed)
+    config = transformers.BertConfig(vocab_size=vocab_size, hidden_size=32, intermediate_size=64,
+                                     num_hidden_layers=2, num_attention_heads=4, max_position_embeddings=64)
+    model = transformers.BertModel(config, add_pooling_layer=False).eval()
+    with torch.no_grad():  # larger than the init's 0.02: a test that layers differ must see it
+        for p in model.parameters():
+            p.normal_(0, 0.2)
+    model.save_pretrained(out_dir, safe_serialization=True)
+    if matryoshka:
+        data = json.loads((out_dir / "config.json").read_text())
+        data["matryoshka_dimensions"] = [8, 16, 32]
+        (out_dir / "config.json").write_text(json.dumps(data))
+    if sentence_transformers is not None:
+        modules = [{"idx": 0, "name": "0", "path": "", "type": "sentence_transformers.models.Transformer"},
+                   {"idx": 1, "name": "1", "path": "1_Pooling", "type": "sentence_transformers.models.Pooling"},
+                   {"idx": 2, "name": "2", "path": "2_Normalize", "type": "sentence_transformers.models.Normalize"}]
+        (out_dir / "modules.json").write_text(json.dumps(modules))
+        (out_dir / "1_Pooling").mkdir(exist_ok=True)
+        (out_dir / "1_Pooling" / "config.json").write_text(json.dumps({
+            "word_embedding_dimension": 32, "pooling_mode_cls_token": sentence_transformers == "cls",
+            "pooling_mode_mean_tokens": sentence_transformers == "mean"}))
+        (out_dir / "sentence_bert_config.json").write_text(json.dumps({"max_seq_length": 48}))
+    return out_dir

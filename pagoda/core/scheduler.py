@@ -268,7 +268,9 @@ class Scheduler:
             cached = add_prefix(request, self.kv.match_prefix(request), self.kv.block_size)
             remaining = request.num_tokens - request.num_computed_tokens
             num_new = self.chunking.chunk(remaining, budget)
-            if not slots.take(remaining, remaining - num_new):
+            # a pooling request runs its whole prompt in one step, or waits for a step with room
+            if (request.pooling_params is not None and num_new < remaining) or not slots.take(remaining,
+                                                                                             remaining - num_new):
                 self._give_back_prefix(request)
                 continue
             if (request is not favored and self._under_pressure(self.kv.blocks_needed(request, num_new))) \
@@ -318,6 +320,8 @@ class Scheduler:
                 self.spec.count(len(drafts), len(tokens) - 1)
             request.spec_token_ids = proposed.get(rid, []) if proposed else []
             stopped = self._append(request, tokens)
+            if request.pooling_params is not None and request.num_computed_tokens >= request.num_tokens:
+                request.status, stopped = RequestStatus.FINISHED_STOPPED, True  # pooled: its prompt was its run
             if drafts:  # a stop inside an accepted run leaves computed drafts that were never appended
                 request.num_computed_tokens = min(request.num_computed_tokens, request.num_tokens - 1)
             kv.cache_computed_blocks(request)

@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from pagoda.pooling_params import PoolingParams
 from pagoda.sampling_params import SamplingParams
 
 
@@ -21,7 +22,7 @@ class NewRequestData:
 
     req_id: str
     prompt_token_ids: list[int]
-    sampling_params: SamplingParams
+    sampling_params: SamplingParams | None  # None for a pooling request
     block_ids: list[int]
     num_computed_tokens: int  # prefix-cache hit, or 0
     # Tokens generated before the workers saw it (never today: a request is sent when first
@@ -29,6 +30,7 @@ class NewRequestData:
     output_token_ids: list[int] = field(default_factory=list)
     # KV cache groups 1.. (core/kv_cache_groups.py): each group's block table, as long as block_ids
     group_block_ids: list[list[int]] = field(default_factory=list)
+    pooling_params: PoolingParams | None = None  # a pooling request's: its vector comes back, no tokens
 
 
 @dataclass

@@ -40,7 +40,7 @@ class WorkerDeltas:
                 out.new_requests.append(NewRequestData(
                     rid, list(request.prompt_token_ids), request.sampling_params, list(request.block_ids),
                     request.num_computed_tokens, list(request.output_token_ids),
-                    [list(ids) for ids in request.group_block_ids],
+                    [list(ids) for ids in request.group_block_ids], request.pooling_params,
                 ))
             else:
                 resumed = rid in resumed_ids

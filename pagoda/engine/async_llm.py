@@ -28,7 +28,8 @@ from pagoda.engine.core_client import ProcessCoreClient, ThreadCoreClient
 from pagoda.engine.front_end import FrontEnd
 from pagoda.engine.input_processor import PromptType
 from pagoda.executor.base import WorkerFailedError
-from pagoda.outputs import RequestOutput
+from pagoda.outputs import PoolingRequestOutput, RequestOutput
+from pagoda.pooling_params import PoolingParams
 from pagoda.sampling_params import RequestOutputKind, SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -97,12 +98,7 @@ class AsyncLLM(FrontEnd):
                        session_id: str | None = None, moderation=None) -> AsyncIterator[RequestOutput]:
         """Yield DELTA outputs for one request until it finishes; abort it if the caller stops.
         `moderation` (pagoda.engine.content_filter.Moderation) filters its output text."""
-        if not self.healthy:
-            state = "restarting" if self.restarting else f"not running: {self.dead_error}"
-            raise EngineDeadError(f"the engine is {state}")
-        self._loop = asyncio.get_running_loop()
-        if request_id in self._streams:
-            raise ValueError(f"request id {request_id!r} is already in use")
+        self._check_request(request_id, "generate")
         params = params.clone(output_kind=RequestOutputKind.DELTA)
         prepared = self.input_processor.prepare_request(request_id, prompt, params, priority, cache_salt=cache_salt,
                                                         session_id=session_id)  # may raise ValueError
@@ -123,6 +119,39 @@ class AsyncLLM(FrontEnd):
             self._streams.pop(request_id, None)
             if not finished:
                 self.abort(request_id)
+
+    async def encode(self, prompt: PromptType, params: PoolingParams, request_id: str,
+                     priority: int = 0) -> AsyncIterator[PoolingRequestOutput]:
+        """A pooling request (the pooling runner's, vLLM's ``encode``): yields its one output,
+        the vector, when its prompt has run; aborted if the caller stops first."""
+        self._check_request(request_id, "pooling")
+        prepared = self.prepare_pooling(request_id, prompt, params, priority)  # may raise ValueError
+        stream: asyncio.Queue = asyncio.Queue()
+        self._streams[request_id] = stream
+        self.submit_pooling(prepared)
+        finished = False
+        try:
+            item = await stream.get()  # its one output
+            if isinstance(item, BaseException):
+                raise item
+            finished = True
+            if item.outputs is None:
+                raise EngineDeadError(f"request {request_id} was aborted")
+            yield item
+        finally:
+            self._streams.pop(request_id, None)
+            if not finished:
+                self.abort(request_id)
+
+    def _check_request(self, request_id: str, runner: str) -> None:
+        """A new request may start: the engine is up, runs its kind, and its id is free."""
+        if not self.healthy:
+            state = "restarting" if self.restarting else f"not running: {self.dead_error}"
+            raise EngineDeadError(f"the engine is {state}")
+        self.check_runner(runner)
+        self._loop = asyncio.get_running_loop()
+        if request_id in self._streams:
+            raise ValueError(f"request id {request_id!r} is already in use")
 
     def release_sessions(self, session_ids: list[str]) -> None:
         """Sessions that ended: the core lets their pinned prefixes go."""
@@ -163,6 +192,7 @@ class AsyncLLM(FrontEnd):
     def _on_failure(self, error: BaseException) -> None:
         for rid, stream in list(self._streams.items()):
             self.output_processor.abort_request(rid)
+            self.pooling_requests.pop(rid, None)
             stream.put_nowait(error)
         for answer in self._debug_queries.values():
             if not answer.done():

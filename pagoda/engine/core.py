@@ -37,6 +37,7 @@ class EngineCoreOutput:
     new_prompt_logprobs: list[TokenLogprobs] | None = None
     num_cached_tokens: int = 0
     first_scheduled_time: float | None = None  # monotonic; arrival → here is the queue time
+    pooled: torch.Tensor | None = None  # a pooling request's vector (its one output, with its finish)
 
     @property
     def finished(self) -> bool:
@@ -56,7 +57,10 @@ class RequestLimits:
         num_prompt_tokens = len(request.prompt_token_ids)
         if num_prompt_tokens < 1:
             raise ValueError("the prompt is empty: give at least one token")
-        if num_prompt_tokens >= self.max_model_len:
+        if request.pooling_params is not None and num_prompt_tokens > self.max_model_len:  # pooled: nothing generated
+            raise ValueError(f"the input has {num_prompt_tokens} tokens, more than the model's maximum of "
+                             f"{self.max_model_len} (max_model_len)")
+        if request.pooling_params is None and num_prompt_tokens >= self.max_model_len:
             raise ValueError(
                 f"the prompt has {num_prompt_tokens} tokens, but the model's context is "
                 f"{self.max_model_len} tokens (max_model_len), which leaves no room to generate"
@@ -147,7 +151,7 @@ class EngineCore:
         """Take a front end's request: the core's own ``Request`` is made here."""
         self.validate_request(message)
         request = Request.of(message)
-        constraint = request.sampling_params.structured_outputs
+        constraint = request.sampling_params.structured_outputs if request.sampling_params is not None else None
         grammar = self.structured_outputs.grammar_for(constraint) if constraint is not None else None
         self.scheduler.add_request(request, grammar)
         if grammar is not None:
@@ -264,6 +268,7 @@ class EngineCore:
                 new_prompt_logprobs=prompt_lps,
                 first_scheduled_time=request.first_scheduled_time,
                 num_cached_tokens=request.num_cached_tokens or 0,
+                pooled=result.pooler_output.get(rid),
             ))
         self._trace_step(sched, generated, finished)
         return outputs

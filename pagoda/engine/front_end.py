@@ -17,7 +17,8 @@ from pagoda.engine.core import EngineCoreOutput, RequestLimits
 from pagoda.engine.input_processor import InputProcessor, PreparedRequest
 from pagoda.engine.output_processor import OutputProcessor
 from pagoda.generation_defaults import sampling_defaults
-from pagoda.outputs import RequestOutput
+from pagoda.outputs import PoolingOutput, PoolingRequestOutput, RequestOutput
+from pagoda.pooling_params import PoolingParams
 from pagoda.request import RequestStatus
 from pagoda.tokenizer import Tokenizer
 
@@ -32,6 +33,36 @@ class FrontEnd:
         self.output_processor = OutputProcessor(self.tokenizer)
         # The model's own defaults for what a request leaves unset (generation_defaults.py)
         self.sampling_defaults = sampling_defaults(config.model.generation_config, config.model.files.metadata_dir)
+        # the pooling runner's requests in flight (request id → prompt token ids): their one
+        # output, the vector, needs no detokenizing, so they pass the output processor by
+        self.pooling_requests: dict[str, list[int]] = {}
+
+    @property
+    def runner(self) -> str:
+        """"generate" or "pooling" (--runner): what this model serves; the other kind is refused."""
+        return self.config.model.runner
+
+    def check_runner(self, wanted: str) -> None:
+        """A ValueError saying why a request of the other runner's kind cannot run here."""
+        if wanted == self.runner:
+            return
+        if wanted == "pooling":
+            raise ValueError(f"this model ({self.config.model.name}) generates text: it serves no embeddings or "
+                             "scores; serve an embedding model, or this one with --runner pooling")
+        raise ValueError(f"this model ({self.config.model.name}) is an embedding model (--runner pooling): it "
+                         "generates no text; use /v1/embeddings, /v1/score, /v1/rerank or /api/embed")
+
+    def prepare_pooling(self, request_id: str, prompt, params: PoolingParams, priority: int = 0):
+        """A pooling request checked against this model (its runner, ``dimensions``), tokenized."""
+        self.check_runner("pooling")
+        params.check_against(self.config.model.pooler, int(self.config.model.hf_config.get("hidden_size", 0)))
+        return self.input_processor.prepare_pooling_request(request_id, prompt, params, priority)
+
+    def submit_pooling(self, prepared: PreparedRequest) -> None:
+        if prepared.request_id in self.pooling_requests or prepared.request_id in self.output_processor.requests:
+            raise ValueError(f"request id {prepared.request_id!r} is already in use")
+        self.pooling_requests[prepared.request_id] = prepared.prompt_token_ids
+        self.client.add(prepared.core_requests)
 
     def _connect(self, client: Any) -> None:
         self.client = client
@@ -56,13 +87,25 @@ class FrontEnd:
     def take_outputs(self, core_outputs: list[EngineCoreOutput]) -> list[RequestOutput]:
         """The step's RequestOutputs; the samples whose stop string the text hit are finished in
         the core (which sees tokens, not text)."""
+        pooled: list = []
+        if self.pooling_requests:
+            pooled = [self._pooling_output(out) for out in core_outputs
+                      if out.finished and out.request_id in self.pooling_requests]
+            core_outputs = [out for out in core_outputs if out.request_id not in self.pooling_requests]
         outputs, to_stop = self.output_processor.process_outputs(core_outputs)
         if to_stop:
             self.client.finish(to_stop, RequestStatus.FINISHED_STOPPED)
-        return outputs
+        return pooled + outputs if pooled else outputs
+
+    def _pooling_output(self, out: EngineCoreOutput) -> PoolingRequestOutput:
+        ids = self.pooling_requests.pop(out.request_id)
+        return PoolingRequestOutput(out.request_id, PoolingOutput(out.pooled) if out.pooled is not None else None, ids)
 
     def abort(self, request_id: str) -> None:
         """Forget a request and free its KV blocks in the core (its samples, if n > 1)."""
+        if self.pooling_requests.pop(request_id, None) is not None:
+            self.client.finish([request_id], RequestStatus.FINISHED_ABORTED)
+            return
         core_ids = self.output_processor.core_ids(request_id)
         self.output_processor.abort_request(request_id)
         if core_ids:

@@ -9,6 +9,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from pagoda.engine.content_filter import ContentFilterError
+from pagoda.pooling_params import PoolingParams
 from pagoda.request import EngineCoreRequest
 from pagoda.sampling_params import SamplingParams
 from pagoda.structured_output.grammar import validate_structured_outputs
@@ -77,6 +78,23 @@ class InputProcessor:
                                               cache_salt=cache_salt, session_id=session_id))
         self.limits.validate(requests[0])  # the children share the prompt
         return PreparedRequest(request_id, text, prompt_ids, samples, requests, arrival_time)
+
+    def prepare_pooling_request(self, request_id: str, prompt: PromptType, params: PoolingParams, priority: int = 0,
+                                arrival_time: float | None = None) -> PreparedRequest:
+        """A pooling request (the pooling runner's): tokenized and checked, one core request."""
+        if not isinstance(params, PoolingParams):
+            raise ValueError(f"pooling_params must be a PoolingParams, got {type(params).__name__}")
+        text, prompt_ids = self.tokenize_prompt(prompt)
+        cut = params.truncate_prompt_tokens
+        if cut is not None:  # the text cut to fit (-1: the model's whole context), its special tokens kept
+            limit = self.limits.max_model_len if cut == -1 else min(cut, self.limits.max_model_len)
+            if len(prompt_ids) > limit:  # (token ids given: the first ones)
+                prompt_ids = self.tokenizer.encode_truncated(text, limit) if text is not None else prompt_ids[:limit]
+        arrival_time = time.monotonic() if arrival_time is None else arrival_time
+        request = EngineCoreRequest(request_id, prompt_ids, None, priority=priority, arrival_time=arrival_time,
+                                    pooling_params=params)
+        self.limits.validate(request)
+        return PreparedRequest(request_id, text, prompt_ids, [], [request], arrival_time)
 
     def check_prompt(self, prepared: PreparedRequest, moderation: Moderation) -> None:
         """Raise ContentFilterError (a ValueError) if the prompt holds one of `moderation`'s terms."""

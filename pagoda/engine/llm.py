@@ -12,7 +12,9 @@ from pagoda.engine.beam_search import BeamSearch, BeamSearchOutput, step_params
 from pagoda.engine.content_filter import Moderation
 from pagoda.engine.input_processor import PromptType
 from pagoda.engine.llm_engine import LLMEngine
-from pagoda.outputs import RequestOutput
+from pagoda.engine.scoring import cosine, score_pairs
+from pagoda.outputs import PoolingRequestOutput, RequestOutput, ScoringOutput
+from pagoda.pooling_params import PoolingParams
 from pagoda.sampling_params import BeamSearchParams, RequestOutputKind, SamplingParams
 
 Conversation = list[dict]
@@ -127,6 +129,41 @@ class LLM:
             results.append(BeamSearchOutput(best))
         return results
 
+    # -- the pooling runner (runner="pooling", or an embedding model) ------------------------
+    def encode(self, prompts: PromptType | Sequence[PromptType], pooling_params: PoolingParams | None = None, *,
+               use_tqdm: bool = True) -> list[PoolingRequestOutput]:
+        """Each prompt's pooled vector (``outputs.data``, a float32 tensor), in order."""
+        if isinstance(prompts, (str, dict)):
+            prompts = [prompts]
+        params = pooling_params or PoolingParams()
+        ids = []
+        try:
+            for prompt in prompts:
+                request_id = str(next(self._ids))
+                self.engine.add_pooling_request(request_id, prompt, params)
+                ids.append(request_id)
+        except Exception:
+            for rid in ids:
+                self.engine.abort_request(rid)
+            raise
+        return self._run(ids, use_tqdm, "Embedding")
+
+    def embed(self, prompts: PromptType | Sequence[PromptType], pooling_params: PoolingParams | None = None, *,
+              use_tqdm: bool = True) -> list[PoolingRequestOutput]:
+        """Embeddings (vLLM's ``LLM.embed``): ``outputs.embedding`` is each prompt's vector as floats."""
+        return self.encode(prompts, pooling_params or PoolingParams(task="embed"), use_tqdm=use_tqdm)
+
+    def score(self, text_1: str | Sequence[str], text_2: str | Sequence[str], *,
+              use_tqdm: bool = True) -> list[PoolingRequestOutput]:
+        """vLLM's ``LLM.score``: the cosine similarity of each pair's vectors (``outputs.score``);
+        one ``text_1`` is scored against every ``text_2``, or two lists pair by pair."""
+        pairs = score_pairs(text_1, text_2)
+        texts = list(dict.fromkeys(t for pair in pairs for t in pair))  # each text embedded once
+        vectors = dict(zip(texts, self.encode(texts, PoolingParams(task="score"), use_tqdm=use_tqdm)))
+        return [PoolingRequestOutput(f"score-{i}", ScoringOutput(cosine(vectors[a].outputs.data, vectors[b].outputs.data)),
+                                     vectors[a].prompt_token_ids + vectors[b].prompt_token_ids)
+                for i, (a, b) in enumerate(pairs)]
+
     def get_default_sampling_params(self) -> SamplingParams:
         """What a call without sampling parameters uses: the model's generation_config defaults
         (`generation_config="vllm"` turns them off), else SamplingParams' own."""
@@ -142,9 +179,9 @@ class LLM:
             raise ValueError(f"got {len(params)} sampling_params for {n} prompts")
         return params
 
-    def _run(self, ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
-        results: dict[str, RequestOutput] = {}
-        bar = tqdm(total=len(ids), desc="Generating", unit="req", disable=not use_tqdm or len(ids) < 2, dynamic_ncols=True)
+    def _run(self, ids: list[str], use_tqdm: bool, desc: str = "Generating") -> list:
+        results: dict[str, RequestOutput | PoolingRequestOutput] = {}
+        bar = tqdm(total=len(ids), desc=desc, unit="req", disable=not use_tqdm or len(ids) < 2, dynamic_ncols=True)
         try:
             for out in self.engine.outputs():
                 if out.finished:

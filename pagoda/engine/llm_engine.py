@@ -16,6 +16,7 @@ from pagoda.engine.core_client import InprocCoreClient
 from pagoda.engine.front_end import FrontEnd
 from pagoda.engine.input_processor import PromptType
 from pagoda.outputs import RequestOutput
+from pagoda.pooling_params import PoolingParams
 from pagoda.sampling_params import SamplingParams
 
 
@@ -43,6 +44,7 @@ class LLMEngine(FrontEnd):
         prefix (prompt and answer) stays pinned in the prefix cache for the session's next turn,
         until `release_session`. `moderation` (default: the engine's) checks the prompt (a
         ContentFilterError, a ValueError, on a hit) and filters the output."""
+        self.check_runner("generate")
         moderation = moderation if moderation is not None else self.moderation
         prepared = self.input_processor.prepare_request(request_id, prompt, params, priority, arrival_time,
                                                         cache_salt, session_id)
@@ -50,6 +52,13 @@ class LLMEngine(FrontEnd):
             self.input_processor.check_prompt(prepared, moderation)
         with self._lock:
             self.submit(prepared, moderation)
+
+    def add_pooling_request(self, request_id: str, prompt: PromptType, params: PoolingParams,
+                            priority: int = 0) -> None:
+        """Queue a pooling request (the pooling runner's): its one output is its vector."""
+        prepared = self.prepare_pooling(request_id, prompt, params, priority)
+        with self._lock:
+            self.submit_pooling(prepared)
 
     def shutdown(self) -> None:
         self.client.shutdown()
@@ -72,7 +81,8 @@ class LLMEngine(FrontEnd):
 
     # -- the loop ---------------------------------------------------------------------------
     def has_unfinished_requests(self) -> bool:
-        return self.client.has_unfinished_requests() or self.output_processor.has_unfinished_requests()
+        return (self.client.has_unfinished_requests() or self.output_processor.has_unfinished_requests()
+                or bool(self.pooling_requests))
 
     def step(self) -> list[RequestOutput]:
         """One engine step. A step that raises aborts every request in flight (their KV blocks are
@@ -81,7 +91,7 @@ class LLMEngine(FrontEnd):
             try:
                 return self.take_outputs(self.client.step())
             except Exception:
-                for request_id in list(self.output_processor.requests):
+                for request_id in [*self.output_processor.requests, *self.pooling_requests]:
                     self.abort(request_id)
                 raise
 

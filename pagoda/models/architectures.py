@@ -40,6 +40,9 @@ ARCHITECTURES: tuple[Architecture, ...] = (
     Architecture("Qwen3MoeForCausalLM", "qwen_moe", "Qwen3MoeForCausalLM", ("qwen3_moe",), gguf="qwen3moe",
                  gguf_model_type="qwen3_moe"),
     Architecture("OlmoeForCausalLM", "olmoe", "OlmoeForCausalLM", ("olmoe",), gguf="olmoe", gguf_model_type="olmoe"),
+    # an encoder (models/bert.py): served by the pooling runner only (embeddings, scores)
+    Architecture("BertModel", "bert", "BertModel", ("bert",)),
+    Architecture("BertForMaskedLM", "bert", "BertModel", ("bert",)),
 )
 
 BY_HF_CLASS: dict[str, Architecture] = {a.hf_class: a for a in ARCHITECTURES}

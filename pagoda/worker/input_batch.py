@@ -15,6 +15,7 @@ import numpy as np
 import torch
 
 from pagoda.core.scheduler_output import CachedRequestData, NewRequestData, SchedulerOutput
+from pagoda.pooling_params import PoolingParams
 from pagoda.sampling_params import SamplingParams
 
 
@@ -23,9 +24,10 @@ class RequestState:
     """What only a few requests have (kept per request, not in the arrays)."""
 
     req_id: str
-    sampling_params: SamplingParams
+    sampling_params: SamplingParams | None  # None for a pooling request
     generator: torch.Generator | None
     num_prompt_logprobs_done: int = 0  # prompt positions already reported
+    pooling_params: PoolingParams | None = None  # a pooling request's (worker/pooling_runner.py)
 
 
 class InputBatch:
@@ -92,11 +94,11 @@ class InputBatch:
         row = self._take_row()
         self.index[new.req_id] = row
         p = new.sampling_params
-        generator = torch.Generator().manual_seed(p.seed) if p.seed is not None else None
-        self.states[new.req_id] = RequestState(new.req_id, p, generator)
-        if p.prompt_logprobs is not None:
+        generator = torch.Generator().manual_seed(p.seed) if p is not None and p.seed is not None else None
+        self.states[new.req_id] = RequestState(new.req_id, p, generator, pooling_params=new.pooling_params)
+        if p is not None and p.prompt_logprobs is not None:
             self.prompt_logprob_ids.add(new.req_id)
-        if generator is not None or p.logit_bias or p.min_tokens or p.logprobs is not None:
+        if p is not None and (generator is not None or p.logit_bias or p.min_tokens or p.logprobs is not None):
             self.special_ids.add(new.req_id)
         tokens = new.prompt_token_ids + new.output_token_ids
         self.token_ids[row, : len(tokens)] = tokens
@@ -105,7 +107,8 @@ class InputBatch:
         self.num_computed[row] = new.num_computed_tokens
         self.num_blocks[row] = 0
         self._append_blocks(row, new.block_ids, new.group_block_ids)
-        self._set_sampling(row, p)
+        if p is not None:  # (a pooling request samples nothing)
+            self._set_sampling(row, p)
 
     def _update_all(self, cached: list[CachedRequestData]) -> None:
         """``update`` for each, with the usual decode step's deltas (one new token, no resume)

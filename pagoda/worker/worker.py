@@ -22,9 +22,10 @@ from pagoda.layers.backend import TorchBackend, select_backend
 from pagoda.loader.model_loader import load_model
 from pagoda.outputs import ModelRunnerOutput
 from pagoda.platform import available_memory_bytes, resident_memory_bytes
-from pagoda.core.kv_cache_groups import kv_groups_for
+from pagoda.core.kv_cache_groups import KVCacheGroups, kv_groups_for
 from pagoda.worker.kv_cache import GiB, allocate_kv_cache, allocate_kv_scales, bytes_per_block, cpu_budget_gib
 from pagoda.worker.model_runner import ModelRunner
+from pagoda.worker.pooling_runner import PoolingRunner
 
 logger = logging.getLogger(__name__)
 
@@ -63,7 +64,10 @@ class Worker:
         self.weights_rss_bytes = resident_memory_bytes() - rss_before  # what loading the shard cost
         self.tp.wait_for_all()  # before any timed collective: ranks load at their own pace
         self.load_seconds = time.monotonic() - start
-        self.kv_groups = kv_groups_for(self.model.config, config.speculative, config.cache.hybrid_kv_cache)  # which layers share a block table
+        # which layers share a block table; an encoder (BERT) keeps no KV cache: no layer does
+        self.uses_kv_cache = getattr(self.model, "uses_kv_cache", True)
+        self.kv_groups = (kv_groups_for(self.model.config, config.speculative, config.cache.hybrid_kv_cache)
+                          if self.uses_kv_cache else KVCacheGroups.single(0))
         self.kv_cache_dtype = config.cache.kv_cache_dtype or mc.dtype  # --kv-cache-dtype
         self.runner: ModelRunner | None = None
         self.kv_cache: torch.Tensor | None = None
@@ -102,6 +106,10 @@ class Worker:
         stores its share of the heads. On CUDA each rank measures its own free memory and the
         smallest answer wins."""
         cfg, cc = self.model.config, self.config.cache
+        if not self.uses_kv_cache:
+            # No cache to size: the blocks only count the tokens in flight, as many as every
+            # sequence at its longest (a pooling request gives its blocks back in the step it runs).
+            return self.config.scheduler.max_num_seqs * -(-self.config.model.max_model_len // cc.block_size)
         per_block = self._bytes_per_block(cfg.num_kv_heads)
         if self.device.type == "cuda":
             local = self._bytes_per_block(self.model.num_local_kv_heads)
@@ -128,7 +136,8 @@ class Worker:
 
     def initialize_cache(self, num_blocks: int, max_model_len: int) -> None:
         cfg, cc = self.model.config, self.config.cache
-        slots, heads = self.kv_groups.slots_per_block, self.model.num_local_kv_heads
+        slots = self.kv_groups.slots_per_block if self.uses_kv_cache else 0  # an encoder's: an empty tensor
+        heads = getattr(self.model, "num_local_kv_heads", 1)
         self.kv_cache = allocate_kv_cache(slots, num_blocks, cc.block_size, heads, cfg.head_dim, self.kv_cache_dtype,
                                           self.device)
         self.kv_scales = allocate_kv_scales(slots, num_blocks, cc.block_size, heads, self.kv_cache_dtype, self.device)
@@ -138,12 +147,14 @@ class Worker:
             draft = (self.draft_model, allocate_kv_cache(d.num_layers, num_blocks, cc.block_size, d.num_kv_heads,
                                                          d.head_dim, self.config.speculative.draft.dtype, self.device))
         generator = torch.Generator().manual_seed(self.config.seed)
-        self.runner = ModelRunner(
+        mc = self.config.model  # the pooling runner (--runner pooling) pools instead of sampling
+        runner, extra = (PoolingRunner, {"pooler": mc.pooler}) if mc.pools else (ModelRunner, {})
+        self.runner = runner(
             self.model, self.kv_cache, cc.block_size, self.device, max_model_len, generator,
             compile=self.config.compile, deterministic=self.config.deterministic,
             short_chunk=self.config.scheduler.short_chunk_tokens, speculative=self.config.speculative,
             is_driver=self.tp.is_driver, draft=draft, kv_groups=self.kv_groups, kv_scales=self.kv_scales,
-            fused_decode=self.config.fused_decode,
+            fused_decode=self.config.fused_decode, **extra,
         )
 
     def forward_path(self) -> dict:

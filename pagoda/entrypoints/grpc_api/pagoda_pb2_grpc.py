@@ -5,7 +5,7 @@ import warnings
 
 from pagoda.entrypoints.grpc_api import pagoda_pb2 as pagoda_dot_entrypoints_dot_grpc__api_dot_pagoda__pb2
 
-GRPC_GENERATED_VERSION = '1.85.1'
+GRPC_GENERATED_VERSION = '1.85.4'
 GRPC_VERSION = grpc.__version__
 _version_not_supported = False
 
@@ -59,6 +59,11 @@ class EngineStub:
                 request_serializer=pagoda_dot_entrypoints_dot_grpc__api_dot_pagoda__pb2.ListModelsRequest.SerializeToString,
                 response_deserializer=pagoda_dot_entrypoints_dot_grpc__api_dot_pagoda__pb2.ListModelsResponse.FromString,
                 _registered_method=True)
+        self.Embed = channel.unary_unary(
+                '/pagoda.v1.Engine/Embed',
+                request_serializer=pagoda_dot_entrypoints_dot_grpc__api_dot_pagoda__pb2.EmbedRequest.SerializeToString,
+                response_deserializer=pagoda_dot_entrypoints_dot_grpc__api_dot_pagoda__pb2.EmbedResponse.FromString,
+                _registered_method=True)
 
 
 class EngineServicer:
@@ -94,6 +99,12 @@ class EngineServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Embed(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_EngineServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -121,6 +132,11 @@ def add_EngineServicer_to_server(servicer, server):
                     servicer.ListModels,
                     request_deserializer=pagoda_dot_entrypoints_dot_grpc__api_dot_pagoda__pb2.ListModelsRequest.FromString,
                     response_serializer=pagoda_dot_entrypoints_dot_grpc__api_dot_pagoda__pb2.ListModelsResponse.SerializeToString,
+            ),
+            'Embed': grpc.unary_unary_rpc_method_handler(
+                    servicer.Embed,
+                    request_deserializer=pagoda_dot_entrypoints_dot_grpc__api_dot_pagoda__pb2.EmbedRequest.FromString,
+                    response_serializer=pagoda_dot_entrypoints_dot_grpc__api_dot_pagoda__pb2.EmbedResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -258,6 +274,33 @@ class Engine:
             '/pagoda.v1.Engine/ListModels',
             pagoda_dot_entrypoints_dot_grpc__api_dot_pagoda__pb2.ListModelsRequest.SerializeToString,
             pagoda_dot_entrypoints_dot_grpc__api_dot_pagoda__pb2.ListModelsResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Embed(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/pagoda.v1.Engine/Embed',
+            pagoda_dot_entrypoints_dot_grpc__api_dot_pagoda__pb2.EmbedRequest.SerializeToString,
+            pagoda_dot_entrypoints_dot_grpc__api_dot_pagoda__pb2.EmbedResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -26,6 +26,7 @@ from pydantic import ValidationError
 
 from pagoda.entrypoints.grpc_api import pagoda_pb2 as pb
 from pagoda.entrypoints.grpc_api import pagoda_pb2_grpc as pb_grpc
+from pagoda.entrypoints.openai.pooling_protocol import EmbeddingRequest
 from pagoda.entrypoints.openai.protocol import ChatCompletionRequest, CompletionRequest, random_id
 from pagoda.entrypoints.openai.errors import OpenAIError
 from pagoda.entrypoints.openai.serving import Serving
@@ -139,6 +140,27 @@ class EngineService(pb_grpc.EngineServicer):
         return pb.ListModelsResponse(models=[pb.Model(id=name, max_model_len=self.serving.max_model_len)
                                              for name in names])
 
+    @_audited
+    async def Embed(self, request: pb.EmbedRequest, context) -> pb.EmbedResponse:  # noqa: N802
+        """/v1/embeddings' checks and path (Serving.encode_all), its vectors as floats."""
+        body = await self._checked(context, lambda: EmbeddingRequest(**_embed_fields(request)))
+        admission = self.serving.admission()
+        try:
+            self.serving.check_model(body.model)
+            self.serving.check_capacity(len(body.input), admission)
+            params = body.pooling_params("embed", dimensions=body.dimensions, normalize=body.normalize)
+            outputs = await self.serving.encode_all(body.input, params, random_id("embd"), body.priority)
+        except OpenAIError as e:
+            await _abort(context, e)
+        except ValueError as e:  # PoolingParams' checks: the message names the field
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+        finally:
+            admission.release()
+        tokens = sum(len(o.prompt_token_ids) for o in outputs)
+        return pb.EmbedResponse(embeddings=[pb.Embedding(values=o.outputs.data.tolist(),
+                                                         prompt_tokens=len(o.prompt_token_ids)) for o in outputs],
+                                usage=pb.Usage(prompt_tokens=tokens))
+
     # -- shared -------------------------------------------------------------------------------
     @contextlib.contextmanager
     def _audit_call(self, rpc: str, context):
@@ -201,6 +223,7 @@ class EngineService(pb_grpc.EngineServicer):
         admission = self.serving.admission()
         try:
             try:
+                self.serving.check_runner("generate")  # an embedding model generates nothing
                 self.serving.check_capacity(len(prompts), admission)
             except OpenAIError as e:
                 await _abort(context, e)
@@ -253,6 +276,13 @@ async def _abort(context, error: OpenAIError) -> None:
     message = f"{error.param}: {error.message}" if error.param and not error.message.startswith(error.param) \
         else error.message
     await context.abort(code, message)
+
+
+def _embed_fields(request: pb.EmbedRequest) -> dict:
+    """An EmbedRequest under /v1/embeddings' names (its unset optional fields left out)."""
+    fields = {name: getattr(request, name) for name in ("dimensions", "normalize", "truncate_prompt_tokens")
+              if request.HasField(name)}
+    return {"model": request.model or None, "input": list(request.input), "priority": request.priority, **fields}
 
 
 def _sampling(options: pb.SamplingOptions) -> dict:

@@ -1,6 +1,6 @@
 """Ollama's HTTP API (`/api/...`) on `pagoda serve`, beside the OpenAI one (`/v1/...`).
 
-`/api/generate` and `/api/chat` run on the served model through the same `Serving` as `/v1`
+`/api/generate` and `/api/chat` (and, for an embedding model, `/api/embed`: embed.py) run on the served model through the same `Serving` as `/v1`
 (admission, `--request-timeout`, metrics): NDJSON lines when `stream` is true (Ollama's default),
 one JSON object otherwise, with Ollama's timing fields in nanoseconds. `options` map to sampling
 parameters, `format` ("json" or a JSON schema) to structured outputs. `/api/tags`, `/api/show`,
@@ -18,9 +18,9 @@ feature pagoda does not have), 503 (engine gone or draining), 500 (registry or s
 
 from fastapi import APIRouter
 
-from pagoda.entrypoints.ollama import generation, models, store_routes
+from pagoda.entrypoints.ollama import embed, generation, models, store_routes
 
 router = APIRouter()
-for part in (generation, models, store_routes):
+for part in (generation, embed, models, store_routes):
     router.include_router(part.router)
 

@@ -84,6 +84,7 @@ def visible_names(names: list[str]) -> list[str]:
 def _check_alive(request: Request) -> None:
     try:
         check_serving(request.app.state.lifecycle, serving_of(request).engine)
+        serving_of(request).check_runner("generate")  # an embedding model generates nothing: 400
     except OpenAIError as e:
         raise as_ollama_error(e) from None
 

@@ -34,6 +34,7 @@ from pagoda.entrypoints.openai.protocol import (
 )
 from pagoda.entrypoints.openai.error_handlers import install_error_handlers
 from pagoda.entrypoints.openai.errors import OpenAIError
+from pagoda.entrypoints.openai.pooling_routes import router as pooling_router
 from pagoda.entrypoints.openai.respond import respond
 from pagoda.entrypoints.openai.serving import Serving
 from pagoda.entrypoints.openai.durable import DurableOptions, install_durable_state
@@ -70,7 +71,7 @@ def build_app(engine: AsyncLLM, served_model_names: list[str], *, api_key: str |
     app.state.serving = serving
     serving.reasoning = reasoning_format(reasoning_parser)
     serving.tool_format = tool_call_format(tool_call_parser)
-    if not serving.tokenizer.chat_template:
+    if not serving.tokenizer.chat_template and engine.runner == "generate":
         logger.warning("%s has no chat template (a base model): chat routes answer 400; use /v1/completions or "
                        "/api/generate, or give a template with --chat-template", served_model_names[0])
 
@@ -167,6 +168,7 @@ def build_app(engine: AsyncLLM, served_model_names: list[str], *, api_key: str |
         return {"prompt": serving.tokenizer.decode(body.tokens, skip_special_tokens=False)}
 
     app.include_router(ollama_router)  # Ollama's API, /api/... (pagoda/entrypoints/ollama)
+    app.include_router(pooling_router)  # embeddings, score, rerank (pooling_routes.py: --runner pooling)
     app.include_router(anthropic_router)  # Anthropic's Messages API, /v1/messages (pagoda/entrypoints/anthropic)
     install_web(app, web_ui=web_ui)  # /, /dashboard and /v1/debug/... (pagoda/entrypoints/web)
     return app
@@ -264,7 +266,9 @@ def _one_model_app(args, engine_args, api_key: str | None) -> tuple[FastAPI, Asy
     app, async_engine = _model_app(args, create_engine_config(engine_args), names, api_key)
     engine = async_engine
     cfg = engine.config.model
-    print(f"pagoda {__version__}: loaded {args.model} ({cfg.architecture}, {str(cfg.dtype).removeprefix('torch.')}, "
+    print(f"pagoda {__version__}: loaded {args.model} ({cfg.architecture}, "
+          f"{'pooling: ' + cfg.pooler.pooling_type + ' embeddings, ' if cfg.pools else ''}"
+          f"{str(cfg.dtype).removeprefix('torch.')}, "
           f"{cfg.device.type}, max_model_len={engine.max_model_len}, KV blocks={async_engine.limits.num_blocks}, "
           f"tensor_parallel_size={engine.config.parallel.tensor_parallel_size}, "
           f"engine in a {'process' if args.engine_process else 'thread'}, {torch.get_num_threads()} threads, "

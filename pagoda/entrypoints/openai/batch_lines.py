@@ -19,6 +19,8 @@ from pydantic import ValidationError
 
 from pagoda.core.request_order import BACKGROUND_PRIORITY
 from pagoda.entrypoints.openai.errors import OpenAIError, bad_value
+from pagoda.entrypoints.openai.pooling_protocol import EmbeddingRequest
+from pagoda.entrypoints.openai.pooling_routes import embed_answer
 from pagoda.entrypoints.openai.protocol import ChatCompletionRequest, CompletionRequest, describe_validation_errors
 from pagoda.entrypoints.openai.responses import start_response
 from pagoda.entrypoints.openai.responses_protocol import ResponsesRequest
@@ -53,9 +55,13 @@ async def _response(serving: Serving, store: ResponseStore, body: dict) -> dict:
     return await start_response(serving, store, ResponsesRequest.model_validate(body), None)
 
 
+async def _embedding(serving: Serving, store: ResponseStore, body: dict) -> dict:
+    return await embed_answer(serving, EmbeddingRequest.model_validate(body))
+
+
 # the routes a batch may call (OpenAI's `endpoint`), and how each line runs
 ENDPOINTS: dict[str, Handler] = {"/v1/chat/completions": _chat, "/v1/completions": _completion,
-                                 "/v1/responses": _response}
+                                 "/v1/responses": _response, "/v1/embeddings": _embedding}
 
 
 def parse_lines(content: bytes, endpoint: str | None) -> tuple[list[BatchLine], list[dict]]:

@@ -26,6 +26,7 @@ async def respond(serving: Serving, lifecycle: Lifecycle, handler: Handler, body
     disconnect listener fires, and its generator is closed, which aborts the request. A
     plain response writes nothing until the end, so it watches the connection itself."""
     check_serving(lifecycle, serving.engine)
+    serving.check_runner("generate")  # an embedding model (--runner pooling) generates nothing: 400
     admission = serving.admission()  # its part of --max-num-seqs + --max-queue-len, held to the end
     try:
         if body.stream:

@@ -12,6 +12,7 @@ from pagoda.entrypoints.openai.admission import AdmissionChecks
 from pagoda.entrypoints.openai.chat import ChatServing
 from pagoda.entrypoints.openai.completion import CompletionServing
 from pagoda.entrypoints.openai.errors import OpenAIError, bad_value
+from pagoda.entrypoints.openai.pooling import PoolingServing
 from pagoda.entrypoints.openai.protocol import SamplingFields
 from pagoda.entrypoints.openai.reasoning import ReasoningFormat
 from pagoda.entrypoints.openai.tool_formats import ToolCallFormat, tool_call_format
@@ -25,10 +26,10 @@ from pagoda.security.context import (
 logger = logging.getLogger("pagoda.requests")
 
 
-class Serving(AdmissionChecks, CompletionServing, ChatServing):
+class Serving(AdmissionChecks, CompletionServing, ChatServing, PoolingServing):
     """One served model's OpenAI front: the checks that admit a request (admission.py), the
-    completion and chat paths (completion.py, chat.py) and what they share here: sampling
-    parameters and running prompts through the engine."""
+    completion and chat paths (completion.py, chat.py), the pooling path (pooling.py: embeddings,
+    scores) and what they share here: sampling parameters and running prompts through the engine."""
 
     def __init__(self, engine: AsyncLLM, served_model_names: list[str], max_queue_len: int | None = None,
                  aliases: Sequence[str] = (), request_timeout: float | None = None, metric_families=None) -> None:
