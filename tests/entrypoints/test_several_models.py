@@ -204,6 +204,8 @@ def _pool(tmp_dirs: dict, names: list[str], **settings):
         args.model, args.dtype, args.kv_cache_memory = str(tmp_dirs[name.split("-")[0]]), "float32", 0.02
         args.engine_process, args.max_engine_restarts, args.max_queue_len = False, 0, None
         args.request_timeout, args.session_ttl, args.max_sessions = None, 60.0, 10
+        args.state_dir, args.max_stored_responses, args.batch_concurrency, args.port = "none", 100, None, 0
+        args.reasoning_parser, args.tool_call_parser = None, None
         spec = ModelSpec(names=[name], args=args, keep_alive=None)
         spec.config = create_engine_config(EngineArgs(**{k: v for k, v in vars(args).items() if k in vars(EngineArgs())}))
         specs.append(spec)
