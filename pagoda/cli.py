@@ -344,8 +344,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="where sessions, stored responses and Batch API files and jobs are kept, so that a restart "
                         "resumes them (default: $PAGODA_HOME/state/MODEL-PORT; 'none': in memory only)")
     p.add_argument("--batch-concurrency", type=int, default=None,
-                   help="batch lines run at once, at a priority below every interactive request "
-                        "(default: --max-num-seqs)")
+                   help="batch lines run at once, at a priority below every interactive request; more lines "
+                        "give the batch more throughput and interactive requests a slower first token "
+                        "(default: 32, or --max-num-seqs if lower)")
     p.add_argument("--max-stored-responses", type=int, default=10000,
                    help="Responses API responses kept for GET /v1/responses/{id} and previous_response_id, the "
                         "most recently used; their pinned KV prefixes are let go after --session-ttl idle")

@@ -23,6 +23,10 @@ from pagoda.entrypoints.openai.serving import Serving
 from pagoda.entrypoints.state_db import StateDB
 
 logger = logging.getLogger("pagoda.server")
+# Batch lines at once by default: a batch decode step of 32 keeps an interactive first token
+# near its idle time at most of the batch's throughput (benchmarks/README.md, "Batch work and
+# interactive latency").
+DEFAULT_BATCH_CONCURRENCY = 32
 
 
 @dataclass
@@ -31,7 +35,7 @@ class DurableOptions:
     session_ttl: float = 1800.0
     max_sessions: int = 1000
     max_stored_responses: int = 10000
-    batch_concurrency: int | None = None  # batch lines at once; None: --max-num-seqs
+    batch_concurrency: int | None = None  # batch lines at once; None: DEFAULT_BATCH_CONCURRENCY
 
 
 def install_durable_state(app: FastAPI, serving: Serving, options: DurableOptions) -> None:
@@ -45,7 +49,7 @@ def install_durable_state(app: FastAPI, serving: Serving, options: DurableOption
     app.state.responses = responses = ResponseStore(engine, options.session_ttl, options.max_stored_responses, db,
                                                     fingerprint)
     app.state.files = files = FileStore(db)
-    concurrency = options.batch_concurrency or engine.config.scheduler.max_num_seqs
+    concurrency = options.batch_concurrency or min(DEFAULT_BATCH_CONCURRENCY, engine.config.scheduler.max_num_seqs)
     app.state.batches = batches = BatchRunner(serving, responses, files, db, concurrency)
     for part in (sessions, responses, batches):
         app.router.on_startup.append(part.start)
