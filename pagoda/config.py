@@ -19,7 +19,7 @@ from pagoda.layers.auto_quantization import announce, choose_quantization
 from pagoda.layers.quantization import check_quantization
 from pagoda.loader.catalog import DEFAULT_MODEL  # noqa: F401 - the engine's default, re-exported
 from pagoda.loader.model_files import ModelFiles
-from pagoda.loader.pooling_model import choose_runner
+from pagoda.loader.pooling_model import choose_runner, sep_token_id
 from pagoda.loader.resolve import resolve_model
 from pagoda.models.model_classes import resolve_architecture
 from pagoda.platform import available_memory_bytes, default_device
@@ -55,6 +55,11 @@ class ModelConfig:
     @property
     def pools(self) -> bool:
         return self.runner == "pooling"
+
+    @property
+    def cross_encoder(self) -> bool:
+        """A classifier of text pairs (a reranker): it scores pairs, it gives no embeddings."""
+        return self.architecture.endswith("ForSequenceClassification")
 
     @property
     def name(self) -> str:
@@ -140,6 +145,8 @@ def create_engine_config(args: EngineArgs) -> EngineConfig:
     hf_config = files.hf_config()
     architecture, model_cls = resolve_architecture(hf_config)
     encoder = not getattr(model_cls, "uses_kv_cache", True)  # an encoder (BERT): pooling only
+    if getattr(model_cls, "classifies", False):  # a cross-encoder marks a pair's second text after [SEP]
+        hf_config = {**hf_config, "sep_token_id": sep_token_id(files.metadata_dir, hf_config)}
     runner = choose_runner(args.runner, files.metadata_dir, architecture, encoder, hf_config, args.pooler_config)
     pools = runner.runner == "pooling"
     # pooling: float32 on the CPU unless asked (embeddings as sentence-transformers computes them)

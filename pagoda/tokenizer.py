@@ -86,6 +86,10 @@ class Tokenizer:
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         return self._tok.encode(text, add_special_tokens=add_special_tokens).ids
 
+    def encode_pair(self, text: str, pair: str) -> list[int]:
+        """Two texts as one prompt, as a cross-encoder reads them ([CLS] text [SEP] pair [SEP])."""
+        return self._tok.encode(text, pair).ids
+
     def encode_truncated(self, text: str, max_tokens: int) -> list[int]:
         """At most ``max_tokens`` ids, the text cut at its end and the special tokens kept (as
         transformers truncates: a BERT prompt still ends in [SEP]); for truncate_prompt_tokens and

@@ -234,3 +234,21 @@ def make_tiny_bert(out_dir: Path, *, seed: int = 0, sentence_transformers: str |
             "pooling_mode_mean_tokens": sentence_transformers == "mean"}))
         (out_dir / "sentence_bert_config.json").write_text(json.dumps({"max_seq_length": 48}))
     return out_dir
+
+
+def make_tiny_cross_encoder(out_dir: Path, *, seed: int = 0) -> Path:
+    """A random BertForSequenceClassification of one label (a reranker: a pair in, a relevance
+    logit out), with the WordPiece tokenizer above."""
+    import transformers
+
+    out_dir.mkdir(parents=True, exist_ok=True)
+    vocab_size = make_bert_tokenizer(out_dir)
+    torch.manual_seed(seed)
+    config = transformers.BertConfig(vocab_size=vocab_size, hidden_size=32, intermediate_size=64, num_labels=1,
+                                     num_hidden_layers=2, num_attention_heads=4, max_position_embeddings=64)
+    model = transformers.BertForSequenceClassification(config).eval()
+    with torch.no_grad():  # larger than the init's 0.02, so that the token types' rows differ enough to see
+        for p in model.parameters():
+            p.normal_(0, 0.2)
+    model.save_pretrained(out_dir, safe_serialization=True)
+    return out_dir

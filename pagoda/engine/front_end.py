@@ -55,6 +55,9 @@ class FrontEnd:
     def prepare_pooling(self, request_id: str, prompt, params: PoolingParams, priority: int = 0):
         """A pooling request checked against this model (its runner, ``dimensions``), tokenized."""
         self.check_runner("pooling")
+        if self.config.model.cross_encoder and params.task != "score":
+            raise ValueError(f"this model ({self.config.model.name}) is a cross-encoder: it scores text pairs "
+                             "(LLM.score, /v1/score, /v1/rerank) and gives no embeddings")
         params.check_against(self.config.model.pooler, int(self.config.model.hf_config.get("hidden_size", 0)))
         return self.input_processor.prepare_pooling_request(request_id, prompt, params, priority)
 

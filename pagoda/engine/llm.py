@@ -155,9 +155,16 @@ class LLM:
 
     def score(self, text_1: str | Sequence[str], text_2: str | Sequence[str], *,
               use_tqdm: bool = True) -> list[PoolingRequestOutput]:
-        """vLLM's ``LLM.score``: the cosine similarity of each pair's vectors (``outputs.score``);
-        one ``text_1`` is scored against every ``text_2``, or two lists pair by pair."""
+        """vLLM's ``LLM.score`` (``outputs.score``): a cross-encoder's score of each pair, else the
+        cosine similarity of the pair's vectors; one ``text_1`` is scored against every
+        ``text_2``, or two lists pair by pair."""
         pairs = score_pairs(text_1, text_2)
+        if self.engine.config.model.cross_encoder:  # each pair one prompt, scored by the model's head
+            tokenizer = self.engine.tokenizer
+            outs = self.encode([{"prompt_token_ids": tokenizer.encode_pair(a, b)} for a, b in pairs],
+                               PoolingParams(task="score"), use_tqdm=use_tqdm)
+            return [PoolingRequestOutput(f"score-{i}", ScoringOutput(float(o.outputs.data[0])), o.prompt_token_ids)
+                    for i, o in enumerate(outs)]
         texts = list(dict.fromkeys(t for pair in pairs for t in pair))  # each text embedded once
         vectors = dict(zip(texts, self.encode(texts, PoolingParams(task="score"), use_tqdm=use_tqdm)))
         return [PoolingRequestOutput(f"score-{i}", ScoringOutput(cosine(vectors[a].outputs.data, vectors[b].outputs.data)),

@@ -43,11 +43,29 @@ def choose_runner(requested: str | None, model_dir: Path, architecture: str, enc
         if pooler_config is not None:
             raise ValueError("pooler_config applies to the pooling runner (--runner pooling)")
         return RunnerChoice("generate", None, why="a decoder generates unless --runner pooling")
-    pooling_type, normalize, max_len = st if st is not None else ("CLS" if encoder else "LAST", True, None)
+    default = ("CLS", False, None) if architecture.endswith("ForSequenceClassification") else \
+        ("CLS" if encoder else "LAST", True, None)  # a cross-encoder's head reads the first token, unnormalized
+    pooling_type, normalize, max_len = st if st is not None else default
     pooler = PoolerConfig(pooling_type, normalize, matryoshka_dimensions(hf_config)).with_overrides(pooler_config)
     why = ("--runner pooling" if requested == "pooling" else
            "an encoder" if encoder else "a sentence-transformers model (modules.json)")
     return RunnerChoice("pooling", pooler, max_len, why)
+
+
+def sep_token_id(model_dir: Path, hf_config: dict) -> int:
+    """The tokenizer's separator id (config.json's sep_token_id, else tokenizer_config.json's
+    sep_token looked up in tokenizer.json), which marks where a pair's second text begins."""
+    if hf_config.get("sep_token_id") is not None:
+        return int(hf_config["sep_token_id"])
+    from tokenizers import Tokenizer  # deferred: only a cross-encoder needs it here
+
+    config_file = Path(model_dir) / "tokenizer_config.json"
+    sep = (_read(config_file) if config_file.is_file() else {}).get("sep_token", "[SEP]")
+    sep = sep.get("content") if isinstance(sep, dict) else sep
+    found = Tokenizer.from_file(str(Path(model_dir) / "tokenizer.json")).token_to_id(sep)
+    if found is None:
+        raise ValueError(f"{model_dir}: the tokenizer has no separator token {sep!r}, which a cross-encoder needs")
+    return found
 
 
 def matryoshka_dimensions(hf_config: dict) -> tuple[int, ...] | None:

@@ -43,6 +43,7 @@ ARCHITECTURES: tuple[Architecture, ...] = (
     # an encoder (models/bert.py): served by the pooling runner only (embeddings, scores)
     Architecture("BertModel", "bert", "BertModel", ("bert",)),
     Architecture("BertForMaskedLM", "bert", "BertModel", ("bert",)),
+    Architecture("BertForSequenceClassification", "bert_classifier", "BertForSequenceClassification", ("bert",)),
 )
 
 BY_HF_CLASS: dict[str, Architecture] = {a.hf_class: a for a in ARCHITECTURES}

@@ -118,6 +118,8 @@ class BertModel(nn.Module):
     """The encoder; its hidden states go to the pooler (layers/pooler.py)."""
 
     uses_kv_cache = False  # the engine sizes no KV cache for it (worker/worker.py)
+    classifies = False  # a cross-encoder's head scores each prompt (models/bert_classifier.py)
+    CHECKPOINT_SKIPS = ("pooler.", "cls.")  # a checkpoint's heads this model has no place for
 
     def __init__(self, hf_config: dict, max_position: int) -> None:
         super().__init__()
@@ -134,13 +136,18 @@ class BertModel(nn.Module):
         self.encoder.layer = nn.ModuleList(BertLayer(cfg) for _ in range(cfg.num_layers))
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        seqs = SequenceBatch(_sequence_spans(input_ids.shape[0]), input_ids.shape[0], input_ids.device)
+        spans = _sequence_spans(input_ids.shape[0])
+        seqs = SequenceBatch(spans, input_ids.shape[0], input_ids.device)
         e = self.embeddings
-        x = e.word_embeddings(input_ids) + e.position_embeddings(positions) + e.token_type_embeddings.weight[0]
+        x = e.word_embeddings(input_ids) + e.position_embeddings(positions) + self.type_embeddings(input_ids, spans)
         x = e.LayerNorm(x)
         for layer in self.encoder.layer:
             x = layer(x, seqs)
         return x
+
+    def type_embeddings(self, input_ids: torch.Tensor, spans: list[tuple[int, int]]) -> torch.Tensor:
+        """Token type 0 for every token: one text a prompt (a cross-encoder's pairs differ)."""
+        return self.embeddings.token_type_embeddings.weight[0]
 
     # -- what the engine asks of a model ----------------------------------------------------
     def attention_layers(self) -> list:
@@ -160,7 +167,7 @@ class BertModel(nn.Module):
         loaded = set()
         for name, tensor in weights:
             name = name.removeprefix("bert.")
-            if name.startswith(("pooler.", "cls.")) or name.endswith("position_ids"):
+            if name.startswith(self.CHECKPOINT_SKIPS) or name.endswith("position_ids"):
                 continue
             if name not in params:
                 raise ValueError(f"checkpoint tensor {name!r} has no place in BertModel")

@@ -47,6 +47,8 @@ class PoolingRunner(ModelRunner):
             hidden = self.forward(input_ids.to(self.device), positions.to(self.device))
         if self.is_driver:
             vectors = pool(hidden, lay.offsets, lay.counts, self.pooler.pooling_type)
+            if getattr(self.model, "classifies", False):  # a cross-encoder: the head's scores
+                vectors = self.model.classify(vectors)
             params = [self.batch.states[rid].pooling_params for rid in lay.req_ids]
             out.pooler_output = dict(zip(lay.req_ids, finish_vectors(vectors, params, self.pooler.normalize)))
         return out

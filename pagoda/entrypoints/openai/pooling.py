@@ -14,6 +14,7 @@ from collections.abc import Sequence
 import numpy as np
 
 from pagoda.engine.async_llm import EngineUnavailableError, ShuttingDownError
+from pagoda.engine.scoring import cosine
 from pagoda.entrypoints.openai.errors import OpenAIError, bad_value
 from pagoda.outputs import PoolingRequestOutput
 from pagoda.pooling_params import PoolingParams
@@ -36,9 +37,13 @@ class PoolingServing:
             raise OpenAIError(str(e), param="model", code="wrong_model_kind") from None
 
     def check_pooling(self, params: PoolingParams) -> None:
-        """The model pools (its runner), and can give what ``params`` asks (``dimensions``)."""
+        """The model pools (its runner), and can give what ``params`` asks (``dimensions``; a
+        cross-encoder scores pairs and gives no embeddings)."""
         self.check_runner("pooling")
         model = self.engine.config.model
+        if model.cross_encoder and params.task != "score":
+            raise OpenAIError(f"{model.architecture} is a cross-encoder: it scores text pairs (/v1/score, /v1/rerank) "
+                              "and gives no embeddings", param="model", code="wrong_model_kind")
         try:
             params.check_against(model.pooler, int(model.hf_config.get("hidden_size", 0)))
         except ValueError as e:
@@ -83,6 +88,29 @@ class PoolingServing:
         logger.info("request %s: %d inputs pooled, %d tokens", request_id, len(outputs),
                     sum(len(o.prompt_token_ids) for o in outputs))
         return outputs
+
+
+async def pair_scores(serving, pairs: list[tuple[str, str]], params: PoolingParams, request_id: str, priority: int,
+                      param: str) -> tuple[list[float], list[PoolingRequestOutput]]:
+    """Each pair's score, and the outputs (for usage): a cross-encoder reads each pair as one
+    prompt and scores it; an embedding model embeds each distinct text once, and the score is
+    the cosine of the two vectors (as vLLM scores with either)."""
+    model = serving.engine.config.model
+    if not model.cross_encoder:
+        texts = list(dict.fromkeys(t for pair in pairs for t in pair))
+        outputs = await serving.encode_all(texts, params, request_id, priority, param)
+        vectors = {t: o.outputs.data for t, o in zip(texts, outputs)}
+        return [cosine(vectors[a], vectors[b]) for a, b in pairs], outputs
+    if model.hf_config.get("num_labels", 1) != 1:
+        raise OpenAIError(f"{model.architecture} has {model.hf_config['num_labels']} labels: scores come from a "
+                          "one-label cross-encoder", param="model")
+    texts = [t for pair in pairs for t in pair]
+    for text in texts:
+        serving.check_prompt_chars(len(text), param)
+    serving.check_input(texts, param)  # the content filter, before the pairs go in as token ids
+    prompts = [serving.tokenizer.encode_pair(a, b) for a, b in pairs]
+    outputs = await serving.encode_all(prompts, params, request_id, priority, param)
+    return [float(o.outputs.data[0]) for o in outputs], outputs
 
 
 def encode_vector(vector, encoding_format: str) -> list[float] | str:

@@ -1,5 +1,6 @@
 """The pooling runner's routes, in vLLM's shapes: POST /v1/embeddings (OpenAI's), /v1/score
-(vLLM's: cosine similarity of two texts' embeddings), /v1/rerank, /rerank and /v2/rerank (Jina's
+(vLLM's: a cross-encoder's score of each pair, or the cosine similarity of two texts'
+embeddings), /v1/rerank, /rerank and /v2/rerank (Jina's
 and Cohere's, as vLLM serves them). Each runs its texts through `Serving.encode_all` (pooling.py)
 under the server's admission, as the generation routes run theirs through `respond`."""
 
@@ -11,12 +12,12 @@ from collections.abc import Awaitable, Callable
 from fastapi import APIRouter, Request
 from fastapi.responses import Response
 
-from pagoda.engine.scoring import cosine, score_pairs
+from pagoda.engine.scoring import score_pairs
 from pagoda.entrypoints.disconnect import GONE, unless_disconnected
 from pagoda.entrypoints.openai.errors import OpenAIError, bad_value
 from pagoda.entrypoints.openai.lifecycle import check_serving
 from pagoda.entrypoints.openai.middleware import FastJSONResponse
-from pagoda.entrypoints.openai.pooling import encode_vector
+from pagoda.entrypoints.openai.pooling import encode_vector, pair_scores
 from pagoda.entrypoints.openai.pooling_protocol import EmbeddingRequest, RerankRequest, ScoreRequest
 from pagoda.entrypoints.openai.protocol import random_id
 from pagoda.entrypoints.openai.serving import Serving
@@ -66,11 +67,7 @@ async def embeddings(body: EmbeddingRequest, request: Request):
 
 
 async def _scores(serving: Serving, pairs: list[tuple[str, str]], body, param: str):
-    """Each pair's cosine score, each distinct text embedded once; and the outputs (for usage)."""
-    texts = list(dict.fromkeys(t for pair in pairs for t in pair))
-    outputs = await serving.encode_all(texts, body.pooling_params("score"), random_id("score"), body.priority, param)
-    vectors = {t: o.outputs.data for t, o in zip(texts, outputs)}
-    return [cosine(vectors[a], vectors[b]) for a, b in pairs], outputs
+    return await pair_scores(serving, pairs, body.pooling_params("score"), random_id("score"), body.priority, param)
 
 
 @router.post("/v1/score")
