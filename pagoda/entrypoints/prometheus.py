@@ -1,4 +1,5 @@
-"""Prometheus metrics for the server, named close to vLLM's (prefix `pagoda:`)."""
+"""Prometheus metrics for the server, named close to vLLM's (prefix `pagoda:`), and the signals
+vLLM's ecosystem reads under vLLM's own names too (vllm_metric_names.py)."""
 
 from __future__ import annotations
 
@@ -6,6 +7,8 @@ import time
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, ProcessCollector, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+from pagoda.entrypoints.vllm_metric_names import with_vllm_names
 
 _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 80.0, 160.0)
 
@@ -108,7 +111,7 @@ class MetricFamilies:
                                            labels + ["list", "direction"], registry=registry)
 
     def render(self) -> bytes:
-        return generate_latest(self.registry)
+        return with_vllm_names(generate_latest(self.registry))
 
 
 class ServerMetrics:
@@ -137,7 +140,7 @@ class ServerMetrics:
         self.content_filter_hits.labels(self.model_name, list_name, direction).inc()
 
     def render(self) -> bytes:
-        return generate_latest(self.registry)
+        return with_vllm_names(generate_latest(self.registry))
 
     def tracker(self, prompt_tokens: int) -> "RequestTracker":
         return RequestTracker(self, prompt_tokens)

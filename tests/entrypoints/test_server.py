@@ -223,6 +223,31 @@ def test_metrics_after_requests(server, client):
     assert _metric(server, "pagoda:request_queue_time_seconds_count") >= 1
 
 
+def test_metrics_under_vllms_names_for_its_ecosystem(server, client):
+    """llm-d's endpoint picker, the Gateway API Inference Extension and KServe read vLLM's names:
+    each is there, with the same value and labels as pagoda's own, in valid Prometheus text."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    client.completions.create(model=MODEL, prompt="Hello", max_tokens=4, temperature=0)
+    samples = {(s.name, tuple(sorted(s.labels.items()))): s.value
+               for family in text_string_to_metric_families(httpx.get(f"{server}/metrics").text)
+               for s in family.samples}
+    pairs = [("num_requests_running", "num_requests_running"), ("num_requests_waiting", "num_requests_waiting"),
+             ("kv_cache_usage_perc", "kv_cache_usage_perc"), ("kv_cache_usage_perc", "gpu_cache_usage_perc"),
+             ("prefix_cache_queries_total", "prefix_cache_queries_total"),
+             ("prefix_cache_hits_total", "prefix_cache_hits_total"), ("prompt_tokens_total", "prompt_tokens_total"),
+             ("generation_tokens_total", "generation_tokens_total"),
+             ("time_to_first_token_seconds_count", "time_to_first_token_seconds_count"),
+             ("inter_token_latency_seconds_count", "time_per_output_token_seconds_count"),
+             ("e2e_request_latency_seconds_bucket", "e2e_request_latency_seconds_bucket")]
+    for ours, theirs in pairs:
+        mine = {labels: v for (name, labels), v in samples.items() if name == f"pagoda:{ours}"}
+        copied = {labels: v for (name, labels), v in samples.items() if name == f"vllm:{theirs}"}
+        assert mine and copied == mine, (ours, theirs)
+        assert all(("model_name", MODEL) in labels for labels in copied)
+    assert samples[("vllm:generation_tokens_total", (("model_name", MODEL),))] >= 4
+
+
 def test_disconnect_mid_stream_aborts_and_frees_blocks(server):
     body = {"prompt": "Once upon a time", "max_tokens": 200, "ignore_eos": True, "stream": True, "temperature": 0}
     with httpx.stream("POST", f"{server}/v1/completions", json=body) as r:
