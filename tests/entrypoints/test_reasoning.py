@@ -11,7 +11,7 @@ import anthropic
 import httpx
 import openai
 import pytest
-from server_process import start_server, stop_process
+from server_process import _free_port, start_server, stop_process
 
 from pagoda.entrypoints.openai.choice_parser import ChoiceParser
 from pagoda.entrypoints.openai.reasoning import REASONING_PARSERS, reasoning_format
@@ -95,11 +95,16 @@ QUESTION = [{"role": "user", "content": "What is the weather like in Paris?"}]
 
 
 @pytest.fixture(scope="module")
-def base(long_tiny_llama, tmp_path_factory):
+def grpc_port() -> int:
+    return _free_port()
+
+
+@pytest.fixture(scope="module")
+def base(long_tiny_llama, tmp_path_factory, grpc_port):
     template = tmp_path_factory.mktemp("reasoning") / "template.jinja"
     template.write_text(TEMPLATE)
     proc, base = start_server(long_tiny_llama, "--max-model-len", "2048", "--chat-template", str(template),
-                              "--reasoning-parser", "qwen3")
+                              "--reasoning-parser", "qwen3", "--grpc-port", str(grpc_port))
     yield base
     stop_process(proc)
 
@@ -182,3 +187,13 @@ def test_responses_messages_and_ollama_send_the_reasoning_apart(base):
         "model": "tiny", "messages": QUESTION, "stream": False, "think": False,
         "options": {"temperature": 0, "num_predict": 8}}).json()
     assert "thinking" not in off["message"] and off["message"]["content"]
+
+
+def test_grpc_chat_carries_the_reasoning_on_its_last_piece(base, grpc_port):
+    from pagoda.client import EngineClient
+
+    expected = _chat(base, max_tokens=40, guided_regex=THOUGHT_THEN_ANSWER)["choices"][0]["message"]
+    with EngineClient(f"127.0.0.1:{grpc_port}") as client:
+        pieces = list(client.chat(QUESTION, regex=THOUGHT_THEN_ANSWER, max_tokens=40, temperature=0))
+    assert pieces[-1].reasoning == expected["reasoning_content"]  # the prompt opened <think>: constrained, the
+    assert "".join(p.text for p in pieces).endswith(expected["content"])  # regex wrote the tags itself

@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n(pagoda/entrypoints/grpc_api/pagoda.proto\x12\tpagoda.v1\"\xbd\x05\n\x0fSamplingOptions\x12\x17\n\nmax_tokens\x18\x01 \x01(\rH\x00\x88\x01\x01\x12\x18\n\x0btemperature\x18\x02 \x01(\x02H\x01\x88\x01\x01\x12\x12\n\x05top_p\x18\x03 \x01(\x02H\x02\x88\x01\x01\x12\x12\n\x05top_k\x18\x04 \x01(\x05H\x03\x88\x01\x01\x12\x12\n\x05min_p\x18\x05 \x01(\x02H\x04\x88\x01\x01\x12\x1d\n\x10presence_penalty\x18\x06 \x01(\x02H\x05\x88\x01\x01\x12\x1e\n\x11\x66requency_penalty\x18\x07 \x01(\x02H\x06\x88\x01\x01\x12\x1f\n\x12repetition_penalty\x18\x08 \x01(\x02H\x07\x88\x01\x01\x12\x11\n\x04seed\x18\t \x01(\x03H\x08\x88\x01\x01\x12\x0c\n\x04stop\x18\n \x03(\t\x12\x16\n\x0estop_token_ids\x18\x0b \x03(\x05\x12\x17\n\nmin_tokens\x18\x0c \x01(\rH\t\x88\x01\x01\x12\x12\n\nignore_eos\x18\r \x01(\x08\x12\x15\n\x08logprobs\x18\x0e \x01(\rH\n\x88\x01\x01\x12\x10\n\x08priority\x18\x0f \x01(\x05\x12\x17\n\ncache_salt\x18\x10 \x01(\tH\x0b\x88\x01\x01\x12\x18\n\x0bspeculative\x18\x11 \x01(\x08H\x0c\x88\x01\x01\x12\x18\n\x0bjson_schema\x18\x12 \x01(\tH\r\x88\x01\x01\x12\x12\n\x05regex\x18\x13 \x01(\tH\x0e\x88\x01\x01\x12\x0e\n\x06\x63hoice\x18\x14 \x03(\tB\r\n\x0b_max_tokensB\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x08\n\x06_top_kB\x08\n\x06_min_pB\x13\n\x11_presence_penaltyB\x14\n\x12_frequency_penaltyB\x15\n\x13_repetition_penaltyB\x07\n\x05_seedB\r\n\x0b_min_tokensB\x0b\n\t_logprobsB\r\n\x0b_cache_saltB\x0e\n\x0c_speculativeB\x0e\n\x0c_json_schemaB\x08\n\x06_regex\"\x9a\x01\n\x0fGenerateRequest\x12\r\n\x05model\x18\x01 \x01(\t\x12\x10\n\x06prompt\x18\x02 \x01(\tH\x00\x12/\n\x10prompt_token_ids\x18\x03 \x01(\x0b\x32\x13.pagoda.v1.TokenIdsH\x00\x12,\n\x08sampling\x18\x04 \x01(\x0b\x32\x1a.pagoda.v1.SamplingOptionsB\x07\n\x05input\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\x05\"^\n\x0cTokenLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\x05\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\x12\x15\n\rtop_token_ids\x18\x03 \x03(\x05\x12\x14\n\x0ctop_logprobs\x18\x04 \x03(\x02\"\xe8\x01\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0c\n\x04text\x18\x02 \x01(\t\x12\x11\n\ttoken_ids\x18\x03 \x03(\x05\x12)\n\x08logprobs\x18\x04 \x03(\x0b\x32\x17.pagoda.v1.TokenLogprob\x12\x15\n\rfinish_reason\x18\x05 \x01(\t\x12\x13\n\x0bstop_reason\x18\x06 \x01(\t\x12\x1f\n\x05usage\x18\x07 \x01(\x0b\x32\x10.pagoda.v1.Usage\x12\'\n\ntool_calls\x18\x08 \x03(\x0b\x32\x13.pagoda.v1.ToolCall\"7\n\x08ToolCall\x12\n\n\x02id\x18\x01 \x01(\t\x12\x0c\n\x04name\x18\x02 \x01(\t\x12\x11\n\targuments\x18\x03 \x01(\t\"P\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\r\x12\x15\n\rcached_tokens\x18\x03 \x01(\r\"k\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\x12\x14\n\x0ctool_call_id\x18\x03 \x01(\t\x12\'\n\ntool_calls\x18\x04 \x03(\x0b\x32\x13.pagoda.v1.ToolCall\"\x8c\x02\n\x0b\x43hatRequest\x12\r\n\x05model\x18\x01 \x01(\t\x12(\n\x08messages\x18\x02 \x03(\x0b\x32\x16.pagoda.v1.ChatMessage\x12,\n\x08sampling\x18\x03 \x01(\x0b\x32\x1a.pagoda.v1.SamplingOptions\x12\x17\n\ntools_json\x18\x04 \x01(\tH\x00\x88\x01\x01\x12\x1d\n\x10tool_choice_json\x18\x05 \x01(\tH\x01\x88\x01\x01\x12!\n\x14response_format_json\x18\x06 \x01(\tH\x02\x88\x01\x01\x42\r\n\x0b_tools_jsonB\x13\n\x11_tool_choice_jsonB\x17\n\x15_response_format_json\"\x7f\n\x0fTokenizeRequest\x12\r\n\x05model\x18\x01 \x01(\t\x12\x10\n\x06prompt\x18\x02 \x01(\tH\x00\x12&\n\x04\x63hat\x18\x03 \x01(\x0b\x32\x16.pagoda.v1.ChatRequestH\x00\x12\x1a\n\x12\x61\x64\x64_special_tokens\x18\x04 \x01(\x08\x42\x07\n\x05input\"<\n\x10TokenizeResponse\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\x12\x15\n\rmax_model_len\x18\x02 \x01(\r\"5\n\x11\x44\x65tokenizeRequest\x12\r\n\x05model\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\x05\"\"\n\x12\x44\x65tokenizeResponse\x12\x0c\n\x04text\x18\x01 \x01(\t\"\xcc\x01\n\x0c\x45mbedRequest\x12\r\n\x05model\x18\x01 \x01(\t\x12\r\n\x05input\x18\x02 \x03(\t\x12\x17\n\ndimensions\x18\x03 \x01(\rH\x00\x88\x01\x01\x12\x16\n\tnormalize\x18\x04 \x01(\x08H\x01\x88\x01\x01\x12#\n\x16truncate_prompt_tokens\x18\x05 \x01(\x05H\x02\x88\x01\x01\x12\x10\n\x08priority\x18\x06 \x01(\x05\x42\r\n\x0b_dimensionsB\x0c\n\n_normalizeB\x19\n\x17_truncate_prompt_tokens\"2\n\tEmbedding\x12\x0e\n\x06values\x18\x01 \x03(\x02\x12\x15\n\rprompt_tokens\x18\x02 \x01(\r\"Z\n\rEmbedResponse\x12(\n\nembeddings\x18\x01 \x03(\x0b\x32\x14.pagoda.v1.Embedding\x12\x1f\n\x05usage\x18\x02 \x01(\x0b\x32\x10.pagoda.v1.Usage\"\x13\n\x11ListModelsRequest\"*\n\x05Model\x12\n\n\x02id\x18\x01 \x01(\t\x12\x15\n\rmax_model_len\x18\x02 \x01(\r\"6\n\x12ListModelsResponse\x12 \n\x06models\x18\x01 \x03(\x0b\x32\x10.pagoda.v1.Model2\xa5\x03\n\x06\x45ngine\x12\x45\n\x08Generate\x12\x1a.pagoda.v1.GenerateRequest\x1a\x1b.pagoda.v1.GenerateResponse0\x01\x12=\n\x04\x43hat\x12\x16.pagoda.v1.ChatRequest\x1a\x1b.pagoda.v1.GenerateResponse0\x01\x12\x43\n\x08Tokenize\x12\x1a.pagoda.v1.TokenizeRequest\x1a\x1b.pagoda.v1.TokenizeResponse\x12I\n\nDetokenize\x12\x1c.pagoda.v1.DetokenizeRequest\x1a\x1d.pagoda.v1.DetokenizeResponse\x12I\n\nListModels\x12\x1c.pagoda.v1.ListModelsRequest\x1a\x1d.pagoda.v1.ListModelsResponse\x12:\n\x05\x45mbed\x12\x17.pagoda.v1.EmbedRequest\x1a\x18.pagoda.v1.EmbedResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n(pagoda/entrypoints/grpc_api/pagoda.proto\x12\tpagoda.v1\"\xbd\x05\n\x0fSamplingOptions\x12\x17\n\nmax_tokens\x18\x01 \x01(\rH\x00\x88\x01\x01\x12\x18\n\x0btemperature\x18\x02 \x01(\x02H\x01\x88\x01\x01\x12\x12\n\x05top_p\x18\x03 \x01(\x02H\x02\x88\x01\x01\x12\x12\n\x05top_k\x18\x04 \x01(\x05H\x03\x88\x01\x01\x12\x12\n\x05min_p\x18\x05 \x01(\x02H\x04\x88\x01\x01\x12\x1d\n\x10presence_penalty\x18\x06 \x01(\x02H\x05\x88\x01\x01\x12\x1e\n\x11\x66requency_penalty\x18\x07 \x01(\x02H\x06\x88\x01\x01\x12\x1f\n\x12repetition_penalty\x18\x08 \x01(\x02H\x07\x88\x01\x01\x12\x11\n\x04seed\x18\t \x01(\x03H\x08\x88\x01\x01\x12\x0c\n\x04stop\x18\n \x03(\t\x12\x16\n\x0estop_token_ids\x18\x0b \x03(\x05\x12\x17\n\nmin_tokens\x18\x0c \x01(\rH\t\x88\x01\x01\x12\x12\n\nignore_eos\x18\r \x01(\x08\x12\x15\n\x08logprobs\x18\x0e \x01(\rH\n\x88\x01\x01\x12\x10\n\x08priority\x18\x0f \x01(\x05\x12\x17\n\ncache_salt\x18\x10 \x01(\tH\x0b\x88\x01\x01\x12\x18\n\x0bspeculative\x18\x11 \x01(\x08H\x0c\x88\x01\x01\x12\x18\n\x0bjson_schema\x18\x12 \x01(\tH\r\x88\x01\x01\x12\x12\n\x05regex\x18\x13 \x01(\tH\x0e\x88\x01\x01\x12\x0e\n\x06\x63hoice\x18\x14 \x03(\tB\r\n\x0b_max_tokensB\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x08\n\x06_top_kB\x08\n\x06_min_pB\x13\n\x11_presence_penaltyB\x14\n\x12_frequency_penaltyB\x15\n\x13_repetition_penaltyB\x07\n\x05_seedB\r\n\x0b_min_tokensB\x0b\n\t_logprobsB\r\n\x0b_cache_saltB\x0e\n\x0c_speculativeB\x0e\n\x0c_json_schemaB\x08\n\x06_regex\"\x9a\x01\n\x0fGenerateRequest\x12\r\n\x05model\x18\x01 \x01(\t\x12\x10\n\x06prompt\x18\x02 \x01(\tH\x00\x12/\n\x10prompt_token_ids\x18\x03 \x01(\x0b\x32\x13.pagoda.v1.TokenIdsH\x00\x12,\n\x08sampling\x18\x04 \x01(\x0b\x32\x1a.pagoda.v1.SamplingOptionsB\x07\n\x05input\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\x05\"^\n\x0cTokenLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\x05\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\x12\x15\n\rtop_token_ids\x18\x03 \x03(\x05\x12\x14\n\x0ctop_logprobs\x18\x04 \x03(\x02\"\xfb\x01\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0c\n\x04text\x18\x02 \x01(\t\x12\x11\n\ttoken_ids\x18\x03 \x03(\x05\x12)\n\x08logprobs\x18\x04 \x03(\x0b\x32\x17.pagoda.v1.TokenLogprob\x12\x15\n\rfinish_reason\x18\x05 \x01(\t\x12\x13\n\x0bstop_reason\x18\x06 \x01(\t\x12\x1f\n\x05usage\x18\x07 \x01(\x0b\x32\x10.pagoda.v1.Usage\x12\'\n\ntool_calls\x18\x08 \x03(\x0b\x32\x13.pagoda.v1.ToolCall\x12\x11\n\treasoning\x18\t \x01(\t\"7\n\x08ToolCall\x12\n\n\x02id\x18\x01 \x01(\t\x12\x0c\n\x04name\x18\x02 \x01(\t\x12\x11\n\targuments\x18\x03 \x01(\t\"P\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\r\x12\x15\n\rcached_tokens\x18\x03 \x01(\r\"k\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\x12\x14\n\x0ctool_call_id\x18\x03 \x01(\t\x12\'\n\ntool_calls\x18\x04 \x03(\x0b\x32\x13.pagoda.v1.ToolCall\"\x8c\x02\n\x0b\x43hatRequest\x12\r\n\x05model\x18\x01 \x01(\t\x12(\n\x08messages\x18\x02 \x03(\x0b\x32\x16.pagoda.v1.ChatMessage\x12,\n\x08sampling\x18\x03 \x01(\x0b\x32\x1a.pagoda.v1.SamplingOptions\x12\x17\n\ntools_json\x18\x04 \x01(\tH\x00\x88\x01\x01\x12\x1d\n\x10tool_choice_json\x18\x05 \x01(\tH\x01\x88\x01\x01\x12!\n\x14response_format_json\x18\x06 \x01(\tH\x02\x88\x01\x01\x42\r\n\x0b_tools_jsonB\x13\n\x11_tool_choice_jsonB\x17\n\x15_response_format_json\"\x7f\n\x0fTokenizeRequest\x12\r\n\x05model\x18\x01 \x01(\t\x12\x10\n\x06prompt\x18\x02 \x01(\tH\x00\x12&\n\x04\x63hat\x18\x03 \x01(\x0b\x32\x16.pagoda.v1.ChatRequestH\x00\x12\x1a\n\x12\x61\x64\x64_special_tokens\x18\x04 \x01(\x08\x42\x07\n\x05input\"<\n\x10TokenizeResponse\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\x12\x15\n\rmax_model_len\x18\x02 \x01(\r\"5\n\x11\x44\x65tokenizeRequest\x12\r\n\x05model\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\x05\"\"\n\x12\x44\x65tokenizeResponse\x12\x0c\n\x04text\x18\x01 \x01(\t\"\xcc\x01\n\x0c\x45mbedRequest\x12\r\n\x05model\x18\x01 \x01(\t\x12\r\n\x05input\x18\x02 \x03(\t\x12\x17\n\ndimensions\x18\x03 \x01(\rH\x00\x88\x01\x01\x12\x16\n\tnormalize\x18\x04 \x01(\x08H\x01\x88\x01\x01\x12#\n\x16truncate_prompt_tokens\x18\x05 \x01(\x05H\x02\x88\x01\x01\x12\x10\n\x08priority\x18\x06 \x01(\x05\x42\r\n\x0b_dimensionsB\x0c\n\n_normalizeB\x19\n\x17_truncate_prompt_tokens\"2\n\tEmbedding\x12\x0e\n\x06values\x18\x01 \x03(\x02\x12\x15\n\rprompt_tokens\x18\x02 \x01(\r\"Z\n\rEmbedResponse\x12(\n\nembeddings\x18\x01 \x03(\x0b\x32\x14.pagoda.v1.Embedding\x12\x1f\n\x05usage\x18\x02 \x01(\x0b\x32\x10.pagoda.v1.Usage\"\x13\n\x11ListModelsRequest\"*\n\x05Model\x12\n\n\x02id\x18\x01 \x01(\t\x12\x15\n\rmax_model_len\x18\x02 \x01(\r\"6\n\x12ListModelsResponse\x12 \n\x06models\x18\x01 \x03(\x0b\x32\x10.pagoda.v1.Model2\xa5\x03\n\x06\x45ngine\x12\x45\n\x08Generate\x12\x1a.pagoda.v1.GenerateRequest\x1a\x1b.pagoda.v1.GenerateResponse0\x01\x12=\n\x04\x43hat\x12\x16.pagoda.v1.ChatRequest\x1a\x1b.pagoda.v1.GenerateResponse0\x01\x12\x43\n\x08Tokenize\x12\x1a.pagoda.v1.TokenizeRequest\x1a\x1b.pagoda.v1.TokenizeResponse\x12I\n\nDetokenize\x12\x1c.pagoda.v1.DetokenizeRequest\x1a\x1d.pagoda.v1.DetokenizeResponse\x12I\n\nListModels\x12\x1c.pagoda.v1.ListModelsRequest\x1a\x1d.pagoda.v1.ListModelsResponse\x12:\n\x05\x45mbed\x12\x17.pagoda.v1.EmbedRequest\x1a\x18.pagoda.v1.EmbedResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -40,35 +40,35 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_TOKENLOGPROB']._serialized_start=941
   _globals['_TOKENLOGPROB']._serialized_end=1035
   _globals['_GENERATERESPONSE']._serialized_start=1038
-  _globals['_GENERATERESPONSE']._serialized_end=1270
-  _globals['_TOOLCALL']._serialized_start=1272
-  _globals['_TOOLCALL']._serialized_end=1327
-  _globals['_USAGE']._serialized_start=1329
-  _globals['_USAGE']._serialized_end=1409
-  _globals['_CHATMESSAGE']._serialized_start=1411
-  _globals['_CHATMESSAGE']._serialized_end=1518
-  _globals['_CHATREQUEST']._serialized_start=1521
-  _globals['_CHATREQUEST']._serialized_end=1789
-  _globals['_TOKENIZEREQUEST']._serialized_start=1791
-  _globals['_TOKENIZEREQUEST']._serialized_end=1918
-  _globals['_TOKENIZERESPONSE']._serialized_start=1920
-  _globals['_TOKENIZERESPONSE']._serialized_end=1980
-  _globals['_DETOKENIZEREQUEST']._serialized_start=1982
-  _globals['_DETOKENIZEREQUEST']._serialized_end=2035
-  _globals['_DETOKENIZERESPONSE']._serialized_start=2037
-  _globals['_DETOKENIZERESPONSE']._serialized_end=2071
-  _globals['_EMBEDREQUEST']._serialized_start=2074
-  _globals['_EMBEDREQUEST']._serialized_end=2278
-  _globals['_EMBEDDING']._serialized_start=2280
-  _globals['_EMBEDDING']._serialized_end=2330
-  _globals['_EMBEDRESPONSE']._serialized_start=2332
-  _globals['_EMBEDRESPONSE']._serialized_end=2422
-  _globals['_LISTMODELSREQUEST']._serialized_start=2424
-  _globals['_LISTMODELSREQUEST']._serialized_end=2443
-  _globals['_MODEL']._serialized_start=2445
-  _globals['_MODEL']._serialized_end=2487
-  _globals['_LISTMODELSRESPONSE']._serialized_start=2489
-  _globals['_LISTMODELSRESPONSE']._serialized_end=2543
-  _globals['_ENGINE']._serialized_start=2546
-  _globals['_ENGINE']._serialized_end=2967
+  _globals['_GENERATERESPONSE']._serialized_end=1289
+  _globals['_TOOLCALL']._serialized_start=1291
+  _globals['_TOOLCALL']._serialized_end=1346
+  _globals['_USAGE']._serialized_start=1348
+  _globals['_USAGE']._serialized_end=1428
+  _globals['_CHATMESSAGE']._serialized_start=1430
+  _globals['_CHATMESSAGE']._serialized_end=1537
+  _globals['_CHATREQUEST']._serialized_start=1540
+  _globals['_CHATREQUEST']._serialized_end=1808
+  _globals['_TOKENIZEREQUEST']._serialized_start=1810
+  _globals['_TOKENIZEREQUEST']._serialized_end=1937
+  _globals['_TOKENIZERESPONSE']._serialized_start=1939
+  _globals['_TOKENIZERESPONSE']._serialized_end=1999
+  _globals['_DETOKENIZEREQUEST']._serialized_start=2001
+  _globals['_DETOKENIZEREQUEST']._serialized_end=2054
+  _globals['_DETOKENIZERESPONSE']._serialized_start=2056
+  _globals['_DETOKENIZERESPONSE']._serialized_end=2090
+  _globals['_EMBEDREQUEST']._serialized_start=2093
+  _globals['_EMBEDREQUEST']._serialized_end=2297
+  _globals['_EMBEDDING']._serialized_start=2299
+  _globals['_EMBEDDING']._serialized_end=2349
+  _globals['_EMBEDRESPONSE']._serialized_start=2351
+  _globals['_EMBEDRESPONSE']._serialized_end=2441
+  _globals['_LISTMODELSREQUEST']._serialized_start=2443
+  _globals['_LISTMODELSREQUEST']._serialized_end=2462
+  _globals['_MODEL']._serialized_start=2464
+  _globals['_MODEL']._serialized_end=2506
+  _globals['_LISTMODELSRESPONSE']._serialized_start=2508
+  _globals['_LISTMODELSRESPONSE']._serialized_end=2562
+  _globals['_ENGINE']._serialized_start=2565
+  _globals['_ENGINE']._serialized_end=2986
 # @@protoc_insertion_point(module_scope)

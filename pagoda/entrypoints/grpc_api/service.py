@@ -30,7 +30,7 @@ from pagoda.entrypoints.openai.pooling_protocol import EmbeddingRequest
 from pagoda.entrypoints.openai.protocol import ChatCompletionRequest, CompletionRequest, random_id
 from pagoda.entrypoints.openai.errors import OpenAIError
 from pagoda.entrypoints.openai.serving import Serving
-from pagoda.entrypoints.openai.tool_calls import ToolChoice
+from pagoda.entrypoints.openai.choice_parser import ChoiceParser, ParsedChoice
 from pagoda.outputs import RequestOutput
 from pagoda.security.access import grpc_context
 from pagoda.security.context import CURRENT, RequestContext, request_context
@@ -101,7 +101,8 @@ class EngineService(pb_grpc.EngineServicer):
             _, ids, params, tools = await asyncio.to_thread(self.serving.prepare_chat, body)
         except OpenAIError as e:
             await _abort(context, e)
-        async for piece in self._stream(context, [ids], [params], body, "chatcmpl", tools):
+        parser = self.serving.choice_parser(tools, ids, params.structured_outputs is not None)
+        async for piece in self._stream(context, [ids], [params], body, "chatcmpl", parser):
             yield piece
 
     @_audited
@@ -217,9 +218,9 @@ class EngineService(pb_grpc.EngineServicer):
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
 
     async def _stream(self, context, prompts: list[list[int]], params_list, body, prefix: str,
-                      tools: ToolChoice | None = None):
-        """Run the prompts under the engine-level limit; one response per engine delta. With
-        tools, the last piece carries the calls parsed from the whole answer."""
+                      parser: ChoiceParser | None = None):
+        """Run the prompts under the engine-level limit; one response per engine delta. A chat's
+        last piece carries its reasoning and tool calls, parsed from the whole answer (`parser`)."""
         admission = self.serving.admission()
         try:
             try:
@@ -228,15 +229,15 @@ class EngineService(pb_grpc.EngineServicer):
             except OpenAIError as e:
                 await _abort(context, e)
             request_id = random_id(prefix)
-            completion_tokens, text = 0, ""
+            completion_tokens, pieces = 0, []
             try:
                 async for _, out in self.serving.run_all(prompts, params_list, request_id, body.priority,
                                                          body.cache_salt):
                     piece = _piece(request_id, out, params_list[0].logprobs or 0)
                     completion_tokens += len(piece.token_ids)
-                    text += piece.text
-                    if piece.finish_reason and tools is not None:
-                        _attach_tool_calls(piece, tools, text)
+                    pieces.append((piece.text, len(piece.token_ids)))
+                    if piece.finish_reason and parser is not None:
+                        _attach_parsed(piece, parser.whole(pieces))
                     if piece.finish_reason:
                         piece.usage.CopyFrom(pb.Usage(prompt_tokens=len(out.prompt_token_ids),
                                                       completion_tokens=completion_tokens,
@@ -248,11 +249,12 @@ class EngineService(pb_grpc.EngineServicer):
             admission.release()
 
 
-def _attach_tool_calls(piece: pb.GenerateResponse, tools: ToolChoice, text: str) -> None:
-    """The calls in the whole answer, as the HTTP API parses them; finish_reason "tool_calls"."""
-    _, calls = tools.parse(text)
-    piece.tool_calls.extend(pb.ToolCall(id=c.id, name=c.name, arguments=c.arguments) for c in calls)
-    if calls and piece.finish_reason == "stop":
+def _attach_parsed(piece: pb.GenerateResponse, parsed: ParsedChoice) -> None:
+    """The reasoning and the calls of the whole answer, as the HTTP API parses them;
+    finish_reason "tool_calls" when there are calls."""
+    piece.reasoning = parsed.reasoning or ""
+    piece.tool_calls.extend(pb.ToolCall(id=c.id, name=c.name, arguments=c.arguments) for c in parsed.calls)
+    if parsed.calls and piece.finish_reason == "stop":
         piece.finish_reason = "tool_calls"
 
 
