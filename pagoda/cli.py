@@ -18,8 +18,7 @@ from collections.abc import Callable
 from pagoda import __version__, config_file
 from pagoda.engine_args import EngineArgs  # not from pagoda.config, which imports torch (~1.5 s)
 from pagoda.entrypoints import served_models  # argparse only; the pool loads when several models are served
-from pagoda.entrypoints.openai.reasoning import REASONING_PARSERS  # the parsers' names; no torch
-from pagoda.entrypoints.openai.tool_formats import TOOL_CALL_FORMATS  # the formats' names
+from pagoda.entrypoints.openai import api_options  # argparse only: the APIs' serve options
 from pagoda.quantize import command as quantize_command  # argparse only; torch loads when it runs
 from pagoda.router import options as router_options  # argparse only; the router loads when it runs
 from pagoda.sampling_params import RequestOutputKind, SamplingParams
@@ -302,10 +301,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_generate)
 
     p = sub.add_parser("run-batch", help="run a Batch API file (JSONL requests) offline, as vLLM's run_batch")
-    p.add_argument("-i", "--input-file", required=True, help="the requests, one JSON object per line ('-': stdin)")
-    p.add_argument("-o", "--output-file", required=True, help="the answers, in the input's order ('-': stdout)")
-    p.add_argument("--served-model-name", nargs="+", default=None, help="the name the lines' `model` may give")
-    EngineArgs.add_cli_args(p)
+    api_options.add_run_batch_args(p)  # -i, -o, --served-model-name, and the engine's options
     config_file.add_cli_arg(p)
     p.set_defaults(func=cmd_run_batch)
 
@@ -328,28 +324,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--grpc-port", type=int, default=None,
                    help="also serve the gRPC service pagoda.v1.Engine (with grpc.health.v1 and reflection) on "
                         "this port, on the same engine, API key and limits")
-    p.add_argument("--session-ttl", type=float, default=1800.0,
-                   help="seconds a /v1/sessions conversation may stay idle before it ends and its pinned "
-                        "KV prefix is let go")
-    p.add_argument("--max-sessions", type=int, default=1000,
-                   help="sessions held at once; past that, POST /v1/sessions answers 429")
-    p.add_argument("--reasoning-parser", choices=sorted(REASONING_PARSERS), default=None,
-                   help="split a thinking model's <think>...</think> from its answer: reasoning_content in chat, "
-                        "reasoning items in Responses, thinking blocks in Messages, Ollama's thinking; tool calls "
-                        "are parsed from the answer only")
-    p.add_argument("--tool-call-parser", choices=sorted(TOOL_CALL_FORMATS), default="hermes",
-                   help="how the model writes tool calls (tool_choice auto): hermes <tool_call> blocks (Qwen, "
-                        "SmolLM2), llama3_json (Llama 3.1/3.2), pythonic (Llama 3.2/4), mistral [TOOL_CALLS]")
-    p.add_argument("--state-dir", default=None,
-                   help="where sessions, stored responses and Batch API files and jobs are kept, so that a restart "
-                        "resumes them (default: $PAGODA_HOME/state/MODEL-PORT; 'none': in memory only)")
-    p.add_argument("--batch-concurrency", type=int, default=None,
-                   help="batch lines run at once, at a priority below every interactive request; more lines "
-                        "give the batch more throughput and interactive requests a slower first token "
-                        "(default: 32, or --max-num-seqs if lower)")
-    p.add_argument("--max-stored-responses", type=int, default=10000,
-                   help="Responses API responses kept for GET /v1/responses/{id} and previous_response_id, the "
-                        "most recently used; their pinned KV prefixes are let go after --session-ttl idle")
+    api_options.add_serve_args(p)  # sessions, stored responses, --state-dir, batches, the output parsers
     p.add_argument("--engine-process", action="store_true",
                    help="run the engine core in its own process instead of a thread (see benchmarks/README.md)")
     p.add_argument("--max-engine-restarts", type=int, default=3,

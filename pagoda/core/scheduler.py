@@ -130,9 +130,7 @@ class Scheduler:
         while i < len(self.running) and budget > 0:
             request = self.running[i]
             num_new = self.chunking.chunk(request.num_tokens - request.num_computed_tokens, budget)
-            if yielding and is_background(request):
-                num_new = 0
-            if num_new <= 0:
+            if num_new <= 0 or (yielding and is_background(request)):
                 i += 1
                 continue
             drafts = self._drafts_to_verify(request, budget) if request.spec_token_ids else []
@@ -268,9 +266,8 @@ class Scheduler:
             cached = add_prefix(request, self.kv.match_prefix(request), self.kv.block_size)
             remaining = request.num_tokens - request.num_computed_tokens
             num_new = self.chunking.chunk(remaining, budget)
-            # a pooling request runs its whole prompt in one step, or waits for a step with room
-            if (request.pooling_params is not None and num_new < remaining) or not slots.take(remaining,
-                                                                                             remaining - num_new):
+            whole = request.pooling_params is None or num_new == remaining  # a pooling prompt runs in one step
+            if not whole or not slots.take(remaining, remaining - num_new):
                 self._give_back_prefix(request)
                 continue
             if (request is not favored and self._under_pressure(self.kv.blocks_needed(request, num_new))) \

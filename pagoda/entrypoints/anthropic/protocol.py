@@ -9,7 +9,8 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from pagoda.entrypoints.openai.protocol import ChatCompletionRequest, extension_fields
+from pagoda.entrypoints.openai.extension_fields import extension_fields
+from pagoda.entrypoints.openai.protocol import ChatCompletionRequest
 
 
 class ContentBlock(BaseModel):

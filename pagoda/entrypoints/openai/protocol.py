@@ -298,20 +298,6 @@ class ChatCompletionRequest(SamplingFields):
         return check_template_kwargs(value)
 
 
-# The chat fields beyond OpenAI's (vLLM's extensions, and OpenAI's own that the Responses and
-# Messages bodies name otherwise) that a Responses or Anthropic Messages body may carry too.
-EXTENSION_FIELDS = ("seed", "top_k", "min_p", "repetition_penalty", "presence_penalty", "frequency_penalty", "stop",
-                    "stop_token_ids", "logit_bias", "min_tokens", "ignore_eos", "priority", "cache_salt",
-                    "speculative", "skip_special_tokens", "chat_template_kwargs", "guided_json", "guided_regex",
-                    "guided_choice", "guided_grammar", "structured_outputs")
-
-
-def extension_fields(body: BaseModel) -> dict[str, Any]:
-    """The extension fields a body that allows extra fields was sent with."""
-    extra = body.model_extra or {}
-    return {name: extra[name] for name in EXTENSION_FIELDS if name in extra}
-
-
 class SessionCreateRequest(SamplingFields):
     """POST /v1/sessions: the system prompt, and sampling fields that become the session's
     defaults (each message may override them)."""

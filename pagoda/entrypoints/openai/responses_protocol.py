@@ -12,8 +12,9 @@ from pydantic import Field, field_validator
 
 from pagoda.entrypoints.input_limits import check_json
 from pagoda.entrypoints.openai.protocol import (
-    ChatCompletionRequest, Int64, OpenAIBase, RequestBody, extension_fields,
+    ChatCompletionRequest, Int64, OpenAIBase, RequestBody,
 )
+from pagoda.entrypoints.openai.extension_fields import extension_fields
 
 
 
