@@ -23,9 +23,13 @@ def is_background(request: Request) -> bool:
     return request.priority <= BACKGROUND_PRIORITY
 
 
-def foreground_prefill(running: list[Request], waiting: list[Request]) -> bool:
-    """Whether a request that is not background work has a prompt to compute (running
-    mid-prefill, or waiting): only then do background requests yield their step."""
+def background_yields(running: list[Request], waiting: list[Request]) -> bool:
+    """Whether background requests sit this step out: some run, and a request that is not
+    background work has a prompt to compute (running mid-prefill, or waiting). Without
+    background work running (most steps), one cheap pass decides."""
+    if not any(map(is_background, running)):
+        return False
+
     def prefilling(r: Request) -> bool:
         return r.num_tokens - r.num_computed_tokens > 1 and not is_background(r)
     return any(map(prefilling, running)) or any(not is_background(r) for r in waiting)

@@ -38,7 +38,7 @@ from typing import TYPE_CHECKING
 
 from pagoda.core.kv_cache_manager import KVBlocks, KVCacheManager
 from pagoda.core.prefill_chunks import PrefillChunking, PrefillSlots
-from pagoda.core.request_order import RequestOrder, foreground_prefill, is_background
+from pagoda.core.request_order import RequestOrder, background_yields, is_background
 from pagoda.core.scheduler_output import SchedulerOutput
 from pagoda.core.scheduler_stats import SchedulerStats, SpecDecodeCounters, scheduler_stats
 from pagoda.core.stop_conditions import grammar_verdict, stop_verdict
@@ -125,7 +125,7 @@ class Scheduler:
 
         budget = self.max_num_batched_tokens
         growth_preempted = False
-        yielding = foreground_prefill(self.running, self._waiting)  # background work sits this step out
+        yielding = background_yields(self.running, self._waiting)
         i = 0
         while i < len(self.running) and budget > 0:
             request = self.running[i]

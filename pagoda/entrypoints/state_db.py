@@ -94,6 +94,12 @@ class StateDB:
         rows = self._run("SELECT line, ok, data FROM batch_results WHERE batch_id = ? ORDER BY line", (batch_id,))
         return [(line, bool(ok), orjson.loads(data)) for line, ok, data in rows]
 
+    def result_counts(self, batch_id: str) -> tuple[int, int]:
+        """(lines answered, lines refused) so far, counted without reading the answers."""
+        rows = self._run("SELECT COALESCE(SUM(ok), 0), COUNT(*) FROM batch_results WHERE batch_id = ?", (batch_id,))
+        completed, total = rows[0]
+        return completed, total - completed
+
     def done_lines(self, batch_id: str) -> set[int]:
         return {line for (line,) in self._run("SELECT line FROM batch_results WHERE batch_id = ?", (batch_id,))}
 

@@ -11,7 +11,7 @@ import openai
 import pytest
 
 from pagoda import LLM, BeamSearchParams
-from server_process import start_server
+from server_process import start_server, stop_process
 from tiny_models import boost_eos, make_tiny_hf_model
 
 PROMPT = "Once upon a time"  # on this model some beams end (finish_reason "stop"), some run out
@@ -28,8 +28,7 @@ def server(eos_model):
     # room for 4 sequences: 2 running and 2 waiting
     proc, base = start_server(eos_model, "--max-num-seqs", "2", "--max-queue-len", "2")
     yield base
-    proc.terminate()
-    proc.wait(timeout=30)
+    stop_process(proc)
 
 
 @pytest.fixture(scope="module")

@@ -118,11 +118,8 @@ def _tool_use(call_id: str, name: str, arguments: str) -> dict:
 
 async def _answer(message_id: str, model: str, outputs: AsyncIterator, parser: ChoiceParser,
                   prompt_tokens: int) -> dict:
-    sample, cached = Sample(), 0
-    async for _, out in outputs:
-        cached = out.num_cached_tokens
-        for c in out.outputs:
-            sample.add(c)
+    choice = StreamedChoice()
+    sample, cached = await choice.gather(outputs), choice.cached
     parsed = parser.whole(sample.pieces)
     content: list[dict] = []
     if parsed.reasoning:

@@ -134,9 +134,8 @@ class BatchRunner:
         self._update(tenant, batch_id, request_counts=self._counts(batch_id, batch["request_counts"]["total"]))
 
     def _counts(self, batch_id: str, total: int) -> dict:
-        results = self.db.results(batch_id)
-        completed = sum(ok for _, ok, _ in results)
-        return {"total": total, "completed": completed, "failed": len(results) - completed}
+        completed, failed = self.db.result_counts(batch_id)  # (each line's progress: the answers stay unread)
+        return {"total": total, "completed": completed, "failed": failed}
 
     def _finish(self, tenant: str | None, batch_id: str, lines: list[BatchLine], outcome: str) -> None:
         """Write the output and error files (in input order) and end the job."""

@@ -63,6 +63,15 @@ class StreamedChoice:
     sample: Sample = field(default_factory=Sample)
     cached: int = 0
 
+    async def gather(self, outputs: AsyncIterator) -> Sample:
+        """The whole choice of `outputs` (Serving.run_all's, one prompt), for an answer that does
+        not stream."""
+        async for _, out in outputs:
+            self.cached = out.num_cached_tokens
+            for c in out.outputs:
+                self.sample.add(c)
+        return self.sample
+
     async def deltas(self, outputs: AsyncIterator, parser: ChoiceParser) -> AsyncIterator[tuple[CompletionOutput, dict]]:
         """Each engine delta of `outputs` (Serving.run_all's, one prompt) with its parsed chat delta."""
         async for _, out in outputs:

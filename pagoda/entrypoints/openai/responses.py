@@ -29,7 +29,9 @@ from pagoda.entrypoints.openai.responses_output import ResponseOutput, assistant
 from pagoda.entrypoints.openai.responses_protocol import (
     ResponsesRequest, chat_messages, chat_request, input_items, item_id,
 )
-from pagoda.entrypoints.openai.responses_store import ResponseStore, StoredResponse, caller_tenant
+from pagoda.entrypoints.openai.responses_store import (
+    ResponseStore, StoredResponse, caller_tenant, response_pin_id,
+)
 from pagoda.entrypoints.openai.serving import Serving
 from pagoda.entrypoints.openai.choice_parser import ChoiceParser, StreamedChoice
 from pagoda.entrypoints.openai.tool_calls import ToolChoice
@@ -138,7 +140,7 @@ async def start_response(serving: Serving, store: ResponseStore, body: Responses
     serving.check_capacity(1, admission)
     turn = _Turn(body, chat, model, ids, tools, items, previous, item_id("resp"), now(),
                  params.structured_outputs is not None)
-    session = f"response/{caller_tenant() or ''}/{turn.id}" if body.store else None  # = StoredResponse.pin_id
+    session = response_pin_id(caller_tenant(), turn.id) if body.store else None
     outputs = serving.run_all([ids], [params], turn.id, chat.priority, chat.cache_salt, session)
     k = body.top_logprobs if body.top_logprobs else None
     if body.stream:
@@ -184,11 +186,8 @@ def _usage(turn: _Turn, sample: Sample, cached: int, reasoning_tokens: int) -> d
 
 async def _answer(serving: Serving, store: ResponseStore, turn: _Turn, outputs: AsyncIterator,
                   k: int | None) -> dict:
-    sample, cached = Sample(), 0
-    async for _, out in outputs:
-        cached = out.num_cached_tokens
-        for c in out.outputs:
-            sample.add(c)
+    choice = StreamedChoice()
+    sample, cached = await choice.gather(outputs), choice.cached
     parsed = turn.parser(serving).whole(sample.pieces)
     logprobs = token_logprob_entries(sample.token_ids, sample.logprobs, k) if k is not None else None
     output = ResponseOutput()

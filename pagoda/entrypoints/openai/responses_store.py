@@ -47,8 +47,7 @@ class StoredResponse:
 
     @property
     def pin_id(self) -> str:
-        """The engine's session name for its prefix, unique across tenants."""
-        return f"response/{self.tenant or ''}/{self.id}"
+        return response_pin_id(self.tenant, self.id)
 
     def record(self, fingerprint: str) -> dict:
         return {"body": self.body, "input_items": self.input_items, "history": self.history,
@@ -63,6 +62,11 @@ class StoredResponse:
             body = {**body, "status": "failed",
                     "error": {"code": "server_restarted", "message": "the server restarted before it finished"}}
         return cls(body, record["input_items"], record["history"], prefix, tenant)
+
+
+def response_pin_id(tenant: str | None, response_id: str) -> str:
+    """The engine's session name for a response's prefix, unique across tenants."""
+    return f"response/{tenant or ''}/{response_id}"
 
 
 def caller_tenant() -> str | None:
@@ -124,11 +128,10 @@ class ResponseStore:
         while len(self.responses) > self.max_responses:
             _, oldest = self.responses.popitem(last=False)
             self._unpin([oldest] if oldest.pinned else [])
-        if self.db is not None:
-            self.db.put("response", response.tenant, response.id, response.record(self.fingerprint), time.time())
-            self._puts += 1
-            if self._puts % 100 == 0:
-                self.db.keep_newest("response", self.max_responses)
+        self._persist(response)
+        self._puts += 1
+        if self.db is not None and self._puts % 100 == 0:
+            self.db.keep_newest("response", self.max_responses)
 
     def finish(self, response_id: str, status: str, error: dict | None) -> None:
         """A background response that ended without an answer to store: cancelled or failed."""
@@ -136,6 +139,9 @@ class ResponseStore:
         if response is None or response.body["status"] != "in_progress":
             return  # stored as finished by then, or deleted
         response.body = {**response.body, "status": status, "error": error}
+        self._persist(response)
+
+    def _persist(self, response: StoredResponse) -> None:
         if self.db is not None:
             self.db.put("response", response.tenant, response.id, response.record(self.fingerprint), time.time())
 
