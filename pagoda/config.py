@@ -17,6 +17,7 @@ from pagoda.engine_args import EngineArgs  # also re-exported: most callers impo
 from pagoda.heap import keep_freed_memory
 from pagoda.layers.auto_quantization import announce, choose_quantization
 from pagoda.layers.quantization import check_quantization
+from pagoda.lora.config import LoRAConfig, lora_config
 from pagoda.loader.catalog import DEFAULT_MODEL  # noqa: F401 - the engine's default, re-exported
 from pagoda.loader.model_files import ModelFiles
 from pagoda.loader.pooling_model import choose_runner, sep_token_id
@@ -128,6 +129,7 @@ class EngineConfig:
     compile: bool = _ARGS.compile  # torch.compile the model between attention layers (see worker/compiled.py)
     deterministic: bool = False  # batch-invariant kernels and layout (see EngineArgs.deterministic)
     fused_decode: bool = _ARGS.fused_decode  # decode batches may take the fused C++ stack (see EngineArgs.fused_decode)
+    lora: LoRAConfig | None = None  # LoRA adapters are served (EngineArgs.enable_lora)
 
 
 def create_engine_config(args: EngineArgs) -> EngineConfig:
@@ -189,6 +191,7 @@ def create_engine_config(args: EngineArgs) -> EngineConfig:
         deterministic=deterministic,
         fused_decode=args.fused_decode,
         speculative=_speculative_config(args, model_config),
+        lora=lora_config(args, dtype, quantization not in (None, "none"), pools),
     )
 
 

@@ -150,6 +150,18 @@ class EngineArgs:
         "(default: a sentence-transformers directory's own, else CLS for an encoder, LAST for a decoder; normalized)"))
     num_threads: int | None = field(default=None, metadata=_option(
         "CPU threads the engine computes with (torch's intra-op threads; default: torch's choice, one per core)"))
+    # LoRA adapters (pagoda/lora/), vLLM's knobs and defaults; the adapters themselves come with
+    # each request (LoRARequest) or the server's --lora-modules
+    enable_lora: bool = field(default=False, metadata=_option(
+        "serve LoRA adapters over the base model, chosen per request (--lora-modules, /v1/load_lora_adapter)"))
+    max_loras: int = field(default=1, metadata=_option("distinct LoRA adapters in one batch (default: %(default)s)"))
+    max_lora_rank: int = field(default=16, metadata=_option(
+        "the highest LoRA rank served; an adapter above it is refused (default: %(default)s)"))
+    max_cpu_loras: int | None = field(default=None, metadata=_option(
+        "LoRA adapters kept loaded while no request uses them (default: --max-loras)"))
+    lora_dtype: str = field(default="auto", metadata=_option(
+        "the adapters' dtype: auto (the model's; float32 over a quantized base), float32 or bfloat16",
+        choices=("auto", "float32", "bfloat16", "float16")))
     extra: dict = field(default_factory=dict, metadata=NO_OPTION)
 
     @classmethod
@@ -199,6 +211,10 @@ class EngineArgs:
             (self.master_port is None or 0 < self.master_port < 65536, "master_port", "must be in [1, 65535]"),
             (self.distributed_timeout_seconds > 0, "distributed_timeout_seconds", "must be > 0"),
             (self.num_threads is None or self.num_threads >= 1, "num_threads", "must be >= 1"),
+            (self.max_loras >= 1, "max_loras", "must be >= 1"),
+            (self.max_lora_rank >= 1, "max_lora_rank", "must be >= 1"),
+            (self.max_cpu_loras is None or self.max_cpu_loras >= self.max_loras, "max_cpu_loras",
+             f"must be >= max_loras ({self.max_loras})"),
         ]
         for ok, name, message in checks:
             if not ok:

@@ -36,6 +36,9 @@ class AttentionMetadata:
     block_size: int = 16
     # Every KV cache group's metadata (core/kv_cache_groups.py), this one first; empty: one group.
     groups: list[AttentionMetadata] = field(default_factory=list)
+    # the step's LoRA adapters and their rows (layers/lora_delta.LoRABatch; not imported here, which
+    # would close a cycle with the layers); None: every row runs on the base model
+    lora: object | None = None
     _decode_masks: dict[int | None, torch.Tensor] = field(default_factory=dict)
     _slot_parts: tuple[torch.Tensor, torch.Tensor] | None = None
 

@@ -13,6 +13,7 @@ import time
 from dataclasses import dataclass, field, fields
 from typing import TYPE_CHECKING
 
+from pagoda.lora.request import LoRARequest
 from pagoda.pooling_params import PoolingParams
 from pagoda.sampling_params import SamplingParams
 
@@ -62,6 +63,7 @@ class EngineCoreRequest:
     cache_salt: str | None = None  # requests with different salts never share cached blocks
     session_id: str | None = None  # a conversation's turn: its prefix stays pinned for the next turn
     pooling_params: PoolingParams | None = None  # a pooling request's (the pooling runner's only kind)
+    lora_request: LoRARequest | None = None  # the adapter it runs under (None: the base model)
 
 
 @dataclass
@@ -95,6 +97,18 @@ class Request(EngineCoreRequest):
     def of(cls, message: EngineCoreRequest) -> Request:
         """The core's request for a front end's message: its fields, nothing scheduled yet."""
         return cls(**{f.name: getattr(message, f.name) for f in fields(EngineCoreRequest)})
+
+    @property
+    def prefix_key(self) -> object:
+        """What the prefix cache keys this request's blocks under: its salt, and its adapter's
+        files when it runs under one (two adapters, or an adapter and the base, never share KV)."""
+        if self.lora_request is None:
+            return self.cache_salt
+        return (self.cache_salt, *self.lora_request.prefix_key)
+
+    @property
+    def lora_id(self) -> int:
+        return 0 if self.lora_request is None else self.lora_request.lora_int_id
 
     @property
     def num_prompt_tokens(self) -> int:

@@ -119,11 +119,11 @@ class KVCacheManager:
         if request.block_ids or request.num_computed_tokens or not self._uses_prefix_cache(request):
             return None
         tokens = request.all_token_ids[: request.num_tokens - 1]
-        match = self.cache.match(tokens, request.cache_salt)
+        match = self.cache.match(tokens, request.prefix_key)
         if self.num_groups > 1 and match.blocks:
             usable = self._usable_hit(match.blocks)
             if usable < len(match.blocks):
-                match = self.cache.match(tokens[: usable * self.block_size], request.cache_salt)
+                match = self.cache.match(tokens[: usable * self.block_size], request.prefix_key)
         if not match.blocks:
             return None
         self.pool.incref(match.blocks)
@@ -223,7 +223,7 @@ class KVCacheManager:
         if locked is not None:  # its first `done` blocks are stored up to the node it holds
             have, node = self.cache.extend(locked, done, tokens, request.block_ids[:full], extras)
         else:
-            have, node = self.cache.insert(tokens, request.block_ids[:full], request.cache_salt, extras)
+            have, node = self.cache.insert(tokens, request.block_ids[:full], request.prefix_key, extras)
         if have < full:
             self.pool.incref(request.block_ids[have:full])  # the tree's own reference
             if extras is not None:
@@ -305,7 +305,7 @@ class KVCacheManager:
         if finished and request.session_id is not None and self.sessions is not None:
             full = min(len(request.block_ids), request.num_computed_tokens // self.block_size,
                        self._num_cached.get(request.request_id, 0))
-            self.sessions.pin(request.session_id, request.all_token_ids, full, request.cache_salt)
+            self.sessions.pin(request.session_id, request.all_token_ids, full, request.prefix_key)
         node = self._locked.pop(request.request_id, None)
         if node is not None:
             self.cache.unlock(node)

@@ -37,6 +37,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from pagoda.core.kv_cache_manager import KVBlocks, KVCacheManager
+from pagoda.core.lora_residency import LoRAResidency
 from pagoda.core.prefill_chunks import PrefillChunking, PrefillSlots
 from pagoda.core.request_order import RequestOrder, background_yields, is_background
 from pagoda.core.scheduler_output import SchedulerOutput
@@ -65,11 +66,13 @@ class Scheduler:
                  max_model_len: int, aging_seconds: float = EngineArgs.aging_seconds,
                  admission_pressure_threshold: float = EngineArgs.admission_pressure_threshold,
                  spec_disable_by_batch_size: int | None = None, spec_lookahead: int = 0,
-                 policy: str = EngineArgs.scheduling_policy, chunking: PrefillChunking | None = None) -> None:
+                 policy: str = EngineArgs.scheduling_policy, chunking: PrefillChunking | None = None,
+                 loras: LoRAResidency | None = None) -> None:
         """``spec_lookahead``: KV slots to allocate, where free, after the tokens of a request
         that samples this step, for the drafts a draft model writes when it proposes.
         ``policy``: "priority" (priorities and aging order the queues) or "fcfs" (arrival only).
-        ``chunking``: the prefill chunk limits (default: none beyond the budget)."""
+        ``chunking``: the prefill chunk limits (default: none beyond the budget). ``loras``: the
+        LoRA adapters the workers hold and the bound on those in one batch (None: LoRA is off)."""
         if max_num_seqs < 1:
             raise ValueError(f"max_num_seqs must be >= 1, got {max_num_seqs}")
         if max_num_batched_tokens < 1:
@@ -87,7 +90,8 @@ class Scheduler:
         self.running: list[Request] = []
         self.requests: dict[str, Request] = {}
         self.num_preemptions_total = 0
-        self.deltas = WorkerDeltas()  # what the workers know of each request
+        self.loras = loras
+        self.deltas = WorkerDeltas(loras)  # what the workers know of each request (and their adapters)
         self.spec = SpecDecodeCounters()
 
     # -- queue management -------------------------------------------------------------------
@@ -261,7 +265,7 @@ class Scheduler:
         for request in list(self._waiting):
             if budget <= 0 or len(self.running) >= self.max_num_seqs:
                 return
-            if request.waiting_for_grammar:
+            if request.waiting_for_grammar or (self.loras is not None and not self.loras.fits(request, self.running)):
                 continue
             cached = add_prefix(request, self.kv.match_prefix(request), self.kv.block_size)
             remaining = request.num_tokens - request.num_computed_tokens

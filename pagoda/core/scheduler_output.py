@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from pagoda.lora.request import LoRARequest
 from pagoda.pooling_params import PoolingParams
 from pagoda.sampling_params import SamplingParams
 
@@ -31,6 +32,7 @@ class NewRequestData:
     # KV cache groups 1.. (core/kv_cache_groups.py): each group's block table, as long as block_ids
     group_block_ids: list[list[int]] = field(default_factory=list)
     pooling_params: PoolingParams | None = None  # a pooling request's: its vector comes back, no tokens
+    lora_id: int = 0  # the LoRA adapter it runs under (0: the base model), held by the workers
 
 
 @dataclass
@@ -61,6 +63,9 @@ class SchedulerOutput:
     # per constrained request that samples this step (request id → row).
     grammar_bitmask: torch.Tensor | None = None
     grammar_rows: dict[str, int] = field(default_factory=dict)
+    # LoRA (core/lora_residency.py): adapters to drop, then adapters to load, before the step runs
+    lora_unloads: list[int] = field(default_factory=list)
+    lora_loads: list[LoRARequest] = field(default_factory=list)
 
     @property
     def total_num_scheduled_tokens(self) -> int:

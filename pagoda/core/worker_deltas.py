@@ -5,12 +5,14 @@ again (the workers kept its state, not its blocks), and finished ids once."""
 
 from __future__ import annotations
 
+from pagoda.core.lora_residency import LoRAResidency
 from pagoda.core.scheduler_output import CachedRequestData, NewRequestData, SchedulerOutput
 from pagoda.request import Request
 
 
 class WorkerDeltas:
-    def __init__(self) -> None:
+    def __init__(self, loras: LoRAResidency | None = None) -> None:
+        self.loras = loras  # the LoRA adapters the workers hold (None: LoRA is off)
         self._sent_tokens: dict[str, int] = {}  # request → tokens the workers have
         self._sent_blocks: dict[str, int] = {}  # request → blocks the workers have
         self._resumed: set[str] = set()  # preempted since: their blocks were freed
@@ -23,6 +25,8 @@ class WorkerDeltas:
     def finished(self, request_id: str) -> None:
         if self._sent_tokens.pop(request_id, None) is not None:
             self._finished.add(request_id)
+            if self.loras is not None:
+                self.loras.finished(request_id)
         self._sent_blocks.pop(request_id, None)
         self._resumed.discard(request_id)
 
@@ -40,8 +44,10 @@ class WorkerDeltas:
                 out.new_requests.append(NewRequestData(
                     rid, list(request.prompt_token_ids), request.sampling_params, list(request.block_ids),
                     request.num_computed_tokens, list(request.output_token_ids),
-                    [list(ids) for ids in request.group_block_ids], request.pooling_params,
+                    [list(ids) for ids in request.group_block_ids], request.pooling_params, request.lora_id,
                 ))
+                if self.loras is not None:
+                    self.loras.sent(request, out)
             else:
                 resumed = rid in resumed_ids
                 sent_blocks = 0 if resumed else sent_blocks_of[rid]
@@ -54,4 +60,6 @@ class WorkerDeltas:
                 resumed_ids.discard(rid)
             sent_tokens[rid] = len(request.all_token_ids)
             sent_blocks_of[rid] = len(request.block_ids)
+        if self.loras is not None:
+            out.lora_unloads = self.loras.take_unloads()
         return out

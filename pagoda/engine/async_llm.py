@@ -27,6 +27,7 @@ from pagoda.engine.core import EngineCore, EngineCoreOutput
 from pagoda.engine.core_client import ProcessCoreClient, ThreadCoreClient
 from pagoda.engine.front_end import FrontEnd
 from pagoda.engine.input_processor import PromptType
+from pagoda.lora.request import LoRARequest
 from pagoda.executor.base import WorkerFailedError
 from pagoda.outputs import PoolingRequestOutput, RequestOutput
 from pagoda.pooling_params import PoolingParams
@@ -95,13 +96,16 @@ class AsyncLLM(FrontEnd):
     # -- the event-loop side ----------------------------------------------------------------
     async def generate(self, prompt: PromptType, params: SamplingParams, request_id: str,
                        priority: int = 0, cache_salt: str | None = None,
-                       session_id: str | None = None, moderation=None) -> AsyncIterator[RequestOutput]:
+                       session_id: str | None = None, moderation=None,
+                       lora_request: LoRARequest | None = None) -> AsyncIterator[RequestOutput]:
         """Yield DELTA outputs for one request until it finishes; abort it if the caller stops.
-        `moderation` (pagoda.engine.content_filter.Moderation) filters its output text."""
+        `moderation` (pagoda.engine.content_filter.Moderation) filters its output text;
+        `lora_request` names the LoRA adapter it runs under."""
         self._check_request(request_id, "generate")
         params = params.clone(output_kind=RequestOutputKind.DELTA)
         prepared = self.input_processor.prepare_request(request_id, prompt, params, priority, cache_salt=cache_salt,
-                                                        session_id=session_id)  # may raise ValueError
+                                                        session_id=session_id,
+                                                        lora_request=lora_request)  # may raise ValueError
         stream: asyncio.Queue = asyncio.Queue()
         self._streams[request_id] = stream
         self.submit(prepared, moderation)

@@ -15,6 +15,7 @@ from pagoda.config import EngineConfig
 from pagoda.core.kv_cache_groups import KVCacheGroups
 from pagoda.core.kv_cache_manager import KVCacheManager
 from pagoda.core.prefill_chunks import PrefillChunking
+from pagoda.core.lora_residency import LoRAResidency
 from pagoda.core.scheduler import Scheduler
 from pagoda.core.scheduler_stats import SchedulerStats
 from pagoda.core.scheduler_output import SchedulerOutput
@@ -117,6 +118,7 @@ class EngineCore:
             spec_lookahead=_spec_lookahead(config.speculative), policy=sc.policy,
             chunking=PrefillChunking(sc.long_prefill_token_threshold, sc.max_num_partial_prefills,
                                      sc.max_long_partial_prefills),
+            loras=LoRAResidency(config.lora.max_loras, config.lora.max_cpu_loras) if config.lora else None,
         )
         self.num_steps = 0
         self.vocab_size = self.model.config.vocab_size

@@ -9,6 +9,8 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from pagoda.engine.content_filter import ContentFilterError
+from pagoda.lora.checks import AdapterChecks
+from pagoda.lora.request import LoRARequest
 from pagoda.pooling_params import PoolingParams
 from pagoda.request import EngineCoreRequest
 from pagoda.sampling_params import SamplingParams
@@ -41,8 +43,9 @@ class InputProcessor:
     """Thread-safe once `limits` is set (it reads only immutable state), so the server runs it
     on the HTTP side while the core steps elsewhere."""
 
-    def __init__(self, tokenizer: Tokenizer) -> None:
+    def __init__(self, tokenizer: Tokenizer, adapters: AdapterChecks | None = None) -> None:
         self.tokenizer = tokenizer
+        self.adapters = adapters or AdapterChecks(None, {})  # a request's LoRA adapter, checked
         self.eos_token_ids = set(tokenizer.eos_token_ids)
         self.limits: RequestLimits | None = None  # the core's, set once its client is up
 
@@ -61,11 +64,13 @@ class InputProcessor:
 
     def prepare_request(self, request_id: str, prompt: PromptType, params: SamplingParams,
                         priority: int = 0, arrival_time: float | None = None,
-                        cache_salt: str | None = None, session_id: str | None = None) -> PreparedRequest:
+                        cache_salt: str | None = None, session_id: str | None = None,
+                        lora_request: LoRARequest | None = None) -> PreparedRequest:
         """Tokenize, fan n > 1 out, build and validate the core requests; queue nothing."""
         if not isinstance(params, SamplingParams):
             raise ValueError(f"sampling_params must be a SamplingParams, got {type(params).__name__}")
         validate_structured_outputs(params.structured_outputs)
+        lora_request = self.adapters.check(lora_request)
         text, prompt_ids = self.tokenize_prompt(prompt)
         if isinstance(prompt, dict) and prompt.get("cache_salt") is not None:
             cache_salt = str(prompt["cache_salt"])  # vLLM's way: the salt rides with the prompt
@@ -75,7 +80,8 @@ class InputProcessor:
         for core_id, child in samples:
             child.all_stop_token_ids = set(self.eos_token_ids)
             requests.append(EngineCoreRequest(core_id, prompt_ids, child, priority=priority, arrival_time=arrival_time,
-                                              cache_salt=cache_salt, session_id=session_id))
+                                              cache_salt=cache_salt, session_id=session_id,
+                                              lora_request=lora_request))
         self.limits.validate(requests[0])  # the children share the prompt
         return PreparedRequest(request_id, text, prompt_ids, samples, requests, arrival_time)
 

@@ -11,6 +11,7 @@ from pagoda.config import DEFAULT_MODEL, EngineArgs
 from pagoda.engine.beam_search import BeamSearch, BeamSearchOutput, step_params
 from pagoda.engine.content_filter import Moderation
 from pagoda.engine.input_processor import PromptType
+from pagoda.lora.request import LoRARequest
 from pagoda.engine.llm_engine import LLMEngine
 from pagoda.engine.scoring import cosine, score_pairs
 from pagoda.outputs import PoolingRequestOutput, RequestOutput, ScoringOutput
@@ -62,19 +63,25 @@ class LLM:
         *,
         use_tqdm: bool = True,
         priority: Sequence[int] | None = None,
+        lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
     ) -> list[RequestOutput]:
+        """``lora_request``: the LoRA adapter every prompt runs under, or one per prompt (vLLM's)."""
         if isinstance(prompts, (str, dict)):
             prompts = [prompts]
         prompts = list(prompts)
         params = self._params_list(sampling_params, len(prompts))
         if priority is not None and len(priority) != len(prompts):
             raise ValueError(f"priority has {len(priority)} entries for {len(prompts)} prompts")
+        loras = list(lora_request) if isinstance(lora_request, Sequence) else [lora_request] * len(prompts)
+        if len(loras) != len(prompts):
+            raise ValueError(f"lora_request has {len(loras)} entries for {len(prompts)} prompts")
         ids = []
         try:
             for i, (prompt, p) in enumerate(zip(prompts, params)):
                 request_id = str(next(self._ids))
                 p = p.clone(output_kind=RequestOutputKind.FINAL_ONLY)
-                self.engine.add_request(request_id, prompt, p, priority=priority[i] if priority else 0)
+                self.engine.add_request(request_id, prompt, p, priority=priority[i] if priority else 0,
+                                        lora_request=loras[i])
                 ids.append(request_id)
         except Exception:
             for rid in ids:

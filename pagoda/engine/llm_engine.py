@@ -15,6 +15,7 @@ from pagoda.engine.core import EngineCore
 from pagoda.engine.core_client import InprocCoreClient
 from pagoda.engine.front_end import FrontEnd
 from pagoda.engine.input_processor import PromptType
+from pagoda.lora.request import LoRARequest
 from pagoda.outputs import RequestOutput
 from pagoda.pooling_params import PoolingParams
 from pagoda.sampling_params import SamplingParams
@@ -39,15 +40,16 @@ class LLMEngine(FrontEnd):
 
     def add_request(self, request_id: str, prompt: PromptType, params: SamplingParams,
                     priority: int = 0, arrival_time: float | None = None, cache_salt: str | None = None,
-                    session_id: str | None = None, moderation=None) -> None:
+                    session_id: str | None = None, moderation=None, lora_request: LoRARequest | None = None) -> None:
         """Queue a request. `session_id` makes it a turn of a conversation: once it finishes, its
         prefix (prompt and answer) stays pinned in the prefix cache for the session's next turn,
         until `release_session`. `moderation` (default: the engine's) checks the prompt (a
-        ContentFilterError, a ValueError, on a hit) and filters the output."""
+        ContentFilterError, a ValueError, on a hit) and filters the output. `lora_request`: the
+        LoRA adapter it runs under (the engine needs enable_lora)."""
         self.check_runner("generate")
         moderation = moderation if moderation is not None else self.moderation
         prepared = self.input_processor.prepare_request(request_id, prompt, params, priority, arrival_time,
-                                                        cache_salt, session_id)
+                                                        cache_salt, session_id, lora_request)
         if moderation is not None:
             self.input_processor.check_prompt(prepared, moderation)
         with self._lock:

@@ -103,8 +103,9 @@ class DecodeStack:
         return None
 
     def applies(self, meta: AttentionMetadata) -> bool:
-        """A batch of decode-like rows only: a prefill chunk takes the Python layers' causal attention."""
-        return not meta.prefills
+        """A batch of decode-like rows only, all on the base model: a prefill chunk takes the Python
+        layers' causal attention, and a LoRA adapter's rows their deltas (layers/linear.py)."""
+        return not meta.prefills and meta.lora is None
 
     def __call__(self, hidden: torch.Tensor, residual: torch.Tensor, positions: torch.Tensor,
                  meta: AttentionMetadata) -> torch.Tensor:

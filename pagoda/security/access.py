@@ -40,6 +40,7 @@ logger = logging.getLogger("pagoda.auth")
 # file, HEAD tells which blobs the store holds) and the engine's debug data (/v1/debug/...,
 # pagoda/entrypoints/web): only an `admin` role may call them, refused before the body is read.
 ADMIN_PATHS = frozenset({"/api/pull", "/api/push", "/api/delete", "/api/copy", "/api/create"})
+LORA_PATHS = frozenset({"/v1/load_lora_adapter", "/v1/unload_lora_adapter"})  # serving a new adapter: the admin's
 DEBUG_PREFIX, BLOBS_PREFIX = "/v1/debug/", "/api/blobs/"
 
 
@@ -47,6 +48,8 @@ def _admin_action(path: str) -> str | None:
     """What an admin-only path does, for the 403; None for the paths any role may call."""
     if path in ADMIN_PATHS:
         return "change the model store"
+    if path in LORA_PATHS:
+        return "load or unload LoRA adapters"
     if path.startswith(BLOBS_PREFIX):
         return "use the model store's blobs"
     if path.startswith(DEBUG_PREFIX):

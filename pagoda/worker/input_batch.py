@@ -105,6 +105,7 @@ class InputBatch:
         self.num_tokens[row] = len(tokens)
         self.num_prompt[row] = len(new.prompt_token_ids)
         self.num_computed[row] = new.num_computed_tokens
+        self.lora_ids[row] = new.lora_id
         self.num_blocks[row] = 0
         self._append_blocks(row, new.block_ids, new.group_block_ids)
         if p is not None:  # (a pooling request samples nothing)
@@ -193,6 +194,7 @@ _ROW_FIELDS = (
     ("num_prompt", np.int64, 0),
     ("num_computed", np.int64, 0),
     ("num_blocks", np.int64, 0),
+    ("lora_ids", np.int64, 0),  # the LoRA adapter each request runs under (0: the base model)
     ("temperature", np.float32, 1.0),
     ("greedy", np.bool_, True),
     ("top_k", np.int64, 0),

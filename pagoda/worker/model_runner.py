@@ -27,6 +27,7 @@ from pagoda.spec_decode.draft_model import DraftModelProposer
 from pagoda.spec_decode.ngram import propose_ngram
 from pagoda.worker.batch_layout import BatchLayout, decode_like_rows, prepare_inputs
 from pagoda.worker.input_batch import InputBatch
+from pagoda.worker.lora_weights import LoRAWeights
 
 if TYPE_CHECKING:
     from pagoda.spec_decode.speculative_config import SpeculativeConfig
@@ -53,7 +54,7 @@ class ModelRunner:
                  is_driver: bool = True, speculative: SpeculativeConfig | None = None,
                  draft: tuple[torch.nn.Module, torch.Tensor] | None = None,
                  kv_groups: KVCacheGroups | None = None, kv_scales: torch.Tensor | None = None,
-                 fused_decode: bool = True) -> None:
+                 fused_decode: bool = True, loras: LoRAWeights | None = None) -> None:
         """``deterministic`` (EngineConfig.deterministic): batch-invariant inference, see
         ``_decode_like`` and ``execute``. ``is_driver``: this rank samples and reports (rank 0);
         the others only run the model. ``draft``: the draft model and its KV cache, for
@@ -61,7 +62,8 @@ class ModelRunner:
         block table and which slot of ``kv_cache`` each layer's K/V takes (default: one group,
         layer i in slot i). ``kv_scales``: an int8 cache's scales, laid out as ``kv_cache`` without
         its last dimension. ``fused_decode``: let decode batches take the fused C++ stack where the
-        model allows (``forward_path`` says what was chosen and why)."""
+        model allows (``forward_path`` says what was chosen and why). ``loras``: the LoRA adapters
+        this rank holds (None: LoRA is off)."""
         self.model = model
         # Batch invariance takes pagoda's CPU kernels (the paged kernel for every row, the
         # invariant GEMM); without them (CUDA, no compiler) the layout stays as it is.
@@ -73,6 +75,7 @@ class ModelRunner:
         self.forward = compiled_forward(model) if compile else model.forward
         self.block_size = block_size
         self.device = device
+        self.loras = loras
         self.short_chunk = short_chunk
         self.is_driver = is_driver
         self.speculative = speculative
@@ -123,6 +126,8 @@ class ModelRunner:
     def execute(self, sched: SchedulerOutput) -> ModelRunnerOutput:
         started = self._step_started = time.perf_counter()
         self.batch.apply(sched)
+        if self.loras is not None:
+            self.loras.apply(sched)
         if self.drafter is not None:
             self.drafter.observe(sched)
         out = ModelRunnerOutput()
@@ -130,6 +135,8 @@ class ModelRunner:
             return out
         lay = self._layout(sched)
         input_ids, positions, meta = prepare_inputs(self.batch, lay, self.backend, self.block_size, self.device)
+        if self.loras is not None:
+            meta.lora = self.loras.batch_for(self.batch.lora_ids[lay.token_rows])
         sample_idx, verify_idx, prompt_rows = self._logit_rows(lay, sched)
         # the kernels' batch-invariant switch, set for each step (another engine may share the process)
         with self.backend.batch_invariant(self.deterministic):

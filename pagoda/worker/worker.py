@@ -24,6 +24,7 @@ from pagoda.outputs import ModelRunnerOutput
 from pagoda.platform import available_memory_bytes, resident_memory_bytes
 from pagoda.core.kv_cache_groups import KVCacheGroups, kv_groups_for
 from pagoda.worker.kv_cache import GiB, allocate_kv_cache, allocate_kv_scales, bytes_per_block, cpu_budget_gib
+from pagoda.worker.lora_weights import LoRAWeights
 from pagoda.worker.model_runner import ModelRunner
 from pagoda.worker.pooling_runner import PoolingRunner
 
@@ -149,6 +150,8 @@ class Worker:
         generator = torch.Generator().manual_seed(self.config.seed)
         mc = self.config.model  # the pooling runner (--runner pooling) pools instead of sampling
         runner, extra = (PoolingRunner, {"pooler": mc.pooler}) if mc.pools else (ModelRunner, {})
+        if self.config.lora is not None:  # (refused with --runner pooling: config.py)
+            extra["loras"] = LoRAWeights(self.model, self.config.lora, mc.hf_config)
         self.runner = runner(
             self.model, self.kv_cache, cc.block_size, self.device, max_model_len, generator,
             compile=self.config.compile, deterministic=self.config.deterministic,

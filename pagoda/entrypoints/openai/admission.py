@@ -8,6 +8,7 @@ from __future__ import annotations
 from contextvars import ContextVar
 
 from pagoda.entrypoints.openai.errors import OpenAIError
+from pagoda.entrypoints.openai.lora_routes import CURRENT_ADAPTER
 from pagoda.security.context import (
     request_context,  # --auth-config / --audit-log (pagoda/security/access.py)
 )
@@ -41,13 +42,21 @@ class AdmissionChecks:
     """Serving's checks (a part of `Serving`: the attributes are its own)."""
 
     def check_model(self, model: str | None) -> str:
-        """The served name for a request's `model` (any accepted name; none means the served one)."""
+        """The served name for a request's `model` (any accepted name; none means the served one).
+        A LoRA adapter's name is served as itself, and the request runs under it (lora_routes.py)."""
         ctx = request_context()  # auth: the role may use this name (403; the 404 lists only those), the audit's model
+        adapter = self.adapters.get(model) if self.adapters is not None else None
+        CURRENT_ADAPTER.set(adapter)
+        if adapter is not None:
+            if ctx is not None:
+                ctx.check_model(model)
+            return model
         if model is None or model in self.accepted_names:
             if ctx is not None:
                 ctx.check_model(model or self.model_names[0])
             return self.model_names[0]
-        names = ", ".join(f"`{name}`" for name in (ctx.visible(self.accepted_names) if ctx else self.accepted_names))
+        served = [*self.accepted_names, *(self.adapters.by_name if self.adapters is not None else ())]
+        names = ", ".join(f"`{name}`" for name in (ctx.visible(served) if ctx else served))
         raise OpenAIError(f"The model `{model}` does not exist. This server serves {names}.", status=404,
                           type_="NotFoundError", param="model", code="model_not_found")
 

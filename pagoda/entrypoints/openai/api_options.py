@@ -31,6 +31,9 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
                    help="batch lines run at once, at a priority below every interactive request; more lines "
                         "give the batch more throughput and interactive requests a slower first token "
                         "(default: 32, or --max-num-seqs if lower)")
+    p.add_argument("--lora-modules", nargs="+", default=None, metavar="NAME=PATH",
+                   help="LoRA adapters served by name (with --enable-lora): name=path, or JSON "
+                        "'{\"name\": ..., \"path\": ...}'; a request's model picks one")
     p.add_argument("--max-stored-responses", type=int, default=10000,
                    help="Responses API responses kept for GET /v1/responses/{id} and previous_response_id, the "
                         "most recently used; their pinned KV prefixes are let go after --session-ttl idle")

@@ -35,6 +35,7 @@ from pagoda.entrypoints.openai.protocol import (
 from pagoda.entrypoints.openai.error_handlers import install_error_handlers
 from pagoda.entrypoints.openai.errors import OpenAIError
 from pagoda.entrypoints.openai.pooling_routes import router as pooling_router
+from pagoda.entrypoints.openai.lora_routes import router as lora_router, served_adapters
 from pagoda.entrypoints.openai.respond import respond
 from pagoda.entrypoints.openai.serving import Serving
 from pagoda.entrypoints.openai.durable import DurableOptions, install_durable_state
@@ -59,7 +60,7 @@ def build_app(engine: AsyncLLM, served_model_names: list[str], *, api_key: str |
               durable: DurableOptions | None = None,
               moderation_words: list[str] | None = None, moderation_action: str = "stop",
               metric_families=None, web_ui: bool = True, reasoning_parser: str | None = None,
-              tool_call_parser: str | None = None) -> FastAPI:
+              tool_call_parser: str | None = None, lora_modules: list[str] | None = None) -> FastAPI:
     """The app of one served model. Several models (pagoda serve --model A --model B) get one
     app each, behind the dispatcher of pagoda/entrypoints/model_dispatch.py, with one shared
     `metric_families` (pagoda/entrypoints/prometheus.py)."""
@@ -71,6 +72,7 @@ def build_app(engine: AsyncLLM, served_model_names: list[str], *, api_key: str |
     app.state.serving = serving
     serving.reasoning = reasoning_format(reasoning_parser)
     serving.tool_format = tool_call_format(tool_call_parser)
+    serving.adapters = served_adapters(engine, served_model_names[0], lora_modules)
     if not serving.tokenizer.chat_template and engine.runner == "generate":
         logger.warning("%s has no chat template (a base model): chat routes answer 400; use /v1/completions or "
                        "/api/generate, or give a template with --chat-template", served_model_names[0])
@@ -115,7 +117,9 @@ def build_app(engine: AsyncLLM, served_model_names: list[str], *, api_key: str |
         return {"object": "list", "data": [
             {"id": name, "object": "model", "created": now(), "owned_by": "pagoda", "root": model_root or name,
              "parent": None, "max_model_len": serving.max_model_len}
-            for name in (ctx.visible(served_model_names) if ctx is not None else served_model_names)]}
+            for name in (ctx.visible(served_model_names) if ctx is not None else served_model_names)]
+            + [card for card in (serving.adapters.model_cards(now(), serving.max_model_len) if serving.adapters else [])
+               if ctx is None or ctx.visible([card["id"]])]}
 
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request):
@@ -169,6 +173,7 @@ def build_app(engine: AsyncLLM, served_model_names: list[str], *, api_key: str |
 
     app.include_router(ollama_router)  # Ollama's API, /api/... (pagoda/entrypoints/ollama)
     app.include_router(pooling_router)  # embeddings, score, rerank (pooling_routes.py: --runner pooling)
+    app.include_router(lora_router)  # /v1/load_lora_adapter, /v1/unload_lora_adapter (lora_routes.py)
     app.include_router(anthropic_router)  # Anthropic's Messages API, /v1/messages (pagoda/entrypoints/anthropic)
     install_web(app, web_ui=web_ui)  # /, /dashboard and /v1/debug/... (pagoda/entrypoints/web)
     return app
@@ -257,7 +262,7 @@ def _model_app(args, config, names: list[str], api_key: str | None, metric_famil
                     moderation_words=getattr(args, "moderation_words", None),
                     moderation_action=getattr(args, "moderation_action", "stop"), metric_families=metric_families,
                     web_ui=not getattr(args, "no_web_ui", False), reasoning_parser=args.reasoning_parser,
-                    tool_call_parser=args.tool_call_parser)
+                    tool_call_parser=args.tool_call_parser, lora_modules=args.lora_modules)
     return app, async_engine
 
 

@@ -12,6 +12,7 @@ from pagoda.entrypoints.openai.admission import AdmissionChecks
 from pagoda.entrypoints.openai.chat import ChatServing
 from pagoda.entrypoints.openai.completion import CompletionServing
 from pagoda.entrypoints.openai.errors import OpenAIError, bad_value
+from pagoda.entrypoints.openai.lora_routes import CURRENT_ADAPTER, ServedAdapters
 from pagoda.entrypoints.openai.pooling import PoolingServing
 from pagoda.entrypoints.openai.protocol import SamplingFields
 from pagoda.entrypoints.openai.reasoning import ReasoningFormat
@@ -54,6 +55,7 @@ class Serving(AdmissionChecks, CompletionServing, ChatServing, PoolingServing):
         self.sampling_defaults = engine.sampling_defaults  # the model's own (--generation-config)
         self.reasoning: ReasoningFormat | None = None  # --reasoning-parser (reasoning.py); build_app sets it
         self.tool_format: ToolCallFormat = tool_call_format(None)  # --tool-call-parser (tool_formats.py)
+        self.adapters: ServedAdapters | None = None  # --enable-lora's adapters by name (lora_routes.py)
 
     def params(self, request: SamplingFields, max_tokens: int, logprobs: int | None, prompt_logprobs: int | None = None):
         try:
@@ -127,11 +129,15 @@ class Serving(AdmissionChecks, CompletionServing, ChatServing, PoolingServing):
                         session_id: str | None, moderation) -> AsyncIterator[RequestOutput]:
         """One prompt's outputs from the engine: its deltas, or a beam search's one final output
         (engine/beam_search.py: its beams as one-token requests, the best as the choices)."""
+        adapter = CURRENT_ADAPTER.get()  # the LoRA adapter the request's model named (check_model)
         if not isinstance(params, BeamSearchParams):
             async for out in self.engine.generate({"prompt_token_ids": ids}, params, request_id, priority, cache_salt,
-                                                  session_id, moderation=moderation):
+                                                  session_id, moderation=moderation, lora_request=adapter):
                 yield out
             return
+        if adapter is not None:
+            raise OpenAIError(f"beam search does not run under a LoRA adapter ({adapter.lora_name!r}) yet",
+                              param="use_beam_search")
         yield await beam_search_async(self.engine, ids, params, request_id, priority, cache_salt, moderation)
 
     async def _before(self, deadline: float, waiting):

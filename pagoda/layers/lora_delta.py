@@ -1,0 +1,79 @@
+"""LoRA deltas added to a projection's output, batched across requests (S-LoRA / punica style).
+
+A projection ``y = x W^T`` under an adapter becomes ``y + scale * (x A^T) B^T``. The base GEMM runs
+once for the whole batch, unchanged; then, for each adapter present in the step, its rows are
+gathered, multiplied through the adapter's low-rank pair and added back. Requests on the base
+model cost nothing here, and a batch of many requests over a few adapters costs one pair of thin
+matmuls per adapter and projection.
+
+pagoda merges q/k/v (and gate/up) into one projection, while PEFT trains one pair per checkpoint
+projection. A ``ProjectionDelta`` therefore holds the As of every part stacked (one matmul
+``x A_cat^T``) and one B per part, each written to its own run of output columns.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+
+@dataclass(frozen=True)
+class DeltaPart:
+    """One checkpoint projection inside a merged one: its output columns and its B."""
+
+    out_start: int
+    out_size: int
+    rank_start: int  # its rows of the stacked A
+    rank_end: int
+    b: torch.Tensor  # [out_size, rank], the scale already multiplied in
+
+
+@dataclass(frozen=True)
+class ProjectionDelta:
+    """An adapter's pair(s) for one of the model's projection modules."""
+
+    a: torch.Tensor  # [sum of the parts' ranks, in_features]
+    parts: tuple[DeltaPart, ...]
+
+    def add_to(self, y: torch.Tensor, x: torch.Tensor, rows: slice | torch.Tensor) -> None:
+        """``y[rows] += delta(x[rows])``, in place."""
+        low = x[rows].to(self.a.dtype) @ self.a.t()  # a bf16 or quantized base: the adapter keeps its dtype
+        for p in self.parts:
+            delta = (low[:, p.rank_start:p.rank_end] @ p.b.t()).to(y.dtype)
+            if isinstance(rows, slice):
+                y[rows, p.out_start:p.out_start + p.out_size] += delta
+            else:
+                y[:, p.out_start:p.out_start + p.out_size].index_add_(0, rows, delta)
+
+    def nbytes(self) -> int:
+        return self.a.numel() * self.a.element_size() + sum(p.b.numel() * p.b.element_size() for p in self.parts)
+
+
+# an adapter as the model runs it: projection module path (e.g. "layers.3.self_attn.qkv_proj") → its delta
+AdapterDeltas = dict[str, ProjectionDelta]
+
+
+@dataclass(frozen=True)
+class LoRABatch:
+    """The adapters of one forward pass and the flat token rows each one covers."""
+
+    groups: tuple[tuple[AdapterDeltas, slice | torch.Tensor], ...]
+
+    def apply(self, key: str, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        """``y`` with every adapter's delta for projection ``key`` added to its rows."""
+        for deltas, rows in self.groups:
+            delta = deltas.get(key)
+            if delta is not None:
+                delta.add_to(y, x, rows)
+        return y
+
+
+def rows_of(token_adapters: np.ndarray, adapter_id: int) -> slice | torch.Tensor:
+    """The flat rows of ``adapter_id`` (ids per token): a slice when they are one run (a prefill
+    chunk, or requests that sit together in the batch), else an index tensor."""
+    hits = np.flatnonzero(token_adapters == adapter_id)
+    if hits[-1] - hits[0] + 1 == len(hits):
+        return slice(int(hits[0]), int(hits[-1]) + 1)
+    return torch.from_numpy(hits)

@@ -1,0 +1,37 @@
+"""The engine's LoRA limits (EngineArgs' LoRA knobs, resolved)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class LoRAConfig:
+    max_loras: int = 1  # distinct adapters in one batch (vLLM's --max-loras)
+    max_lora_rank: int = 16  # an adapter of a higher rank is refused
+    # adapters the workers keep loaded while no request uses them (an LRU; in use: always kept)
+    max_cpu_loras: int = 1
+    dtype: torch.dtype = torch.float32  # the adapters' weights and their matmuls
+
+    def __post_init__(self) -> None:
+        if self.max_loras < 1:
+            raise ValueError(f"max_loras must be >= 1, got {self.max_loras}")
+        if self.max_lora_rank < 1:
+            raise ValueError(f"max_lora_rank must be >= 1, got {self.max_lora_rank}")
+        if self.max_cpu_loras < self.max_loras:
+            raise ValueError(f"max_cpu_loras ({self.max_cpu_loras}) must be >= max_loras ({self.max_loras})")
+
+
+def lora_config(args, model_dtype: torch.dtype, quantized: bool, pools: bool) -> LoRAConfig | None:
+    """EngineArgs' LoRA knobs resolved against the model (None unless ``enable_lora``)."""
+    if not args.enable_lora:
+        return None
+    if pools:
+        raise ValueError("enable_lora: the pooling runner serves no adapters (--runner pooling)")
+    if args.lora_dtype == "auto":
+        dtype = torch.float32 if quantized or model_dtype not in (torch.float32, torch.bfloat16) else model_dtype
+    else:
+        dtype = getattr(torch, args.lora_dtype)
+    return LoRAConfig(args.max_loras, args.max_lora_rank, args.max_cpu_loras or args.max_loras, dtype)
