@@ -24,6 +24,9 @@ PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "
 _KEY = re.compile(r"^(?:base_model\.model\.)?(?:model\.)?(layers\.(\d+)\.(?:self_attn|mlp)\.([A-Za-z_]+))\.lora_([AB])\.weight$")
 
 
+_PREFIX = re.compile(r"^(?:base_model\.model\.)?(?:model\.)?(?:layers\.\d+\.)?")  # for naming a module
+
+
 class AdapterError(ValueError):
     """An adapter pagoda cannot serve on this model; the message says why."""
 
@@ -99,7 +102,7 @@ def _pairs(tensors: dict[str, torch.Tensor], config: dict, root: Path) -> dict[s
     for key, tensor in tensors.items():
         match = _KEY.match(key)
         if match is None or match.group(3) not in PROJECTIONS:  # (a mixture's experts among them)
-            unsupported.add(re.sub(r"^.*?layers\.\d+\.", "", key.split(".lora_")[0]))
+            unsupported.add(_PREFIX.sub("", key.split(".lora_")[0]))
             continue
         halves.setdefault(match.group(1), {})[match.group(4)] = tensor.float()
     if unsupported:

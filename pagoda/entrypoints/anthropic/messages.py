@@ -82,7 +82,7 @@ async def _message(serving: Serving, body: MessagesRequest, admission: Admission
     model, ids, params, tools = await asyncio.to_thread(serving.prepare_chat, chat)
     serving.check_capacity(1, admission)
     message_id = "msg_" + secrets.token_hex(12)
-    outputs = serving.run_all([ids], [params], message_id, chat.priority, chat.cache_salt)
+    outputs = serving.run_all([ids], [params], message_id, chat.priority, chat.cache_salt, model=chat.model)
     parser = serving.choice_parser(tools, ids, params.structured_outputs is not None)
     if body.stream:
         return _events(message_id, model, outputs, parser, len(ids))

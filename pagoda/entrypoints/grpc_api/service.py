@@ -232,7 +232,7 @@ class EngineService(pb_grpc.EngineServicer):
             completion_tokens, pieces = 0, []
             try:
                 async for _, out in self.serving.run_all(prompts, params_list, request_id, body.priority,
-                                                         body.cache_salt):
+                                                         body.cache_salt, model=body.model):
                     piece = _piece(request_id, out, params_list[0].logprobs or 0)
                     completion_tokens += len(piece.token_ids)
                     pieces.append((piece.text, len(piece.token_ids)))

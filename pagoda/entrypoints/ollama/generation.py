@@ -60,10 +60,11 @@ def served_name(serving: Serving, model: str) -> str:
         raise OllamaError("model is required")
     ctx = request_context()  # --auth-config: the key's role may use this name (else 403)
     for candidate in (model, model.removesuffix(":latest")):
-        if candidate in serving.accepted_names:
+        adapter = serving.adapters is not None and serving.adapters.get(candidate) is not None  # a LoRA adapter's
+        if candidate in serving.accepted_names or adapter:
             if ctx is not None:
                 ctx.check_model(candidate)
-            return serving.model_names[0]
+            return candidate if adapter else serving.model_names[0]
     served = ", ".join(repr(n) for n in (ctx.visible(serving.model_names) if ctx is not None else serving.model_names))
     raise OllamaError(f"model {model!r} not found: this server runs {served} (one model per server; start "
                       f"`pagoda serve --model {model}` to run it)", 404)
@@ -267,7 +268,7 @@ async def _run(request: Request, body: GenerateBase, ids: list[int], model: str,
         request_id = random_id("ollama")
 
         async def results() -> AsyncIterator[tuple[str, list[int], str | None, list[dict]]]:
-            async for _, out in serving.run_all([ids], [params], request_id, 0):
+            async for _, out in serving.run_all([ids], [params], request_id, 0, model=model):
                 c = out.outputs[0]
                 token_ids = list(c.token_ids)
                 logprobs = token_logprob_entries(token_ids, c.logprobs or [], k) if k is not None else []

@@ -8,7 +8,7 @@ from __future__ import annotations
 from contextvars import ContextVar
 
 from pagoda.entrypoints.openai.errors import OpenAIError
-from pagoda.entrypoints.openai.lora_routes import CURRENT_ADAPTER
+from pagoda.lora.request import LoRARequest
 from pagoda.security.context import (
     request_context,  # --auth-config / --audit-log (pagoda/security/access.py)
 )
@@ -45,9 +45,7 @@ class AdmissionChecks:
         """The served name for a request's `model` (any accepted name; none means the served one).
         A LoRA adapter's name is served as itself, and the request runs under it (lora_routes.py)."""
         ctx = request_context()  # auth: the role may use this name (403; the 404 lists only those), the audit's model
-        adapter = self.adapters.get(model) if self.adapters is not None else None
-        CURRENT_ADAPTER.set(adapter)
-        if adapter is not None:
+        if self.adapters is not None and self.adapters.get(model) is not None:
             if ctx is not None:
                 ctx.check_model(model)
             return model
@@ -59,6 +57,18 @@ class AdmissionChecks:
         names = ", ".join(f"`{name}`" for name in (ctx.visible(served) if ctx else served))
         raise OpenAIError(f"The model `{model}` does not exist. This server serves {names}.", status=404,
                           type_="NotFoundError", param="model", code="model_not_found")
+
+    def adapter_for(self, model: str | None) -> LoRARequest | None:
+        """The LoRA adapter a request's ``model`` names, looked up as the request starts (a swap
+        before then gives it the new version); None for the base model. An adapter unloaded since
+        ``check_model`` is a 404, never a silent run on the base."""
+        if self.adapters is None or not model or model in self.accepted_names:
+            return None
+        adapter = self.adapters.get(model)
+        if adapter is None:
+            raise OpenAIError(f"The model `{model}` does not exist (the LoRA adapter was unloaded).", status=404,
+                              type_="NotFoundError", param="model", code="model_not_found")
+        return adapter
 
     def admission(self) -> Admission:
         return Admission(self)

@@ -131,7 +131,7 @@ class ChatServing:
         if request.stream:
             return self._chat_stream(request, model, request_id, ids, params, tools, turn)
         samples, _, cached = await self._collect([ids], [params], request_id, request,
-                                                 turn.session_id if turn else None)
+                                                 turn.session_id if turn else None, model)
         choices, completion_tokens, reasoning_tokens = [], 0, 0
         for j in range(request.n):
             sample = samples.get((0, j), Sample())
@@ -163,7 +163,7 @@ class ChatServing:
                                                 "logprobs": None, "finish_reason": None}]})
             cached = 0
             async for _, out in self.run_all([ids], [params], request_id, request.priority, request.cache_salt,
-                                             turn.session_id if turn else None):
+                                             turn.session_id if turn else None, model):
                 cached = out.num_cached_tokens
                 for c in out.outputs:
                     completion_tokens += len(c.token_ids)

@@ -69,7 +69,7 @@ class CompletionServing:
         ids_only = [ids for _, ids in prompts]
         if request.stream:
             return self._completion_stream(request, model, request_id, prompts, ids_only, params_list)
-        samples, prompt_logprobs, cached = await self._collect(ids_only, params_list, request_id, request)
+        samples, prompt_logprobs, cached = await self._collect(ids_only, params_list, request_id, request, model=model)
         choices, completion_tokens = [], 0
         for i, (text, ids) in enumerate(prompts):
             for j in range(n):
@@ -103,7 +103,8 @@ class CompletionServing:
                         yield sse({"id": request_id, "object": "text_completion", "created": created, "model": model,
                                    "choices": [{"index": i * n + j, "text": echo, "logprobs": None, "finish_reason": None}]})
             cached = {}
-            async for i, out in self.run_all(ids_only, params_list, request_id, request.priority, request.cache_salt):
+            async for i, out in self.run_all(ids_only, params_list, request_id, request.priority, request.cache_salt,
+                                             model=model):
                 cached[i] = out.num_cached_tokens
                 for c in out.outputs:
                     completion_tokens += len(c.token_ids)

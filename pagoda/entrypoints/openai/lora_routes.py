@@ -8,9 +8,9 @@ points to a new ``LoRARequest`` (a new id) in one assignment, so a request alrea
 the version it started with, the next one gets the new one, and the prefix cache, which keys on
 the files' fingerprint, never gives one version's KV to the other.
 
-The adapter a request's ``model`` names reaches the engine call through ``CURRENT_ADAPTER``, set
-by ``Serving.check_model`` in the request's own context, as the auth context is: every API
-(completions, chat, Responses, Messages, gRPC) checks its model there first.
+Every API (completions, chat, sessions, Responses, Messages, Ollama, gRPC) checks its model with
+``Serving.check_model`` and passes it to ``Serving.run_all``, which looks the adapter up
+(``adapter_for``) as the request starts.
 """
 
 from __future__ import annotations
@@ -18,7 +18,6 @@ from __future__ import annotations
 import asyncio
 import itertools
 import json
-from contextvars import ContextVar
 
 from fastapi import APIRouter, Request
 from fastapi.responses import PlainTextResponse
@@ -26,8 +25,6 @@ from pydantic import BaseModel
 
 from pagoda.entrypoints.openai.errors import OpenAIError
 from pagoda.lora.request import LoRARequest
-
-CURRENT_ADAPTER: ContextVar[LoRARequest | None] = ContextVar("pagoda_lora_adapter", default=None)
 
 router = APIRouter()
 

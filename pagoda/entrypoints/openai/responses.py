@@ -141,7 +141,7 @@ async def start_response(serving: Serving, store: ResponseStore, body: Responses
     turn = _Turn(body, chat, model, ids, tools, items, previous, item_id("resp"), now(),
                  params.structured_outputs is not None)
     session = response_pin_id(caller_tenant(), turn.id) if body.store else None
-    outputs = serving.run_all([ids], [params], turn.id, chat.priority, chat.cache_salt, session)
+    outputs = serving.run_all([ids], [params], turn.id, chat.priority, chat.cache_salt, session, chat.model)
     k = body.top_logprobs if body.top_logprobs else None
     if body.stream:
         return _events(serving, store, turn, outputs, k)

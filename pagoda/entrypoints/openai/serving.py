@@ -12,7 +12,7 @@ from pagoda.entrypoints.openai.admission import AdmissionChecks
 from pagoda.entrypoints.openai.chat import ChatServing
 from pagoda.entrypoints.openai.completion import CompletionServing
 from pagoda.entrypoints.openai.errors import OpenAIError, bad_value
-from pagoda.entrypoints.openai.lora_routes import CURRENT_ADAPTER, ServedAdapters
+from pagoda.entrypoints.openai.lora_routes import ServedAdapters
 from pagoda.entrypoints.openai.pooling import PoolingServing
 from pagoda.entrypoints.openai.protocol import SamplingFields
 from pagoda.entrypoints.openai.reasoning import ReasoningFormat
@@ -64,10 +64,12 @@ class Serving(AdmissionChecks, CompletionServing, ChatServing, PoolingServing):
             raise bad_value(e) from None
 
     async def run_all(self, prompts: list[list[int]], params_list, request_id: str, priority: int,
-                       cache_salt: str | None = None,
-                       session_id: str | None = None) -> AsyncIterator[tuple[int, RequestOutput]]:
+                       cache_salt: str | None = None, session_id: str | None = None,
+                       model: str | None = None) -> AsyncIterator[tuple[int, RequestOutput]]:
         """Run several prompts concurrently; yield (prompt index, delta output) as they arrive.
-        `session_id` makes them turns of a session (/v1/sessions): the engine keeps the prefix."""
+        `session_id` makes them turns of a session (/v1/sessions): the engine keeps the prefix.
+        `model`: the request's model, which may name a LoRA adapter (checked by check_model)."""
+        adapter = self.adapter_for(model)
         merged: asyncio.Queue = asyncio.Queue()
         moderation = self.moderation.for_request() if self.moderation is not None else None  # output filter
         ctx = request_context()  # auth: the role's priority and max_tokens, the tenant's cache salt; usage
@@ -84,7 +86,8 @@ class Serving(AdmissionChecks, CompletionServing, ChatServing, PoolingServing):
             tracker = self.metrics.tracker(len(ids))
             sub_id, reason, cached = f"{request_id}-{i}", "abort", 0
             try:
-                async for out in self._generate(ids, params, sub_id, priority, cache_salt, session_id, moderation):
+                async for out in self._generate(ids, params, sub_id, priority, cache_salt, session_id, moderation,
+                                                adapter):
                     tracker.on_output(out)
                     cached = out.num_cached_tokens
                     if content:
@@ -126,10 +129,9 @@ class Serving(AdmissionChecks, CompletionServing, ChatServing, PoolingServing):
                 t.cancel()
 
     async def _generate(self, ids: list[int], params, request_id: str, priority: int, cache_salt: str | None,
-                        session_id: str | None, moderation) -> AsyncIterator[RequestOutput]:
+                        session_id: str | None, moderation, adapter=None) -> AsyncIterator[RequestOutput]:
         """One prompt's outputs from the engine: its deltas, or a beam search's one final output
         (engine/beam_search.py: its beams as one-token requests, the best as the choices)."""
-        adapter = CURRENT_ADAPTER.get()  # the LoRA adapter the request's model named (check_model)
         if not isinstance(params, BeamSearchParams):
             async for out in self.engine.generate({"prompt_token_ids": ids}, params, request_id, priority, cache_salt,
                                                   session_id, moderation=moderation, lora_request=adapter):
@@ -150,14 +152,14 @@ class Serving(AdmissionChecks, CompletionServing, ChatServing, PoolingServing):
                               code="request_timeout", headers={"x-should-retry": "false"}) from None
 
     async def _collect(self, prompts: list[list[int]], params_list, request_id: str, request: SamplingFields,
-                       session_id: str | None = None):
+                       session_id: str | None = None, model: str | None = None):
         """Run prompts to the end (non-streaming). Returns the samples by (prompt index, sample
         index), the prompt logprobs by prompt index, and the prompt tokens served from cache."""
         samples: dict[tuple[int, int], Sample] = {}
         prompt_logprobs: dict[int, list] = {}
         cached: dict[int, int] = {}
         async for i, out in self.run_all(prompts, params_list, request_id, request.priority, request.cache_salt,
-                                         session_id):
+                                         session_id, model):
             cached[i] = out.num_cached_tokens
             if out.prompt_logprobs is not None:
                 prompt_logprobs[i] = out.prompt_logprobs
