@@ -31,6 +31,7 @@ from pagoda.router.homes import LISTS, Homes, created_id, merged_list, named_thi
 from pagoda.router.affinity import (
     SESSION_HEADER, SESSIONS_PATH, RouteRequest, new_session_id, route_request, session_in_path,
 )
+from pagoda.router.forecast import ForecastConfig, LoadForecaster, requested_tokens
 from pagoda.router.limits import GatewayLimits
 from pagoda.router.prometheus import RouterMetrics
 from pagoda.router.policies import Decision, Policy, make_policy
@@ -64,6 +65,7 @@ class RouterConfig:
     cache_threshold: float = 0.5
     balance_abs_threshold: int = 16
     balance_rel_threshold: float = 1.5
+    forecast: ForecastConfig = field(default_factory=ForecastConfig)  # predictive autoscaling (forecast.py)
 
 
 @dataclass
@@ -99,7 +101,8 @@ class Router:
         self.policy: Policy = make_policy(config.policy, **self._cache_aware_options())
         self.homes = Homes()  # where stored responses, files and batch jobs live (homes.py)
         self.limits = GatewayLimits(config.qps, config.qps_per_key, config.max_requests_in_flight)
-        self.metrics = RouterMetrics(lambda: list(self.registry.workers.values()))
+        self.forecaster = LoadForecaster(config.forecast)  # the load ahead, for autoscalers (/metrics)
+        self.metrics = RouterMetrics(lambda: list(self.registry.workers.values()), self.forecaster)
         self.client: httpx.AsyncClient | None = None
         self._probes: asyncio.Task | None = None
         self.streams: set[RelayResponse] = set()  # open relays, ended with an error event at shutdown
@@ -216,6 +219,7 @@ class Router:
             session = headers[SESSION_HEADER] = new_session_id()
         if session is not None:
             route = dataclasses.replace(route, session_key=session)
+        self.forecaster.observe(requested_tokens(route.prompt_text, parsed))
         tried: set[str] = set()
         failure: _Failure | None = None
         for attempt in range(MAX_ATTEMPTS):
