@@ -24,7 +24,7 @@ backlog it joins takes longer than the TTFT SLO (2 s) to clear at the ready capa
 the last day (the first day fills the forecaster's season, the second lets it settle).
 
     python benchmarks/autoscaling.py --plot benchmarks/autoscaling.png \
-        --save benchmarks/results/autoscaling-2026-12-07.json
+        --save benchmarks/results/autoscaling-2026-12-06.json
 """
 
 from __future__ import annotations
