@@ -33,6 +33,9 @@ def add_cli_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--worker", action="append", default=[], metavar="URL",
                    help="a `pagoda serve` replica, e.g. http://127.0.0.1:8001 (repeat for each; more can be added "
                         "at run time with POST /workers)")
+    p.add_argument("--discover", action="append", default=[], metavar="HOST:PORT",
+                   help="workers from DNS: every address HOST resolves to (e.g. a Kubernetes headless Service), "
+                        "looked up again each --health-interval; new ones are added and warm up, gone ones removed")
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8000)
     p.add_argument("--policy", default="cache_aware", choices=POLICIES,
@@ -124,7 +127,7 @@ def run(ns: argparse.Namespace) -> int:
     from pagoda.router.server import run_router  # deferred: loads httpx, orjson, prometheus_client, starlette, uvicorn
 
     config = RouterConfig(
-        workers=ns.worker, policy=ns.policy, admin_key=admin_key(ns.admin_key, "--admin-key"),
+        workers=ns.worker, discover=ns.discover, policy=ns.policy, admin_key=admin_key(ns.admin_key, "--admin-key"),
         max_requests_in_flight=ns.max_requests_in_flight, qps=ns.qps, qps_per_key=ns.qps_per_key,
         warmup_seconds=ns.warmup_seconds, health_interval=ns.health_interval, request_timeout=ns.request_timeout,
         breaker_failures=ns.breaker_failures, breaker_open_seconds=ns.breaker_open_seconds,
