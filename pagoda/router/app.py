@@ -31,6 +31,8 @@ from pagoda.router.homes import LISTS, Homes, created_id, merged_list, named_thi
 from pagoda.router.affinity import (
     SESSION_HEADER, SESSIONS_PATH, RouteRequest, new_session_id, route_request, session_in_path,
 )
+from pagoda.router.discovery import DnsDiscovery
+from pagoda.router.forecast import ForecastConfig, LoadForecaster, requested_tokens
 from pagoda.router.limits import GatewayLimits
 from pagoda.router.prometheus import RouterMetrics
 from pagoda.router.policies import Decision, Policy, make_policy
@@ -50,6 +52,7 @@ MODELS_TIMEOUT = 10.0  # seconds for a worker's /v1/models (a hung worker must n
 @dataclass
 class RouterConfig:
     workers: list[str] = field(default_factory=list)
+    discover: list[str] = field(default_factory=list)  # HOST:PORT names whose addresses are workers (discovery.py)
     policy: str = "cache_aware"
     admin_key: str | None = None
     max_requests_in_flight: int | None = None
@@ -64,6 +67,7 @@ class RouterConfig:
     cache_threshold: float = 0.5
     balance_abs_threshold: int = 16
     balance_rel_threshold: float = 1.5
+    forecast: ForecastConfig = field(default_factory=ForecastConfig)  # predictive autoscaling (forecast.py)
 
 
 @dataclass
@@ -99,9 +103,11 @@ class Router:
         self.policy: Policy = make_policy(config.policy, **self._cache_aware_options())
         self.homes = Homes()  # where stored responses, files and batch jobs live (homes.py)
         self.limits = GatewayLimits(config.qps, config.qps_per_key, config.max_requests_in_flight)
-        self.metrics = RouterMetrics(lambda: list(self.registry.workers.values()))
+        self.forecaster = LoadForecaster(config.forecast)  # the load ahead, for autoscalers (/metrics)
+        self.metrics = RouterMetrics(lambda: list(self.registry.workers.values()), self.forecaster)
         self.client: httpx.AsyncClient | None = None
-        self._probes: asyncio.Task | None = None
+        self._background: list[asyncio.Task] = []  # the health probes, and discovery with --discover
+        self.discovery = DnsDiscovery(config.discover, self._discovered, self.remove_worker)
         self.streams: set[RelayResponse] = set()  # open relays, ended with an error event at shutdown
         self._forwarding: set[asyncio.Task] = set()  # requests waiting on a worker, answered 503 at shutdown
         self.ending: str | None = None  # set by abort_all: why requests in flight end
@@ -129,6 +135,10 @@ class Router:
             self.homes.forget_worker(worker.url)
         return worker is not None
 
+    async def _discovered(self, url: str) -> None:
+        assert self.client is not None
+        await self.registry.probe(self.add_worker(url), self.client)  # warm-up starts once it answers
+
     async def start(self) -> None:
         """Open the connection pool, learn the workers' health (at full weight: the workers the
         router starts with are not warmed up against each other), then probe on the interval."""
@@ -137,10 +147,14 @@ class Router:
         self.client = httpx.AsyncClient(timeout=timeout, limits=httpx.Limits(max_connections=None,
                                                                              max_keepalive_connections=256))
         await self.registry.probe_all(self.client, warm=False)
+        await self.discovery.sync()
         available, total = len(self.registry.available()), len(self.registry.workers)
         if available < total:
             logger.warning("%d of %d worker(s) available at start", available, total)
-        self._probes = asyncio.create_task(self.registry.probe_forever(self.client, self.config.health_interval))
+        self._background.append(asyncio.create_task(self.registry.probe_forever(self.client,
+                                                                                self.config.health_interval)))
+        if self.config.discover:
+            self._background.append(asyncio.create_task(self.discovery.run_forever(self.config.health_interval)))
 
     def abort_all(self, message: str) -> int:
         """End every request in flight (at shutdown): a stream with a `shutting_down` error event
@@ -155,10 +169,10 @@ class Router:
         return len(streams) + len(waiting)
 
     async def stop(self) -> None:
-        if self._probes is not None:
-            self._probes.cancel()
+        for task in self._background:
+            task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
-                await self._probes
+                await task
         if self.client is not None:
             await self.client.aclose()
 
@@ -216,6 +230,7 @@ class Router:
             session = headers[SESSION_HEADER] = new_session_id()
         if session is not None:
             route = dataclasses.replace(route, session_key=session)
+        self.forecaster.observe(requested_tokens(route.prompt_text, parsed))
         tried: set[str] = set()
         failure: _Failure | None = None
         for attempt in range(MAX_ATTEMPTS):

@@ -33,6 +33,9 @@ def add_cli_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--worker", action="append", default=[], metavar="URL",
                    help="a `pagoda serve` replica, e.g. http://127.0.0.1:8001 (repeat for each; more can be added "
                         "at run time with POST /workers)")
+    p.add_argument("--discover", action="append", default=[], metavar="HOST:PORT",
+                   help="workers from DNS: every address HOST resolves to (e.g. a Kubernetes headless Service), "
+                        "looked up again each --health-interval; new ones are added and warm up, gone ones removed")
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8000)
     p.add_argument("--policy", default="cache_aware", choices=POLICIES,
@@ -62,6 +65,37 @@ def add_cli_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--balance-rel-threshold", type=float, default=1.5,
                    help="cache_aware: ... and max in flight above this times min")
     add_shutdown_timeout_arg(p)
+    add_forecast_args(p)
+
+
+def add_forecast_args(p: argparse.ArgumentParser) -> None:
+    """Predictive autoscaling (pagoda/router/forecast.py): what /metrics publishes as
+    pagoda:forecast_request_rate, pagoda:forecast_token_rate and pagoda:desired_replicas."""
+    g = p.add_argument_group("predictive autoscaling: the load forecast on /metrics")
+    g.add_argument("--forecast-interval", type=float, default=60.0,
+                   help="seconds per sample of the request and token rates")
+    g.add_argument("--forecast-season", type=float, default=86400.0,
+                   help="seconds after which the load repeats (a day; 0: no season, level and trend only)")
+    g.add_argument("--forecast-lead", type=float, default=120.0,
+                   help="seconds ahead to provision for: a new replica's start-up (pull, kernel build, load) "
+                        "plus --warmup-seconds")
+    g.add_argument("--replica-capacity", type=float, default=None,
+                   help="requests/s one replica serves within its SLOs (e.g. `pagoda tune`'s goodput); with it "
+                        "/metrics publishes pagoda:desired_replicas")
+    g.add_argument("--replica-token-capacity", type=float, default=None,
+                   help="tokens/s one replica serves within its SLOs (prompt + completion); with it too, the "
+                        "capacity that binds wins")
+    g.add_argument("--min-desired-replicas", type=int, default=1, help="pagoda:desired_replicas' floor")
+    g.add_argument("--max-desired-replicas", type=int, default=None, help="pagoda:desired_replicas' ceiling")
+
+
+def forecast_config(ns: argparse.Namespace):
+    """The ForecastConfig of `pagoda router`'s flags."""
+    from pagoda.router.forecast import ForecastConfig  # deferred: this module stays argparse only
+
+    return ForecastConfig(interval=ns.forecast_interval, season=ns.forecast_season, lead=ns.forecast_lead,
+                          replica_capacity=ns.replica_capacity, replica_token_capacity=ns.replica_token_capacity,
+                          min_replicas=ns.min_desired_replicas, max_replicas=ns.max_desired_replicas)
 
 
 def add_serve_args(p: argparse.ArgumentParser) -> None:
@@ -93,10 +127,10 @@ def run(ns: argparse.Namespace) -> int:
     from pagoda.router.server import run_router  # deferred: loads httpx, orjson, prometheus_client, starlette, uvicorn
 
     config = RouterConfig(
-        workers=ns.worker, policy=ns.policy, admin_key=admin_key(ns.admin_key, "--admin-key"),
+        workers=ns.worker, discover=ns.discover, policy=ns.policy, admin_key=admin_key(ns.admin_key, "--admin-key"),
         max_requests_in_flight=ns.max_requests_in_flight, qps=ns.qps, qps_per_key=ns.qps_per_key,
         warmup_seconds=ns.warmup_seconds, health_interval=ns.health_interval, request_timeout=ns.request_timeout,
         breaker_failures=ns.breaker_failures, breaker_open_seconds=ns.breaker_open_seconds,
         cache_threshold=ns.cache_threshold, balance_abs_threshold=ns.balance_abs_threshold,
-        balance_rel_threshold=ns.balance_rel_threshold)
+        balance_rel_threshold=ns.balance_rel_threshold, forecast=forecast_config(ns))
     return run_router(config, ns.host, ns.port, ns.log_level, ns.shutdown_timeout)

@@ -8,6 +8,7 @@ from collections.abc import Callable, Iterable
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import GaugeMetricFamily
 
+from pagoda.router.forecast import LoadForecaster
 from pagoda.router.workers import BreakerState, Worker
 
 PREFIX_MATCH_BUCKETS = (0, 16, 64, 256, 1024, 4096, 16384)
@@ -39,8 +40,39 @@ class _WorkerCollector:
             yield family
 
 
+class _ForecastCollector:
+    """The load forecast and the replicas it needs, read at scrape time, for an HPA (through
+    prometheus-adapter), a KEDA ScaledObject or a Ray Serve policy to scale ahead of a ramp
+    (docs/kubernetes.md). The names are the `pagoda:` ones the issue set, not `pagoda_router:`:
+    they are the fleet's numbers, not the router's own."""
+
+    def __init__(self, forecaster: LoadForecaster) -> None:
+        self.forecaster = forecaster
+
+    def collect(self):
+        f = self.forecaster
+        f.roll()
+        gauges = [
+            ("pagoda:request_rate", "Requests/s the router received in the last closed forecast interval.",
+             f.last_request_rate),
+            ("pagoda:token_rate", "Tokens/s requested in the last closed interval (prompt chars / 4 + max_tokens).",
+             f.last_token_rate),
+            ("pagoda:forecast_request_rate", "Requests/s forecast (Holt-Winters) up to the lead time, the highest.",
+             f.forecast_request_rate()),
+            ("pagoda:forecast_token_rate", "Tokens/s forecast (Holt-Winters) up to the lead time, the highest.",
+             f.forecast_token_rate()),
+        ]
+        for name, doc, value in gauges:
+            yield GaugeMetricFamily(name, doc, value=value)
+        desired = f.desired_replicas()
+        if desired is not None:  # only with --replica-capacity / --replica-token-capacity
+            yield GaugeMetricFamily("pagoda:desired_replicas", "Replicas for the larger of the load now and the "
+                                    "forecast up to the lead time, at the configured capacity per replica.",
+                                    value=float(desired))
+
+
 class RouterMetrics:
-    def __init__(self, workers: Callable[[], Iterable[Worker]]) -> None:
+    def __init__(self, workers: Callable[[], Iterable[Worker]], forecaster: LoadForecaster) -> None:
         self.registry = CollectorRegistry()
         r = self.registry
         self.requests = Counter("pagoda_router:requests", "Requests sent to a worker (retries included).",
@@ -60,6 +92,7 @@ class RouterMetrics:
                                 "worker's (engine: its --max-num-seqs + --max-queue-len were full).",
                                 ["level"], registry=r)
         r.register(_WorkerCollector(workers))
+        r.register(_ForecastCollector(forecaster))
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

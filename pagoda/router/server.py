@@ -46,8 +46,8 @@ class RouterServer(GracefulServer):
 def run_router(config: RouterConfig, host: str, port: int, log_level: str, shutdown_timeout: float) -> int:
     """`pagoda router`: until SIGINT / SIGTERM; returns the exit status."""
     sock = bind_listener(host, port)  # a busy port fails here, before the banner
-    if not config.workers:
-        logger.warning("starting with no workers: add them with POST /workers")
+    if not config.workers and not config.discover:
+        logger.warning("starting with no workers: add them with POST /workers (or give --discover)")
     try:
         app = build_app(config)
         logging.getLogger("httpx").setLevel(logging.WARNING)  # a line per proxied request otherwise
