@@ -83,6 +83,19 @@ class CacheConfig:
 
 
 @dataclass(frozen=True)
+class KVOffloadConfig:
+    """The KV tiers under the prefix cache (core/kv_tiers): host memory and an optional directory."""
+
+    memory_gib: float = 0.0
+    disk_dir: str | None = None
+    disk_gib: float = _ARGS.kv_offload_disk
+
+    @property
+    def enabled(self) -> bool:
+        return self.memory_gib > 0 or self.disk_dir is not None
+
+
+@dataclass(frozen=True)
 class SchedulerConfig:
     max_num_seqs: int = _ARGS.max_num_seqs
     max_num_batched_tokens: int = _ARGS.max_num_batched_tokens
@@ -128,6 +141,7 @@ class EngineConfig:
     compile: bool = _ARGS.compile  # torch.compile the model between attention layers (see worker/compiled.py)
     deterministic: bool = False  # batch-invariant kernels and layout (see EngineArgs.deterministic)
     fused_decode: bool = _ARGS.fused_decode  # decode batches may take the fused C++ stack (see EngineArgs.fused_decode)
+    kv_offload: KVOffloadConfig = KVOffloadConfig()
 
 
 def create_engine_config(args: EngineArgs) -> EngineConfig:
@@ -189,6 +203,8 @@ def create_engine_config(args: EngineArgs) -> EngineConfig:
         deterministic=deterministic,
         fused_decode=args.fused_decode,
         speculative=_speculative_config(args, model_config),
+        kv_offload=KVOffloadConfig(args.kv_offload_memory if args.kv_offload_memory is not None
+                                   else (1.0 if args.kv_offload_dir else 0.0), args.kv_offload_dir, args.kv_offload_disk),
     )
 
 

@@ -61,6 +61,10 @@ class SchedulerOutput:
     # per constrained request that samples this step (request id → row).
     grammar_bitmask: torch.Tensor | None = None
     grammar_rows: dict[str, int] = field(default_factory=dict)
+    # KV tiers (core/kv_tiers): before the forward pass, blocks to copy out (block, key, keep in
+    # host memory), then blocks to copy in (key, block)
+    kv_saves: list[tuple[int, bytes, bool]] = field(default_factory=list)
+    kv_loads: list[tuple[bytes, int]] = field(default_factory=list)
 
     @property
     def total_num_scheduled_tokens(self) -> int:
