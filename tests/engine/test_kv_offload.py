@@ -142,3 +142,17 @@ def test_an_unwritable_directory_is_named(tiny_llama, tmp_path):
     blocker.write_text("")
     with pytest.raises(ValueError, match="kv_offload_dir"):
         LLM(model=str(tiny_llama), kv_offload_dir=str(Path(blocker) / "kv"), **SMALL)
+
+
+def test_tier_hits_reach_the_prometheus_metrics(tiny_llama):
+    from pagoda.entrypoints.prometheus import _EngineCollector
+
+    with LLM(model=str(tiny_llama), kv_offload_memory=0.01, **SMALL) as llm:
+        prompt = _prompt(8)
+        _run(llm, prompt)
+        _evict(llm)
+        _run(llm, prompt)
+        collected = _EngineCollector(llm.engine.core, "tiny").collect()
+        metrics = {s.name: s.value for m in collected for s in m.samples}
+    assert metrics["pagoda:kv_offload_memory_hits_total"] == 192
+    assert metrics["pagoda:kv_offload_disk_hits_total"] == 0 and metrics["pagoda:kv_offload_saved_total"] > 0
