@@ -84,6 +84,19 @@ class CacheConfig:
 
 
 @dataclass(frozen=True)
+class KVOffloadConfig:
+    """The KV tiers under the prefix cache (core/kv_tiers): host memory and an optional directory."""
+
+    memory_gib: float = 0.0
+    disk_dir: str | None = None
+    disk_gib: float = _ARGS.kv_offload_disk
+
+    @property
+    def enabled(self) -> bool:
+        return self.memory_gib > 0 or self.disk_dir is not None
+
+
+@dataclass(frozen=True)
 class SchedulerConfig:
     max_num_seqs: int = _ARGS.max_num_seqs
     max_num_batched_tokens: int = _ARGS.max_num_batched_tokens
@@ -130,6 +143,7 @@ class EngineConfig:
     deterministic: bool = False  # batch-invariant kernels and layout (see EngineArgs.deterministic)
     fused_decode: bool = _ARGS.fused_decode  # decode batches may take the fused C++ stack (see EngineArgs.fused_decode)
     lora: LoRAConfig | None = None  # LoRA adapters are served (EngineArgs.enable_lora)
+    kv_offload: KVOffloadConfig = KVOffloadConfig()
 
 
 def create_engine_config(args: EngineArgs) -> EngineConfig:
@@ -192,6 +206,8 @@ def create_engine_config(args: EngineArgs) -> EngineConfig:
         fused_decode=args.fused_decode,
         speculative=_speculative_config(args, model_config),
         lora=lora_config(args, dtype, quantization not in (None, "none"), pools),
+        kv_offload=KVOffloadConfig(args.kv_offload_memory if args.kv_offload_memory is not None
+                                   else (1.0 if args.kv_offload_dir else 0.0), args.kv_offload_dir, args.kv_offload_disk),
     )
 
 

@@ -103,6 +103,17 @@ class EngineArgs:
         choices=QUANTIZATIONS))
     device: str | None = field(default=None, metadata=_option(
         "torch device, e.g. cpu or cuda:0 (default: cuda when available and PAGODA_DEVICE is not cpu, else cpu)"))
+    # KV tiers under the prefix cache (core/kv_tiers), vLLM's offloading flags
+    kv_offload_memory: float | None = field(default=None, metadata=_option(
+        "GiB of host memory for KV blocks the prefix cache evicts, kept in the cache's own format (an int8 or "
+        "fp8 cache's codes and scales) and promoted back on a prefix hit (default: off, or 1 GiB with "
+        "--kv-offload-dir)"))
+    kv_offload_dir: str | None = field(default=None, metadata=_option(
+        "directory of a disk tier of KV blocks under the host-memory tier: written in the background, kept "
+        "across restarts (keyed by model, KV dtype, tenant and tokens; checksummed; files 0600), shareable by "
+        "replicas of one model"))
+    kv_offload_disk: float = field(default=10.0, metadata=_option(
+        "GiB the --kv-offload-dir tier may hold; least recently used blocks are removed first (default: %(default)s)"))
     aging_seconds: float = field(default=30.0, metadata=_option(
         "seconds of waiting that raise a request's effective priority by one level; 0 disables aging"))
     admission_pressure_threshold: float = field(default=0.9, metadata=_option(
@@ -215,6 +226,9 @@ class EngineArgs:
             (self.max_lora_rank >= 1, "max_lora_rank", "must be >= 1"),
             (self.max_cpu_loras is None or self.max_cpu_loras >= self.max_loras, "max_cpu_loras",
              f"must be >= max_loras ({self.max_loras})"),
+            (self.kv_offload_memory is None or self.kv_offload_memory >= 0, "kv_offload_memory", "must be >= 0 GiB"),
+            (self.kv_offload_disk > 0, "kv_offload_disk", "must be > 0 GiB"),
+            (self.kv_offload_dir != "", "kv_offload_dir", "must name a directory"),
         ]
         for ok, name, message in checks:
             if not ok:

@@ -6,6 +6,7 @@ from dataclasses import dataclass
 
 from pagoda.core.block_pool import BlockPool
 from pagoda.core.kv_cache_groups import KVCacheGroups
+from pagoda.core.kv_tiers.link import KVTierLink
 from pagoda.core.radix_cache import RadixCache, RadixNode
 from pagoda.core.session_pins import SessionPins
 from pagoda.request import Request
@@ -82,6 +83,14 @@ class KVCacheManager:
         self.prefix_hit_tokens = 0
         self.prefix_preempted_query_tokens = 0
         self.prefix_preempted_hit_tokens = 0
+        self.tiers: KVTierLink | None = None  # host memory and disk under the tree (attach_tiers)
+
+    def attach_tiers(self, link: KVTierLink) -> None:
+        """Put the lower tiers (core/kv_tiers) under the prefix tree: blocks it lets go go down,
+        and a prefix found below is promoted back at admission."""
+        if self.cache is None or self.num_groups > 1:
+            raise ValueError("kv_offload needs prefix caching and a model with one KV cache group")
+        self.tiers = link
 
     @property
     def num_free_blocks(self) -> int:
@@ -119,6 +128,8 @@ class KVCacheManager:
         if request.block_ids or request.num_computed_tokens or not self._uses_prefix_cache(request):
             return None
         tokens = request.all_token_ids[: request.num_tokens - 1]
+        if self.tiers is not None:
+            self._promote(request, tokens)
         match = self.cache.match(tokens, request.prefix_key)
         if self.num_groups > 1 and match.blocks:
             usable = self._usable_hit(match.blocks)
@@ -131,6 +142,38 @@ class KVCacheManager:
         self._num_cached[request.request_id] = len(match.blocks)
         groups = self._take_cached_extras(request, match.blocks) if self.num_groups > 1 else []
         return KVBlocks(list(match.blocks), groups)
+
+    def _promote(self, request: Request, tokens: list[int]) -> None:
+        """Bring back from the lower tiers the blocks of the prompt's prefix that follow what the
+        tree holds: pool blocks for them go into the tree (the tree's reference), to be loaded
+        before the step's forward pass, and the match that follows finds them. Leaves room for the
+        rest of the prompt."""
+        bs = self.block_size
+        match = self.cache.match(tokens, request.prefix_key)
+        full = len(tokens) // bs
+        if match.num_blocks >= full:
+            return
+        keys = self.tiers.chain(request, full)[match.num_blocks:]
+        self.cache.lock(match.node)  # evicting for room must not take the prefix it extends
+        try:
+            room = self.num_free_blocks - self.blocks_for_tokens(request.num_tokens - full * bs)
+            run = self.tiers.store.pin_run(keys[:max(0, room)])
+            if run == 0:
+                return
+            self._evict(run - self.pool.num_free_blocks)
+            blocks = self.pool.allocate(run)
+            self.cache.insert(tokens[:(match.num_blocks + run) * bs], match.blocks + blocks, request.prefix_key)
+            self.tiers.promoted(keys[:run], blocks)
+        finally:
+            self.cache.unlock(match.node)
+
+    def _evict(self, num_blocks: int) -> None:
+        """Evict ``num_blocks`` blocks (if > 0) from the tree back to the pool; with tiers, they go down."""
+        if num_blocks > 0:
+            released = self.cache.evict(num_blocks)
+            if self.tiers is not None:
+                self.tiers.evicted(released)
+            self.pool.free(released)
 
     def _first_in_window(self, num_tokens: int, window: int | None = None) -> int:
         """The first block a query at position ``num_tokens`` (or later) reads in a layer with a
@@ -200,9 +243,7 @@ class KVCacheManager:
             self.sessions.release_for(need, lambda: self.num_free_blocks)
         if need > self.num_free_blocks:
             return None
-        short = need - self.pool.num_free_blocks
-        if short > 0:
-            self.pool.free(self.cache.evict(short))
+        self._evict(need - self.pool.num_free_blocks)
         per_group = need // self.num_groups
         ids = self.pool.allocate(per_group)
         return KVBlocks(ids, [self.pool.allocate(per_group) for _ in range(self.num_groups - 1)])
@@ -226,6 +267,8 @@ class KVCacheManager:
             have, node = self.cache.insert(tokens, request.block_ids[:full], request.prefix_key, extras)
         if have < full:
             self.pool.incref(request.block_ids[have:full])  # the tree's own reference
+            if self.tiers is not None:
+                self.tiers.stored(request, request.block_ids, have, full)
             if extras is not None:
                 self.pool.incref([b for extra in extras[have:] for b in extra if b is not None])
         self._lock(request, node)
@@ -306,6 +349,8 @@ class KVCacheManager:
             full = min(len(request.block_ids), request.num_computed_tokens // self.block_size,
                        self._num_cached.get(request.request_id, 0))
             self.sessions.pin(request.session_id, request.all_token_ids, full, request.prefix_key)
+        if finished and self.tiers is not None:
+            self.tiers.forget(request.request_id)
         node = self._locked.pop(request.request_id, None)
         if node is not None:
             self.cache.unlock(node)
@@ -327,4 +372,7 @@ class KVCacheManager:
 
     def reset_prefix_cache(self) -> None:
         if self.cache is not None:
-            self.pool.free(self.cache.reset())
+            released = self.cache.reset()
+            if self.tiers is not None:
+                self.tiers.evicted(released)
+            self.pool.free(released)

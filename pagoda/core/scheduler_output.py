@@ -66,6 +66,10 @@ class SchedulerOutput:
     # LoRA (core/lora_residency.py): adapters to drop, then adapters to load, before the step runs
     lora_unloads: list[int] = field(default_factory=list)
     lora_loads: list[LoRARequest] = field(default_factory=list)
+    # KV tiers (core/kv_tiers): before the forward pass, blocks to copy out (block, key, keep in
+    # host memory), then blocks to copy in (key, block)
+    kv_saves: list[tuple[int, bytes, bool]] = field(default_factory=list)
+    kv_loads: list[tuple[bytes, int]] = field(default_factory=list)
 
     @property
     def total_num_scheduled_tokens(self) -> int:

@@ -32,6 +32,11 @@ class SchedulerStats:
     num_sessions_pinned: int = 0  # sessions whose prefix is pinned in the prefix cache
     session_pinned_blocks: int = 0  # blocks those pins hold (shared prefixes counted per session)
     session_pins_released_under_pressure: int = 0
+    # KV tiers under the prefix cache (core/kv_tiers), in tokens: promoted back from each tier,
+    # and copied down into host memory
+    kv_offload_memory_hit_tokens: int = 0
+    kv_offload_disk_hit_tokens: int = 0
+    kv_offload_saved_tokens: int = 0
 
     @property
     def spec_acceptance_rate(self) -> float:
@@ -79,6 +84,8 @@ def scheduler_stats(num_running: int, num_waiting: int, num_preemptions: int, kv
                     spec: SpecDecodeCounters) -> SchedulerStats:
     """The scheduler's figures with its KV cache manager's and speculative decoding's."""
     sessions = kv.sessions
+    tiers = kv.tiers.store.counters if kv.tiers is not None else None
+    bs = kv.block_size
     return SchedulerStats(
         num_running=num_running,
         num_waiting=num_waiting,
@@ -100,4 +107,7 @@ def scheduler_stats(num_running: int, num_waiting: int, num_preemptions: int, kv
         num_sessions_pinned=len(sessions) if sessions is not None else 0,
         session_pinned_blocks=kv.num_session_pinned_blocks,
         session_pins_released_under_pressure=sessions.num_released_under_pressure if sessions else 0,
+        kv_offload_memory_hit_tokens=tiers.memory_hits * bs if tiers else 0,
+        kv_offload_disk_hit_tokens=tiers.disk_hits * bs if tiers else 0,
+        kv_offload_saved_tokens=tiers.saved * bs if tiers else 0,
     )

@@ -19,6 +19,7 @@ from pagoda.core.lora_residency import LoRAResidency
 from pagoda.core.scheduler import Scheduler
 from pagoda.core.scheduler_stats import SchedulerStats
 from pagoda.core.scheduler_output import SchedulerOutput
+from pagoda.engine.kv_offload import open_kv_tiers
 from pagoda.engine.step_trace import StepTrace, radix_snapshot
 from pagoda.executor import make_executor
 from pagoda.outputs import TokenLogprobs
@@ -109,6 +110,7 @@ class EngineCore:
                                          session_max_blocks=session_tokens // block_size,
                                          session_total_blocks=int(self.num_blocks * cc.session_kv_fraction),
                                          sliding_window=_releasable_window(config, self.model), kv_groups=kv_groups)
+        self.kv_tiers = open_kv_tiers(config, self.executor.driver_worker, self.kv_manager)
         sc = config.scheduler
         self.scheduler = Scheduler(
             self.kv_manager, max_num_seqs=sc.max_num_seqs, max_num_batched_tokens=sc.max_num_batched_tokens,
@@ -138,7 +140,9 @@ class EngineCore:
         return self.executor.driver_worker.runner
 
     def shutdown(self) -> None:
-        """Stop the workers (other ranks' processes exit)."""
+        """Stop the workers (other ranks' processes exit); the disk tier's queued writes finish first."""
+        if self.kv_tiers is not None:
+            self.kv_tiers.close()
         self.executor.shutdown()
 
     def check_health(self) -> None:
@@ -156,6 +160,8 @@ class EngineCore:
         constraint = request.sampling_params.structured_outputs if request.sampling_params is not None else None
         grammar = self.structured_outputs.grammar_for(constraint) if constraint is not None else None
         self.scheduler.add_request(request, grammar)
+        if self.kv_manager.tiers is not None:
+            self.kv_manager.tiers.prefetch(request)  # read ahead from disk while it waits
         if grammar is not None:
             self._compiling.append(request)
         self.trace.arrived(request)
@@ -241,6 +247,8 @@ class EngineCore:
                 StructuredOutputManager.wait_any([r.grammar for r in self._compiling], timeout=0.05)
             return failed
         self._attach_grammar_bitmask(sched)
+        if self.kv_manager.tiers is not None:
+            self.kv_manager.tiers.attach(sched)
         self.trace.begin_step(sched, self.scheduler.requests)
         result = self.executor.execute_model(sched)
         requests = self.scheduler.requests

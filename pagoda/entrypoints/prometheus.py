@@ -54,6 +54,12 @@ class _EngineCollector:
              "after preemption.", stats.prefix_cache_preempted_query_tokens),
             ("pagoda:prefix_cache_preempted_hits", "Tokens found in the prefix cache by requests resumed after "
              "preemption.", stats.prefix_cache_preempted_hit_tokens),
+            ("pagoda:kv_offload_memory_hits", "Prompt tokens promoted back from the host-memory KV tier "
+             "(--kv-offload-memory).", stats.kv_offload_memory_hit_tokens),
+            ("pagoda:kv_offload_disk_hits", "Prompt tokens promoted back from the disk KV tier (--kv-offload-dir).",
+             stats.kv_offload_disk_hit_tokens),
+            ("pagoda:kv_offload_saved", "Tokens of KV blocks copied down into the host-memory tier.",
+             stats.kv_offload_saved_tokens),
             ("pagoda:spec_decode_num_drafts", "Speculative decoding: verifications (one request's drafts in one step).",
              stats.spec_num_drafts),
             ("pagoda:spec_decode_num_draft_tokens", "Speculative decoding: draft tokens verified.",

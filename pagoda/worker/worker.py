@@ -23,6 +23,7 @@ from pagoda.loader.model_loader import load_model
 from pagoda.outputs import ModelRunnerOutput
 from pagoda.platform import available_memory_bytes, resident_memory_bytes
 from pagoda.core.kv_cache_groups import KVCacheGroups, kv_groups_for
+from pagoda.core.kv_tiers.store import KVTierStore
 from pagoda.worker.kv_cache import GiB, allocate_kv_cache, allocate_kv_scales, bytes_per_block, cpu_budget_gib
 from pagoda.worker.lora_weights import LoRAWeights
 from pagoda.worker.model_runner import ModelRunner
@@ -73,6 +74,7 @@ class Worker:
         self.runner: ModelRunner | None = None
         self.kv_cache: torch.Tensor | None = None
         self.kv_scales: torch.Tensor | None = None  # an int8 cache's scales
+        self.kv_tiers: KVTierStore | None = None  # host memory and disk under the prefix cache (attach_kv_tiers)
 
     def _load_draft(self) -> torch.nn.Module | None:
         """The draft model of speculative decoding (``method: draft_model``), whole, on the driver
@@ -165,7 +167,14 @@ class Worker:
         return self.runner.forward_path.as_dict()
 
     # -- steps ------------------------------------------------------------------------------
+    def attach_kv_tiers(self, store: KVTierStore) -> None:
+        """The KV tiers (core/kv_tiers) whose copies each step's ``kv_saves`` / ``kv_loads`` ask for."""
+        store.bind(self.kv_cache, self.kv_scales)
+        self.kv_tiers = store
+
     def execute_model(self, sched: SchedulerOutput) -> ModelRunnerOutput | None:
+        if sched.kv_saves or sched.kv_loads:  # before the forward: a block let go may be written again
+            self.kv_tiers.apply(sched.kv_saves, sched.kv_loads)
         out = self.runner.execute(sched)
         return out if self.tp.is_driver else None
 

@@ -1,0 +1,120 @@
+"""KV tiers (issue 43): time to first token of a long shared prefix computed cold, promoted from the
+host-memory tier, from the disk tier, and from disk after a restart; and what the tiers cost a
+workload that never hits them.
+
+    python benchmarks/kv_tiers.py [--model smollm2-135m-instruct] [--lengths 1024 4096 8000]
+
+Offline (``pagoda.LLM``, in process): TTFT is the wall time of a request with ``max_tokens=1``, a
+prefix of L random tokens plus the same 8 tokens (so every request computes a few). Memory tier:
+the prefix cache is reset (its blocks go down to host memory) and a 16-token request applies those
+copies before the timed one. Disk tier: an engine with ``--kv-offload-memory 0`` over the same
+directory (first request: after a restart; then, reset again, the disk tier in the same process).
+Every hit's first token is compared with the cold one (``*_same_token``). Overhead: the same batch of prompts that
+never share a block (--overhead-prompts x 1024 tokens, 32 tokens out) with tiers off and on
+(memory and disk, written through), alternating rounds. Writes results/kv-tiers-<date>.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import shutil
+import tempfile
+import time
+from datetime import date
+from pathlib import Path
+
+from pagoda import LLM, SamplingParams
+
+HERE = Path(__file__).parent
+ONE = SamplingParams(temperature=0.0, max_tokens=1)
+SUFFIX = list(range(200, 208))  # the tokens after the prefix: the same prompt every time, 8 tokens to compute
+
+
+def _tokens(seed: int, n: int) -> list[int]:
+    rng = random.Random(seed)
+    return [rng.randrange(100, 40000) for _ in range(n)]
+
+
+def _ttft(llm: LLM, tokens: list[int]) -> tuple[float, int, int]:
+    start = time.perf_counter()
+    out = llm.generate([{"prompt_token_ids": tokens}], ONE, use_tqdm=False)[0]
+    return time.perf_counter() - start, out.outputs[0].token_ids[0], out.num_cached_tokens
+
+
+def _push_down(llm: LLM) -> None:
+    """Evict the prefix cache into the tiers, and run the copies out before timing anything."""
+    llm.engine.core.kv_manager.reset_prefix_cache()
+    llm.generate([{"prompt_token_ids": _tokens(999, 16)}], ONE, use_tqdm=False)
+
+
+def ttft_rows(model: str, lengths: list[int], kv_dir: Path) -> list[dict]:
+    base = dict(model=model, max_model_len=8192, kv_cache_memory=1.0)
+    rows = {n: {"prefix_tokens": n} for n in lengths}
+    with LLM(kv_offload_memory=4.0, kv_offload_dir=str(kv_dir), **base) as llm:
+        llm.generate([{"prompt_token_ids": _tokens(998, 64)}], ONE, use_tqdm=False)  # warm up
+        for n in lengths:
+            prefix = _tokens(n, n)
+            rows[n]["cold_s"], rows[n]["token"], _ = _ttft(llm, prefix + SUFFIX)
+            llm.engine.core.kv_tiers.flush()  # the written-through files, before the restart below
+            _push_down(llm)
+            rows[n]["memory_s"], token, cached = _ttft(llm, prefix + SUFFIX)
+            rows[n]["memory_cached"] = cached
+            rows[n]["memory_same_token"] = token == rows[n]["token"]
+    with LLM(kv_offload_memory=0.0, kv_offload_dir=str(kv_dir), **base) as llm:  # a restart
+        for n in lengths:
+            prefix = _tokens(n, n)
+            rows[n]["restart_s"], token, rows[n]["restart_cached"] = _ttft(llm, prefix + SUFFIX)
+            rows[n]["restart_same_token"] = token == rows[n]["token"]
+        for n in lengths:
+            _push_down(llm)
+            rows[n]["disk_s"], token, rows[n]["disk_cached"] = _ttft(llm, _tokens(n, n) + SUFFIX)
+            rows[n]["disk_same_token"] = token == rows[n]["token"]
+    return list(rows.values())
+
+
+def overhead(model: str, num_prompts: int, rounds: int, kv_dir: Path) -> dict:
+    prompts = [{"prompt_token_ids": _tokens(5000 + i, 1024)} for i in range(num_prompts)]
+    params = SamplingParams(temperature=0.0, max_tokens=32, ignore_eos=True)
+    times: dict[str, list[float]] = {"off": [], "on": []}
+    for r in range(rounds):
+        for mode in ("off", "on"):
+            tiers = dict(kv_offload_memory=1.0, kv_offload_dir=str(kv_dir / f"r{r}")) if mode == "on" else {}
+            with LLM(model=model, max_model_len=8192, kv_cache_memory=1.0, **tiers) as llm:
+                llm.generate(prompts[:1], params, use_tqdm=False)  # warm up (also the one block shared)
+                fresh = [{"prompt_token_ids": _tokens(7000 + r * 100 + i, 1024)} for i in range(num_prompts)]
+                start = time.perf_counter()
+                llm.generate(fresh, params, use_tqdm=False)
+                times[mode].append(time.perf_counter() - start)
+    return {"prompts": num_prompts, "prompt_tokens": 1024, "max_tokens": 32, "seconds": times}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--model", default="smollm2-135m-instruct")
+    ap.add_argument("--lengths", type=int, nargs="+", default=[1024, 4096, 8000])
+    ap.add_argument("--overhead-prompts", type=int, default=8)
+    ap.add_argument("--rounds", type=int, default=2)
+    args = ap.parse_args()
+    work = Path(tempfile.mkdtemp(prefix="kv-tiers-"))
+    try:
+        rows = ttft_rows(args.model, args.lengths, work / "ttft")
+        for r in rows:
+            print(f"{r['prefix_tokens']:>5} tokens: cold {r['cold_s']:.2f} s, memory {r['memory_s']:.3f} s, "
+                  f"disk {r['disk_s']:.3f} s, after restart {r['restart_s']:.3f} s "
+                  f"({r['cold_s'] / r['restart_s']:.1f}x sooner); cached {r['memory_cached']}/{r['disk_cached']}/"
+                  f"{r['restart_cached']}; same first token {r['memory_same_token']}/{r['disk_same_token']}/"
+                  f"{r['restart_same_token']}", flush=True)
+        cost = overhead(args.model, args.overhead_prompts, args.rounds, work / "overhead")
+        print(f"never-hit workload, seconds: off {cost['seconds']['off']}, on {cost['seconds']['on']}")
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+    out = HERE / "results" / f"kv-tiers-{date.today()}.json"
+    out.parent.mkdir(exist_ok=True)
+    out.write_text(json.dumps({"model": args.model, "ttft": rows, "overhead": cost}, indent=1))
+    print(f"wrote {out}")
+
+
+if __name__ == "__main__":
+    main()
