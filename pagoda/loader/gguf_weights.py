@@ -102,7 +102,7 @@ def gguf_to_hf_name(name: str, arch: str, model_type: str | None = None) -> str 
     return f"model.layers.{parts[1]}.{hf}.{suffix}" if hf else None
 
 
-def _unpermute_rows(w: np.ndarray, n_heads: int) -> np.ndarray:
+def unpermute_rows(w: np.ndarray, n_heads: int) -> np.ndarray:
     """Invert llama.cpp's q/k permutation.
 
     llama.cpp's converter stores ``w.reshape(n_head, 2, rows // n_head // 2, *rest).swapaxes(1, 2)``
@@ -211,9 +211,9 @@ def iter_gguf_weights(gguf_path: Path, config: Mapping[str, Any], *, keep_quanti
             # Row permutations act on whole rows (within a head), so they apply to stored blocks as
             # to floats, and to a slice of whole heads with the slice's head count.
             if arch == "llama" and ".self_attn.q_proj." in hf_name:
-                w = _unpermute_rows(w, heads * shape[0] // info.shape[0])
+                w = unpermute_rows(w, heads * shape[0] // info.shape[0])
             elif arch == "llama" and ".self_attn.k_proj." in hf_name:
-                w = _unpermute_rows(w, kv_heads * shape[0] // info.shape[0])
+                w = unpermute_rows(w, kv_heads * shape[0] // info.shape[0])
             elif arch == "gemma3" and hf_name.endswith("norm.weight"):
                 # llama.cpp's converter stores Gemma's RMSNorm weight as (1 + w); HF keeps w.
                 w = w - 1.0

@@ -8,7 +8,7 @@ from __future__ import annotations
 import threading
 
 from pagoda.lora.config import LoRAConfig
-from pagoda.lora.peft_adapter import read_peft_adapter
+from pagoda.lora.adapter_files import read_adapter
 from pagoda.lora.request import LoRARequest
 
 
@@ -32,7 +32,7 @@ class AdapterChecks:
             known = self._checked.get(key)
         if known is not None:
             return known
-        read_peft_adapter(lora.lora_path, self.hf_config, self.config.max_lora_rank)
+        read_adapter(lora.lora_path, self.hf_config, self.config.max_lora_rank)
         checked = lora.with_fingerprint()
         with self._lock:
             return self._checked.setdefault(key, checked)

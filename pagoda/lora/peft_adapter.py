@@ -46,7 +46,7 @@ class PeftAdapter:
 
 
 def read_peft_adapter(path: str, hf_config: dict, max_rank: int) -> PeftAdapter:
-    """The adapter at ``path``, checked against the base's ``hf_config`` (layers, shapes) and the
+    """The PEFT adapter at ``path``, checked against the base's ``hf_config`` (layers, shapes) and the
     rank limit; an ``AdapterError`` names the problem."""
     root = Path(path)
     config = _read_config(root)
@@ -56,7 +56,7 @@ def read_peft_adapter(path: str, hf_config: dict, max_rank: int) -> PeftAdapter:
     rank = max(pair.a.shape[0] for pair in pairs.values())
     if rank > max_rank:
         raise AdapterError(f"adapter {root} has rank {rank}, above the server's --max-lora-rank {max_rank}")
-    _check_shapes(pairs, hf_config, root)
+    check_shapes(pairs, hf_config, root)
     return PeftAdapter(str(root), rank, pairs)
 
 
@@ -129,7 +129,7 @@ def _scale(config: dict, module: str, rank: int) -> float:
     return alpha / math.sqrt(rank) if config.get("use_rslora") else alpha / rank
 
 
-def _check_shapes(pairs: dict[str, LoRAPair], hf_config: dict, root: Path) -> None:
+def check_shapes(pairs: dict[str, LoRAPair], hf_config: dict, root: Path) -> None:
     """Each pair's in and out features against the base's projection (full, unsharded) shapes."""
     hidden = int(hf_config["hidden_size"])
     heads = int(hf_config["num_attention_heads"])

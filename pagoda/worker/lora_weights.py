@@ -17,7 +17,7 @@ from pagoda.core.scheduler_output import SchedulerOutput
 from pagoda.layers.lora_delta import AdapterDeltas, LoRABatch, rows_of
 from pagoda.lora.binding import adapter_nbytes, bind_adapter, label_projections
 from pagoda.lora.config import LoRAConfig
-from pagoda.lora.peft_adapter import read_peft_adapter
+from pagoda.lora.adapter_files import read_adapter
 
 logger = logging.getLogger(__name__)
 
@@ -33,7 +33,7 @@ class LoRAWeights:
             self.adapters.pop(lora_id, None)
         for lora in sched.lora_loads:
             started = time.perf_counter()
-            adapter = read_peft_adapter(lora.lora_path, self.hf_config, self.config.max_lora_rank)
+            adapter = read_adapter(lora.lora_path, self.hf_config, self.config.max_lora_rank)
             deltas = self.adapters[lora.lora_int_id] = bind_adapter(self.model, adapter, self.config.dtype)
             logger.info("LoRA adapter %r (id %d, rank %d) loaded in %.1f ms, %.2f MiB", lora.lora_name,
                         lora.lora_int_id, adapter.rank, (time.perf_counter() - started) * 1e3,
