@@ -18,6 +18,7 @@ from pagoda.heap import keep_freed_memory
 from pagoda.layers.auto_quantization import announce, choose_quantization
 from pagoda.layers.quantization import check_quantization
 from pagoda.lora.config import LoRAConfig, lora_config
+from pagoda.lora.checks import model_adapter_rank
 from pagoda.loader.catalog import DEFAULT_MODEL  # noqa: F401 - the engine's default, re-exported
 from pagoda.loader.model_files import ModelFiles
 from pagoda.loader.pooling_model import choose_runner, sep_token_id
@@ -205,7 +206,7 @@ def create_engine_config(args: EngineArgs) -> EngineConfig:
         deterministic=deterministic,
         fused_decode=args.fused_decode,
         speculative=_speculative_config(args, model_config),
-        lora=lora_config(args, dtype, quantization not in (None, "none"), pools),
+        lora=lora_config(args, dtype, quantization not in (None, "none"), pools, model_adapter_rank(files, hf_config)),
         kv_offload=KVOffloadConfig(args.kv_offload_memory if args.kv_offload_memory is not None
                                    else (1.0 if args.kv_offload_dir else 0.0), args.kv_offload_dir, args.kv_offload_disk),
     )

@@ -30,7 +30,8 @@ class FrontEnd:
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
         self.tokenizer = Tokenizer(config.model.files.metadata_dir, chat_template=config.model.chat_template)
-        self.input_processor = InputProcessor(self.tokenizer, AdapterChecks(config.lora, config.model.hf_config))
+        self.input_processor = InputProcessor(self.tokenizer, AdapterChecks(config.lora, config.model.hf_config,
+                                                                            config.model.files.adapter))
         self.output_processor = OutputProcessor(self.tokenizer)
         # The model's own defaults for what a request leaves unset (generation_defaults.py)
         self.sampling_defaults = sampling_defaults(config.model.generation_config, config.model.files.metadata_dir)

@@ -36,6 +36,8 @@ class ModelFiles:
     # An encrypted container (pagoda/loader/encrypted_model.py): metadata_dir holds its decrypted
     # metadata (a private temporary directory), the weights are decrypted into memory at load.
     encryption: EncryptedModel | None = None
+    # A store model's LoRA adapter (a Modelfile's ADAPTER): every request runs under it (lora/config.py)
+    adapter: Path | None = None
 
     @property
     def format(self) -> str:

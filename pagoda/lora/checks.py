@@ -7,21 +7,34 @@ from __future__ import annotations
 
 import threading
 
-from pagoda.lora.config import LoRAConfig
+from pagoda.lora.config import MODEL_ADAPTER_ID, LoRAConfig
 from pagoda.lora.adapter_files import read_adapter
 from pagoda.lora.request import LoRARequest
 
 
+def model_adapter_rank(files, hf_config: dict) -> int | None:
+    """The rank of a store model's own adapter (ModelFiles.adapter), checked against the base."""
+    if files.adapter is None:
+        return None
+    return read_adapter(str(files.adapter), hf_config, max_rank=1 << 16).rank
+
+
 class AdapterChecks:
-    def __init__(self, config: LoRAConfig | None, hf_config: dict) -> None:
+    def __init__(self, config: LoRAConfig | None, hf_config: dict, model_adapter=None) -> None:
+        """``model_adapter``: a store model's own adapter (a Modelfile's ADAPTER): the requests
+        that name none run under it, as Ollama serves such a model."""
         self.config, self.hf_config = config, hf_config
         self._checked: dict[tuple[int, str], LoRARequest] = {}
         self._lock = threading.Lock()  # the server checks on its event loop and in worker threads
+        self.default = None
+        if model_adapter is not None:
+            self.default = self.check(LoRARequest("model-adapter", MODEL_ADAPTER_ID, str(model_adapter)))
 
     def check(self, lora: LoRARequest | None) -> LoRARequest | None:
-        """``lora`` checked and fingerprinted (the same object for the same version), or None."""
+        """``lora`` checked and fingerprinted (the same object for the same version); the model's
+        own adapter, or None, for a request that names none."""
         if lora is None:
-            return None
+            return self.default
         if not isinstance(lora, LoRARequest):
             raise ValueError(f"lora_request must be a LoRARequest, got {type(lora).__name__}")
         if self.config is None:

@@ -24,9 +24,15 @@ class LoRAConfig:
             raise ValueError(f"max_cpu_loras ({self.max_cpu_loras}) must be >= max_loras ({self.max_loras})")
 
 
-def lora_config(args, model_dtype: torch.dtype, quantized: bool, pools: bool) -> LoRAConfig | None:
-    """EngineArgs' LoRA knobs resolved against the model (None unless ``enable_lora``)."""
-    if not args.enable_lora:
+# the id of a store model's own adapter (a Modelfile's ADAPTER), apart from those a server numbers from 1
+MODEL_ADAPTER_ID = 1 << 30
+
+
+def lora_config(args, model_dtype: torch.dtype, quantized: bool, pools: bool,
+                model_adapter_rank: int | None = None) -> LoRAConfig | None:
+    """EngineArgs' LoRA knobs resolved against the model: None unless ``enable_lora`` or the
+    model carries its own adapter (``model_adapter_rank``: its rank, which the limit then admits)."""
+    if not args.enable_lora and model_adapter_rank is None:
         return None
     if pools:
         raise ValueError("enable_lora: the pooling runner serves no adapters (--runner pooling)")
@@ -34,4 +40,5 @@ def lora_config(args, model_dtype: torch.dtype, quantized: bool, pools: bool) ->
         dtype = torch.float32 if quantized or model_dtype not in (torch.float32, torch.bfloat16) else model_dtype
     else:
         dtype = getattr(torch, args.lora_dtype)
-    return LoRAConfig(args.max_loras, args.max_lora_rank, args.max_cpu_loras or args.max_loras, dtype)
+    max_rank = max(args.max_lora_rank, model_adapter_rank or 0)
+    return LoRAConfig(args.max_loras, max_rank, args.max_cpu_loras or args.max_loras, dtype)

@@ -10,6 +10,7 @@ from pathlib import Path
 
 from pagoda.loader import catalog
 from pagoda.store import blobs, manifests, ollama_store
+from pagoda.store.adapter_layer import adapter_layer
 from pagoda.store.layout import Ref, StoreLayout, default_layout, parse_ref
 from pagoda.store.manifests import Layer, Manifest
 from pagoda.store.model_info import gguf_info
@@ -134,8 +135,8 @@ def create_model(name: str, modelfile: Modelfile, *, layout: StoreLayout | None 
                  progress: bool = False, quantize: str | None = None) -> tuple[Ref, Manifest]:
     """``pagoda create NAME -f Modelfile [--quantize Q]``. FROM a .gguf file (copied into the
     store, hashed on the way), a Hugging Face directory (written as a GGUF in F16 or `quantize`),
-    or a model name (its layers are inherited: a new TEMPLATE / SYSTEM / MESSAGE replaces the
-    old, PARAMETERs are merged over the old, LICENSEs add up)."""
+    or a model name (its layers are inherited: a new TEMPLATE / SYSTEM / MESSAGE / ADAPTER
+    replaces the old, PARAMETERs are merged over the old, LICENSEs add up)."""
     layout = layout or default_layout()
     layout.check_writable()
     ref = parse_ref(name)
@@ -190,11 +191,13 @@ def create_model(name: str, modelfile: Modelfile, *, layout: StoreLayout | None 
                 params = json.loads(layout.blob_path(layer.digest).read_bytes() or b"{}")
                 continue
             replaced = {manifests.TEMPLATE: modelfile.template, manifests.SYSTEM: modelfile.system,
-                        manifests.MESSAGES: modelfile.messages or None}
+                        manifests.MESSAGES: modelfile.messages or None, manifests.ADAPTER: modelfile.adapter}
             if replaced.get(layer.media_type) is not None:
                 continue
             inherited.append(layer)
     layers = list(inherited)
+    if modelfile.adapter is not None:
+        layers.append(adapter_layer(layout, modelfile, next(x for x in layers if x.media_type == manifests.MODEL)))
     if modelfile.template is not None:
         layers.append(_text_layer(layout, manifests.TEMPLATE, modelfile.template))
     if modelfile.system is not None:

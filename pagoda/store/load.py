@@ -77,7 +77,9 @@ def model_files(name: str, layout: StoreLayout, manifest: Manifest):
     system = create.read_text_layer(layout, manifest, manifests.SYSTEM)
     template = create.read_text_layer(layout, manifest, manifests.TEMPLATE)
     overlay = overlay_dir(meta, manifest.digest, params, system, template)
-    return ModelFiles(name, overlay or meta, gguf_file=gguf_path)
+    adapter = manifest.layer(manifests.ADAPTER)
+    return ModelFiles(name, overlay or meta, gguf_file=gguf_path,
+                      adapter=layout.blob_path(adapter.digest) if adapter is not None else None)
 
 
 def _read_json(path: Path) -> dict:

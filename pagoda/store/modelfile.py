@@ -9,9 +9,10 @@
     SYSTEM "You are terse."
     LICENSE \"\"\"...\"\"\"           (repeatable)
     MESSAGE user Hello
+    ADAPTER ./lora.gguf          (a LoRA adapter: a GGUF as llama.cpp writes it, or a PEFT directory)
 
-Instructions are case-insensitive. Every error names the line (``Modelfile line N: ...``).
-ADAPTER (LoRA) is recognised and refused: pagoda does not load adapters.
+Instructions are case-insensitive. Every error names the line (``Modelfile line N: ...``). One
+ADAPTER per model, as Ollama's runner applies one.
 """
 
 from __future__ import annotations
@@ -49,6 +50,15 @@ class Modelfile:
     licenses: list[str] = field(default_factory=list)
     messages: list[dict[str, str]] = field(default_factory=list)
     base_dir: Path | None = None  # where the Modelfile is: FROM paths are relative to it
+    adapter: str | None = None  # ADAPTER: a LoRA adapter's file or directory
+    adapter_line: int = 0
+
+    def adapter_path(self) -> Path | None:
+        """ADAPTER as a path (relative to the Modelfile); None without an ADAPTER line."""
+        if self.adapter is None:
+            return None
+        path = Path(self.adapter).expanduser()
+        return self.base_dir / path if not path.is_absolute() and self.base_dir is not None else path
 
     def from_path(self) -> Path | None:
         """FROM as a local path (relative to the Modelfile), if it names one that exists."""
@@ -62,6 +72,7 @@ def parse_modelfile(text: str, *, base_dir: Path | None = None, source: str = "M
     lines = text.splitlines()
     result: dict[str, Any] = {"template": None, "system": None}
     from_: tuple[str, int] | None = None
+    adapter: tuple[str, int] | None = None
     parameters: dict[str, Any] = {}
     licenses: list[str] = []
     messages: list[dict[str, str]] = []
@@ -110,13 +121,18 @@ def parse_modelfile(text: str, *, base_dir: Path | None = None, source: str = "M
         elif command == "LICENSE":
             licenses.append(value)
         elif command == "ADAPTER":
-            raise ModelfileError(lineno, "ADAPTER (LoRA adapters) is not supported by pagoda", source)
+            if adapter is not None:
+                raise ModelfileError(lineno, f"a second ADAPTER (the first is on line {adapter[1]}): one adapter "
+                                     "a model", source)
+            if not value.strip():
+                raise ModelfileError(lineno, "ADAPTER needs a LoRA adapter: a .gguf file or a PEFT directory", source)
+            adapter = (value.strip(), lineno)
         # REQUIRES (a minimum Ollama version) is accepted and ignored.
     if from_ is None:
         raise ModelfileError(max(len(lines), 1), "no FROM instruction: the Modelfile must name the model it builds on",
                              source)
     return Modelfile(from_[0], from_[1], result["template"], result["system"], parameters, licenses, messages,
-                     base_dir)
+                     base_dir, *(adapter or (None, 0)))
 
 
 def _value(text: str, lines: list[str], i: int, lineno: int, source: str) -> tuple[str, int]:

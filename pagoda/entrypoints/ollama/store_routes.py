@@ -267,9 +267,17 @@ def _uploaded_gguf(files: dict[str, str]) -> str:
     return str(layout.blob_path(_blob_digest(digest)))
 
 
+def _uploaded_adapter(adapters: dict[str, str]) -> str:
+    """The store path of the adapter among uploaded files ({name: digest}): one .gguf (a PEFT
+    adapter is converted to one when the model is created from a directory, `pagoda create`)."""
+    ggufs = [name for name in adapters if name.endswith(".gguf")]
+    if len(ggufs) != 1 or len(adapters) != 1:
+        raise OllamaError("adapters must name exactly one .gguf file (a LoRA adapter as llama.cpp writes it; "
+                          f"give a PEFT directory to `pagoda create` instead), got {', '.join(adapters)}", 400)
+    return _uploaded_gguf(adapters)
+
+
 def _modelfile_of(body: CreateBody):
-    if body.adapters:
-        raise OllamaError("create with adapters is not supported", 501)
     if body.modelfile:
         return parse_modelfile(body.modelfile, source="modelfile")
     if body.files and not body.from_:
@@ -294,7 +302,8 @@ def _modelfile_of(body: CreateBody):
     licenses = [body.license] if isinstance(body.license, str) else list(body.license or [])
     messages = [{"role": str(m.get("role", "")), "content": str(m.get("content", ""))} for m in body.messages or []]
     return Modelfile(from_=body.from_, template=body.template, system=body.system, parameters=params,
-                     licenses=licenses, messages=messages)
+                     licenses=licenses, messages=messages,
+                     adapter=_uploaded_adapter(body.adapters) if body.adapters else None)
 
 
 @router.post("/api/create")
