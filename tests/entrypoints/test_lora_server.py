@@ -16,7 +16,8 @@ import pytest
 
 from pagoda.cli import main as pagoda_main
 from tests.lora.adapters import make_peft_adapter, peft_greedy
-from tests.server_process import start_server, stop_process
+from pagoda.client import EngineClient
+from tests.server_process import _free_port, start_server, stop_process
 
 MAX_TOKENS = 10
 PROMPT = "Once upon a time there was a little engine"
@@ -41,8 +42,11 @@ def served(tiny_llama, adapters, tmp_path_factory):
     config = tmp_path_factory.mktemp("lora-auth") / "auth.yaml"
     config.write_text(json.dumps({"roles": {"user": {"models": ["*"]}, "ops": {"models": ["*"], "admin": True}}}))
     keys = {"admin": _add_key(config, "ops", "ops"), "user": _add_key(config, "acme", "user")}
+    grpc_port = _free_port()
     proc, base = start_server(tiny_llama, "--engine-process", "--auth-config", str(config), "--enable-lora",
-                              "--max-loras", "2", "--lora-modules", f"sql={adapters['v1']}")
+                              "--max-loras", "2", "--lora-modules", f"sql={adapters['v1']}",
+                              "--grpc-port", str(grpc_port))
+    keys["grpc"] = f"127.0.0.1:{grpc_port}"
     yield base, keys
     stop_process(proc)
 
@@ -91,6 +95,25 @@ def test_model_names_pick_the_adapter(served, references):
     assert chat.model == "sql"
     with pytest.raises(openai.NotFoundError, match="`sql`"):  # the 404 lists the adapters too
         client.completions.create(model="nope", prompt=PROMPT, max_tokens=2)
+
+
+def test_grpc_and_ollama_pick_the_adapter_by_name(served, references):
+    base, keys = served
+    client = _client(base, keys["user"])
+    http = {name: client.completions.create(model=name, prompt=PROMPT, max_tokens=MAX_TOKENS, temperature=0,
+                                            extra_body={"ignore_eos": True}).choices[0].text for name in ("sql", "tiny")}
+    assert http["sql"] != http["tiny"]
+    with EngineClient(keys["grpc"], api_key=keys["user"], timeout=60) as grpc_client:
+        assert grpc_client.list_models() == ["tiny", "sql"]
+        for name in ("sql", "tiny"):
+            assert grpc_client.complete(PROMPT, model=name, max_tokens=MAX_TOKENS, temperature=0,
+                                        ignore_eos=True) == http[name]
+    ollama_answer = httpx.post(f"{base}/api/generate", headers={"Authorization": f"Bearer {keys['user']}"}, timeout=60,
+                               json={"model": "sql", "prompt": PROMPT, "raw": True, "stream": False,
+                                     "options": {"temperature": 0, "num_predict": MAX_TOKENS}})
+    assert ollama_answer.status_code == 200, ollama_answer.text
+    answer = ollama_answer.json()["response"]
+    assert answer and http["sql"].startswith(answer)  # (Ollama's generate stops at an eos)
 
 
 def test_load_and_unload_at_runtime(served, adapters, references):

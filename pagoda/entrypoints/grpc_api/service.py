@@ -137,7 +137,8 @@ class EngineService(pb_grpc.EngineServicer):
     async def ListModels(self, request: pb.ListModelsRequest, context) -> pb.ListModelsResponse:  # noqa: N802
         await self._authorize(context)
         ctx = request_context()  # --auth-config: only the names the key's role may use
-        names = ctx.visible(self.serving.model_names) if ctx is not None else self.serving.model_names
+        served = [*self.serving.model_names, *(self.serving.adapters.by_name if self.serving.adapters else ())]
+        names = ctx.visible(served) if ctx is not None else served  # (LoRA adapters after the model)
         return pb.ListModelsResponse(models=[pb.Model(id=name, max_model_len=self.serving.max_model_len)
                                              for name in names])
 
