@@ -67,3 +67,24 @@ def test_chunked_prefill_one_adapter_at_a_time_and_prefix_hits(tiny_llama, tmp_p
     base = llm.generate([long_prompt], GREEDY, use_tqdm=False)[0]
     assert base.num_cached_tokens == 0
     assert base.outputs[0].token_ids == peft_greedy(tiny_llama, None, [base.prompt_token_ids], MAX_TOKENS)[0]
+
+
+def test_tensor_parallel_cuts_adapters_like_the_weights(tiny_llama, tmp_path):
+    """Two ranks: B cut by rows for q/k/v and gate/up, A by columns for o and down, the row-parallel
+    deltas summed by the layers' all-reduce; the tokens are transformers + peft's."""
+    adapter = make_peft_adapter(tiny_llama, tmp_path / "tp", seed=5)
+    with LLM(str(tiny_llama), dtype="float32", kv_cache_memory=0.01, tensor_parallel_size=2, enable_lora=True) as llm:
+        _mixed_run(llm, tiny_llama, [adapter], tmp_path)
+
+
+def test_quantized_base_batches_adapters_as_it_runs_them_alone(tiny_llama, tmp_path):
+    """An int8 base with fp32 adapters: a mixed batch gives each request what it gets alone."""
+    adapters = [make_peft_adapter(tiny_llama, tmp_path / f"q{i}", seed=30 + i) for i in range(2)]
+    llm = LLM(model=str(tiny_llama), dtype="float32", kv_cache_memory=0.02, enable_lora=True, max_loras=2,
+              quantization="int8", enable_prefix_caching=False)
+    loras = [None, LoRARequest("q0", 1, str(adapters[0])), LoRARequest("q1", 2, str(adapters[1]))]
+    requests = [(lora, p) for lora in loras for p in PROMPTS]
+    mixed = llm.generate([p for _, p in requests], GREEDY, use_tqdm=False, lora_request=[lo for lo, _ in requests])
+    alone = [llm.generate([p], GREEDY, use_tqdm=False, lora_request=lo)[0] for lo, p in requests]
+    assert [o.outputs[0].token_ids for o in mixed] == [o.outputs[0].token_ids for o in alone]
+    assert mixed[0].outputs[0].token_ids != mixed[len(PROMPTS)].outputs[0].token_ids
