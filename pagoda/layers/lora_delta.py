@@ -2,9 +2,9 @@
 
 A projection ``y = x W^T`` under an adapter becomes ``y + scale * (x A^T) B^T``. The base GEMM runs
 once for the whole batch, unchanged; then, for each adapter present in the step, its rows are
-gathered, multiplied through the adapter's low-rank pair and added back. Requests on the base
-model cost nothing here, and a batch of many requests over a few adapters costs one pair of thin
-matmuls per adapter and projection.
+taken (a slice: the model runner places them side by side), multiplied through the adapter's
+low-rank pair and added back. Requests on the base model cost nothing here, and a batch of many
+requests over a few adapters costs one pair of thin matmuls per adapter and projection.
 
 pagoda merges q/k/v (and gate/up) into one projection, while PEFT trains one pair per checkpoint
 projection. A ``ProjectionDelta`` therefore holds the As of every part stacked (one matmul
@@ -37,15 +37,11 @@ class ProjectionDelta:
     a: torch.Tensor  # [sum of the parts' ranks, in_features]
     parts: tuple[DeltaPart, ...]
 
-    def add_to(self, y: torch.Tensor, x: torch.Tensor, rows: slice | torch.Tensor) -> None:
+    def add_to(self, y: torch.Tensor, x: torch.Tensor, rows: slice) -> None:
         """``y[rows] += delta(x[rows])``, in place."""
         low = x[rows].to(self.a.dtype) @ self.a.t()  # a bf16 or quantized base: the adapter keeps its dtype
         for p in self.parts:
-            delta = (low[:, p.rank_start:p.rank_end] @ p.b.t()).to(y.dtype)
-            if isinstance(rows, slice):
-                y[rows, p.out_start:p.out_start + p.out_size] += delta
-            else:
-                y[:, p.out_start:p.out_start + p.out_size].index_add_(0, rows, delta)
+            y[rows, p.out_start:p.out_start + p.out_size] += (low[:, p.rank_start:p.rank_end] @ p.b.t()).to(y.dtype)
 
     def nbytes(self) -> int:
         return self.a.numel() * self.a.element_size() + sum(p.b.numel() * p.b.element_size() for p in self.parts)
@@ -59,7 +55,7 @@ AdapterDeltas = dict[str, ProjectionDelta]
 class LoRABatch:
     """The adapters of one forward pass and the flat token rows each one covers."""
 
-    groups: tuple[tuple[AdapterDeltas, slice | torch.Tensor], ...]
+    groups: tuple[tuple[AdapterDeltas, slice], ...]  # an adapter may have several runs of rows
 
     def apply(self, key: str, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         """``y`` with every adapter's delta for projection ``key`` added to its rows."""
@@ -70,10 +66,10 @@ class LoRABatch:
         return y
 
 
-def rows_of(token_adapters: np.ndarray, adapter_id: int) -> slice | torch.Tensor:
-    """The flat rows of ``adapter_id`` (ids per token): a slice when they are one run (a prefill
-    chunk, or requests that sit together in the batch), else an index tensor."""
+def runs_of(token_adapters: np.ndarray, adapter_id: int) -> list[slice]:
+    """The runs of consecutive flat rows under ``adapter_id`` (ids per token). The model runner
+    places each adapter's requests side by side, so a step has one run an adapter (two when it
+    also has a prefill chunk)."""
     hits = np.flatnonzero(token_adapters == adapter_id)
-    if hits[-1] - hits[0] + 1 == len(hits):
-        return slice(int(hits[0]), int(hits[-1]) + 1)
-    return torch.from_numpy(hits)
+    breaks = np.flatnonzero(np.diff(hits) != 1) + 1
+    return [slice(int(run[0]), int(run[-1]) + 1) for run in np.split(hits, breaks)]

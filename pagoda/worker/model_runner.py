@@ -117,7 +117,10 @@ class ModelRunner:
     def _layout(self, sched: SchedulerOutput) -> BatchLayout:
         req_ids = list(sched.num_scheduled_tokens)
         rows = self.batch.rows(req_ids)
-        counts = np.fromiter(sched.num_scheduled_tokens.values(), dtype=np.int64, count=len(req_ids))
+        if self.loras is not None:  # each adapter's rows side by side: its deltas take whole slices
+            order = np.argsort(self.batch.lora_ids[rows], kind="stable")
+            req_ids, rows = [req_ids[i] for i in order], rows[order]
+        counts = np.fromiter((sched.num_scheduled_tokens[r] for r in req_ids), dtype=np.int64, count=len(req_ids))
         starts = self.batch.num_computed[rows]
         return BatchLayout(req_ids, rows, counts, starts, self._decode_like(counts, starts))
 

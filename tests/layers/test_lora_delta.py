@@ -1,5 +1,5 @@
 """A LoRA delta is added to exactly its adapter's rows, over any base projection: float, bf16,
-and the int8 / int4 block layers of quantized bases, with the rows as one run or scattered."""
+and the int8 / int4 block layers of quantized bases, with an adapter's rows in one run or several."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ from torch import nn
 from pagoda.forward_context import AttentionMetadata, set_attention_metadata
 from pagoda.layers.backend import current_backend
 from pagoda.layers.linear import project
-from pagoda.layers.lora_delta import DeltaPart, LoRABatch, ProjectionDelta, rows_of
+from pagoda.layers.lora_delta import DeltaPart, LoRABatch, ProjectionDelta, runs_of
 from pagoda.layers.quantization import quantize_linears
 from pagoda.lora.binding import label_projections
 
@@ -49,8 +49,8 @@ def test_delta_lands_on_its_rows_only(base):
     meta = AttentionMetadata(slot_mapping=torch.zeros(ROWS, dtype=torch.long))
     with set_attention_metadata(meta):
         plain = project(layer, x, backend).float()
-        meta.lora = LoRABatch((({"qkv_proj": first}, rows_of(adapters, 1)),
-                               ({"qkv_proj": second}, rows_of(adapters, 2))))
+        meta.lora = LoRABatch(tuple((deltas, run) for deltas, k in (({"qkv_proj": first}, 1), ({"qkv_proj": second}, 2))
+                                    for run in runs_of(adapters, k)))
         adapted = project(layer, x, backend).float()
     want = plain.clone()
     want[adapters == 1] += x.float()[adapters == 1] @ dense_a
@@ -60,8 +60,7 @@ def test_delta_lands_on_its_rows_only(base):
     assert torch.equal(adapted[adapters == 0], plain[adapters == 0])  # the base rows are untouched
 
 
-def test_rows_of_gives_a_slice_for_one_run():
-    ids = torch.tensor([0, 3, 3, 3, 0, 5]).numpy()
-    assert rows_of(ids, 3) == slice(1, 4)
-    assert rows_of(ids, 5) == slice(5, 6)
-    assert torch.equal(rows_of(torch.tensor([4, 0, 4]).numpy(), 4), torch.tensor([0, 2]))
+def test_runs_of_an_adapters_rows():
+    ids = torch.tensor([0, 3, 3, 3, 0, 5, 3]).numpy()
+    assert runs_of(ids, 3) == [slice(1, 4), slice(6, 7)]
+    assert runs_of(ids, 5) == [slice(5, 6)]
