@@ -51,11 +51,14 @@ class ProjectionDelta:
 AdapterDeltas = dict[str, ProjectionDelta]
 
 
-@dataclass(frozen=True)
 class LoRABatch:
     """The adapters of one forward pass and the flat token rows each one covers."""
 
-    groups: tuple[tuple[AdapterDeltas, slice], ...]  # an adapter may have several runs of rows
+    def __init__(self, adapters: dict[int, AdapterDeltas], token_adapters: np.ndarray) -> None:
+        """``adapters``: id → deltas of those in the step; ``token_adapters``: each flat row's id (0: base)."""
+        self.adapters, self.token_adapters = adapters, token_adapters
+        self.groups = tuple((adapters[int(i)], run) for i in np.unique(token_adapters) if i
+                            for run in runs_of(token_adapters, int(i)))
 
     def apply(self, key: str, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         """``y`` with every adapter's delta for projection ``key`` added to its rows."""
@@ -64,6 +67,12 @@ class LoRABatch:
             if delta is not None:
                 delta.add_to(y, x, rows)
         return y
+
+    def for_rows(self, rows: np.ndarray) -> LoRABatch | None:
+        """The batch of a block that runs a subset of the rows, in ``rows``' order (a mixture's
+        expert runs the tokens routed to it); None when none of them is under an adapter."""
+        picked = self.token_adapters[rows]
+        return LoRABatch(self.adapters, picked) if picked.any() else None
 
 
 def runs_of(token_adapters: np.ndarray, adapter_id: int) -> list[slice]:

@@ -6,7 +6,8 @@ from __future__ import annotations
 from pathlib import Path
 
 from pagoda.lora.gguf_adapter import is_gguf_file, read_gguf_adapter
-from pagoda.lora.peft_adapter import PeftAdapter, read_peft_adapter
+from pagoda.lora.adapter import PeftAdapter
+from pagoda.lora.peft_adapter import read_peft_adapter
 
 
 def read_adapter(path: str, hf_config: dict, max_rank: int) -> PeftAdapter:

@@ -11,7 +11,7 @@ import torch
 from torch import nn
 
 from pagoda.layers.lora_delta import AdapterDeltas, DeltaPart, ProjectionDelta
-from pagoda.lora.peft_adapter import AdapterError, LoRAPair, PeftAdapter
+from pagoda.lora.adapter import AdapterError, LoRAPair, PeftAdapter
 
 # checkpoint projection → (pagoda's merged module, its part); the others are modules of their own
 _MERGED = {"q_proj": ("qkv_proj", 0), "k_proj": ("qkv_proj", 1), "v_proj": ("qkv_proj", 2),
@@ -24,7 +24,7 @@ def label_projections(model: nn.Module) -> int:
     """Give every projection an adapter may target its module path as ``lora_key``; how many."""
     count = 0
     for path, module in model.named_modules():
-        if path.rsplit(".", 1)[-1] in TARGET_MODULES and ".experts." not in path and "shared_expert" not in path:
+        if path.rsplit(".", 1)[-1] in TARGET_MODULES and "shared_expert" not in path:
             module.lora_key = path
             count += 1
     return count
@@ -62,8 +62,9 @@ def _this_rank(model: nn.Module, module: str, pair: LoRAPair, source: str) -> tu
     if not model.tp.is_parallel:
         return a, b
     name = module.rsplit(".", 1)[1]
-    if name in ("qkv_proj", "gate_up_proj"):
-        raise AdapterError(f"adapter {source}: a fused {name} pair (Phi-3's) is not cut for tensor parallelism")
+    if name in ("qkv_proj", "gate_up_proj") or ".experts." in module:
+        raise AdapterError(f"adapter {source}: {module}'s pair (a fused projection's, or a mixture's experts') is "
+                           "not cut for tensor parallelism")
     cut = model.shards.weight_slice(f"{module}.weight", (b.shape[0], a.shape[1]))
     if cut is None:
         return a, b

@@ -16,7 +16,8 @@ import torch
 
 from pagoda.loader.gguf_file import read_gguf
 from pagoda.loader.gguf_weights import gguf_to_hf_name, unpermute_rows
-from pagoda.lora.peft_adapter import AdapterError, LoRAPair, PeftAdapter, check_shapes
+from pagoda.lora.adapter import AdapterError, LoRAPair, PeftAdapter
+from pagoda.lora.peft_adapter import check_shapes
 from pagoda.models.architectures import GGUF_WRITE_ARCHITECTURES
 
 GGUF_MAGIC = b"GGUF"

@@ -5,7 +5,8 @@ PEFT names each pair after the module it adapts (``base_model.model.model.layers
 q_proj.lora_A.weight``: A is [r, in], B is [out, r]) and scales the product by ``lora_alpha / r``,
 or ``lora_alpha / sqrt(r)`` with rsLoRA; ``alpha_pattern`` overrides alpha per module. What pagoda
 cannot apply exactly is refused with the reason: DoRA, trained biases, ``modules_to_save``
-(whole modules replaced), and targets other than the attention and MLP projections.
+(whole modules replaced), and targets other than the attention and MLP projections and a
+mixture's fused experts (lora/expert_pairs.py).
 """
 
 from __future__ import annotations
@@ -13,11 +14,13 @@ from __future__ import annotations
 import json
 import math
 import re
-from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 from safetensors.torch import load_file
+
+from pagoda.lora.adapter import AdapterError, LoRAPair, PeftAdapter
+from pagoda.lora.expert_pairs import expert_pairs
 
 # the projections a PEFT adapter may target (Phi-3's fused ones included)
 PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj", "qkv_proj", "gate_up_proj")
@@ -27,24 +30,6 @@ _KEY = re.compile(r"^(?:base_model\.model\.)?(?:model\.)?(layers\.(\d+)\.(?:self
 _PREFIX = re.compile(r"^(?:base_model\.model\.)?(?:model\.)?(?:layers\.\d+\.)?")  # for naming a module
 
 
-class AdapterError(ValueError):
-    """An adapter pagoda cannot serve on this model; the message says why."""
-
-
-@dataclass(frozen=True)
-class LoRAPair:
-    a: torch.Tensor  # [r, in_features]
-    b: torch.Tensor  # [out_features, r]
-    scale: float
-
-
-@dataclass(frozen=True)
-class PeftAdapter:
-    path: str
-    rank: int  # the largest rank of any pair
-    pairs: dict[str, LoRAPair]  # module path without "model." ("layers.3.self_attn.q_proj") → its pair
-
-
 def read_peft_adapter(path: str, hf_config: dict, max_rank: int) -> PeftAdapter:
     """The PEFT adapter at ``path``, checked against the base's ``hf_config`` (layers, shapes) and the
     rank limit; an ``AdapterError`` names the problem."""
@@ -52,7 +37,8 @@ def read_peft_adapter(path: str, hf_config: dict, max_rank: int) -> PeftAdapter:
     config = _read_config(root)
     _check_config(config, root)
     tensors = _read_tensors(root)
-    pairs = _pairs(tensors, config, root)
+    experts = expert_pairs(tensors, config, hf_config, root, lambda module, rank: _scale(config, module, rank))
+    pairs = {**_pairs(tensors, config, root, allow_empty=bool(experts)), **experts}
     rank = max(pair.a.shape[0] for pair in pairs.values())
     if rank > max_rank:
         raise AdapterError(f"adapter {root} has rank {rank}, above the server's --max-lora-rank {max_rank}")
@@ -96,7 +82,7 @@ def _read_tensors(root: Path) -> dict[str, torch.Tensor]:
     raise AdapterError(f"adapter {root} has no adapter_model.safetensors (or adapter_model.bin)")
 
 
-def _pairs(tensors: dict[str, torch.Tensor], config: dict, root: Path) -> dict[str, LoRAPair]:
+def _pairs(tensors: dict[str, torch.Tensor], config: dict, root: Path, allow_empty: bool = False) -> dict[str, LoRAPair]:
     halves: dict[str, dict[str, torch.Tensor]] = {}
     unsupported = set()
     for key, tensor in tensors.items():
@@ -108,7 +94,7 @@ def _pairs(tensors: dict[str, torch.Tensor], config: dict, root: Path) -> dict[s
     if unsupported:
         raise AdapterError(f"adapter {root} targets modules pagoda does not adapt: {', '.join(sorted(unsupported))} "
                            f"(supported: the attention and MLP projections {', '.join(PROJECTIONS)})")
-    if not halves:
+    if not halves and not allow_empty:
         raise AdapterError(f"adapter {root} holds no LoRA weights")
     pairs = {}
     for module, half in halves.items():
@@ -142,6 +128,8 @@ def check_shapes(pairs: dict[str, LoRAPair], hf_config: dict, root: Path) -> Non
               "gate_up_proj": (hidden, 2 * inter)}
     layers = int(hf_config["num_hidden_layers"])
     for module, pair in pairs.items():
+        if ".experts." in module:
+            continue  # (checked against the mixture's shapes as they were read: lora/expert_pairs.py)
         index, name = int(module.split(".")[1]), module.rsplit(".", 1)[1]
         if index >= layers:
             raise AdapterError(f"adapter {root} adapts {module}, but the base model has {layers} layers")

@@ -26,11 +26,13 @@ from __future__ import annotations
 from collections.abc import Iterable
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 from torch import nn
 
 from pagoda.distributed.parallel_state import TensorParallelGroup
 from pagoda.distributed.shard_plan import ShardPlan
+from pagoda.forward_context import get_attention_metadata
 from pagoda.layers.backend import TorchBackend, current_backend
 from pagoda.layers.linear import project
 from pagoda.layers.norm import RMSNorm
@@ -119,10 +121,34 @@ class SparseMoeBlock(nn.Module):
         order = torch.argsort(flat, stable=True)  # (token, choice) pairs grouped by expert
         rows = order // self.top_k  # the token of each pair
         counts = torch.bincount(flat, minlength=len(self.experts)).tolist()
-        parts = [expert(group) for expert, group in zip(self.experts, x.index_select(0, rows).split(counts))
-                 if group.shape[0]]
+        groups = x.index_select(0, rows).split(counts)
+        lora = _step_lora(self.experts[0])
+        if lora is None:
+            parts = [expert(group) for expert, group in zip(self.experts, groups) if group.shape[0]]
+        else:  # each expert's rows under their own adapters (LoRA on the experts)
+            token_rows = np.split(rows.numpy(), np.cumsum(counts)[:-1])
+            parts = [_under_adapters(lora.for_rows(r), expert, group)
+                     for expert, group, r in zip(self.experts, groups, token_rows) if group.shape[0]]
         weighted = torch.cat(parts) * weights.reshape(-1)[order].unsqueeze(1).to(x.dtype)
         return torch.zeros_like(x).index_add_(0, rows, weighted)
+
+
+def _step_lora(expert: ExpertMLP):
+    """The step's LoRA batch when the experts take adapters (LoRA on, some row under one), else None."""
+    if expert.gate_up_proj.__dict__.get("lora_key") is None:
+        return None
+    return get_attention_metadata().lora
+
+
+def _under_adapters(lora, expert: ExpertMLP, group: torch.Tensor) -> torch.Tensor:
+    """``expert(group)`` with the step's LoRA batch narrowed to the group's rows."""
+    meta = get_attention_metadata()
+    step = meta.lora
+    meta.lora = lora
+    try:
+        return expert(group)
+    finally:
+        meta.lora = step
 
 
 class MoeDecoderLayer(nn.Module):

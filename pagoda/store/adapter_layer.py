@@ -11,7 +11,7 @@ from pathlib import Path
 from pagoda.lora.adapter_files import read_adapter
 from pagoda.lora.gguf_adapter import is_gguf_file
 from pagoda.lora.gguf_adapter_writer import write_gguf_adapter
-from pagoda.lora.peft_adapter import AdapterError
+from pagoda.lora.adapter import AdapterError
 from pagoda.store import blobs, manifests
 from pagoda.store.layout import StoreLayout
 from pagoda.store.manifests import Layer

@@ -14,7 +14,7 @@ import numpy as np
 from torch import nn
 
 from pagoda.core.scheduler_output import SchedulerOutput
-from pagoda.layers.lora_delta import AdapterDeltas, LoRABatch, runs_of
+from pagoda.layers.lora_delta import AdapterDeltas, LoRABatch
 from pagoda.lora.binding import adapter_nbytes, bind_adapter, label_projections
 from pagoda.lora.config import LoRAConfig
 from pagoda.lora.adapter_files import read_adapter
@@ -45,4 +45,4 @@ class LoRAWeights:
         ids = ids[ids != 0]
         if not len(ids):
             return None
-        return LoRABatch(tuple((self.adapters[int(i)], run) for i in ids for run in runs_of(token_adapters, int(i))))
+        return LoRABatch({int(i): self.adapters[int(i)] for i in ids}, token_adapters)

@@ -49,8 +49,7 @@ def test_delta_lands_on_its_rows_only(base):
     meta = AttentionMetadata(slot_mapping=torch.zeros(ROWS, dtype=torch.long))
     with set_attention_metadata(meta):
         plain = project(layer, x, backend).float()
-        meta.lora = LoRABatch(tuple((deltas, run) for deltas, k in (({"qkv_proj": first}, 1), ({"qkv_proj": second}, 2))
-                                    for run in runs_of(adapters, k)))
+        meta.lora = LoRABatch({1: {"qkv_proj": first}, 2: {"qkv_proj": second}}, adapters)
         adapted = project(layer, x, backend).float()
     want = plain.clone()
     want[adapters == 1] += x.float()[adapters == 1] @ dense_a

@@ -11,16 +11,18 @@ ALL_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "
 
 
 def make_peft_adapter(model_dir: Path, out_dir: Path, *, rank: int = 8, alpha: float = 16, seed: int = 0,
-                      targets: list[str] | None = None, use_rslora: bool = False, magnitude: float = 0.3) -> Path:
+                      targets: list[str] | None = None, use_rslora: bool = False, magnitude: float = 0.3,
+                      parameters: list[str] | None = None) -> Path:
     """A LoRA adapter of ``model_dir`` with random A and B (peft's own init leaves B at zero, an
-    adapter that changes nothing), saved by peft."""
+    adapter that changes nothing), saved by peft. ``parameters``: peft's ``target_parameters`` (a
+    mixture's fused expert weights)."""
     import peft
     import transformers
 
     torch.manual_seed(seed)
     base = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
     config = peft.LoraConfig(r=rank, lora_alpha=alpha, target_modules=targets or ALL_TARGETS, use_rslora=use_rslora,
-                             lora_dropout=0.0, init_lora_weights=False)
+                             lora_dropout=0.0, init_lora_weights=False, target_parameters=parameters)
     model = peft.get_peft_model(base, config)
     with torch.no_grad():
         for name, param in model.named_parameters():
@@ -39,11 +41,11 @@ def peft_greedy(model_dir: Path, adapter_dir: Path | None, prompts: list[list[in
     if adapter_dir is not None:
         model = peft.PeftModel.from_pretrained(model, adapter_dir)
     model.eval()
+    model.generation_config.eos_token_id = None  # plain argmax to the end: pagoda's ignore_eos runs on past an eos
     outs = []
-    with torch.no_grad():  # plain argmax, nothing suppressed (pagoda's ignore_eos runs on past an eos)
+    with torch.no_grad():
         for ids in prompts:
-            tokens = list(ids)
-            for _ in range(max_tokens):
-                tokens.append(int(model(input_ids=torch.tensor([tokens])).logits[0, -1].argmax()))
-            outs.append(tokens[len(ids):])
+            out = model.generate(input_ids=torch.tensor([ids]), max_new_tokens=max_tokens, do_sample=False,
+                                 pad_token_id=0, eos_token_id=None)
+            outs.append(out[0, len(ids):].tolist())
     return outs

@@ -16,7 +16,7 @@ import pytest
 from pagoda import LLM, SamplingParams
 from pagoda.lora import LoRARequest
 from pagoda.lora.adapter_files import read_adapter
-from pagoda.lora.peft_adapter import AdapterError
+from pagoda.lora.adapter import AdapterError
 from tests.gguf_export import export_gguf
 from tests.lora.adapters import make_peft_adapter, peft_greedy
 

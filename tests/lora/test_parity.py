@@ -88,3 +88,14 @@ def test_quantized_base_batches_adapters_as_it_runs_them_alone(tiny_llama, tmp_p
     alone = [llm.generate([p], GREEDY, use_tqdm=False, lora_request=lo)[0] for lo, p in requests]
     assert [o.outputs[0].token_ids for o in mixed] == [o.outputs[0].token_ids for o in alone]
     assert mixed[0].outputs[0].token_ids != mixed[len(PROMPTS)].outputs[0].token_ids
+
+
+@pytest.mark.parametrize("arch", ["mixtral", "qwen2_moe"])
+def test_experts_adapters(tmp_path, arch):
+    """PEFT's LoRA on transformers' fused expert weights (target_parameters), beside the attention's:
+    each expert's rows take their own adapter's delta."""
+    model_dir = make_tiny_hf_model(arch, tmp_path / arch)
+    adapters = [make_peft_adapter(model_dir, tmp_path / f"e{i}", seed=40 + i, rank=4, targets=["q_proj", "o_proj"],
+                                  parameters=["mlp.experts.gate_up_proj", "mlp.experts.down_proj"]) for i in range(2)]
+    llm = LLM(model=str(model_dir), dtype="float32", kv_cache_memory=0.02, enable_lora=True, max_loras=2)
+    _mixed_run(llm, model_dir, adapters, tmp_path)

@@ -9,7 +9,8 @@ from safetensors.torch import load_file, save_file
 
 from pagoda import SamplingParams
 from pagoda.lora import LoRARequest
-from pagoda.lora.peft_adapter import AdapterError, read_peft_adapter
+from pagoda.lora.adapter import AdapterError
+from pagoda.lora.peft_adapter import read_peft_adapter
 from tests.lora.adapters import make_peft_adapter
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=4)
