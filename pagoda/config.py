@@ -91,10 +91,12 @@ class KVOffloadConfig:
     memory_gib: float = 0.0
     disk_dir: str | None = None
     disk_gib: float = _ARGS.kv_offload_disk
+    url: str | None = None  # a Valkey / Redis server shared by replicas (kv_tiers/remote_tier.py)
+    role: str = "both"  # prefill / decode disaggregation (--kv-role): prefill writes its blocks before it answers
 
     @property
     def enabled(self) -> bool:
-        return self.memory_gib > 0 or self.disk_dir is not None
+        return self.memory_gib > 0 or self.disk_dir is not None or self.url is not None
 
 
 @dataclass(frozen=True)
@@ -208,7 +210,8 @@ def create_engine_config(args: EngineArgs) -> EngineConfig:
         speculative=_speculative_config(args, model_config),
         lora=lora_config(args, dtype, quantization not in (None, "none"), pools, model_adapter_rank(files, hf_config)),
         kv_offload=KVOffloadConfig(args.kv_offload_memory if args.kv_offload_memory is not None
-                                   else (1.0 if args.kv_offload_dir else 0.0), args.kv_offload_dir, args.kv_offload_disk),
+                                   else (1.0 if args.kv_offload_dir or args.kv_offload_url else 0.0),
+                                   args.kv_offload_dir, args.kv_offload_disk, args.kv_offload_url, args.kv_role),
     )
 
 

@@ -25,6 +25,7 @@ QUANTIZATIONS = ("auto", "none", "int8", "int4", "gguf")
 DISTRIBUTED_BACKENDS = ("mp", "ray", "uni")
 BLOCK_SIZES = (8, 16, 32, 64, 128)
 SCHEDULING_POLICIES = ("fcfs", "priority")
+KV_ROLES = ("both", "prefill", "decode")  # --kv-role: prefill/decode disaggregation (engine/kv_offload.py)
 RUNNERS = ("auto", "generate", "pooling")  # --runner (loader/pooling_model.py)  # how the scheduler orders its queues (pagoda/core/scheduler.py)
 
 
@@ -114,6 +115,14 @@ class EngineArgs:
         "replicas of one model"))
     kv_offload_disk: float = field(default=10.0, metadata=_option(
         "GiB the --kv-offload-dir tier may hold; least recently used blocks are removed first (default: %(default)s)"))
+    kv_offload_url: str | None = field(default=None, metadata=_option(
+        "redis://HOST:PORT of a Valkey or Redis server holding KV blocks shared by replicas (beside --kv-offload-dir: "
+        "written to both, read from the directory first); its maxmemory and allkeys-lru policy are the budget"))
+    kv_role: str = field(default="both", metadata=_option(
+        "prefill/decode disaggregation: a prefill replica computes prompts and writes their KV to the shared tier "
+        "(--kv-offload-dir or --kv-offload-url) before it answers; a decode replica reads it back and generates "
+        "(pagoda router --pd-disaggregation); both: a replica that does both (default: %(default)s)",
+        choices=KV_ROLES))
     aging_seconds: float = field(default=30.0, metadata=_option(
         "seconds of waiting that raise a request's effective priority by one level; 0 disables aging"))
     admission_pressure_threshold: float = field(default=0.9, metadata=_option(
@@ -229,6 +238,11 @@ class EngineArgs:
             (self.kv_offload_memory is None or self.kv_offload_memory >= 0, "kv_offload_memory", "must be >= 0 GiB"),
             (self.kv_offload_disk > 0, "kv_offload_disk", "must be > 0 GiB"),
             (self.kv_offload_dir != "", "kv_offload_dir", "must name a directory"),
+            (self.kv_offload_url != "", "kv_offload_url", "must name a server (redis://HOST:PORT)"),
+            (self.kv_role in KV_ROLES, "kv_role", f"must be one of {', '.join(KV_ROLES)}"),
+            (self.kv_role == "both" or self.kv_offload_dir or self.kv_offload_url, "kv_role",
+             "needs a shared KV tier to hand the KV over: --kv-offload-dir (one host; a directory in /dev/shm is "
+             "shared memory) or --kv-offload-url (across hosts)"),
         ]
         for ok, name, message in checks:
             if not ok:

@@ -6,6 +6,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+from pagoda.core.kv_tiers.tier_stack import hits_of
+
 if TYPE_CHECKING:
     from pagoda.core.kv_cache_manager import KVCacheManager
 
@@ -37,6 +39,7 @@ class SchedulerStats:
     kv_offload_memory_hit_tokens: int = 0
     kv_offload_disk_hit_tokens: int = 0
     kv_offload_saved_tokens: int = 0
+    kv_offload_remote_read_tokens: int = 0  # blocks read whole from the shared store (--kv-offload-url)
 
     @property
     def spec_acceptance_rate(self) -> float:
@@ -110,4 +113,5 @@ def scheduler_stats(num_running: int, num_waiting: int, num_preemptions: int, kv
         kv_offload_memory_hit_tokens=tiers.memory_hits * bs if tiers else 0,
         kv_offload_disk_hit_tokens=tiers.disk_hits * bs if tiers else 0,
         kv_offload_saved_tokens=tiers.saved * bs if tiers else 0,
+        kv_offload_remote_read_tokens=hits_of(kv.tiers.store.lower, "remote") * bs if tiers else 0,
     )

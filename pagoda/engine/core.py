@@ -19,7 +19,7 @@ from pagoda.core.lora_residency import LoRAResidency
 from pagoda.core.scheduler import Scheduler
 from pagoda.core.scheduler_stats import SchedulerStats
 from pagoda.core.scheduler_output import SchedulerOutput
-from pagoda.engine.kv_offload import open_kv_tiers
+from pagoda.engine.kv_offload import hand_off, open_kv_tiers
 from pagoda.engine.step_trace import StepTrace, radix_snapshot
 from pagoda.executor import make_executor
 from pagoda.outputs import TokenLogprobs
@@ -255,6 +255,8 @@ class EngineCore:
         before = {rid: len(r.output_token_ids) for rid in sched.num_scheduled_tokens
                   if (r := requests.get(rid)) is not None}
         finished = {r.request_id: r for r in self.scheduler.update(sched, result)}
+        if finished and self.config.kv_offload.role == "prefill":
+            hand_off(self.kv_tiers, self.kv_manager.tiers)  # the blocks are shared before the answer leaves
         self.num_steps += 1
         outputs = failed
         generated = 0

@@ -56,8 +56,10 @@ class _EngineCollector:
              "preemption.", stats.prefix_cache_preempted_hit_tokens),
             ("pagoda:kv_offload_memory_hits", "Prompt tokens promoted back from the host-memory KV tier "
              "(--kv-offload-memory).", stats.kv_offload_memory_hit_tokens),
-            ("pagoda:kv_offload_disk_hits", "Prompt tokens promoted back from the disk KV tier (--kv-offload-dir).",
-             stats.kv_offload_disk_hit_tokens),
+            ("pagoda:kv_offload_disk_hits", "Prompt tokens promoted back from the tiers below memory: the disk "
+             "tier (--kv-offload-dir) and the shared store (--kv-offload-url).", stats.kv_offload_disk_hit_tokens),
+            ("pagoda:kv_offload_remote_reads", "Tokens of KV blocks read from the shared store (--kv-offload-url), "
+             "read ahead or at admission.", stats.kv_offload_remote_read_tokens),
             ("pagoda:kv_offload_saved", "Tokens of KV blocks copied down into the host-memory tier.",
              stats.kv_offload_saved_tokens),
             ("pagoda:spec_decode_num_drafts", "Speculative decoding: verifications (one request's drafts in one step).",

@@ -31,6 +31,7 @@ from pagoda.router.homes import LISTS, Homes, created_id, merged_list, named_thi
 from pagoda.router.affinity import (
     SESSION_HEADER, SESSIONS_PATH, RouteRequest, new_session_id, route_request, session_in_path,
 )
+from pagoda.router.disaggregation import PREFILL_HEADER, PrefillStage
 from pagoda.router.discovery import DnsDiscovery
 from pagoda.router.forecast import ForecastConfig, LoadForecaster, requested_tokens
 from pagoda.router.limits import GatewayLimits
@@ -68,6 +69,9 @@ class RouterConfig:
     balance_abs_threshold: int = 16
     balance_rel_threshold: float = 1.5
     forecast: ForecastConfig = field(default_factory=ForecastConfig)  # predictive autoscaling (forecast.py)
+    # --pd-disaggregation: generation requests are prefilled on these first (disaggregation.py); the
+    # decode replicas are `workers`
+    prefill_workers: list[str] | None = None
 
 
 @dataclass
@@ -113,6 +117,11 @@ class Router:
         self.ending: str | None = None  # set by abort_all: why requests in flight end
         for url in config.workers:
             self.add_worker(url)
+        self.prefill: PrefillStage | None = None
+        if config.prefill_workers is not None:
+            self.prefill = PrefillStage(config.prefill_workers, WorkerRegistry(
+                warmup_seconds=0.0, failure_threshold=config.breaker_failures,
+                breaker_open_seconds=config.breaker_open_seconds, probe_timeout=self.registry.probe_timeout))
 
     def _cache_aware_options(self) -> dict[str, Any]:
         c = self.config
@@ -147,6 +156,10 @@ class Router:
         self.client = httpx.AsyncClient(timeout=timeout, limits=httpx.Limits(max_connections=None,
                                                                              max_keepalive_connections=256))
         await self.registry.probe_all(self.client, warm=False)
+        if self.prefill is not None:
+            await self.prefill.registry.probe_all(self.client, warm=False)
+            self._background.append(asyncio.create_task(
+                self.prefill.registry.probe_forever(self.client, self.config.health_interval)))
         await self.discovery.sync()
         available, total = len(self.registry.available()), len(self.registry.workers)
         if available < total:
@@ -231,6 +244,9 @@ class Router:
         if session is not None:
             route = dataclasses.replace(route, session_key=session)
         self.forecaster.observe(requested_tokens(route.prompt_text, parsed))
+        prefilled = None
+        if self.prefill is not None and request.method == "POST":
+            prefilled = await self.prefill.run(self.client, path.split("?", 1)[0], parsed, headers)
         tried: set[str] = set()
         failure: _Failure | None = None
         for attempt in range(MAX_ATTEMPTS):
@@ -245,6 +261,8 @@ class Router:
             outcome = await self._attempt(decision.worker, request.method, path, body, headers)
             if not isinstance(outcome, _Failure):
                 self._learn(request.method, path, outcome, decision.worker.url)
+                if prefilled is not None:
+                    outcome.headers[PREFILL_HEADER] = prefilled
                 return outcome
             failure = outcome
         if failure is None:
@@ -388,8 +406,9 @@ class Router:
                                    "server_error", "no_available_worker")
 
     def describe(self) -> dict:
-        return {"policy": self.policy.name, "in_flight": self.limits.in_flight,
-                "workers": [w.describe() for w in self.registry.workers.values()]}
+        described = {"policy": self.policy.name, "in_flight": self.limits.in_flight,
+                     "workers": [w.describe() for w in self.registry.workers.values()]}
+        return described if self.prefill is None else {**described, **self.prefill.describe()}
 
 
 __all__ = ["RouterConfig", "Router", "WORKER_HEADER"]

@@ -66,6 +66,30 @@ def add_cli_args(p: argparse.ArgumentParser) -> None:
                    help="cache_aware: ... and max in flight above this times min")
     add_shutdown_timeout_arg(p)
     add_forecast_args(p)
+    add_pd_args(p)
+
+
+def add_pd_args(p: argparse.ArgumentParser) -> None:
+    """Prefill / decode disaggregation, SGLang's flags (pagoda/router/disaggregation.py)."""
+    g = p.add_argument_group("prefill/decode disaggregation")
+    g.add_argument("--pd-disaggregation", action="store_true",
+                   help="send each generation request to a --prefill replica first (the prompt and its first token; "
+                        "its KV goes to the shared KV tier), then to a --decode replica, which generates")
+    g.add_argument("--prefill", action="append", default=[], metavar="URL",
+                   help="a `pagoda serve --kv-role prefill` replica (repeat for each)")
+    g.add_argument("--decode", action="append", default=[], metavar="URL",
+                   help="a `pagoda serve --kv-role decode` replica (repeat for each); they are the router's workers")
+
+
+def pd_workers(ns: argparse.Namespace) -> tuple[list[str], list[str] | None]:
+    """(workers, prefill workers or None) of the flags; a ValueError names a missing half."""
+    if not ns.pd_disaggregation:
+        if ns.prefill or ns.decode:
+            raise ValueError("--prefill and --decode take effect with --pd-disaggregation")
+        return ns.worker, None
+    if not ns.prefill or not (ns.decode or ns.worker):
+        raise ValueError("--pd-disaggregation needs at least one --prefill URL and one --decode URL")
+    return ns.worker + ns.decode, ns.prefill
 
 
 def add_forecast_args(p: argparse.ArgumentParser) -> None:
@@ -126,8 +150,9 @@ def run(ns: argparse.Namespace) -> int:
     from pagoda.router.app import RouterConfig  # deferred: loads httpx, orjson, prometheus_client, starlette
     from pagoda.router.server import run_router  # deferred: loads httpx, orjson, prometheus_client, starlette, uvicorn
 
+    workers, prefill_workers = pd_workers(ns)
     config = RouterConfig(
-        workers=ns.worker, discover=ns.discover, policy=ns.policy, admin_key=admin_key(ns.admin_key, "--admin-key"),
+        workers=workers, prefill_workers=prefill_workers, discover=ns.discover, policy=ns.policy, admin_key=admin_key(ns.admin_key, "--admin-key"),
         max_requests_in_flight=ns.max_requests_in_flight, qps=ns.qps, qps_per_key=ns.qps_per_key,
         warmup_seconds=ns.warmup_seconds, health_interval=ns.health_interval, request_timeout=ns.request_timeout,
         breaker_failures=ns.breaker_failures, breaker_open_seconds=ns.breaker_open_seconds,

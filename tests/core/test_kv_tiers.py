@@ -10,7 +10,8 @@ import pytest
 import torch
 
 from pagoda.core.kv_tiers.block_hash import chain_root, extend_chain
-from pagoda.core.kv_tiers.disk_tier import DiskTier, KVCipher
+from pagoda.core.kv_tiers.block_format import KVCipher
+from pagoda.core.kv_tiers.disk_tier import DiskTier
 from pagoda.core.kv_tiers.store import KVTierStore
 
 

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from pagoda import LLM, SamplingParams
-from pagoda.core.kv_tiers.disk_tier import ENCRYPTED, MAGIC
+from pagoda.core.kv_tiers.block_format import ENCRYPTED, MAGIC
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
 SMALL = {"dtype": "float32", "kv_cache_memory": 0.0005}  # 32 blocks: a few prompts evict the first

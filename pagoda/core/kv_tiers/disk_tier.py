@@ -1,70 +1,47 @@
 """The disk tier: one file a KV block under ``--kv-offload-dir``, LRU within a size budget.
 
-A file is written whole or not at all: to a temporary file (0600) in the same directory, fsynced,
-then renamed over its name, so a reader (this process after a restart, or another replica sharing
-the directory) sees the old state or the new, never half a block. A file is still checked on every
-read: its header names the key it holds (a file copied under another name is foreign), the payload's
-length and a SHA-256 of it (a torn or corrupted file fails), and, for an encrypted model, AES-GCM
-authenticates the payload under a key derived from the model's. A file that fails any check is
-refused with a log line and removed, never served.
+A file is written whole or not at all: to a temporary file (0600, a name no other writer uses) in
+the same directory, fsynced, then renamed over its name, so a reader (this process after a restart,
+or another replica sharing the directory) sees the old state or the new, never half a block. A file
+is still checked on every read (``block_format``): a file that is torn, corrupted, foreign or
+sealed for another model is refused with a log line and removed, never served.
 
-Layout: ``DIR/ab/<32 hex>.kv``; the header is MAGIC, a flags byte (1: encrypted), the key, the
-payload's length (8 bytes, little-endian) and its SHA-256; then the payload.
+Several replicas may share the directory (one host, or a shared filesystem). The directory itself
+is the shared state: a file's modification time is its last use (a read touches it), a block
+another replica wrote is found by its name, and the budget is the directory's, not one process's:
+a replica lists the directory again every ``RESCAN_SECONDS`` and whenever it finds itself over
+budget, then removes the least recently used files of any replica. Two replicas trimming at once
+may remove a little more than needed, never a file being written (it is renamed into place whole).
+
+Layout: ``DIR/ab/<32 hex>.kv``.
 """
 
 from __future__ import annotations
 
-import hashlib
 import logging
 import os
-import struct
 import threading
+import time
 from collections import OrderedDict
 from pathlib import Path
 
-from pagoda.core.kv_tiers.block_hash import KEY_BYTES
+from pagoda.core.kv_tiers import block_format
+from pagoda.core.kv_tiers.block_format import KVCipher
 
 logger = logging.getLogger(__name__)
 
-MAGIC = b"PGKV\x01"
-_HEADER = struct.Struct(f"<5sB{KEY_BYTES}sQ32s")
-ENCRYPTED = 1
-
-
-class KVCipher:
-    """AES-256-GCM under a key of its own (an encrypted model's KV is sealed with the model's key:
-    ``kv_key_from_model_key``). The block's key is the associated data, so a sealed payload moved
-    under another name does not open."""
-
-    def __init__(self, key: bytes) -> None:
-        from cryptography.hazmat.primitives.ciphers.aead import AESGCM  # cryptography loads only for encrypted models
-
-        if len(key) != 32:
-            raise ValueError(f"a KV cipher key is 32 bytes, got {len(key)}")
-        self._aes = AESGCM(key)
-
-    def seal(self, key: bytes, payload: bytes) -> bytes:
-        nonce = os.urandom(12)
-        return nonce + self._aes.encrypt(nonce, payload, key)
-
-    def open(self, key: bytes, sealed: bytes) -> bytes:
-        return self._aes.decrypt(sealed[:12], sealed[12:], key)  # raises InvalidTag when tampered
-
-
-def kv_key_from_model_key(secret: bytes, container_digest: str) -> bytes:
-    """A key for the KV of one encrypted model: derived from its key (raw or passphrase) and its
-    container's header digest, so the model key itself never encrypts anything else."""
-    return hashlib.scrypt(secret, salt=b"pagoda-kv-offload\0" + container_digest.encode(), n=2**14, r=8, p=1,
-                          dklen=32)
+RESCAN_SECONDS = 10.0  # how stale one replica's view of a shared directory's size may get
+LOW_WATER = 0.9  # over budget, trim to this part of it: a full directory is not listed again at every write
+STALE_TEMP_SECONDS = 3600.0  # a temporary file this old is a writer's that was killed: removed on a scan
 
 
 class DiskTier:
-    """Blocks in files, least recently used removed first once the directory holds ``budget_bytes``.
+    """Blocks in files, least recently used removed first once the directory holds ``budget_bytes``."""
 
-    The index of files (key → size, LRU order) is rebuilt from the directory at start (oldest
-    modification first); a file another replica wrote is found by its name when looked up."""
+    name = "disk"
 
-    def __init__(self, directory: str | os.PathLike, budget_bytes: int, cipher: KVCipher | None = None) -> None:
+    def __init__(self, directory: str | os.PathLike, budget_bytes: int, cipher: KVCipher | None = None,
+                 rescan_seconds: float = RESCAN_SECONDS) -> None:
         self.dir = Path(directory)
         try:
             self.dir.mkdir(parents=True, exist_ok=True, mode=0o700)
@@ -74,45 +51,51 @@ class DiskTier:
             raise ValueError(f"kv_offload_dir {str(self.dir)!r} is not writable")
         self.budget_bytes = budget_bytes
         self.cipher = cipher
+        self.rescan_seconds = rescan_seconds
         self._lock = threading.Lock()
-        self._files: OrderedDict[bytes, int] = OrderedDict()
+        self._files: OrderedDict[bytes, int] = OrderedDict()  # key → size, least recently used first
         self.used_bytes = 0
         self.num_refused = 0
-        self._scan()
+        self.num_hits = 0  # blocks read back whole
+        self._scanned_at = 0.0
+        self.rescan()
 
-    def _scan(self) -> None:
-        found = []
-        for path in self.dir.glob("*/*.kv"):
+    def rescan(self) -> None:
+        """Rebuild the index from the directory (every replica's files, oldest use first)."""
+        found, now = [], time.time()
+        for path in self.dir.glob("*/*"):
             try:
                 st = path.stat()
-                found.append((st.st_mtime_ns, bytes.fromhex(path.stem), st.st_size))
+                if path.suffix == ".tmp":
+                    if now - st.st_mtime > STALE_TEMP_SECONDS:
+                        path.unlink()
+                    continue
+                if path.suffix == ".kv":
+                    found.append((st.st_mtime_ns, bytes.fromhex(path.stem), st.st_size))
             except (OSError, ValueError):
-                continue
-        for _, key, size in sorted(found):
-            self._files[key] = size
-            self.used_bytes += size
+                continue  # removed by another replica meanwhile, or not one of ours
+        files = OrderedDict((key, size) for _, key, size in sorted(found))
+        with self._lock:
+            self._files, self.used_bytes = files, sum(files.values())
+            self._scanned_at = time.monotonic()
 
     def path(self, key: bytes) -> Path:
         name = key.hex()
         return self.dir / name[:2] / f"{name}.kv"
 
     def has(self, key: bytes) -> bool:
-        """Whether a file for ``key`` exists (this process's or another replica's)."""
-        with self._lock:
-            if key in self._files:
-                return True
+        """Whether a file for ``key`` exists (this process's or another replica's, written any time;
+        the directory, not this process's index, is the truth: another replica may have removed it)."""
         return self.path(key).exists()
 
     def write(self, key: bytes, payload: bytes) -> None:
         """Store ``payload`` under ``key``: temp file, fsync, rename (atomic), 0600."""
-        if self.cipher is not None:
-            payload = self.cipher.seal(key, payload)
-        data = _HEADER.pack(MAGIC, ENCRYPTED if self.cipher else 0, key, len(payload),
-                            hashlib.sha256(payload).digest()) + payload
+        data = block_format.encode(key, payload, self.cipher)
         path = self.path(key)
         path.parent.mkdir(exist_ok=True, mode=0o700)
-        tmp = path.with_name(f".{path.name}.{os.getpid()}.{threading.get_ident()}.tmp")
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        # pid and thread are unique on one host, the random part across hosts on a shared filesystem
+        tmp = path.with_name(f".{path.name}.{os.getpid()}.{threading.get_ident()}.{os.urandom(4).hex()}.tmp")
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
         try:
             view = memoryview(data)
             while view:
@@ -124,6 +107,9 @@ class DiskTier:
         with self._lock:
             self.used_bytes += len(data) - self._files.pop(key, 0)
             self._files[key] = len(data)
+            stale = time.monotonic() - self._scanned_at >= self.rescan_seconds
+        if stale:
+            self.rescan()  # learn what other replicas wrote and removed
         self._trim()
 
     def read(self, key: bytes) -> bytes | None:
@@ -135,23 +121,14 @@ class DiskTier:
         except FileNotFoundError:
             self._forget(key)
             return None
-        problem = self._check(key, data)
-        if problem is not None:
+        payload, why = block_format.decode(key, data, self.cipher)
+        if payload is None:
             self.num_refused += 1
-            logger.warning("KV offload: refused %s: %s; removing it", path, problem)
+            logger.warning("KV offload: refused %s: %s; removing it", path, why)
             self._remove(key)
             return None
-        payload = data[_HEADER.size:]
-        if self.cipher is not None:
-            try:
-                payload = self.cipher.open(key, payload)
-            except Exception:  # InvalidTag: another key, or tampered after its checksum was made
-                self.num_refused += 1
-                logger.warning("KV offload: refused %s: it does not decrypt with this model's key; removing it", path)
-                self._remove(key)
-                return None
         try:
-            os.utime(path)  # least recently used order survives a restart
+            os.utime(path)  # least recently used order survives a restart and is shared by replicas
         except OSError:
             pass
         with self._lock:
@@ -159,23 +136,8 @@ class DiskTier:
                 self.used_bytes += len(data)
             self._files[key] = len(data)
             self._files.move_to_end(key)
+            self.num_hits += 1
         return payload
-
-    def _check(self, key: bytes, data: bytes) -> str | None:
-        """Why a file's bytes are not a block of ``key`` (None: they are)."""
-        if len(data) < _HEADER.size or data[:len(MAGIC)] != MAGIC:
-            return "not a pagoda KV block file (bad magic or too short)"
-        _, flags, stored_key, length, digest = _HEADER.unpack_from(data)
-        if stored_key != key:
-            return "foreign file: its header names another block"
-        if bool(flags & ENCRYPTED) != (self.cipher is not None):
-            return "encrypted for another model" if flags & ENCRYPTED else "not encrypted, but this model's KV is"
-        payload = memoryview(data)[_HEADER.size:]
-        if len(payload) != length:
-            return f"torn write: {len(payload)} payload bytes of {length}"
-        if hashlib.sha256(payload).digest() != digest:
-            return "checksum mismatch (corrupted)"
-        return None
 
     def _forget(self, key: bytes) -> None:
         with self._lock:
@@ -189,10 +151,14 @@ class DiskTier:
             pass  # another replica removed it first
 
     def _trim(self) -> None:
-        """Remove least recently used files until the directory is within its budget."""
+        """Over budget: list the directory (so the files removed are the oldest of every replica's),
+        then remove least recently used files down to ``LOW_WATER`` of the budget."""
+        if self.used_bytes <= self.budget_bytes:
+            return
+        self.rescan()
         while True:
             with self._lock:
-                if self.used_bytes <= self.budget_bytes or not self._files:
+                if self.used_bytes <= self.budget_bytes * LOW_WATER or not self._files:
                     return
                 key = next(iter(self._files))
             self._remove(key)

@@ -25,7 +25,7 @@ class KVTierLink:
         self.block_size = block_size
         # With a disk tier every computed block is written through (so a restart or a kill finds
         # it); with host memory alone a block goes down only when the tree lets it go.
-        self.write_through = store.disk is not None
+        self.write_through = store.lower is not None
         self._roots: dict[Any, bytes] = {}
         self._chains: dict[str, list[bytes]] = {}  # request id → keys of its full blocks so far
         self.block_key: dict[int, bytes] = {}  # block in the radix tree → its key
@@ -74,6 +74,11 @@ class KVTierLink:
 
     def forget(self, request_id: str) -> None:
         self._chains.pop(request_id, None)
+
+    def take_saves(self) -> list[tuple[int, bytes, bool]]:
+        """The pending saves, handed to the caller to run now (``engine/kv_offload.hand_off``)."""
+        saves, self.saves = self.saves, []
+        return saves
 
     def attach(self, out: SchedulerOutput) -> None:
         """Hand the pending copies to the step that runs (a step with nothing scheduled keeps them)."""

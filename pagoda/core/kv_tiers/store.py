@@ -1,4 +1,5 @@
-"""The lower tiers together: host memory (LRU within ``--kv-offload-memory``) over the disk tier.
+"""The lower tiers together: host memory (LRU within ``--kv-offload-memory``) over the tiers below it
+(``lower``: the disk tier, the shared store, or both side by side in a ``TierStack``).
 
 One object, shared in the engine's process by the scheduler's side (``KVTierLink``: which keys
 exist, pinning the ones a prefix hit will load) and the driver worker (``apply``: copying blocks
@@ -23,7 +24,7 @@ from dataclasses import dataclass
 
 import torch
 
-from pagoda.core.kv_tiers.disk_tier import DiskTier
+from pagoda.core.kv_tiers.tier_stack import BlockTier
 
 logger = logging.getLogger(__name__)
 
@@ -33,16 +34,16 @@ class TierCounters:
     """Blocks counted over the engine's life (tokens: times the block size)."""
 
     memory_hits: int = 0  # promoted from host memory
-    disk_hits: int = 0  # promoted from disk (read ahead or at admission)
+    disk_hits: int = 0  # promoted from the tiers below memory: disk or the shared store (read ahead or at admission)
     saved: int = 0  # copied out of the KV cache into host memory
     written: int = 0  # files written
     write_errors: int = 0
 
 
 class KVTierStore:
-    def __init__(self, memory_bytes: int, disk: DiskTier | None = None) -> None:
+    def __init__(self, memory_bytes: int, lower: BlockTier | None = None) -> None:
         self.memory_bytes = memory_bytes
-        self.disk = disk
+        self.lower = lower
         self.counters = TierCounters()
         self._lock = threading.Lock()
         self._mem: OrderedDict[bytes, torch.Tensor] = OrderedDict()  # key → the block's bytes (uint8)
@@ -56,7 +57,7 @@ class KVTierStore:
         self.block_nbytes = 0
         self._jobs: queue.Queue = queue.Queue()
         self._thread: threading.Thread | None = None
-        if disk is not None:
+        if lower is not None:
             self._thread = threading.Thread(target=self._work, name="pagoda-kv-offload", daemon=True)
             self._thread.start()
 
@@ -98,7 +99,7 @@ class KVTierStore:
                 self.counters.saved += 1
                 if not keep:
                     self._transient.add(key)
-                if self.disk is not None and not self.disk.has(key):
+                if self.lower is not None and not self.lower.has(key):
                     self._unwritten.add(key)
                     self._jobs.put(key)
                 elif not keep:
@@ -116,7 +117,7 @@ class KVTierStore:
 
     def known(self, key: bytes) -> bool:
         """In host memory or on disk (this process's file, or another replica's)."""
-        return key in self._mem or (self.disk is not None and self.disk.has(key))
+        return key in self._mem or (self.lower is not None and self.lower.has(key))
 
     def pin_run(self, keys: list[bytes]) -> int:
         """How many of ``keys``, from the first, the tiers hold; each of those is brought into host
@@ -146,13 +147,13 @@ class KVTierStore:
 
     def prefetch(self, keys: list[bytes]) -> None:
         """Read ahead, in the background, the run of ``keys`` that is on disk and not in memory."""
-        if self.disk is not None and keys:
+        if self.lower is not None and keys:
             self._jobs.put(list(keys))
 
     def _read(self, key: bytes) -> torch.Tensor | None:
-        if self.disk is None:
+        if self.lower is None:
             return None
-        payload = self.disk.read(key)
+        payload = self.lower.read(key)
         if payload is None:
             return None
         if len(payload) != self.block_nbytes:
@@ -210,7 +211,7 @@ class KVTierStore:
             raw = self._mem.get(key)
         try:
             if raw is not None:
-                self.disk.write(key, raw.numpy().tobytes())
+                self.lower.write(key, raw.numpy().tobytes())
                 self.counters.written += 1
         except OSError as e:
             self.counters.write_errors += 1

@@ -16,6 +16,11 @@ const CARDS = [
   ["kv-usage", "KV cache usage", (e) => pct(e.stats.kv_cache_usage)],
   ["memory-pressure", "memory pressure", (e) => fmt(e.stats.memory_pressure, 3)],
   ["prefix-hit-rate", "prefix cache hit rate", (e) => pct(e.stats.prefix_cache_hit_rate)],
+  // the KV tiers under the prefix cache (--kv-offload-*): prompt tokens promoted back, and of the
+  // tiers below memory the part read from the shared store (--kv-offload-url)
+  ["kv-tier-hits", "KV tier hit tokens: memory / disk+shared (shared)", (e) =>
+    `${fmt(e.stats.kv_offload_memory_hit_tokens)} / ${fmt(e.stats.kv_offload_disk_hit_tokens)} ` +
+    `(${fmt(e.stats.kv_offload_remote_read_tokens)})`],
   ["preemptions", "preemptions (total)", (e) => e.stats.num_preemptions_total],
   ["gen-tps", "generated tok/s (10 s)", (e) => fmt(e.window.generation_tokens_per_s, 1)],
   ["prompt-tps", "prompt tok/s (10 s)", (e) => fmt(e.window.prompt_tokens_per_s, 1)],
