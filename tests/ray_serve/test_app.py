@@ -15,11 +15,12 @@ import httpx
 import openai
 import pytest
 import ray
+from ray import serve
 
 from pagoda import LLM, SamplingParams
 from pagoda.executor.multiproc import free_port
 from pagoda.ray_serve import build_app
-from pagoda.ray_serve.app import serve_on
+from pagoda.ray_serve.app import APP_NAME, serve_on
 from pagoda.ray_serve.autoscaling import ScalingOptions
 from pagoda.ray_serve.engine_replica import ServerOptions
 from tests.ray_serve.conftest import ENGINE, poll, running_replicas
@@ -140,3 +141,21 @@ def test_a_killed_replica_is_replaced_and_its_request_retried(base, client, long
     assert killed and not any(name.endswith(raw.headers["x-pagoda-replica"]) for name in killed)  # answered by another
     assert raw.parse().choices[0].text == expected.outputs[0].text
     poll(lambda: running_replicas() == 1, 120, "the replica replaced")
+
+
+def test_tensor_parallel_replica_matches_one_rank(base, long_tiny_llama):
+    """A replica of tensor_parallel_size=2: its placement group holds a bundle per rank, rank 1 an
+    actor in the second (pagoda/executor/ray.py); greedy answers equal one rank's, offline."""
+    serve.delete(APP_NAME)  # the cluster's 2 CPUs: the autoscaled app makes room (Serve's proxy stays)
+    port = int(base.rsplit(":", 1)[1])
+    serve_on(build_app(str(long_tiny_llama), server=ServerOptions([MODEL]), replica_cpus=0.5, tensor_parallel_size=2,
+                       **ENGINE), "127.0.0.1", port)
+    expected = [o.outputs[0].text for o in LLM(str(long_tiny_llama), **ENGINE).generate(
+        PROMPTS, SamplingParams(max_tokens=16, temperature=0.0), use_tqdm=False)]
+    tp_client = openai.OpenAI(base_url=f"{base}/v1", api_key="none", max_retries=0, timeout=120)
+    got = [tp_client.completions.create(model=MODEL, prompt=p, max_tokens=16, temperature=0).choices[0].text
+           for p in PROMPTS]
+    assert got == expected
+    # one placement group, the replica's (a bundle a rank): the ranks did not reserve one of their own
+    groups = [g for g in ray.util.placement_group_table().values() if g["state"] == "CREATED"]
+    assert [len(g["bundles"]) for g in groups] == [2], groups
