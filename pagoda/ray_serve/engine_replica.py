@@ -47,6 +47,8 @@ class EngineReplica:
     """The replica deployment's class (app.py wraps it in `serve.deployment`)."""
 
     def __init__(self, engine_args: EngineArgs, options: ServerOptions) -> None:
+        self._started: asyncio.Task | None = None  # first: __del__ runs after a constructor that raised too
+        self.engine: AsyncLLM | None = None
         self.engine = AsyncLLM(create_engine_config(engine_args))
         # the state (sessions, stored responses, batches) in a temporary directory a replica:
         # Serve may start and stop replicas anywhere, so there is nothing on disk to come back to
@@ -57,7 +59,6 @@ class EngineReplica:
                              tool_call_parser=options.tool_call_parser)
         self.replica_id = serve.get_replica_context().replica_id.unique_id
         self._lifespan = Lifespan(self.app)
-        self._started: asyncio.Task | None = None
         logger.info("pagoda replica %s: %s loaded", self.replica_id, engine_args.model)
 
     async def _start(self) -> None:
@@ -76,7 +77,7 @@ class EngineReplica:
     def check_health(self) -> None:
         """Serve's health check: a replica whose engine is dead (a tensor-parallel rank died, the
         core raised) fails it, and Serve replaces the replica."""
-        if not self.engine.healthy:
+        if self.engine is None or not self.engine.healthy:
             raise RuntimeError(f"pagoda engine is not running: {self.engine.dead_error}")
 
     async def __del__(self) -> None:
@@ -84,4 +85,5 @@ class EngineReplica:
         (the state database, its temporary directory), then the engine."""
         if self._started is not None:
             await self._lifespan.shutdown()
-        self.engine.shutdown()
+        if self.engine is not None:
+            self.engine.shutdown()
