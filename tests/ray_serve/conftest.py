@@ -18,15 +18,17 @@ ENGINE = {"dtype": "float32", "kv_cache_memory": 0.05, "max_model_len": 4096}
 
 
 # how often replicas and handles report their ongoing requests to Serve's autoscaler (10 s by
-# default): read by the cluster's processes, which inherit this one's environment
-METRIC_PUSH_S = {"RAY_SERVE_REPLICA_AUTOSCALING_METRIC_PUSH_INTERVAL_S": "0.5",
-                 "RAY_SERVE_HANDLE_AUTOSCALING_METRIC_PUSH_INTERVAL_S": "0.5"}
+# default): read by the cluster's processes, which inherit this one's environment. And no token
+# authentication: Ray 2.60's ray.init() would write ~/.ray/auth_token, which the `ray start`
+# clusters of tests/executor/test_ray.py then require and their clients do not send.
+CLUSTER_ENV = {"RAY_SERVE_REPLICA_AUTOSCALING_METRIC_PUSH_INTERVAL_S": "0.5",
+               "RAY_SERVE_HANDLE_AUTOSCALING_METRIC_PUSH_INTERVAL_S": "0.5", "RAY_AUTH_MODE": "disabled"}
 
 
 @pytest.fixture(scope="module")
 def ray_cluster():
     with pytest.MonkeyPatch.context() as env:
-        for name, value in METRIC_PUSH_S.items():
+        for name, value in CLUSTER_ENV.items():
             env.setenv(name, value)
         ray.init(num_cpus=CLUSTER_CPUS, include_dashboard=False, log_to_driver=False)
         try:
