@@ -20,6 +20,7 @@ from pagoda.engine_args import EngineArgs  # not from pagoda.config, which impor
 from pagoda.entrypoints import served_models  # argparse only; the pool loads when several models are served
 from pagoda.entrypoints.openai import api_options  # argparse only: the APIs' serve options
 from pagoda.quantize import command as quantize_command  # argparse only; torch loads when it runs
+from pagoda.ray_serve import options as ray_serve_options  # argparse only; ray loads when --ray-serve runs
 from pagoda.router import options as router_options  # argparse only; the router loads when it runs
 from pagoda.sampling_params import RequestOutputKind, SamplingParams
 from pagoda.security import encrypt_command  # argparse only; cryptography loads when it runs
@@ -206,6 +207,12 @@ def _chat(engine, ns: argparse.Namespace) -> int:
 def cmd_serve(ns: argparse.Namespace) -> int:
     served_models.apply_model_tag(ns)  # `pagoda serve MODEL`
     tls.check_args(ns)  # --ssl-* files, and not with --data-parallel-size (pagoda/security/tls.py)
+    if ns.ray_serve:
+        ray_serve_options.check_args(ns)
+        # deferred: loads ray, fastapi, torch and the server (pagoda --help stays light)
+        from pagoda.ray_serve.app import run as run_ray_serve
+
+        return run_ray_serve(ns)
     if served_models.serves_several(ns) and (ns.data_parallel_size != 1 or ns.data_parallel_rank is not None):
         raise ValueError("--data-parallel-size serves one model: give one --model (several models are served by "
                          "one process, loaded on first use)")
@@ -341,6 +348,7 @@ def build_parser() -> argparse.ArgumentParser:
     EngineArgs.add_cli_args(p, overrides=served_models.model_option_overrides())  # --model repeatable
     served_models.add_serve_args(p)  # --models-file, --keep-alive, ... (pagoda/entrypoints/served_models.py)
     router_options.add_serve_args(p)
+    ray_serve_options.add_serve_args(p)  # --ray-serve, --min-replicas, ... (pagoda/ray_serve/options.py)
     access_options.add_serve_args(p)  # --auth-config, --audit-log*, --read-timeout (pagoda/security/access.py)
     moderation.add_cli_args(p)  # --moderation-words / --moderation-action (pagoda/security/moderation.py)
     tls.add_cli_args(p)  # --ssl-keyfile / --ssl-certfile / --ssl-ca-certs (pagoda/security/tls.py)

@@ -98,12 +98,13 @@ def test_help_imports_nothing_heavy_and_shows_defaults():
                           capture_output=True, text=True, timeout=60)
     assert proc.returncode == 0 and "serve" in proc.stdout
     imported = {line.rsplit("|", 1)[-1].strip() for line in proc.stderr.splitlines() if line.startswith("import time:")}
-    heavy = {"torch", "transformers", "fastapi", "uvicorn", "numpy", "pagoda.config", "pagoda.bench"}
+    heavy = {"torch", "transformers", "fastapi", "uvicorn", "numpy", "ray", "pagoda.config", "pagoda.bench"}
     assert not heavy & imported
     serve_help = _run(["serve", "--help"], timeout=60).stdout
     assert "(default: 8000)" in serve_help and "(default: 127.0.0.1)" in serve_help
     assert "(default: smollm2-135m-instruct)" in serve_help and "(default: on)" in serve_help
     assert "(default: False)" not in serve_help  # plain flags say nothing
+    assert "--ray-serve" in serve_help and "--target-ongoing-requests" in serve_help  # pagoda/ray_serve/options.py
     bench_help = _run(["bench", "throughput", "--help"], timeout=60)
     assert bench_help.returncode == 0 and "(default: 256)" in bench_help.stdout  # --max-num-seqs
 

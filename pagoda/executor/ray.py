@@ -167,11 +167,17 @@ class RayExecutor(Executor):
         """Reserve a bundle for each other rank and start its actor; the config, address and port
         the ranks meet with."""
         pc = self.config.parallel
-        self.lease.placement_group = reserve(pc.world_size - 1, {"GPU": 1} if on_gpu else {"CPU": cores})
-        config = as_placed(self.config, self.lease.placement_group)
+        group, first_bundle, cpus = enclosing_group(pc.world_size), 1, float(cores)
+        if group is None:  # a group of our own, one bundle a rank past 0, given back on release
+            group = self.lease.placement_group = reserve(pc.world_size - 1, {"GPU": 1} if on_gpu else {"CPU": cores})
+            first_bundle = 0
+        elif not on_gpu:  # the enclosing group's bundles say what a rank gets
+            cpus = group.bundle_specs[1].get("CPU", 0.0)
+            cores = max(1, int(cpus))
+        config = as_placed(self.config, group)
         master_addr = pc.master_addr if pc.master_addr != DEFAULT_MASTER_ADDR else ray.util.get_node_ip_address()
         master_port = pc.master_port or free_port(master_addr)
-        self.actors.extend(create_actors(config, self.lease.placement_group, master_addr, master_port, cores, on_gpu))
+        self.actors.extend(create_actors(config, group, master_addr, master_port, cores, on_gpu, first_bundle, cpus))
         self.lease.watch([actor.run.remote() for actor in self.actors])
         return config, master_addr, master_port
 
@@ -267,13 +273,24 @@ def as_placed(config: EngineConfig, group: PlacementGroup) -> EngineConfig:
     return dataclasses.replace(config, parallel=dataclasses.replace(config.parallel, nnodes=len(nodes)))
 
 
+def enclosing_group(world_size: int) -> PlacementGroup | None:
+    """The placement group this process runs in, if it has a bundle for every rank: a Ray Serve
+    replica reserves one bundle per rank (pagoda/ray_serve/app.py), runs in bundle 0, and its
+    ranks 1..N-1 go in the others (a group of our own would need resources the replica's
+    already holds)."""
+    group = ray.util.get_current_placement_group()
+    return group if group is not None and len(group.bundle_specs) >= world_size else None
+
+
 def create_actors(config: EngineConfig, group: PlacementGroup, master_addr: str, master_port: int,
-                  cores: int, on_gpu: bool) -> list[Any]:
-    """One actor per non-driver rank, rank r in bundle r - 1 of ``group``."""
-    resources = {"num_cpus": 0, "num_gpus": 1} if on_gpu else {"num_cpus": cores}
+                  cores: int, on_gpu: bool, first_bundle: int = 0, cpus: float | None = None) -> list[Any]:
+    """One actor per non-driver rank, rank r in bundle r - 1 + ``first_bundle`` of ``group``,
+    reserving ``cpus`` (default ``cores``) and running ``cores`` threads."""
+    resources = {"num_cpus": 0, "num_gpus": 1} if on_gpu else {"num_cpus": cores if cpus is None else cpus}
     return [
         RankActor.options(
-            scheduling_strategy=PlacementGroupSchedulingStrategy(group, placement_group_bundle_index=rank - 1),
+            scheduling_strategy=PlacementGroupSchedulingStrategy(
+                group, placement_group_bundle_index=rank - 1 + first_bundle),
             **resources,
         ).remote(config, rank, master_addr, master_port, None if on_gpu else cores)
         for rank in range(1, config.parallel.world_size)
