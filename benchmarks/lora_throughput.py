@@ -65,9 +65,12 @@ def main() -> None:
     ap.add_argument("--rank", type=int, default=16)
     ap.add_argument("--tokens", type=int, default=64)
     ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--lora-dtype", default="auto")
+    ap.add_argument("--no-fused-decode", action="store_true", help="the base on the Python layers too")
     args = ap.parse_args()
     llm = LLM(model=args.model, quantization=args.quantization, enable_lora=True, max_loras=4,
-              max_lora_rank=args.rank, kv_cache_memory=1.0, enable_prefix_caching=False)
+              max_lora_rank=args.rank, kv_cache_memory=1.0, enable_prefix_caching=False, lora_dtype=args.lora_dtype,
+              fused_decode=not args.no_fused_decode)
     hf_config = llm.engine.config.model.hf_config
     root = Path(tempfile.mkdtemp())
     paths = [write_adapter(root / f"a{i}", hf_config, args.rank, i) for i in range(4)]
@@ -96,6 +99,7 @@ def main() -> None:
         print(json.dumps(row), flush=True)
     median = {k: statistics.median(r[k] for r in rows) for k in rows[0] if k != "round"}
     print(json.dumps({"model": args.model, "quantization": llm.engine.config.model.quantization, "rank": args.rank,
+                      "lora_dtype": str(llm.engine.config.lora.dtype), "fused_decode": not args.no_fused_decode,
                       "streams": 16, "adapters": 4, "tokens": args.tokens, **{k: round(v, 1) for k, v in median.items()},
                       "mixed_vs_base": round(median["mixed_tok_s"] / median["base_tok_s"], 3),
                       "mixed_vs_one_after_another": round(median["mixed_tok_s"] / median["one_after_another_tok_s"], 3),

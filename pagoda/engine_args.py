@@ -180,7 +180,7 @@ class EngineArgs:
     max_cpu_loras: int | None = field(default=None, metadata=_option(
         "LoRA adapters kept loaded while no request uses them (default: --max-loras)"))
     lora_dtype: str = field(default="auto", metadata=_option(
-        "the adapters' dtype: auto (the model's; float32 over a quantized base), float32 or bfloat16",
+        "the adapters' dtype: auto (the model's; bfloat16 over a quantized base), float32 or bfloat16",
         choices=("auto", "float32", "bfloat16", "float16")))
     extra: dict = field(default_factory=dict, metadata=NO_OPTION)
 

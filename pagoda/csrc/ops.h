@@ -70,4 +70,8 @@ at::Tensor in_row_tiles(const at::Tensor& x, const Gemm& gemm) {
   return parts.size() == 1 ? parts[0].contiguous() : at::cat(parts);
 }
 
+void lora_add(at::Tensor y, const at::Tensor& x, at::TensorList as, at::TensorList bts,  // lora_delta.cpp
+              at::IntArrayRef part_begin, at::IntArrayRef out_starts, at::IntArrayRef rank_starts,
+              at::IntArrayRef row_starts, at::IntArrayRef row_ends);
+
 }  // namespace pagoda

@@ -25,6 +25,7 @@ import torch.nn.functional as F
 from pagoda.forward_context import AttentionMetadata, PrefillSeq
 from pagoda.layers.cpu_kernels import kernel_isa, load_cpu_kernels
 from pagoda.layers.ggml_formats import dequantize_blocks
+from pagoda.layers.lora_delta import kernel_args
 from pagoda.scoped import Scoped
 from pagoda.worker.kv_cache import SCALED_KV_DTYPES
 
@@ -74,6 +75,11 @@ class TorchBackend:
         """``x @ weight.T``; ``packed``: the weight reordered for oneDNN at load (layers/packed_weights.py),
         which only the C++ backend uses."""
         return F.linear(x, weight)
+
+    def lora_add(self, y: torch.Tensor, x: torch.Tensor, runs: list) -> None:
+        """``y[rows] +=`` each run's LoRA delta (layers/lora_delta.ProjectionDelta) of ``x[rows]``, in place."""
+        for delta, rows in runs:
+            delta.add_to(y, x, rows)
 
     def block_matmul(self, x: torch.Tensor, blocks: torch.Tensor, block_type: int,
                      packed: torch.Tensor | None = None) -> torch.Tensor:
@@ -222,6 +228,14 @@ class CpuKernelBackend(TorchBackend):
         if self._fast(x) and x.dim() == 2 and weight.dtype == torch.float32 and weight.is_contiguous():
             return self.ops.linear(x, weight, packed)
         return super().linear(x, weight)
+
+    def lora_add(self, y, x, runs):
+        dtypes = {delta.a.dtype for delta, _ in runs}
+        if x.dtype == y.dtype == torch.float32 and len(dtypes) == 1 and dtypes <= {torch.float32, torch.bfloat16} \
+                and x.stride(-1) == 1 and y.stride(-1) == 1 and x.dim() == y.dim() == 2:
+            self.ops.lora_add(y, x, *kernel_args(runs))
+        else:  # a bf16 base: torch's matmuls
+            super().lora_add(y, x, runs)
 
     def block_matmul(self, x, blocks, block_type, packed=None):
         if x.device.type == "cpu":

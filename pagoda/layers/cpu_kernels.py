@@ -35,7 +35,8 @@ _CSRC = Path(__file__).resolve().parent.parent / "csrc"
 
 
 _SOURCES = ("paged_attention.cpp", "prefill_attention.cpp", "block_matmul.cpp", "block_gemm_tiles.cpp",
-            "superblock_tiles.cpp", "half_weights.cpp", "fused_ops.cpp", "small_matmul.cpp", "decode_layers.cpp")
+            "superblock_tiles.cpp", "half_weights.cpp", "fused_ops.cpp", "small_matmul.cpp", "decode_layers.cpp",
+            "lora_delta.cpp")
 
 
 _disabled: bool | None = None  # PAGODA_DISABLE_KERNELS, read once (this is called per layer per step)

@@ -30,5 +30,5 @@ def project(layer: nn.Module, x: torch.Tensor, backend: TorchBackend) -> torch.T
     if key is not None:
         lora = get_attention_metadata().lora
         if lora is not None:
-            y = lora.apply(key, x, y)
+            y = lora.apply(key, x, y, backend)
     return y

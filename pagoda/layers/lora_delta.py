@@ -27,7 +27,7 @@ class DeltaPart:
     out_size: int
     rank_start: int  # its rows of the stacked A
     rank_end: int
-    b: torch.Tensor  # [out_size, rank], the scale already multiplied in
+    bt: torch.Tensor  # B transposed, [rank, out_size], the scale already multiplied in
 
 
 @dataclass(frozen=True)
@@ -38,17 +38,28 @@ class ProjectionDelta:
     parts: tuple[DeltaPart, ...]
 
     def add_to(self, y: torch.Tensor, x: torch.Tensor, rows: slice) -> None:
-        """``y[rows] += delta(x[rows])``, in place."""
+        """``y[rows] += delta(x[rows])``, in place, in torch."""
         low = x[rows].to(self.a.dtype) @ self.a.t()  # a bf16 or quantized base: the adapter keeps its dtype
         for p in self.parts:
-            y[rows, p.out_start:p.out_start + p.out_size] += (low[:, p.rank_start:p.rank_end] @ p.b.t()).to(y.dtype)
+            y[rows, p.out_start:p.out_start + p.out_size] += (low[:, p.rank_start:p.rank_end] @ p.bt).to(y.dtype)
 
     def nbytes(self) -> int:
-        return self.a.numel() * self.a.element_size() + sum(p.b.numel() * p.b.element_size() for p in self.parts)
+        return self.a.numel() * self.a.element_size() + sum(p.bt.numel() * p.bt.element_size() for p in self.parts)
 
 
 # an adapter as the model runs it: projection module path (e.g. "layers.3.self_attn.qkv_proj") → its delta
 AdapterDeltas = dict[str, ProjectionDelta]
+
+
+def kernel_args(runs: list[tuple[ProjectionDelta, slice]]) -> tuple:
+    """``runs`` (each adapter's delta and rows) as the C++ op takes them (``torch.ops.pagoda.lora_add``:
+    the As, every run's parts in order, where each run's parts begin, their offsets, the rows)."""
+    parts = [p for delta, _ in runs for p in delta.parts]
+    begin = [0]
+    for delta, _ in runs:
+        begin.append(begin[-1] + len(delta.parts))
+    return ([delta.a for delta, _ in runs], [p.bt for p in parts], begin, [p.out_start for p in parts],
+            [p.rank_start for p in parts], [rows.start for _, rows in runs], [rows.stop for _, rows in runs])
 
 
 class LoRABatch:
@@ -60,12 +71,12 @@ class LoRABatch:
         self.groups = tuple((adapters[int(i)], run) for i in np.unique(token_adapters) if i
                             for run in runs_of(token_adapters, int(i)))
 
-    def apply(self, key: str, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-        """``y`` with every adapter's delta for projection ``key`` added to its rows."""
-        for deltas, rows in self.groups:
-            delta = deltas.get(key)
-            if delta is not None:
-                delta.add_to(y, x, rows)
+    def apply(self, key: str, x: torch.Tensor, y: torch.Tensor, backend) -> torch.Tensor:
+        """``y`` with every adapter's delta for projection ``key`` added to its rows, through
+        ``backend.lora_add`` (one C++ call for them all on the CPU backend, torch's matmuls otherwise)."""
+        runs = [(deltas[key], rows) for deltas, rows in self.groups if key in deltas]
+        if runs:
+            backend.lora_add(y, x, runs)
         return y
 
     def for_rows(self, rows: np.ndarray) -> LoRABatch | None:

@@ -87,6 +87,6 @@ def _projection_delta(parts: list[tuple[int, int, torch.Tensor, torch.Tensor]], 
     a = torch.cat([p[2] for p in parts]).to(dtype).contiguous()
     out, rank = [], 0
     for start, size, part_a, b in parts:
-        out.append(DeltaPart(start, size, rank, rank + part_a.shape[0], b.to(dtype).contiguous()))
+        out.append(DeltaPart(start, size, rank, rank + part_a.shape[0], b.t().to(dtype).contiguous()))
         rank += part_a.shape[0]
     return ProjectionDelta(a, tuple(out))

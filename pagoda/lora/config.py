@@ -36,8 +36,9 @@ def lora_config(args, model_dtype: torch.dtype, quantized: bool, pools: bool,
         return None
     if pools:
         raise ValueError("enable_lora: the pooling runner serves no adapters (--runner pooling)")
-    if args.lora_dtype == "auto":
-        dtype = torch.float32 if quantized or model_dtype not in (torch.float32, torch.bfloat16) else model_dtype
+    if args.lora_dtype == "auto":  # the model's; over a quantized base (already approximate) bfloat16, half
+        # the bytes a decode step reads for every adapter of its batch (benchmarks/README.md, "LoRA")
+        dtype = torch.bfloat16 if quantized or model_dtype not in (torch.float32, torch.bfloat16) else model_dtype
     else:
         dtype = getattr(torch, args.lora_dtype)
     max_rank = max(args.max_lora_rank, model_adapter_rank or 0)

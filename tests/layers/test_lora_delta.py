@@ -8,7 +8,7 @@ import torch
 from torch import nn
 
 from pagoda.forward_context import AttentionMetadata, set_attention_metadata
-from pagoda.layers.backend import current_backend
+from pagoda.layers.backend import TorchBackend, current_backend
 from pagoda.layers.linear import project
 from pagoda.layers.lora_delta import DeltaPart, LoRABatch, ProjectionDelta, runs_of
 from pagoda.layers.quantization import quantize_linears
@@ -29,11 +29,13 @@ def _delta(seed: int) -> tuple[ProjectionDelta, torch.Tensor, list[torch.Tensor]
     a = torch.randn(2 * RANK, IN, generator=g) * 0.1
     b1, b2 = torch.randn(32, RANK, generator=g) * 0.1, torch.randn(OUT - 32, RANK, generator=g) * 0.1
     dense = torch.cat([(b1 @ a[:RANK]).t(), (b2 @ a[RANK:]).t()], dim=1)
-    return ProjectionDelta(a, (DeltaPart(0, 32, 0, RANK, b1), DeltaPart(32, OUT - 32, RANK, 2 * RANK, b2))), dense
+    return ProjectionDelta(a, (DeltaPart(0, 32, 0, RANK, b1.t().contiguous()),
+                               DeltaPart(32, OUT - 32, RANK, 2 * RANK, b2.t().contiguous()))), dense
 
 
+@pytest.mark.parametrize("kernels", [True, False], ids=["cpu-kernels", "torch"])
 @pytest.mark.parametrize("base", ["float32", "bfloat16", "int8", "int4"])
-def test_delta_lands_on_its_rows_only(base):
+def test_delta_lands_on_its_rows_only(base, kernels):
     torch.manual_seed(0)
     model = _Layer()
     nn.init.normal_(model.qkv_proj.weight, std=0.1)
@@ -42,7 +44,9 @@ def test_delta_lands_on_its_rows_only(base):
     elif base in ("int8", "int4"):
         assert quantize_linears(model, base) == 1
     label_projections(model)
-    layer, backend = model.qkv_proj, current_backend()
+    layer, backend = model.qkv_proj, current_backend() if kernels else TorchBackend("cpu")
+    if kernels and not backend.has_cpu_kernels:
+        pytest.skip("pagoda's CPU kernels are not built here")
     x = torch.randn(ROWS, IN).to(torch.bfloat16 if base == "bfloat16" else torch.float32)
     (first, dense_a), (second, dense_b) = _delta(1), _delta(2)
     adapters = torch.tensor([1, 1, 0, 2, 1, 2, 0]).numpy()  # each token's adapter (0: the base)

@@ -78,7 +78,7 @@ def test_tensor_parallel_cuts_adapters_like_the_weights(tiny_llama, tmp_path):
 
 
 def test_quantized_base_batches_adapters_as_it_runs_them_alone(tiny_llama, tmp_path):
-    """An int8 base with fp32 adapters: a mixed batch gives each request what it gets alone."""
+    """An int8 base with its adapters in bfloat16 (auto): a mixed batch gives each request what it gets alone."""
     adapters = [make_peft_adapter(tiny_llama, tmp_path / f"q{i}", seed=30 + i) for i in range(2)]
     llm = LLM(model=str(tiny_llama), dtype="float32", kv_cache_memory=0.02, enable_lora=True, max_loras=2,
               quantization="int8", enable_prefix_caching=False)
