@@ -3,6 +3,7 @@ projections (q/k/v → ``qkv_proj``, gate/up → ``gate_up_proj``), each pair's 
 output columns, and, under tensor parallelism, each pair cut as the base weight is: a
 column-parallel projection (q/k/v, gate/up) keeps this rank's rows of B, a row-parallel one (o,
 down) this rank's columns of A, whose partial product the layer's all-reduce sums like the base's.
+A fused pair (Phi-3's q/k/v or gate/up, a mixture's experts' gate/up) is cut part by part.
 """
 
 from __future__ import annotations
@@ -61,11 +62,29 @@ def _this_rank(model: nn.Module, module: str, pair: LoRAPair, source: str) -> tu
     a, b = pair.a, pair.b
     if not model.tp.is_parallel:
         return a, b
-    name = module.rsplit(".", 1)[1]
-    if name in ("qkv_proj", "gate_up_proj") or ".experts." in module:
-        raise AdapterError(f"adapter {source}: {module}'s pair (a fused projection's, or a mixture's experts') is "
-                           "not cut for tensor parallelism")
-    cut = model.shards.weight_slice(f"{module}.weight", (b.shape[0], a.shape[1]))
+    layer, name = module.rsplit(".", 1)
+    if name in _FUSED_PARTS:  # Phi-3's fused q/k/v or gate/up, a mixture's experts' gate/up: each part's rows
+        sizes = _fused_sizes(model, name, b.shape[0])
+        pieces = b.split(sizes)
+        return a, torch.cat([_cut(model, f"{layer}.{part}", a, piece)[1] for part, piece in zip(_FUSED_PARTS[name], pieces)])
+    return _cut(model, module, a, b)
+
+
+# a fused projection → the checkpoint projections it stacks, in order
+_FUSED_PARTS = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
+
+
+def _fused_sizes(model: nn.Module, name: str, rows: int) -> list[int]:
+    if name == "qkv_proj":
+        cfg = model.config
+        return [cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim]
+    return [rows // 2, rows // 2]
+
+
+def _cut(model: nn.Module, module: str, a: torch.Tensor, b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """This rank's part of a pair, as the model cuts the weight of ``module`` (its weight_slice:
+    a column-parallel weight's rows are B's, a row-parallel one's columns A's)."""
+    cut = model.weight_slice(f"{module}.weight", (b.shape[0], a.shape[1]))
     if cut is None:
         return a, b
     dim, start, length = cut

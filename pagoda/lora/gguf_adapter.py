@@ -20,16 +20,6 @@ from pagoda.lora.adapter import AdapterError, LoRAPair, PeftAdapter
 from pagoda.lora.peft_adapter import check_shapes
 from pagoda.models.architectures import GGUF_WRITE_ARCHITECTURES
 
-GGUF_MAGIC = b"GGUF"
-
-
-def is_gguf_file(path: Path) -> bool:
-    if not path.is_file():
-        return False
-    with open(path, "rb") as fh:
-        return fh.read(4) == GGUF_MAGIC
-
-
 def read_gguf_adapter(path: Path, hf_config: dict, max_rank: int) -> PeftAdapter:
     try:
         gf = read_gguf(path)

@@ -8,8 +8,7 @@ import json
 import tempfile
 from pathlib import Path
 
-from pagoda.lora.adapter_files import read_adapter
-from pagoda.lora.gguf_adapter import is_gguf_file
+from pagoda.lora.adapter_files import is_gguf_file, read_adapter
 from pagoda.lora.gguf_adapter_writer import write_gguf_adapter
 from pagoda.lora.adapter import AdapterError
 from pagoda.store import blobs, manifests

@@ -90,7 +90,7 @@ def test_quantized_base_batches_adapters_as_it_runs_them_alone(tiny_llama, tmp_p
     assert mixed[0].outputs[0].token_ids != mixed[len(PROMPTS)].outputs[0].token_ids
 
 
-@pytest.mark.parametrize("arch", ["mixtral", "qwen2_moe"])
+@pytest.mark.parametrize("arch", ["mixtral", "qwen2_moe", "qwen3_moe", "olmoe"])
 def test_experts_adapters(tmp_path, arch):
     """PEFT's LoRA on transformers' fused expert weights (target_parameters), beside the attention's:
     each expert's rows take their own adapter's delta."""
@@ -99,3 +99,13 @@ def test_experts_adapters(tmp_path, arch):
                                   parameters=["mlp.experts.gate_up_proj", "mlp.experts.down_proj"]) for i in range(2)]
     llm = LLM(model=str(model_dir), dtype="float32", kv_cache_memory=0.02, enable_lora=True, max_loras=2)
     _mixed_run(llm, model_dir, adapters, tmp_path)
+
+
+@pytest.mark.parametrize("arch", ["phi3", "mixtral"])
+def test_tensor_parallel_cuts_fused_and_expert_pairs(tmp_path, arch):
+    """Phi-3's fused q/k/v and gate/up pairs and a mixture's experts' pairs, cut part by part on two ranks."""
+    model_dir = make_tiny_hf_model(arch, tmp_path / arch)
+    parameters = ["mlp.experts.gate_up_proj", "mlp.experts.down_proj"] if arch == "mixtral" else None
+    adapter = make_peft_adapter(model_dir, tmp_path / "tp", seed=6, targets=TARGETS[arch], parameters=parameters)
+    with LLM(str(model_dir), dtype="float32", kv_cache_memory=0.01, tensor_parallel_size=2, enable_lora=True) as llm:
+        _mixed_run(llm, model_dir, [adapter], tmp_path)

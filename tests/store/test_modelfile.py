@@ -52,7 +52,8 @@ def test_parses_every_instruction(tmp_path):
     ("PARAMETER seed 1\n", 1, "no FROM"),
     ("FROM x\nFROM y\n", 2, "a second FROM (the first is on line 1)"),
     ("FROM x\nMESSAGE robot hi\n", 2, "MESSAGE role"),
-    ("FROM x\nADAPTER ./lora.gguf\n", 2, "ADAPTER"),
+    ("FROM x\nADAPTER\n", 2, "ADAPTER needs a LoRA adapter"),
+    ("FROM x\nADAPTER a.gguf\nADAPTER b.gguf\n", 3, "a second ADAPTER (the first is on line 2)"),
     ("FROM\n", 1, "FROM needs a model"),
 ])
 def test_errors_name_the_line(text, line, words):

@@ -262,7 +262,7 @@ def _model_app(args, config, names: list[str], api_key: str | None, metric_famil
                     moderation_words=getattr(args, "moderation_words", None),
                     moderation_action=getattr(args, "moderation_action", "stop"), metric_families=metric_families,
                     web_ui=not getattr(args, "no_web_ui", False), reasoning_parser=args.reasoning_parser,
-                    tool_call_parser=args.tool_call_parser, lora_modules=args.lora_modules)
+                    tool_call_parser=args.tool_call_parser, lora_modules=getattr(args, "lora_modules", None))
     return app, async_engine
 
 
