@@ -11,6 +11,7 @@ from pathlib import Path
 
 import torch
 
+from pagoda.core.kv_events import KVEventsConfig
 from pagoda.core.prefill_chunks import resolve_long_prefill_threshold
 from pagoda.dtypes import resolve_dtype, resolve_kv_cache_dtype
 from pagoda.engine_args import EngineArgs  # also re-exported: most callers import it from here
@@ -146,6 +147,7 @@ class EngineConfig:
     deterministic: bool = False  # batch-invariant kernels and layout (see EngineArgs.deterministic)
     fused_decode: bool = _ARGS.fused_decode  # decode batches may take the fused C++ stack (see EngineArgs.fused_decode)
     lora: LoRAConfig | None = None  # LoRA adapters are served (EngineArgs.enable_lora)
+    kv_events: KVEventsConfig | None = None  # the prefix cache's events are published (--kv-events-config)
     kv_offload: KVOffloadConfig = KVOffloadConfig()
 
 
@@ -209,6 +211,7 @@ def create_engine_config(args: EngineArgs) -> EngineConfig:
         fused_decode=args.fused_decode,
         speculative=_speculative_config(args, model_config),
         lora=lora_config(args, dtype, quantization not in (None, "none"), pools, model_adapter_rank(files, hf_config)),
+        kv_events=KVEventsConfig.parse(args.kv_events_config),
         kv_offload=KVOffloadConfig(args.kv_offload_memory if args.kv_offload_memory is not None
                                    else (1.0 if args.kv_offload_dir or args.kv_offload_url else 0.0),
                                    args.kv_offload_dir, args.kv_offload_disk, args.kv_offload_url, args.kv_role),

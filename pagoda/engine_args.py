@@ -182,6 +182,10 @@ class EngineArgs:
     lora_dtype: str = field(default="auto", metadata=_option(
         "the adapters' dtype: auto (the model's; bfloat16 over a quantized base), float32 or bfloat16",
         choices=("auto", "float32", "bfloat16", "float16")))
+    kv_events_config: str | None = field(default=None, metadata=_option(
+        "publish the prefix cache's stored / removed blocks over ZMQ in vLLM's format, as vLLM's JSON: "
+        "{\"enable_kv_cache_events\": true, \"publisher\": \"zmq\", \"endpoint\": \"tcp://*:5557\", "
+        "\"topic\": \"kv-events\"} (needs pip install 'pagoda[kv-events]')"))
     extra: dict = field(default_factory=dict, metadata=NO_OPTION)
 
     @classmethod

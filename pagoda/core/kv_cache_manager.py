@@ -6,6 +6,7 @@ from dataclasses import dataclass
 
 from pagoda.core.block_pool import BlockPool
 from pagoda.core.kv_cache_groups import KVCacheGroups
+from pagoda.core.kv_events import KVEventLog
 from pagoda.core.kv_tiers.link import KVTierLink
 from pagoda.core.radix_cache import RadixCache, RadixNode
 from pagoda.core.session_pins import SessionPins
@@ -84,6 +85,7 @@ class KVCacheManager:
         self.prefix_preempted_query_tokens = 0
         self.prefix_preempted_hit_tokens = 0
         self.tiers: KVTierLink | None = None  # host memory and disk under the tree (attach_tiers)
+        self.events: KVEventLog | None = None  # the tree's stored / removed blocks (--kv-events-config)
 
     def attach_tiers(self, link: KVTierLink) -> None:
         """Put the lower tiers (core/kv_tiers) under the prefix tree: blocks it lets go go down,
@@ -164,6 +166,8 @@ class KVCacheManager:
             blocks = self.pool.allocate(run)
             self.cache.insert(tokens[:(match.num_blocks + run) * bs], match.blocks + blocks, request.prefix_key)
             self.tiers.promoted(keys[:run], blocks)
+            if self.events is not None:
+                self.events.stored(request, match.blocks + blocks, match.num_blocks, match.num_blocks + run)
         finally:
             self.cache.unlock(match.node)
 
@@ -173,6 +177,8 @@ class KVCacheManager:
             released = self.cache.evict(num_blocks)
             if self.tiers is not None:
                 self.tiers.evicted(released)
+            if self.events is not None:
+                self.events.removed(released)
             self.pool.free(released)
 
     def _first_in_window(self, num_tokens: int, window: int | None = None) -> int:
@@ -269,6 +275,8 @@ class KVCacheManager:
             self.pool.incref(request.block_ids[have:full])  # the tree's own reference
             if self.tiers is not None:
                 self.tiers.stored(request, request.block_ids, have, full)
+            if self.events is not None:
+                self.events.stored(request, request.block_ids, have, full)
             if extras is not None:
                 self.pool.incref([b for extra in extras[have:] for b in extra if b is not None])
         self._lock(request, node)
@@ -375,4 +383,6 @@ class KVCacheManager:
             released = self.cache.reset()
             if self.tiers is not None:
                 self.tiers.evicted(released)
+            if self.events is not None:
+                self.events.cleared()
             self.pool.free(released)

@@ -14,6 +14,7 @@ import torch
 from pagoda.config import EngineConfig
 from pagoda.core.kv_cache_groups import KVCacheGroups
 from pagoda.core.kv_cache_manager import KVCacheManager
+from pagoda.core.kv_events import KVEventLog
 from pagoda.core.prefill_chunks import PrefillChunking
 from pagoda.core.lora_residency import LoRAResidency
 from pagoda.core.scheduler import Scheduler
@@ -76,6 +77,20 @@ class RequestLimits:
 DASHBOARD_LIMITS = {"engine": None, "steps": 32, "requests": 25, "radix": 20}
 
 
+
+def _open_kv_events(config: EngineConfig, kv_manager: KVCacheManager):
+    """The KV events' publisher (--kv-events-config), its log attached to the KV cache manager; None when off."""
+    if config.kv_events is None:
+        return None
+    try:
+        # deferred: loads zmq and msgspec, only for a server that publishes events
+        from pagoda.engine.kv_events_publisher import ZmqEventPublisher
+    except ImportError as exc:
+        raise ValueError(f"kv_events_config needs pyzmq and msgspec: pip install 'pagoda[kv-events]' ({exc})") from None
+    publisher = ZmqEventPublisher(config.kv_events)
+    kv_manager.events = KVEventLog(kv_manager.block_size)
+    return publisher
+
 class EngineCore:
     """The scheduler and an executor (its workers hold the model and the KV cache)."""
 
@@ -111,6 +126,7 @@ class EngineCore:
                                          session_total_blocks=int(self.num_blocks * cc.session_kv_fraction),
                                          sliding_window=_releasable_window(config, self.model), kv_groups=kv_groups)
         self.kv_tiers = open_kv_tiers(config, self.executor.driver_worker, self.kv_manager)
+        self.kv_events = _open_kv_events(config, self.kv_manager)
         sc = config.scheduler
         self.scheduler = Scheduler(
             self.kv_manager, max_num_seqs=sc.max_num_seqs, max_num_batched_tokens=sc.max_num_batched_tokens,
@@ -143,6 +159,8 @@ class EngineCore:
         """Stop the workers (other ranks' processes exit); the disk tier's queued writes finish first."""
         if self.kv_tiers is not None:
             self.kv_tiers.close()
+        if self.kv_events is not None:
+            self.kv_events.close()
         self.executor.shutdown()
 
     def check_health(self) -> None:
@@ -255,6 +273,8 @@ class EngineCore:
         before = {rid: len(r.output_token_ids) for rid in sched.num_scheduled_tokens
                   if (r := requests.get(rid)) is not None}
         finished = {r.request_id: r for r in self.scheduler.update(sched, result)}
+        if self.kv_events is not None:  # the step's stored and evicted blocks, to the subscribers
+            self.kv_events.publish(self.kv_manager.events.take())
         if finished and self.config.kv_offload.role == "prefill":
             hand_off(self.kv_tiers, self.kv_manager.tiers)  # the blocks are shared before the answer leaves
         self.num_steps += 1
