@@ -66,7 +66,8 @@ class LoRABatch:
     """The adapters of one forward pass and the flat token rows each one covers."""
 
     def __init__(self, adapters: dict[int, AdapterDeltas], token_adapters: np.ndarray) -> None:
-        """``adapters``: id → deltas of those in the step; ``token_adapters``: each flat row's id (0: base)."""
+        """``adapters``: id → deltas of (at least) those in the step; ``token_adapters``: each flat
+        row's id (0: base)."""
         self.adapters, self.token_adapters = adapters, token_adapters
         self.groups = tuple((adapters[int(i)], run) for i in np.unique(token_adapters) if i
                             for run in runs_of(token_adapters, int(i)))

@@ -40,9 +40,6 @@ class LoRAWeights:
                         adapter_nbytes(deltas) / 2**20)
 
     def batch_for(self, token_adapters: np.ndarray) -> LoRABatch | None:
-        """The step's adapters and their flat rows (``token_adapters``: each token's adapter id)."""
-        ids = np.unique(token_adapters)
-        ids = ids[ids != 0]
-        if not len(ids):
-            return None
-        return LoRABatch({int(i): self.adapters[int(i)] for i in ids}, token_adapters)
+        """The step's adapters and their flat rows (``token_adapters``: each token's adapter id);
+        None when every row runs on the base model."""
+        return LoRABatch(self.adapters, token_adapters) if token_adapters.any() else None

@@ -117,8 +117,8 @@ class ModelRunner:
     def _layout(self, sched: SchedulerOutput) -> BatchLayout:
         req_ids = list(sched.num_scheduled_tokens)
         rows = self.batch.rows(req_ids)
-        if self.loras is not None:  # each adapter's rows side by side: its deltas take whole slices
-            order = np.argsort(self.batch.lora_ids[rows], kind="stable")
+        if self.loras is not None and self.batch.lora_ids[rows].any():  # each adapter's rows side by side:
+            order = np.argsort(self.batch.lora_ids[rows], kind="stable")  # its deltas take whole slices
             req_ids, rows = [req_ids[i] for i in order], rows[order]
         counts = np.fromiter((sched.num_scheduled_tokens[r] for r in req_ids), dtype=np.int64, count=len(req_ids))
         starts = self.batch.num_computed[rows]
