@@ -94,12 +94,19 @@ class Load:
             t.join()
 
 
+def _routed_to_both(base: str) -> bool:
+    return len({_replica_of(base, "probe", f"probe-{i}") for i in range(8)}) == 2
+
+
 def test_scales_up_under_load_keeps_affinity_and_scales_down_idle(base):
     poll(lambda: running_replicas() == 1, 60, "one replica at rest")
     with Load(base, clients=4) as load:
         start = time.monotonic()
         poll(lambda: running_replicas() == 2, 120, "a second replica under load")
         scale_up_s = time.monotonic() - start
+        # the controller counts the new replica running a moment before the ingress's request
+        # router hears of it; until then every session goes to the first one
+        poll(lambda: _routed_to_both(base), 60, "the ingress routing to both replicas")
         # both replicas up (the load keeps them): each session stays on one replica
         sessions = {f"s{i}": {_replica_of(base, f"turn {t} of session {i}", f"s{i}") for t in range(2)}
                     for i in range(16)}
