@@ -53,8 +53,8 @@ class KVEventsConfig:
     topic: str = ""
     hwm: int = 100_000  # ZMQ's send high-water mark
     max_queue_size: int = 100_000  # batches waiting for the publisher's thread
-    replay_endpoint: str | None = None  # not served (see docs/serving.md, "KV events")
-    buffer_steps: int = 10_000
+    replay_endpoint: str | None = None  # a ROUTER socket that resends held batches (kv_events_publisher.py)
+    buffer_steps: int = 10_000  # batches held for replay
 
     @classmethod
     def parse(cls, text: str | dict | None) -> KVEventsConfig | None:

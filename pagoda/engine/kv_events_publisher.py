@@ -5,6 +5,12 @@ pagoda's unchanged: a PUB socket bound at ``endpoint``; each message three frame
 an array tagged with its class name: ``["BlockStored", block_hashes, parent_block_hash, token_ids,
 block_size, lora_id, medium]``), as msgspec encodes vLLM's array-like tagged structs. The socket
 is written by a thread of its own, so a step never waits on the network.
+
+As vLLM does: the PUB socket binds an endpoint with a wildcard (``tcp://*:5557``, ``::``,
+``0.0.0.0``) or an ``ipc://`` / ``inproc://`` one and connects to any other (a collector that
+binds, as llm-d's does). With ``replay_endpoint`` a ROUTER socket there answers a subscriber that
+missed batches (a gap in the sequence numbers): it sends the 8-byte sequence number to start from
+and gets every batch still held (the last ``buffer_steps``) as ``(seq, payload)``, then ``(-1, b"")``.
 """
 
 from __future__ import annotations
@@ -13,6 +19,7 @@ import logging
 import queue
 import threading
 import time
+from collections import deque
 
 import msgspec
 import zmq
@@ -21,6 +28,9 @@ from pagoda.core import kv_events
 from pagoda.core.kv_events import KVEventsConfig
 
 logger = logging.getLogger(__name__)
+
+END_SEQ = (-1).to_bytes(8, "big", signed=True)  # the replay's last frame: nothing more held
+POLL_MS = 100  # how often the publisher's thread looks at the replay socket while no batch comes
 
 
 class _Event(msgspec.Struct, array_like=True, omit_defaults=True, gc=False, tag=True):
@@ -59,23 +69,38 @@ def _wire(event: kv_events.KVCacheEvent) -> _Event:
     return AllBlocksCleared()
 
 
+def binds(endpoint: str) -> bool:
+    """vLLM's rule: a wildcard or a local transport is bound, anything else connected to."""
+    return any(part in endpoint for part in ("*", "::", "0.0.0.0")) or endpoint.startswith(("ipc://", "inproc://"))
+
+
+def _open(context: zmq.Context, kind: int, endpoint: str, field: str, *, bind: bool) -> zmq.Socket:
+    socket = context.socket(kind)
+    try:
+        socket.bind(endpoint) if bind else socket.connect(endpoint)
+    except zmq.ZMQError as exc:
+        socket.close(linger=0)
+        raise ValueError(f"kv_events_config.{field} {endpoint!r}: {exc}") from None
+    return socket
+
+
 class ZmqEventPublisher:
     def __init__(self, config: KVEventsConfig) -> None:
         self.topic = config.topic.encode()
         self._queue: queue.Queue = queue.Queue(maxsize=config.max_queue_size)
         self._context = zmq.Context.instance()
-        self._socket = self._context.socket(zmq.PUB)
+        self._socket = _open(self._context, zmq.PUB, config.endpoint, "endpoint", bind=binds(config.endpoint))
         self._socket.set_hwm(config.hwm)
-        try:
-            self._socket.bind(config.endpoint)
-        except zmq.ZMQError as exc:
-            self._socket.close(linger=0)
-            raise ValueError(f"kv_events_config.endpoint {config.endpoint!r}: {exc}") from None
+        self._replay: zmq.Socket | None = None
+        if config.replay_endpoint:
+            self._replay = _open(self._context, zmq.ROUTER, config.replay_endpoint, "replay_endpoint", bind=True)
+        self._buffer: deque[tuple[int, bytes]] = deque(maxlen=max(config.buffer_steps, 1))
         self._encoder = msgspec.msgpack.Encoder()
         self._seq = 0
         self._thread = threading.Thread(target=self._run, name="kv-events", daemon=True)
         self._thread.start()
-        logger.info("KV events: publishing on %s (topic %r)", config.endpoint, config.topic)
+        logger.info("KV events: publishing on %s (topic %r)%s", config.endpoint, config.topic,
+                    f", replay on {config.replay_endpoint}" if self._replay else "")
 
     def publish(self, events: list[kv_events.KVCacheEvent]) -> None:
         """Queue a step's events (dropped, with a warning, when the queue is full)."""
@@ -87,14 +112,36 @@ class ZmqEventPublisher:
             logger.warning("KV events: the queue is full; a batch of %d events is dropped", len(events))
 
     def _run(self) -> None:
+        """The sockets' one thread (ZMQ sockets are not thread-safe): batches out, replays answered."""
         while True:
-            batch = self._queue.get()
+            if self._replay is not None and self._replay.poll(0):
+                self._answer_replay()
+            try:
+                batch = self._queue.get(timeout=POLL_MS / 1000 if self._replay is not None else None)
+            except queue.Empty:
+                continue
             if batch is None:
                 return
-            self._socket.send_multipart((self.topic, self._seq.to_bytes(8, "big"), self._encoder.encode(batch)))
+            payload = self._encoder.encode(batch)
+            self._socket.send_multipart((self.topic, self._seq.to_bytes(8, "big"), payload))
+            self._buffer.append((self._seq, payload))
             self._seq += 1
+
+    def _answer_replay(self) -> None:
+        """One request: (identity, b"", start seq) from a REQ or DEALER socket."""
+        frames = self._replay.recv_multipart()
+        if len(frames) != 3 or len(frames[2]) != 8:
+            logger.warning("KV events: a replay request of %d frames is ignored", len(frames))
+            return
+        identity, start = frames[0], int.from_bytes(frames[2], "big")
+        for seq, payload in self._buffer:
+            if seq >= start:
+                self._replay.send_multipart((identity, b"", seq.to_bytes(8, "big"), payload))
+        self._replay.send_multipart((identity, b"", END_SEQ, b""))
 
     def close(self) -> None:
         self._queue.put(None)
         self._thread.join(timeout=5)
         self._socket.close(linger=100)
+        if self._replay is not None:
+            self._replay.close(linger=0)

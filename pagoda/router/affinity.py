@@ -32,6 +32,7 @@ class RouteRequest:
     session_key: str | None  # explicit: X-Session-ID or `user`
     derived_key: str  # from the conversation's start, when there is no explicit key
     prompt_text: str
+    prompt_tokens: tuple[int, ...] | None = None  # as the worker's engine sees them, with --tokenizer (prompt_tokens.py)
 
     @property
     def key(self) -> str:

@@ -18,7 +18,7 @@ import asyncio
 import contextlib
 import dataclasses
 import logging
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from collections.abc import Coroutine
 from typing import Any
 
@@ -33,13 +33,15 @@ from pagoda.router.affinity import (
 )
 from pagoda.router.disaggregation import PREFILL_HEADER, PrefillStage
 from pagoda.router.discovery import DnsDiscovery
-from pagoda.router.forecast import ForecastConfig, LoadForecaster, requested_tokens
+from pagoda.router.config import RouterConfig
+from pagoda.router.forecast import LoadForecaster, requested_tokens
+from pagoda.router.kv_routing import KVRouting
 from pagoda.router.limits import GatewayLimits
 from pagoda.router.prometheus import RouterMetrics
 from pagoda.router.policies import Decision, Policy, make_policy
 from pagoda.router.proxy import (
     WORKER_HEADER, BodyTooLarge, OpenAIErrorResponse, RelayResponse, answer_headers, bearer_token, forward_headers,
-    is_event_stream, models_of, parse_json, read_body, read_raw,
+    is_event_stream, parse_json, read_body, read_raw, workers_models,
 )
 from pagoda.router.workers import BreakerState, Worker, WorkerRegistry
 
@@ -48,30 +50,6 @@ logger = logging.getLogger("pagoda.router")
 MAX_ATTEMPTS = 2  # the first worker, and one retry elsewhere
 RETRYABLE_STATUS = frozenset({502, 503, 504})  # the worker could not take it; another may
 MODELS_TIMEOUT = 10.0  # seconds for a worker's /v1/models (a hung worker must not hang the list)
-
-
-@dataclass
-class RouterConfig:
-    workers: list[str] = field(default_factory=list)
-    discover: list[str] = field(default_factory=list)  # HOST:PORT names whose addresses are workers (discovery.py)
-    policy: str = "cache_aware"
-    admin_key: str | None = None
-    max_requests_in_flight: int | None = None
-    qps: float | None = None
-    qps_per_key: float | None = None
-    warmup_seconds: float = 30.0
-    health_interval: float = 5.0
-    connect_timeout: float = 5.0
-    request_timeout: float | None = None  # seconds between bytes from a worker; None: no limit
-    breaker_failures: int = 3
-    breaker_open_seconds: float = 10.0
-    cache_threshold: float = 0.5
-    balance_abs_threshold: int = 16
-    balance_rel_threshold: float = 1.5
-    forecast: ForecastConfig = field(default_factory=ForecastConfig)  # predictive autoscaling (forecast.py)
-    # --pd-disaggregation: generation requests are prefilled on these first (disaggregation.py); the
-    # decode replicas are `workers`
-    prefill_workers: list[str] | None = None
 
 
 @dataclass
@@ -104,11 +82,13 @@ class Router:
         self.registry = WorkerRegistry(warmup_seconds=config.warmup_seconds, failure_threshold=config.breaker_failures,
                                        breaker_open_seconds=config.breaker_open_seconds,
                                        probe_timeout=max(1.0, min(config.health_interval, 5.0)))
+        self.kv = KVRouting.of(config.kv_events, config.kv_events_port, config.tokenizer)
         self.policy: Policy = make_policy(config.policy, **self._cache_aware_options())
         self.homes = Homes()  # where stored responses, files and batch jobs live (homes.py)
         self.limits = GatewayLimits(config.qps, config.qps_per_key, config.max_requests_in_flight)
         self.forecaster = LoadForecaster(config.forecast)  # the load ahead, for autoscalers (/metrics)
-        self.metrics = RouterMetrics(lambda: list(self.registry.workers.values()), self.forecaster)
+        self.metrics = RouterMetrics(lambda: list(self.registry.workers.values()), self.forecaster,
+                                     self.kv.index if self.kv else None)
         self.client: httpx.AsyncClient | None = None
         self._background: list[asyncio.Task] = []  # the health probes, and discovery with --discover
         self.discovery = DnsDiscovery(config.discover, self._discovered, self.remove_worker)
@@ -128,13 +108,15 @@ class Router:
         if c.policy != "cache_aware":
             return {}
         return {"cache_threshold": c.cache_threshold, "balance_abs_threshold": c.balance_abs_threshold,
-                "balance_rel_threshold": c.balance_rel_threshold}
+                "balance_rel_threshold": c.balance_rel_threshold, "kv_index": self.kv.index if self.kv else None}
 
     # --- workers ---------------------------------------------------------------------------
 
     def add_worker(self, url: str) -> Worker:
         worker = self.registry.add(url)
         self.policy.add_worker(worker.url)
+        if self.kv is not None:
+            self.kv.subscriber.add(worker.url)
         return worker
 
     def remove_worker(self, url: str) -> bool:
@@ -142,6 +124,8 @@ class Router:
         if worker is not None:
             self.policy.remove_worker(worker.url)
             self.homes.forget_worker(worker.url)
+            if self.kv is not None:
+                self.kv.subscriber.remove(worker.url)
         return worker is not None
 
     async def _discovered(self, url: str) -> None:
@@ -155,6 +139,8 @@ class Router:
                                 write=60.0, pool=None)
         self.client = httpx.AsyncClient(timeout=timeout, limits=httpx.Limits(max_connections=None,
                                                                              max_keepalive_connections=256))
+        if self.kv is not None:
+            self.kv.subscriber.start()
         await self.registry.probe_all(self.client, warm=False)
         if self.prefill is not None:
             await self.prefill.registry.probe_all(self.client, warm=False)
@@ -186,6 +172,8 @@ class Router:
             task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await task
+        if self.kv is not None:
+            await self.kv.subscriber.close()
         if self.client is not None:
             await self.client.aclose()
 
@@ -244,6 +232,8 @@ class Router:
         if session is not None:
             route = dataclasses.replace(route, session_key=session)
         self.forecaster.observe(requested_tokens(route.prompt_text, parsed))
+        if self.kv is not None and self.policy.name == "cache_aware":
+            route = await self.kv.tokenized(route, parsed)
         prefilled = None
         if self.prefill is not None and request.method == "POST":
             prefilled = await self.prefill.run(self.client, path.split("?", 1)[0], parsed, headers)
@@ -308,7 +298,9 @@ class Router:
         decision = self.policy.choose(route, candidates)
         self.policy.routed(route, decision.worker)
         self.metrics.decisions.labels(decision.reason).inc()
-        if self.policy.name == "cache_aware" and decision.reason != "session":
+        if decision.reason == "kv_prefix":
+            self.metrics.kv_prefix_match.observe(decision.matched_tokens)
+        elif self.policy.name == "cache_aware" and decision.reason != "session":
             self.metrics.prefix_match.observe(decision.matched_chars)
         return decision
 
@@ -375,24 +367,13 @@ class Router:
     async def models(self, request: Request) -> Response:
         """The union of the available workers' models (by id, first answer wins)."""
         assert self.client is not None
-        workers = self.registry.available()
-        headers = forward_headers(request.headers)
-        answers = await asyncio.gather(*(self.client.get(f"{w.url}/v1/models", headers=headers, timeout=MODELS_TIMEOUT)
-                                         for w in workers), return_exceptions=True)
-        seen: dict[str, dict] = {}
-        statuses = []
-        for answer in answers:
-            if isinstance(answer, BaseException):
-                continue
-            statuses.append(answer.status_code)
-            if answer.status_code == 200:
-                for model in models_of(answer):
-                    seen.setdefault(model.get("id"), model)
+        seen, statuses = await workers_models(self.client, [w.url for w in self.registry.available()],
+                                              forward_headers(request.headers), MODELS_TIMEOUT)
         if not seen and statuses and all(s == 401 for s in statuses):
             return OpenAIErrorResponse("invalid or missing API key", 401, "authentication_error", "invalid_api_key")
         if not seen and not statuses:
             return self.no_worker_available()
-        return JSONResponse({"object": "list", "data": list(seen.values())})
+        return JSONResponse({"object": "list", "data": seen})
 
     def health(self) -> Response:
         available = len(self.registry.available())

@@ -41,7 +41,8 @@ import uvicorn
 
 from pagoda import __version__, envs
 from pagoda.entrypoints.graceful import bind_listener
-from pagoda.router.app import Router, RouterConfig
+from pagoda.router.app import Router
+from pagoda.router.config import RouterConfig
 from pagoda.router.options import admin_key
 from pagoda.router.server import RouterServer, build_app
 

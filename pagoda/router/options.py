@@ -67,6 +67,22 @@ def add_cli_args(p: argparse.ArgumentParser) -> None:
     add_shutdown_timeout_arg(p)
     add_forecast_args(p)
     add_pd_args(p)
+    add_kv_events_args(p)
+
+
+def add_kv_events_args(p: argparse.ArgumentParser) -> None:
+    """Exact prefix routing on the workers' KV events (pagoda/router/kv_routing.py)."""
+    g = p.add_argument_group("exact prefix routing: the workers' KV events (cache_aware)")
+    g.add_argument("--kv-events", action="append", default=[], metavar="URL=ENDPOINT",
+                   help="where a worker publishes its KV events (its `--kv-events-config` endpoint), e.g. "
+                        "http://10.0.0.5:8000=tcp://10.0.0.5:5557; the router subscribes and routes a prompt to the "
+                        "worker whose prefix cache holds the most of it (repeat for each worker)")
+    g.add_argument("--kv-events-port", type=int, default=None,
+                   help="every worker not named by --kv-events publishes on this port of its own host "
+                        "(workers added or discovered later too)")
+    g.add_argument("--tokenizer", default=None, metavar="MODEL",
+                   help="the workers' model (a directory, .gguf or catalog name), whose tokenizer and chat template "
+                        "turn prompts into the token ids the KV events hold; needed with --kv-events")
 
 
 def add_pd_args(p: argparse.ArgumentParser) -> None:
@@ -90,6 +106,18 @@ def pd_workers(ns: argparse.Namespace) -> tuple[list[str], list[str] | None]:
     if not ns.prefill or not (ns.decode or ns.worker):
         raise ValueError("--pd-disaggregation needs at least one --prefill URL and one --decode URL")
     return ns.worker + ns.decode, ns.prefill
+
+
+def parse_endpoints(specs: list[str]) -> dict[str, str]:
+    """`--kv-events URL=ENDPOINT` flags as {worker URL: endpoint}; a ValueError names a bad one."""
+    endpoints = {}
+    for spec in specs:
+        url, sep, endpoint = spec.partition("=")
+        if not sep or not url.startswith(("http://", "https://")) or not endpoint.startswith("tcp://"):
+            raise ValueError(f"--kv-events {spec!r}: give WORKER_URL=tcp://HOST:PORT, e.g. "
+                             "http://10.0.0.5:8000=tcp://10.0.0.5:5557")
+        endpoints[url.rstrip("/")] = endpoint
+    return endpoints
 
 
 def add_forecast_args(p: argparse.ArgumentParser) -> None:
@@ -147,7 +175,7 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
 
 
 def run(ns: argparse.Namespace) -> int:
-    from pagoda.router.app import RouterConfig  # deferred: loads httpx, orjson, prometheus_client, starlette
+    from pagoda.router.config import RouterConfig  # deferred: this module stays argparse only
     from pagoda.router.server import run_router  # deferred: loads httpx, orjson, prometheus_client, starlette, uvicorn
 
     workers, prefill_workers = pd_workers(ns)
@@ -157,5 +185,6 @@ def run(ns: argparse.Namespace) -> int:
         warmup_seconds=ns.warmup_seconds, health_interval=ns.health_interval, request_timeout=ns.request_timeout,
         breaker_failures=ns.breaker_failures, breaker_open_seconds=ns.breaker_open_seconds,
         cache_threshold=ns.cache_threshold, balance_abs_threshold=ns.balance_abs_threshold,
-        balance_rel_threshold=ns.balance_rel_threshold, forecast=forecast_config(ns))
+        balance_rel_threshold=ns.balance_rel_threshold, forecast=forecast_config(ns),
+        kv_events=parse_endpoints(ns.kv_events), kv_events_port=ns.kv_events_port, tokenizer=ns.tokenizer)
     return run_router(config, ns.host, ns.port, ns.log_level, ns.shutdown_timeout)

@@ -15,7 +15,10 @@ candidates are the available workers not yet tried for this request; the router 
   the load is too uneven (max - min in flight above `balance_abs_threshold` and max above
   `balance_rel_threshold` x min), the least-loaded worker. Otherwise the worker whose prompts
   share the longest prefix with this one (`PrefixTree`), if that prefix is at least
-  `cache_threshold` of the prompt, else the least-loaded.
+  `cache_threshold` of the prompt, else the least-loaded. With the workers' KV events
+  (`--kv-events`, kv_index.py) the exact match comes first: the worker whose prefix cache holds
+  the most of the prompt's leading blocks, if that is at least `cache_threshold` of the prompt
+  ("kv_prefix"); the tree still answers while the events of a prefix just routed are on their way.
 """
 
 from __future__ import annotations
@@ -26,6 +29,7 @@ from dataclasses import dataclass
 from pagoda.router import POLICIES
 from pagoda.router.affinity import RouteRequest
 from pagoda.router.hash_ring import HashRing, unit_fraction
+from pagoda.router.kv_index import KVBlockIndex
 from pagoda.router.prefix_tree import DEFAULT_MAX_CHARS_PER_WORKER, PrefixTree
 from pagoda.router.workers import Worker
 
@@ -33,8 +37,9 @@ from pagoda.router.workers import Worker
 @dataclass(frozen=True)
 class Decision:
     worker: Worker
-    reason: str  # "session" | "hash" | "prefix" | "load" | "round_robin"
+    reason: str  # "session" | "hash" | "kv_prefix" | "prefix" | "load" | "round_robin"
     matched_chars: int = 0
+    matched_tokens: int = 0  # "kv_prefix": the prompt's tokens the worker's prefix cache holds
 
 
 class Policy:
@@ -127,7 +132,9 @@ class CacheAware(Policy):
     name = "cache_aware"
 
     def __init__(self, cache_threshold: float = 0.5, balance_abs_threshold: int = 16,
-                 balance_rel_threshold: float = 1.5, max_chars_per_worker: int = DEFAULT_MAX_CHARS_PER_WORKER) -> None:
+                 balance_rel_threshold: float = 1.5, max_chars_per_worker: int = DEFAULT_MAX_CHARS_PER_WORKER,
+                 kv_index: KVBlockIndex | None = None) -> None:
+        self.kv_index = kv_index
         self.cache_threshold = cache_threshold
         self.balance_abs_threshold = balance_abs_threshold
         self.balance_rel_threshold = balance_rel_threshold
@@ -152,6 +159,9 @@ class CacheAware(Policy):
             return self.sessions.choose(request, candidates)
         if self.imbalanced(candidates):
             return Decision(self.least_load.pick(candidates), "load")
+        exact = self._kv_prefix(request, candidates)
+        if exact is not None:
+            return exact
         text = request.prompt_text
         matched = self.tree.match(text)
         best = max(candidates, key=lambda w: (matched.get(w.url, 0), -w.in_flight))
@@ -159,6 +169,17 @@ class CacheAware(Policy):
         if text and length / len(text) >= self.cache_threshold:
             return Decision(best, "prefix", length)
         return Decision(self.least_load.pick(candidates), "load", length)
+
+    def _kv_prefix(self, request: RouteRequest, candidates: list[Worker]) -> Decision | None:
+        tokens = request.prompt_tokens
+        if self.kv_index is None or not tokens:
+            return None
+        matched = self.kv_index.match(tokens, [w.url for w in candidates])
+        best = max(candidates, key=lambda w: (matched[w.url], -w.in_flight))
+        held = matched[best.url]
+        if held and held / len(tokens) >= self.cache_threshold:
+            return Decision(best, "kv_prefix", matched_tokens=held)
+        return None
 
     def routed(self, request: RouteRequest, worker: Worker) -> None:
         if request.prompt_text:

@@ -9,6 +9,7 @@ from prometheus_client import CollectorRegistry, Counter, Histogram, generate_la
 from prometheus_client.core import GaugeMetricFamily
 
 from pagoda.router.forecast import LoadForecaster
+from pagoda.router.kv_index import KVBlockIndex
 from pagoda.router.workers import BreakerState, Worker
 
 PREFIX_MATCH_BUCKETS = (0, 16, 64, 256, 1024, 4096, 16384)
@@ -38,6 +39,22 @@ class _WorkerCollector:
             for w in workers:
                 family.add_metric([w.url], read(w))
             yield family
+
+
+class _KVIndexCollector:
+    """What the router knows of the workers' prefix caches from their KV events (kv_index.py)."""
+
+    def __init__(self, index: KVBlockIndex) -> None:
+        self.index = index
+
+    def collect(self):
+        family = GaugeMetricFamily("pagoda_router:kv_index_blocks", "Blocks of each worker's prefix cache the "
+                                   "router knows of from its KV events.", labels=["worker"])
+        for url in list(self.index.workers):
+            family.add_metric([url], float(self.index.blocks(url)))
+        yield family
+        yield GaugeMetricFamily("pagoda_router:kv_index_resets", "Times a worker's blocks were forgotten: a gap "
+                                "in its events' sequence numbers, or a restart.", value=float(self.index.resets))
 
 
 class _ForecastCollector:
@@ -72,7 +89,8 @@ class _ForecastCollector:
 
 
 class RouterMetrics:
-    def __init__(self, workers: Callable[[], Iterable[Worker]], forecaster: LoadForecaster) -> None:
+    def __init__(self, workers: Callable[[], Iterable[Worker]], forecaster: LoadForecaster,
+                 kv_index: KVBlockIndex | None = None) -> None:
         self.registry = CollectorRegistry()
         r = self.registry
         self.requests = Counter("pagoda_router:requests", "Requests sent to a worker (retries included).",
@@ -82,17 +100,23 @@ class RouterMetrics:
                               "(broken after it started).", ["worker", "kind"], registry=r)
         self.decisions = Counter("pagoda_router:routing_decisions",
                                  "Routing decisions by reason: session (explicit key on the ring), hash (derived "
-                                 "key on the ring), prefix (prefix-tree hit), load, round_robin.",
+                                 "key on the ring), kv_prefix (the worker's KV events hold the prompt's start), "
+                                 "prefix (prefix-tree hit), load, round_robin.",
                                  ["reason"], registry=r)
         self.prefix_match = Histogram("pagoda_router:prefix_match_chars",
                                       "cache_aware: characters of the prompt matched in the chosen worker's tree.",
                                       buckets=PREFIX_MATCH_BUCKETS, registry=r)
+        self.kv_prefix_match = Histogram("pagoda_router:kv_prefix_match_tokens",
+                                         "cache_aware with KV events: prompt tokens the chosen worker's cache holds.",
+                                         buckets=PREFIX_MATCH_BUCKETS, registry=r)
         self.retries = Counter("pagoda_router:retries", "Requests retried on another worker.", registry=r)
         self.rejected = Counter("pagoda_router:rate_limited", "Requests answered 429, by limit: the router's own (in_flight, key_qps, global_qps) or a "
                                 "worker's (engine: its --max-num-seqs + --max-queue-len were full).",
                                 ["level"], registry=r)
         r.register(_WorkerCollector(workers))
         r.register(_ForecastCollector(forecaster))
+        if kv_index is not None:
+            r.register(_KVIndexCollector(kv_index))
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

@@ -179,6 +179,24 @@ def models_of(answer: httpx.Response) -> list[dict]:
     return [m for m in data if isinstance(m, dict)] if isinstance(data, list) else []
 
 
+async def workers_models(client: httpx.AsyncClient, urls: list[str], headers: dict[str, str],
+                         timeout: float) -> tuple[list[dict], list[int]]:
+    """The union of the workers' /v1/models (by id, the first answer wins) and the statuses they
+    answered (a worker that did not answer at all has none)."""
+    answers = await asyncio.gather(*(client.get(f"{url}/v1/models", headers=headers, timeout=timeout) for url in urls),
+                                   return_exceptions=True)
+    seen: dict[str, dict] = {}
+    statuses = []
+    for answer in answers:
+        if isinstance(answer, BaseException):
+            continue
+        statuses.append(answer.status_code)
+        if answer.status_code == 200:
+            for model in models_of(answer):
+                seen.setdefault(model.get("id"), model)
+    return list(seen.values()), statuses
+
+
 async def read_raw(upstream: httpx.Response) -> bytes:
     """The worker's body as sent (not decoded: its Content-Encoding header goes on with it)."""
     return b"".join([chunk async for chunk in upstream.aiter_raw()])

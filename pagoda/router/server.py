@@ -19,7 +19,8 @@ from starlette.routing import Route
 
 from pagoda import __version__
 from pagoda.entrypoints.graceful import GracefulServer, bind_listener
-from pagoda.router.app import Router, RouterConfig
+from pagoda.router.app import Router
+from pagoda.router.config import RouterConfig
 from pagoda.router.proxy import OpenAIErrorResponse
 from pagoda.router.workers import normalize_url
 

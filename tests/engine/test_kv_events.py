@@ -83,9 +83,9 @@ class Subscriber:
 
 @pytest.fixture(scope="module")
 def engine_and_subscriber(tiny_llama):
-    port = _free_port()
-    config = {"enable_kv_cache_events": True, "publisher": "zmq", "endpoint": f"tcp://127.0.0.1:{port}",
-              "topic": "kv-events"}
+    port, replay = _free_port(), _free_port()
+    config = {"enable_kv_cache_events": True, "publisher": "zmq", "endpoint": f"tcp://*:{port}",
+              "replay_endpoint": f"tcp://*:{replay}", "topic": "kv-events"}
     llm = LLM(model=str(tiny_llama), dtype="float32", kv_cache_memory=0.002, kv_events_config=json.dumps(config),
               block_size=16)
     subscriber = Subscriber(port, "kv-events")
@@ -97,6 +97,7 @@ def engine_and_subscriber(tiny_llama):
         llm.generate(["A probe prompt that fills one block of sixteen tokens or more, surely."],
                      SamplingParams(max_tokens=1), use_tqdm=False)
         subscriber.read(500)
+    subscriber.replay_port = replay
     yield llm, subscriber
     llm.engine.core.shutdown()
 
@@ -130,6 +131,60 @@ def test_eviction_removes_and_a_reset_clears(engine_and_subscriber):
     llm.engine.core.kv_manager.reset_prefix_cache()
     llm.generate(["After the reset."], SamplingParams(max_tokens=1), use_tqdm=False)
     sub.drain(lambda events: any(isinstance(e, AllBlocksCleared) for e in events))
+
+
+def _replay(port: int, start: int) -> list[tuple[int, bytes]]:
+    """vLLM's replay exchange: the sequence number to start from, then (seq, payload) frames up to
+    the end marker (seq -1, empty payload)."""
+    dealer = zmq.Context.instance().socket(zmq.DEALER)
+    dealer.connect(f"tcp://127.0.0.1:{port}")
+    try:
+        dealer.send_multipart((b"", start.to_bytes(8, "big")))
+        answers = []
+        while dealer.poll(10_000):
+            _, seq, payload = dealer.recv_multipart()
+            if int.from_bytes(seq, "big", signed=True) == -1:
+                return answers
+            answers.append((int.from_bytes(seq, "big"), payload))
+        raise AssertionError("the replay never ended")
+    finally:
+        dealer.close(linger=0)
+
+
+def test_a_subscriber_that_missed_batches_gets_them_replayed(engine_and_subscriber):
+    llm, sub = engine_and_subscriber
+    llm.generate(["A prompt for the replay test, long enough to fill a block or two of the cache."],
+                 SamplingParams(max_tokens=1), use_tqdm=False)
+    sub.drain(lambda events: bool(events))
+    sub.read(300)
+    last = sub.seqs[-1]
+    replayed = _replay(sub.replay_port, last - 1)
+    assert [seq for seq, _ in replayed] == [last - 1, last]  # every held batch from the one asked for
+    decoder = msgspec.msgpack.Decoder(type=KVEventBatch)
+    assert all(isinstance(decoder.decode(payload), KVEventBatch) for _, payload in replayed)
+    assert _replay(sub.replay_port, last + 1000) == []  # nothing held past the last: just the end marker
+
+
+def test_an_endpoint_without_a_wildcard_is_connected_to(tiny_llama):
+    """vLLM's rule: ``tcp://HOST:PORT`` connects (a collector binds, as llm-d's does)."""
+    port = _free_port()
+    collector = zmq.Context.instance().socket(zmq.SUB)
+    collector.bind(f"tcp://127.0.0.1:{port}")
+    collector.setsockopt_string(zmq.SUBSCRIBE, "")
+    config = {"enable_kv_cache_events": True, "publisher": "zmq", "endpoint": f"tcp://127.0.0.1:{port}", "topic": "t"}
+    llm = LLM(model=str(tiny_llama), dtype="float32", kv_cache_memory=0.002, kv_events_config=json.dumps(config),
+              block_size=16)
+    try:
+        deadline = time.monotonic() + 20
+        while not collector.poll(200):
+            assert time.monotonic() < deadline, "the collector never received a batch"
+            llm.engine.core.kv_manager.reset_prefix_cache()
+            llm.generate(["A prompt that fills a block of sixteen tokens or more for the collector."],
+                         SamplingParams(max_tokens=1), use_tqdm=False)
+        assert collector.recv_multipart()[0] == b"t"
+    finally:
+        llm.engine.core.shutdown()
+        collector.close(linger=0)
 
 
 def test_a_bad_config_names_the_field(tiny_llama):
