@@ -94,6 +94,7 @@ class KVOffloadConfig:
     disk_gib: float = _ARGS.kv_offload_disk
     url: str | None = None  # a Valkey / Redis server shared by replicas (kv_tiers/remote_tier.py)
     role: str = "both"  # prefill / decode disaggregation (--kv-role): prefill writes its blocks before it answers
+    write_policy: str = "write_through"  # or write_through_selective: only blocks used again (kv_tiers/link.py)
 
     @property
     def enabled(self) -> bool:
@@ -214,7 +215,8 @@ def create_engine_config(args: EngineArgs) -> EngineConfig:
         kv_events=KVEventsConfig.parse(args.kv_events_config),
         kv_offload=KVOffloadConfig(args.kv_offload_memory if args.kv_offload_memory is not None
                                    else (1.0 if args.kv_offload_dir or args.kv_offload_url else 0.0),
-                                   args.kv_offload_dir, args.kv_offload_disk, args.kv_offload_url, args.kv_role),
+                                   args.kv_offload_dir, args.kv_offload_disk, args.kv_offload_url, args.kv_role,
+                                   args.kv_offload_write_policy),
     )
 
 

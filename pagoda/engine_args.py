@@ -26,6 +26,7 @@ DISTRIBUTED_BACKENDS = ("mp", "ray", "uni")
 BLOCK_SIZES = (8, 16, 32, 64, 128)
 SCHEDULING_POLICIES = ("fcfs", "priority")
 KV_ROLES = ("both", "prefill", "decode")  # --kv-role: prefill/decode disaggregation (engine/kv_offload.py)
+KV_WRITE_POLICIES = ("write_through", "write_through_selective")  # --kv-offload-write-policy (core/kv_tiers/link.py)
 RUNNERS = ("auto", "generate", "pooling")  # --runner (loader/pooling_model.py)  # how the scheduler orders its queues (pagoda/core/scheduler.py)
 
 
@@ -118,6 +119,11 @@ class EngineArgs:
     kv_offload_url: str | None = field(default=None, metadata=_option(
         "redis://HOST:PORT of a Valkey or Redis server holding KV blocks shared by replicas (beside --kv-offload-dir: "
         "written to both, read from the directory first); its maxmemory and allkeys-lru policy are the budget"))
+    kv_offload_write_policy: str = field(default="write_through", metadata=_option(
+        "which blocks go below host memory (--kv-offload-dir, --kv-offload-url), SGLang HiCache's policies: "
+        "write_through, every computed block as it is computed (a restart, even after a kill, finds them all); "
+        "write_through_selective, a block once it is used again (a workload that never repeats a prefix writes "
+        "nothing) (default: %(default)s)", choices=KV_WRITE_POLICIES))
     kv_role: str = field(default="both", metadata=_option(
         "prefill/decode disaggregation: a prefill replica computes prompts and writes their KV to the shared tier "
         "(--kv-offload-dir or --kv-offload-url) before it answers; a decode replica reads it back and generates "

@@ -139,6 +139,8 @@ class KVCacheManager:
                 match = self.cache.match(tokens[: usable * self.block_size], request.prefix_key)
         if not match.blocks:
             return None
+        if self.tiers is not None:
+            self.tiers.reused(match.blocks)
         self.pool.incref(match.blocks)
         self._lock(request, match.node)
         self._num_cached[request.request_id] = len(match.blocks)

@@ -52,7 +52,9 @@ def open_kv_tiers(config: EngineConfig, worker: Any, kv_manager: KVCacheManager)
     lower: BlockTier | None = TierStack([disk, remote]) if disk and remote else disk or remote
     store = KVTierStore(int(oc.memory_gib * GiB), lower)
     worker.attach_kv_tiers(store)
-    link = KVTierLink(store, identity, config.cache.block_size)
+    # a prefill replica hands every computed block over (hand_off): it writes them all through
+    link = KVTierLink(store, identity, config.cache.block_size,
+                      "write_through" if oc.role == "prefill" else oc.write_policy)
     # a decode replica's blocks are its own answers, which no other replica asks for: only what
     # its prefix cache lets go goes down
     link.write_through = link.write_through and oc.role != "decode"

@@ -114,7 +114,7 @@ def _store_with_cache(memory_bytes: int, disk: DiskTier | None = None, dtype=tor
 def test_a_block_saved_and_loaded_is_the_same_bytes(dtype):
     store, kv, scales = _store_with_cache(1 << 20, dtype=dtype)
     before = kv[:, :, 2].clone(), None if scales is None else scales[:, :, 2].clone()
-    store.apply([(2, b"k" * 16, True)], [])
+    store.apply([(2, b"k" * 16, True, True)], [])
     kv[:, :, 2] = 0
     if scales is not None:
         scales[:, :, 2] = 0
@@ -131,7 +131,7 @@ def test_memory_tier_keeps_its_budget_but_never_drops_a_pinned_block():
     block = store.block_nbytes
     store.memory_bytes = 2 * block
     for b in range(3):
-        store.apply([(b, bytes([b] * 16), True)], [])
+        store.apply([(b, bytes([b] * 16), True, True)], [])
     assert not store.in_memory(bytes([0] * 16)) and store.in_memory(bytes([2] * 16))
     assert store.pin_run([bytes([1] * 16)]) == 1
     store.memory_bytes = 0
@@ -141,7 +141,7 @@ def test_memory_tier_keeps_its_budget_but_never_drops_a_pinned_block():
 
 def test_written_through_blocks_reach_disk_and_come_back_after_a_restart(tmp_path):
     store, kv, _ = _store_with_cache(1 << 20, DiskTier(tmp_path / "kv", 1 << 20))
-    store.apply([(1, b"a" * 16, False), (3, b"b" * 16, True)], [])
+    store.apply([(1, b"a" * 16, False, True), (3, b"b" * 16, True, True)], [])
     store.close()
     assert not store.in_memory(b"a" * 16)  # written through: not kept in memory once written
     again, kv2, _ = _store_with_cache(1 << 20, DiskTier(tmp_path / "kv", 1 << 20))

@@ -65,6 +65,26 @@ def test_a_restarted_engine_answers_from_disk_unchanged(tiny_llama, fresh, tmp_p
     assert again.num_cached_tokens == 192 and stats["kv_offload_disk_hit_tokens"] == 192
 
 
+def test_selective_writes_only_what_is_used_again(tiny_llama, fresh, tmp_path):
+    """write_through_selective: a prompt seen once writes nothing below host memory, not even when
+    the tree evicts it; a prefix hit sends the reused blocks down, and a restart finds them."""
+    kv_dir = tmp_path / "kv"
+    selective = dict(kv_offload_dir=str(kv_dir), kv_offload_write_policy="write_through_selective", **SMALL)
+    once, twice = _prompt(7), _prompt(8)
+    with LLM(model=str(tiny_llama), **selective) as llm:
+        _run(llm, once)
+        _evict(llm)  # `once` goes down to host memory only
+        _run(llm, twice)
+        assert _run(llm, twice).num_cached_tokens == 192  # the hit: its 12 blocks are written
+    assert len(list(kv_dir.glob("*/*.kv"))) == 12
+    with LLM(model=str(tiny_llama), **selective) as llm:
+        again, other = _run(llm, twice), _run(llm, once)
+        stats = llm.engine.stats()
+    assert again.num_cached_tokens == 192 and stats["kv_offload_disk_hit_tokens"] == 192
+    assert other.num_cached_tokens == 0
+    assert again.outputs[0].token_ids == fresh(twice) and other.outputs[0].token_ids == fresh(once)
+
+
 def test_tenants_and_models_never_hit_each_others_blocks_on_disk(tiny_llama, fresh, tmp_path):
     from tiny_models import make_tiny_hf_model
 

@@ -1,6 +1,11 @@
 """The KV cache manager's side of the tiers: keys of the blocks the radix tree holds, the blocks to
-save when the tree lets them go (or, with a disk tier, as they are computed), and the blocks to load
-for a prefix the tree no longer has but a lower tier does.
+save when the tree lets them go (or, with a disk tier, as they are computed, or once they are used
+again), and the blocks to load for a prefix the tree no longer has but a lower tier does.
+
+The write policies are SGLang HiCache's. ``write_through`` writes every computed block to the tiers
+below host memory as it is computed, so a restart (or a kill) finds everything. ``write_through_selective``
+writes a block there only once it is used again (a prefix hit in the tree or in host memory): a
+workload whose prompts never repeat writes nothing, and what persists is what was worth keeping.
 
 The copies themselves are the driver worker's (``KVTierStore.apply``): the saves and loads ride to
 it on the step's ``SchedulerOutput`` (``kv_saves``, ``kv_loads``) and run before the forward pass,
@@ -18,18 +23,23 @@ from pagoda.core.scheduler_output import SchedulerOutput
 from pagoda.request import Request
 
 
+Save = tuple[int, bytes, bool, bool]  # (block, key, kept in host memory, written to the tiers below)
+
+
 class KVTierLink:
-    def __init__(self, store: KVTierStore, identity: bytes, block_size: int) -> None:
+    def __init__(self, store: KVTierStore, identity: bytes, block_size: int,
+                 write_policy: str = "write_through") -> None:
         self.store = store
         self.identity = identity
         self.block_size = block_size
-        # With a disk tier every computed block is written through (so a restart or a kill finds
-        # it); with host memory alone a block goes down only when the tree lets it go.
-        self.write_through = store.lower is not None
+        # with host memory alone a block goes down only when the tree lets it go
+        self.write_through = store.lower is not None and write_policy == "write_through"
+        self.write_reused = store.lower is not None and write_policy == "write_through_selective"
+        self._sent_down: set[bytes] = set()  # write_through_selective: keys already asked to be written
         self._roots: dict[Any, bytes] = {}
         self._chains: dict[str, list[bytes]] = {}  # request id → keys of its full blocks so far
         self.block_key: dict[int, bytes] = {}  # block in the radix tree → its key
-        self.saves: list[tuple[int, bytes, bool]] = []
+        self.saves: list[Save] = []
         self.loads: list[tuple[bytes, int]] = []
 
     def chain(self, request: Request, num_blocks: int) -> list[bytes]:
@@ -58,7 +68,17 @@ class KVTierLink:
             key = keys[i]
             self.block_key[blocks[i]] = key
             if self.write_through and not self.store.known(key):
-                self.saves.append((blocks[i], key, False))
+                self.saves.append((blocks[i], key, False, True))
+
+    def reused(self, blocks: list[int]) -> None:
+        """A prefix hit on these blocks of the tree: under write_through_selective, they go down now."""
+        if not self.write_reused:
+            return
+        for block in blocks:
+            key = self.block_key.get(block)
+            if key is not None and key not in self._sent_down:
+                self._sent_down.add(key)
+                self.saves.append((block, key, False, True))
 
     def promoted(self, keys: list[bytes], blocks: list[int]) -> None:
         """Blocks taken from the pool for keys ``pin_run`` pinned: load them, and know their keys."""
@@ -70,12 +90,12 @@ class KVTierLink:
         for block in blocks:
             key = self.block_key.pop(block, None)
             if key is not None and not self.store.in_memory(key):
-                self.saves.append((block, key, True))
+                self.saves.append((block, key, True, not self.write_reused))
 
     def forget(self, request_id: str) -> None:
         self._chains.pop(request_id, None)
 
-    def take_saves(self) -> list[tuple[int, bytes, bool]]:
+    def take_saves(self) -> list[Save]:
         """The pending saves, handed to the caller to run now (``engine/kv_offload.hand_off``)."""
         saves, self.saves = self.saves, []
         return saves

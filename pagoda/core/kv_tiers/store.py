@@ -82,27 +82,28 @@ class KVTierStore:
             sdst = self._scales[:, :, block]
             sdst.copy_(raw[n:].view(self._scales.dtype).view(sdst.shape))
 
-    def apply(self, saves: list[tuple[int, bytes, bool]], loads: list[tuple[bytes, int]]) -> None:
-        """Before a step's forward: copy out the blocks to save (``(block, key, keep in memory)``:
-        a block the radix tree let go stays in host memory; one written through to disk while the
-        tree still holds it is kept only until its file is written), then copy in the blocks to
-        load (``(key, block)``; pinned by ``pin_run``). Saves first: a block let go in this step
-        may be the target of a load in the same step."""
-        for block, key, keep in saves:
-            raw = self._pack(block)
+    def apply(self, saves: list[tuple[int, bytes, bool, bool]], loads: list[tuple[bytes, int]]) -> None:
+        """Before a step's forward: copy out the blocks to save (``(block, key, keep in memory,
+        write down)``: a block the radix tree let go stays in host memory; one written through to
+        disk while the tree still holds it is kept only until its file is written), then copy in the
+        blocks to load (``(key, block)``; pinned by ``pin_run``). Saves first: a block let go in this
+        step may be the target of a load in the same step."""
+        for block, key, keep, write in saves:
             with self._lock:
-                if key in self._mem:
+                held = key in self._mem
+            raw = None if held else self._pack(block)  # held: no copy out of the cache (a load may not have run)
+            with self._lock:
+                if held:
                     if keep:  # let go by the tree now: it stays in memory
                         self._transient.discard(key)
+                    if write:
+                        self._queue_write(key)
                     continue
                 self._put(key, raw)
                 self.counters.saved += 1
                 if not keep:
                     self._transient.add(key)
-                if self.lower is not None and not self.lower.has(key):
-                    self._unwritten.add(key)
-                    self._jobs.put(key)
-                elif not keep:
+                if not (write and self._queue_write(key)) and not keep:
                     self._drop(key)
             self._trim()
         for key, block in loads:
@@ -110,6 +111,14 @@ class KVTierStore:
                 raw = self._mem[key]
                 self._release_pin(key)
             self._unpack_into(block, raw)
+
+    def _queue_write(self, key: bytes) -> bool:
+        """Under the lock: a file write of ``key``'s block queued, unless it is written or queued."""
+        if self.lower is None or key in self._unwritten or self.lower.has(key):
+            return False
+        self._unwritten.add(key)
+        self._jobs.put(key)
+        return True
 
     # -- the scheduler's side -------------------------------------------------------------------
     def in_memory(self, key: bytes) -> bool:
