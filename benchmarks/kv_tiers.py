@@ -14,7 +14,8 @@ through to one this script starts, and a second engine with only ``--kv-offload-
 tier, no directory) reads the prefix from it over TCP, as a replica on another host would.
 Every hit's first token is compared with the cold one (``*_same_token``). Overhead: the same batch of prompts that
 never share a block (--overhead-prompts x 1024 tokens, 32 tokens out) with tiers off and on
-(memory and disk, written through), alternating rounds. Writes results/kv-tiers-<date>.json.
+(memory and disk) under each write policy, alternating within each round. Writes --save
+(results/kv-tiers-<date>.json by default).
 """
 
 from __future__ import annotations
@@ -143,6 +144,7 @@ def main() -> None:
     ap.add_argument("--overhead-prompts", type=int, default=8)
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--skip", choices=("ttft", "overhead"), default=None, help="leave one of the two parts out")
+    ap.add_argument("--save", type=Path, default=HERE / "results" / f"kv-tiers-{date.today()}.json")
     args = ap.parse_args()
     work = Path(tempfile.mkdtemp(prefix="kv-tiers-"))
     rows, cost = [], None
@@ -162,7 +164,7 @@ def main() -> None:
             print("never-hit workload, seconds: " + "; ".join(f"{m} {cost['seconds'][m]}" for m in OVERHEAD_MODES))
     finally:
         shutil.rmtree(work, ignore_errors=True)
-    out = HERE / "results" / f"kv-tiers-{date.today()}.json"
+    out = args.save
     out.parent.mkdir(exist_ok=True)
     out.write_text(json.dumps({"model": args.model, "ttft": rows, "overhead": cost}, indent=1))
     print(f"wrote {out}")
