@@ -15,7 +15,10 @@ import pytest
 from router_processes import LONG_CONTEXT, RouterProcess, start_replicas, stop
 from server_process import _free_port
 
+from pagoda.router.kv_events_subscriber import KVEventsSubscriber
+from pagoda.router.kv_index import KVBlockIndex
 from pagoda.router.kv_routing import KVRouting
+from pagoda.router.options import parse_endpoints
 
 MODEL = "tiny"
 DOCUMENT = " ".join(f"Clause {i} of a long shared document that several requests start with." for i in range(24))
@@ -84,6 +87,18 @@ def _salted(body: dict, salt: str) -> dict:
         return {"prompt": salt + body["prompt"]}
     system, *rest = body["messages"]
     return {"messages": [{**system, "content": salt + system["content"]}, *rest]}
+
+
+def test_a_worker_publishes_where_the_flags_say():
+    """--kv-events names a worker's endpoint; --kv-events-port gives every other one its own host's."""
+    named = {"http://10.0.0.5:8000": "tcp://10.0.0.9:6000"}
+    subscriber = KVEventsSubscriber(KVBlockIndex(), named, 5557)
+    assert subscriber.endpoint_of("http://10.0.0.5:8000") == "tcp://10.0.0.9:6000"
+    assert subscriber.endpoint_of("http://10.0.0.7:8000") == "tcp://10.0.0.7:5557"
+    assert KVEventsSubscriber(KVBlockIndex(), named, None).endpoint_of("http://10.0.0.7:8000") is None
+    assert parse_endpoints(["http://a:1/=tcp://a:2"]) == {"http://a:1": "tcp://a:2"}
+    with pytest.raises(ValueError, match="WORKER_URL=tcp://HOST:PORT"):
+        parse_endpoints(["tcp://a:2"])
 
 
 def test_the_flags_name_what_is_missing(long_tiny_llama):
