@@ -25,6 +25,7 @@ from pagoda.loader.model_files import ModelFiles
 from pagoda.loader.pooling_model import choose_runner, sep_token_id
 from pagoda.loader.resolve import resolve_model
 from pagoda.models.model_classes import resolve_architecture
+from pagoda.multimodal.limits import ImageLimits, image_limits
 from pagoda.platform import available_memory_bytes, default_device
 from pagoda.pooling_params import PoolerConfig
 from pagoda.spec_decode.speculative_config import SpeculativeConfig
@@ -149,6 +150,7 @@ class EngineConfig:
     lora: LoRAConfig | None = None  # LoRA adapters are served (EngineArgs.enable_lora)
     kv_events: KVEventsConfig | None = None  # the prefix cache's events are published (--kv-events-config)
     kv_offload: KVOffloadConfig = KVOffloadConfig()
+    images: ImageLimits = ImageLimits()  # what a prompt's images may be (--limit-mm-per-prompt, ...)
 
 
 def create_engine_config(args: EngineArgs) -> EngineConfig:
@@ -215,6 +217,7 @@ def create_engine_config(args: EngineArgs) -> EngineConfig:
         kv_offload=KVOffloadConfig(args.kv_offload_memory if args.kv_offload_memory is not None
                                    else (1.0 if args.kv_offload_dir or args.kv_offload_url else 0.0),
                                    args.kv_offload_dir, args.kv_offload_disk, args.kv_offload_url, args.kv_role),
+        images=image_limits(args),
     )
 
 

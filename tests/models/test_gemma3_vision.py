@@ -1,0 +1,121 @@
+"""Gemma 3's vision path on a tiny random ``Gemma3ForConditionalGeneration`` (tests/vision_models.py):
+greedy fp32 tokens and their logprobs equal transformers' for the same images and prompt, alone,
+batched with each other and with text-only prompts, in chunks, and after prefix-cache hits;
+an image's tokens attend to each other both ways (transformers' token_type_ids mask), which the
+test shows matters."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from vision_models import chat_text, hf_greedy, make_tiny_gemma3_vision, random_image
+
+from pagoda import LLM, SamplingParams
+
+MAX_TOKENS = 8
+LONG = "Paris is the capital of France. Berlin is the capital of Germany."
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    return make_tiny_gemma3_vision(tmp_path_factory.mktemp("gemma3-vision") / "m", seed=5)
+
+
+@pytest.fixture(scope="module")
+def hf(model_dir):
+    import transformers
+
+    ref = transformers.Gemma3ForConditionalGeneration.from_pretrained(model_dir, dtype=torch.float32).eval()
+    return ref, transformers.AutoProcessor.from_pretrained(model_dir)
+
+
+def _cases(processor) -> list[tuple[str, list]]:
+    """(prompt text, images): one image; two; an image after more text than the sliding window (12)."""
+    one = chat_text(processor, [{"type": "image"}, {"type": "text", "text": "The quick brown fox"}])
+    two = chat_text(processor, [{"type": "text", "text": "Compare"}, {"type": "image"}, {"type": "text", "text": "and"},
+                                {"type": "image"}, {"type": "text", "text": "please"}])
+    late = chat_text(processor, [{"type": "text", "text": LONG}, {"type": "image"}, {"type": "text", "text": LONG}])
+    return [(one, [random_image(1)]), (two, [random_image(2, (70, 20)), random_image(3, (25, 25), "RGBA")]),
+            (late, [random_image(4, (90, 60), "L")])]
+
+
+@pytest.fixture(scope="module")
+def expected(hf):
+    ref, processor = hf
+    return [(text, images, hf_greedy(ref, processor, text, images, MAX_TOKENS)) for text, images in _cases(processor)]
+
+
+def _params() -> SamplingParams:
+    return SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True, logprobs=0)
+
+
+def _assert_matches(out, want, atol: float = 1e-4) -> None:
+    prompt_ids, tokens, logprobs = want
+    assert out.prompt_token_ids == prompt_ids  # the processor's ids: placeholders where it puts them
+    got = out.outputs[0]
+    assert got.token_ids == tokens
+    ours = [pos[t].logprob for t, pos in zip(got.token_ids, got.logprobs)]
+    assert max(abs(a - b) for a, b in zip(ours, logprobs)) < atol
+
+
+def _prompt(text, images) -> dict:
+    return {"prompt": text, "multi_modal_data": {"image": images}}
+
+
+@pytest.mark.parametrize("args", [{}, {"block_size": 8, "max_num_batched_tokens": 6}], ids=["whole", "chunked"])
+def test_images_equal_transformers_alone_and_batched(model_dir, expected, args):
+    """Each prompt alone, then all of them in one batch with two text-only prompts between them;
+    chunked: a step of 6 tokens cuts every prompt, never inside an image's run of 4."""
+    llm = LLM(model=str(model_dir), dtype="float32", kv_cache_memory=0.02, enable_prefix_caching=False, **args)
+    for text, images, want in expected:
+        _assert_matches(llm.generate([_prompt(text, images)], _params(), use_tqdm=False)[0], want)
+    text_only = ["The quick brown fox", LONG]
+    outs = llm.generate([_prompt(t, i) for t, i, _ in expected] + text_only, _params(), use_tqdm=False)
+    for out, (_, _, want) in zip(outs, expected):
+        _assert_matches(out, want)
+    alone = llm.generate(text_only, _params(), use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outs[len(expected):]] == [o.outputs[0].token_ids for o in alone]
+    encoder = llm.engine.core.runner.images
+    before = encoder.encoder_batches
+    llm.generate([_prompt(t, i) for t, i, _ in expected], _params(), use_tqdm=False)
+    if not args:  # whole prompts: the four images of one step went through the tower as one batch
+        assert encoder.encoder_batches - before == 1
+
+
+def test_token_ids_with_one_marker_per_image(model_dir, expected, hf):
+    """A prompt of token ids holding one <start_of_image> id per image expands as the text does."""
+    _, processor = hf
+    llm = LLM(model=str(model_dir), dtype="float32", kv_cache_memory=0.02)
+    text, images, want = expected[1]
+    ids = processor.tokenizer(text, add_special_tokens=True)["input_ids"]
+    out = llm.generate([{"prompt_token_ids": ids, "multi_modal_data": {"image": images}}], _params(), use_tqdm=False)
+    _assert_matches(out[0], want)
+
+
+def test_the_image_and_its_mask_matter(hf, expected):
+    """Another image, or the image's tokens attending causally only, changes transformers' answer:
+    the tests above check both."""
+    ref, processor = hf
+    text, images, (_, tokens, logprobs) = expected[0]
+    _, other_tokens, other = hf_greedy(ref, processor, text, [random_image(9)], MAX_TOKENS)
+    _, _, causal = hf_greedy(ref, processor, text, images, MAX_TOKENS, bidirectional=False)
+    assert max(abs(a - b) for a, b in zip(logprobs, other)) > 1e-3
+    assert max(abs(a - b) for a, b in zip(logprobs, causal)) > 1e-3
+
+
+def test_prefix_cache_keys_images_by_their_pixels(model_dir, expected, hf):
+    """The same prompt and image again is a hit through the image; the same text with another
+    image reuses only the blocks before the image, and its answer is that image's."""
+    ref, processor = hf
+    llm = LLM(model=str(model_dir), dtype="float32", kv_cache_memory=0.02, block_size=8)
+    text, images, want = expected[2]  # 16+ tokens of text before the image: two blocks
+    first = llm.generate([_prompt(text, images)], _params(), use_tqdm=False)[0]
+    again = llm.generate([_prompt(text, images)], _params(), use_tqdm=False)[0]
+    _assert_matches(first, want)
+    _assert_matches(again, want)
+    image = next(i for i, t in enumerate(want[0]) if t == processor.tokenizer.image_token_id)
+    assert again.num_cached_tokens > image + 4  # past the image's run
+    other = [random_image(11, (90, 60), "L")]
+    out = llm.generate([_prompt(text, other)], _params(), use_tqdm=False)[0]
+    assert 0 < out.num_cached_tokens <= image  # the text before the image only
+    _assert_matches(out, hf_greedy(ref, processor, text, other, MAX_TOKENS))
