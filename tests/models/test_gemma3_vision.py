@@ -119,3 +119,25 @@ def test_prefix_cache_keys_images_by_their_pixels(model_dir, expected, hf):
     out = llm.generate([_prompt(text, other)], _params(), use_tqdm=False)[0]
     assert 0 < out.num_cached_tokens <= image  # the text before the image only
     _assert_matches(out, hf_greedy(ref, processor, text, other, MAX_TOKENS))
+
+
+def test_the_hubs_config_reads_with_transformers_defaults():
+    """google/gemma-3-4b-it's config.json names only what differs from the defaults."""
+    from pagoda.models.gemma3_vision import Gemma3ForConditionalGeneration
+    from pagoda.models.vision_config import language_view
+
+    hub = {"architectures": ["Gemma3ForConditionalGeneration"], "boi_token_index": 255999, "eoi_token_index": 256000,
+           "eos_token_id": [1, 106], "image_token_index": 262144, "initializer_range": 0.02,
+           "mm_tokens_per_image": 256, "model_type": "gemma3",
+           "text_config": {"hidden_size": 2560, "intermediate_size": 10240, "model_type": "gemma3_text",
+                           "num_hidden_layers": 34, "rope_scaling": {"factor": 8.0, "rope_type": "linear"},
+                           "sliding_window": 1024},
+           "vision_config": {"hidden_size": 1152, "image_size": 896, "intermediate_size": 4304,
+                             "model_type": "siglip_vision_model", "num_attention_heads": 16, "num_hidden_layers": 27,
+                             "patch_size": 14, "vision_use_head": False}}
+    view = language_view(hub)
+    cfg = Gemma3ForConditionalGeneration.read_config(view)
+    assert (cfg.hidden_size, cfg.num_layers, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim) == (2560, 34, 8, 4, 256)
+    assert cfg.vocab_size == 262_208 and cfg.sliding_windows[:6] == (1024,) * 5 + (None,)
+    assert cfg.rope_scaling["factor"] == 8.0 and view["image_token_id"] == 262144
+    assert view["vision_config"]["layer_norm_eps"] == 1e-6 and view["architectures"] == hub["architectures"]
