@@ -118,7 +118,8 @@ def hf_greedy(ref, processor, text: str, images: list, max_tokens: int, bidirect
     """transformers' (prompt ids, greedy tokens, their logprobs) for ``text`` with ``images``; with
     ``bidirectional`` False, without ``token_type_ids`` (every token causal)."""
     inputs = processor(text=text, images=images or None, return_tensors="pt")
-    types = inputs.pop("token_type_ids")
+    types = inputs.pop("token_type_ids", None)  # (Gemma 3's processor marks image tokens; LLaVA's does not)
+    bidirectional = bidirectional and types is not None
     if bidirectional and images:
         inputs["token_type_ids"] = types
     with torch.no_grad():
@@ -132,3 +133,73 @@ def hf_greedy(ref, processor, text: str, images: list, max_tokens: int, bidirect
     new = full[n:]
     logprobs = torch.log_softmax(logits, dim=-1)[n - 1 : -1].gather(1, new.unsqueeze(1)).squeeze(1)
     return inputs["input_ids"][0].tolist(), new.tolist(), logprobs.tolist()
+
+
+LLAVA_TEMPLATE = (
+    "{% for message in messages %}{{ message['role'].upper() + ': ' }}"
+    "{% if message['content'] is string %}{{ message['content'] }}"
+    "{% else %}{% for item in message['content'] %}"
+    "{% if item['type'] == 'image' %}{{ '<image>\n' }}"
+    "{% elif item['type'] == 'text' %}{{ item['text'] }}{% endif %}{% endfor %}{% endif %}"
+    "{{ '\n' }}{% endfor %}{% if add_generation_prompt %}{{ 'ASSISTANT:' }}{% endif %}"
+)
+
+
+def make_tiny_llava(out_dir: Path, *, seed: int = 0, image_size: int = 28, strategy: str = "default") -> Path:
+    """A tiny ``LlavaForConditionalGeneration``: the tiny Llama (2 layers) under a 3-layer CLIP
+    tower on ``image_size`` pixels in 7-pixel patches (16 patches and a CLS token), features
+    from its second-to-last layer, the CLS token dropped (``strategy`` "default") or kept ("full");
+    its CLIP processor resizes the shortest edge and crops the centre."""
+    import transformers
+
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    _tokenizer(out_dir, {"image_token": "<image>"})
+    tokenizer = transformers.AutoTokenizer.from_pretrained(out_dir)
+    text = transformers.LlamaConfig(vocab_size=VISION_VOCAB, hidden_size=64, intermediate_size=128,
+                                    num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                                    max_position_embeddings=512, rms_norm_eps=1e-6, rope_theta=10000.0,
+                                    bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
+                                    pad_token_id=tokenizer.pad_token_id)
+    vision = transformers.CLIPVisionConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=3,
+                                           num_attention_heads=2, image_size=image_size, patch_size=7,
+                                           projection_dim=32)
+    image_token = tokenizer.convert_tokens_to_ids("<image>")
+    patches = (image_size // 7) ** 2
+    config = transformers.LlavaConfig(text_config=text, vision_config=vision, image_token_index=image_token,
+                                      vision_feature_select_strategy=strategy, vision_feature_layer=-2,
+                                      image_seq_length=patches + (strategy == "full"))
+    torch.manual_seed(seed)
+    model = transformers.LlavaForConditionalGeneration(config).eval()
+    _perturb(model)
+    model.save_pretrained(out_dir, safe_serialization=True)
+    image_processor = transformers.CLIPImageProcessorPil(size={"shortest_edge": image_size},
+                                                         crop_size={"height": image_size, "width": image_size})
+    processor = transformers.LlavaProcessor(image_processor=image_processor, tokenizer=tokenizer,
+                                            chat_template=LLAVA_TEMPLATE, patch_size=7,
+                                            vision_feature_select_strategy=strategy, num_additional_image_tokens=1)
+    processor.save_pretrained(out_dir)
+    return out_dir
+
+
+def greedy_params(max_tokens: int):
+    """Greedy fp32 tokens to compare, each with its logprob."""
+    from pagoda import SamplingParams
+
+    return SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True, logprobs=0)
+
+
+def image_prompt(text: str, images: list) -> dict:
+    """vLLM's prompt shape with images, as ``LLM.generate`` takes it."""
+    return {"prompt": text, "multi_modal_data": {"image": images}}
+
+
+def assert_matches_hf(out, want, atol: float = 1e-4) -> None:
+    """pagoda's output equals ``hf_greedy``'s: the processor's prompt ids (placeholders where it
+    puts them), the greedy tokens, their logprobs within ``atol``."""
+    prompt_ids, tokens, logprobs = want
+    assert out.prompt_token_ids == prompt_ids
+    got = out.outputs[0]
+    assert got.token_ids == tokens
+    ours = [pos[t].logprob for t, pos in zip(got.token_ids, got.logprobs)]
+    assert max(abs(a - b) for a, b in zip(ours, logprobs)) < atol

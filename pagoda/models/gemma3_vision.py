@@ -11,15 +11,21 @@ rows are not). In the text model an image's tokens attend to each other both way
 
 from __future__ import annotations
 
-from collections.abc import Iterable
-
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from pagoda.layers.stored_weights import PackedWeight
 from pagoda.models.gemma3 import Gemma3ForCausalLM
 from pagoda.models.siglip import SiglipVisionTower
+from pagoda.models.vision_language import VisionLanguage
+
+
+class _NormWeight(nn.Module):
+    """Gemma's RMSNorm weight under its checkpoint name (``mm_soft_emb_norm.weight``), applied by the projector."""
+
+    def __init__(self, size: int) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(size))
 
 
 class Gemma3Projector(nn.Module):
@@ -27,7 +33,7 @@ class Gemma3Projector(nn.Module):
         super().__init__()
         hidden = vision["hidden_size"]
         self.mm_input_projection_weight = nn.Parameter(torch.empty(hidden, text_hidden))
-        self.mm_soft_emb_norm_weight = nn.Parameter(torch.empty(hidden))
+        self.mm_soft_emb_norm = _NormWeight(hidden)
         self.eps = vision.get("layer_norm_eps", 1e-6)
         self.patches_per_side = vision["image_size"] // vision["patch_size"]
         tokens_per_side = int(tokens_per_image ** 0.5)
@@ -43,11 +49,11 @@ class Gemma3Projector(nn.Module):
         pooled = F.avg_pool2d(grid, self.kernel, self.kernel).flatten(2).transpose(1, 2)
         x = pooled.float()  # Gemma's RMSNorm: in float32, times (1 + w)
         x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
-        normed = (x * (1.0 + self.mm_soft_emb_norm_weight.float())).type_as(pooled)
+        normed = (x * (1.0 + self.mm_soft_emb_norm.weight.float())).type_as(pooled)
         return torch.matmul(normed, self.mm_input_projection_weight).type_as(patches)
 
 
-class Gemma3ForConditionalGeneration(Gemma3ForCausalLM):
+class Gemma3ForConditionalGeneration(VisionLanguage, Gemma3ForCausalLM):
     bidirectional_image_attention = True
 
     def __init__(self, hf_config: dict, max_position: int) -> None:
@@ -57,47 +63,3 @@ class Gemma3ForConditionalGeneration(Gemma3ForCausalLM):
         self.tokens_per_image = int(hf_config.get("mm_tokens_per_image", 256))
         self.vision_tower = SiglipVisionTower(vision)
         self.multi_modal_projector = Gemma3Projector(vision, self.config.hidden_size, self.tokens_per_image)
-
-    def text_parameters(self) -> dict[str, nn.Parameter]:
-        return {name: p for name, p in self.named_parameters()
-                if not name.startswith(("vision_tower.", "multi_modal_projector."))}
-
-    @torch.no_grad()
-    def encode_images(self, pixel_values: torch.Tensor) -> torch.Tensor:
-        """[images, 3, H, W] → the rows that replace their placeholder tokens [images, tokens, hidden]."""
-        dtype = self.multi_modal_projector.mm_input_projection_weight.dtype
-        return self.multi_modal_projector(self.vision_tower(pixel_values.to(dtype)))
-
-    @torch.no_grad()
-    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor | PackedWeight]]) -> None:
-        """The checkpoint's three parts by name: either transformers layout (``language_model.model.*``,
-        ``vision_tower.vision_model.*``; or, from transformers 4.52, all under ``model.``)."""
-        loaded: set[str] = set()
-
-        def text_weights():
-            for name, tensor in weights:
-                name = name.removeprefix("model.")
-                if name.startswith("language_model."):
-                    yield "model." + name.removeprefix("language_model.").removeprefix("model."), tensor
-                elif name.startswith("vision_tower."):
-                    tensor = tensor.dequantize() if isinstance(tensor, PackedWeight) else tensor
-                    self.vision_tower.load_weight(name.removeprefix("vision_tower.").removeprefix("vision_model."),
-                                                  tensor)
-                    loaded.add(name)
-                elif name.startswith("multi_modal_projector."):
-                    self._load_projector(name.removeprefix("multi_modal_projector."), tensor)
-                    loaded.add(name)
-                else:
-                    yield name, tensor
-
-        super().load_weights(text_weights())
-        expected = sum(1 for n, _ in self.vision_tower.named_parameters()) + 2
-        if len(loaded) < expected:
-            raise ValueError(f"checkpoint is missing vision tensors ({len(loaded)} of {expected} found)")
-
-    def _load_projector(self, name: str, tensor: torch.Tensor) -> None:
-        target = {"mm_input_projection_weight": self.multi_modal_projector.mm_input_projection_weight,
-                  "mm_soft_emb_norm.weight": self.multi_modal_projector.mm_soft_emb_norm_weight}.get(name)
-        if target is None or tuple(target.shape) != tuple(tensor.shape):
-            raise ValueError(f"checkpoint tensor multi_modal_projector.{name} has no place in the projector")
-        target.data.copy_(tensor)

@@ -36,23 +36,38 @@ class VisionAttention(nn.Module):
         return self.out_proj(out.transpose(1, 2).reshape(batch, patches, -1))
 
 
+# a vision config's hidden_act → the function (SigLIP's tanh GELU, CLIP's quick GELU)
+ACTIVATIONS = {"gelu_pytorch_tanh": lambda x: F.gelu(x, approximate="tanh"),
+               "gelu_tanh": lambda x: F.gelu(x, approximate="tanh"),
+               "gelu": F.gelu, "quick_gelu": lambda x: x * torch.sigmoid(1.702 * x)}
+
+
+def activation(name: str):
+    if name not in ACTIVATIONS:
+        raise ValueError(f"vision_config.hidden_act {name!r} is not supported ({', '.join(ACTIVATIONS)})")
+    return ACTIVATIONS[name]
+
+
 class VisionMLP(nn.Module):
-    def __init__(self, hidden: int, intermediate: int) -> None:
+    def __init__(self, hidden: int, intermediate: int, act: str) -> None:
         super().__init__()
         self.fc1 = nn.Linear(hidden, intermediate)
         self.fc2 = nn.Linear(intermediate, hidden)
+        self.act = activation(act)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.fc2(F.gelu(self.fc1(x), approximate="tanh"))
+        return self.fc2(self.act(self.fc1(x)))
 
 
 class VisionLayer(nn.Module):
-    def __init__(self, hidden: int, intermediate: int, num_heads: int, eps: float) -> None:
+    """A pre-norm encoder layer (SigLIP's and CLIP's)."""
+
+    def __init__(self, hidden: int, intermediate: int, num_heads: int, eps: float, act: str) -> None:
         super().__init__()
         self.layer_norm1 = nn.LayerNorm(hidden, eps=eps)
         self.self_attn = VisionAttention(hidden, num_heads)
         self.layer_norm2 = nn.LayerNorm(hidden, eps=eps)
-        self.mlp = VisionMLP(hidden, intermediate)
+        self.mlp = VisionMLP(hidden, intermediate, act)
 
     def forward(self, x: torch.Tensor, chunk: int | None = None) -> torch.Tensor:
         x = x + self.self_attn(self.layer_norm1(x), chunk)
@@ -76,12 +91,10 @@ class SiglipVisionTower(nn.Module):
 
     def __init__(self, cfg: dict) -> None:
         super().__init__()
-        if cfg.get("hidden_act", "gelu_pytorch_tanh") not in ("gelu_pytorch_tanh", "gelu_tanh"):
-            raise ValueError(f"vision_config.hidden_act {cfg.get('hidden_act')!r} is not supported (gelu_pytorch_tanh)")
-        hidden, eps = cfg["hidden_size"], cfg.get("layer_norm_eps", 1e-6)
+        hidden, eps, act = cfg["hidden_size"], cfg.get("layer_norm_eps", 1e-6), cfg.get("hidden_act", "gelu_pytorch_tanh")
         self.image_size, self.patch_size = cfg["image_size"], cfg["patch_size"]
         self.embeddings = VisionEmbeddings(hidden, self.image_size, self.patch_size, cfg.get("num_channels", 3))
-        self.layers = nn.ModuleList(VisionLayer(hidden, cfg["intermediate_size"], cfg["num_attention_heads"], eps)
+        self.layers = nn.ModuleList(VisionLayer(hidden, cfg["intermediate_size"], cfg["num_attention_heads"], eps, act)
                                     for _ in range(cfg["num_hidden_layers"]))
         self.post_layernorm = nn.LayerNorm(hidden, eps=eps)
         self.attention_chunk: int | None = None  # queries a chunk (None: all patches at once)
@@ -92,15 +105,21 @@ class SiglipVisionTower(nn.Module):
             x = layer(x, self.attention_chunk)
         return self.post_layernorm(x)
 
-    def load_weight(self, name: str, tensor: torch.Tensor) -> None:
-        """One checkpoint tensor, named under the tower (``encoder.layers.0...``, ``embeddings...``);
-        a pooling head's tensors (``head.``) are not used."""
-        if name.startswith("head."):
-            return
-        name = name.removeprefix("encoder.")
-        param = dict(self.named_parameters()).get(name)
-        if param is None:
-            raise ValueError(f"checkpoint tensor vision_tower.{name!r} has no place in the SigLIP tower")
-        if tuple(param.shape) != tuple(tensor.shape):
-            raise ValueError(f"vision tensor {name!r} has shape {tuple(tensor.shape)}, expected {tuple(param.shape)}")
-        param.data.copy_(tensor)
+    def load_weight(self, name: str, tensor: torch.Tensor) -> str | None:
+        return load_tower_weight(self, name, tensor, unused=("head.",))
+
+
+def load_tower_weight(tower: nn.Module, name: str, tensor: torch.Tensor, unused: tuple[str, ...] = ()) -> str | None:
+    """One checkpoint tensor, named under the tower (``encoder.layers.0...``, ``embeddings...``);
+    names starting with one of ``unused`` (a pooling head the path does not run) are skipped.
+    Returns the parameter's name (None: skipped)."""
+    if name.startswith(unused):
+        return None
+    name = name.removeprefix("encoder.")
+    param = dict(tower.named_parameters()).get(name)
+    if param is None:
+        raise ValueError(f"checkpoint tensor vision_tower.{name!r} has no place in the {type(tower).__name__}")
+    if tuple(param.shape) != tuple(tensor.shape):
+        raise ValueError(f"vision tensor {name!r} has shape {tuple(tensor.shape)}, expected {tuple(param.shape)}")
+    param.data.copy_(tensor)
+    return name

@@ -1,7 +1,8 @@
 """An image to the pixel values a model takes, as its transformers image processor computes them
 (the PIL backend: ``image_processing_backends.PilBackend`` and ``image_transforms``): to RGB
-(transparency composited onto white), resized by PIL to the processor's size, rescaled in float64
-and cast to float32, normalized by the mean and standard deviation in float32. Read from the
+(transparency composited onto white), resized by PIL to the processor's size (Gemma 3's
+height x width, or CLIP's shortest edge, then its centre cropped), rescaled in float64 and cast
+to float32, normalized by the mean and standard deviation in float32. Read from the
 model directory's ``preprocessor_config.json`` (or ``processor_config.json``'s
 ``image_processor``); tests compare the values with transformers' own processor."""
 
@@ -28,6 +29,8 @@ class ImageProcessorConfig:
     do_resize: bool = True
     do_rescale: bool = True
     do_normalize: bool = True
+    shortest_edge: int | None = None  # CLIP's resize: this edge to this size, the aspect kept
+    crop: tuple[int, int] | None = None  # CLIP's centre crop (height, width)
 
     @classmethod
     def read(cls, model_dir: Path, default_size: int) -> ImageProcessorConfig:
@@ -41,6 +44,11 @@ class ImageProcessorConfig:
         width = size.get("width") or size.get("shortest_edge") or default_size
         picked = {k: raw[k] for k in ("resample", "rescale_factor", "do_convert_rgb", "do_resize", "do_rescale",
                                       "do_normalize") if raw.get(k) is not None}
+        if size.get("shortest_edge") and not size.get("height"):
+            picked["shortest_edge"] = int(size["shortest_edge"])
+        crop = raw.get("crop_size") or {}
+        if raw.get("do_center_crop") and crop:
+            picked["crop"] = (int(crop["height"]), int(crop["width"]))
         for key in ("image_mean", "image_std"):
             if raw.get(key) is not None:
                 value = raw[key]
@@ -70,7 +78,9 @@ def preprocess(image: Image.Image, cfg: ImageProcessorConfig) -> torch.Tensor:
     """float32 [3, height, width]: the pixel values the processor gives for ``image``."""
     pixels = to_rgb(image) if cfg.do_convert_rgb else np.array(image)
     if cfg.do_resize:
-        pixels = np.array(Image.fromarray(pixels).resize((cfg.width, cfg.height), resample=cfg.resample))
+        pixels = np.array(Image.fromarray(pixels).resize(_resized(pixels.shape[:2], cfg), resample=cfg.resample))
+    if cfg.crop is not None:
+        pixels = _center_crop(pixels, *cfg.crop)
     values = pixels
     if cfg.do_rescale:  # upcast first, as transformers does, then float32
         values = (pixels.astype(np.float64) * cfg.rescale_factor).astype(np.float32)
@@ -80,3 +90,27 @@ def preprocess(image: Image.Image, cfg: ImageProcessorConfig) -> torch.Tensor:
         std = np.array(cfg.image_std, dtype=values.dtype)
         values = (values - mean) / std
     return torch.from_numpy(np.ascontiguousarray(values.transpose(2, 0, 1)))
+
+
+def _resized(shape: tuple[int, int], cfg: ImageProcessorConfig) -> tuple[int, int]:
+    """PIL's (width, height) to resize to: the processor's size, or the shortest edge to
+    ``shortest_edge`` (transformers' ``get_resize_output_image_size``: the long edge truncated)."""
+    if cfg.shortest_edge is None:
+        return cfg.width, cfg.height
+    height, width = shape
+    short, long = (width, height) if width <= height else (height, width)
+    new_short, new_long = cfg.shortest_edge, int(cfg.shortest_edge * long / short)
+    return (new_short, new_long) if width <= height else (new_long, new_short)
+
+
+def _center_crop(pixels: np.ndarray, height: int, width: int) -> np.ndarray:
+    """transformers' ``center_crop`` of [H, W, C]: the top-left corner at half the margin, rounded
+    down; a side shorter than the crop is padded with zeros, the image centred (rounded up)."""
+    h, w = pixels.shape[:2]
+    if h < height or w < width:
+        padded = np.zeros((max(h, height), max(w, width), pixels.shape[2]), dtype=pixels.dtype)
+        top, left = -(-(padded.shape[0] - h) // 2), -(-(padded.shape[1] - w) // 2)
+        padded[top : top + h, left : left + w] = pixels
+        pixels, h, w = padded, padded.shape[0], padded.shape[1]
+    top, left = (h - height) // 2, (w - width) // 2
+    return pixels[top : top + height, left : left + width]

@@ -6,6 +6,9 @@ writes for an image part) becomes ``\\n\\n<start_of_image>`` + ``mm_tokens_per_i
 tokens + ``<end_of_image>\\n\\n``, in the text, before tokenizing, so the ids are the
 processor's. A prompt given as token ids has each ``<start_of_image>`` id expanded to the ids of
 that sequence.
+
+LLaVA (``LlavaProcessor``): each ``<image>`` becomes as many ``<image>`` tokens as the tower gives
+rows (its patches, and the class token under ``vision_feature_select_strategy`` "full").
 """
 
 from __future__ import annotations
@@ -37,7 +40,13 @@ class PlaceholderStyle:
 
 
 def placeholder_style(hf_config: dict, model_dir: Path, tokenizer) -> PlaceholderStyle:
-    """The style of the model's family (its processor's ``image_seq_length`` where written)."""
+    """The style of the model's family (Gemma 3's processor's ``image_seq_length`` where written)."""
+    if hf_config.get("model_type") == "llava":
+        vision = hf_config["vision_config"]
+        tokens = (vision["image_size"] // vision["patch_size"]) ** 2 + \
+            (hf_config.get("vision_feature_select_strategy", "default") == "full")
+        image = tokenizer.convert_ids_to_tokens([int(hf_config.get("image_token_id", 32_000))])[0]
+        return PlaceholderStyle(image, image, tokens)
     tokens = int(_processor_config(model_dir).get("image_seq_length") or hf_config.get("mm_tokens_per_image", 256))
     boi, eoi, image = tokenizer.convert_ids_to_tokens([int(hf_config.get("boi_token_id", 255_999)),
                                                        int(hf_config.get("eoi_token_id", 256_000)),
@@ -94,8 +103,12 @@ class ImagePrompts:
                              f"{len(images)} images: give one per image")
 
     def _with_images(self, ids: list[int], images: list[Image.Image]) -> PromptIds:
-        runs = image_runs(ids, self.image_token_id)
-        if len(runs) != len(images) or any(n != self.style.tokens_per_image for _, n in runs):
+        per = self.style.tokens_per_image
+        # adjacent images' runs meet when nothing separates them (LLaVA's "<image><image>")
+        runs = [(start + k * per, per) for start, n in image_runs(ids, self.image_token_id)
+                for k in range(max(1, n // per) if n % per == 0 else 1)] if per else []
+        if len(runs) != len(images) or any(n != per for _, n in runs) or \
+                sum(n for _, n in image_runs(ids, self.image_token_id)) != per * len(images):
             raise ValueError(f"the prompt's image tokens ({self.style.image_token!r}) do not form one run of "
                              f"{self.style.tokens_per_image} per image: the text must not hold image tokens itself")
         inputs = []

@@ -8,9 +8,10 @@ from __future__ import annotations
 
 import pytest
 import torch
-from vision_models import chat_text, hf_greedy, make_tiny_gemma3_vision, random_image
+from vision_models import (assert_matches_hf, chat_text, greedy_params, hf_greedy, image_prompt,
+                           make_tiny_gemma3_vision, random_image)
 
-from pagoda import LLM, SamplingParams
+from pagoda import LLM
 
 MAX_TOKENS = 8
 LONG = "Paris is the capital of France. Berlin is the capital of Germany."
@@ -45,39 +46,22 @@ def expected(hf):
     return [(text, images, hf_greedy(ref, processor, text, images, MAX_TOKENS)) for text, images in _cases(processor)]
 
 
-def _params() -> SamplingParams:
-    return SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True, logprobs=0)
-
-
-def _assert_matches(out, want, atol: float = 1e-4) -> None:
-    prompt_ids, tokens, logprobs = want
-    assert out.prompt_token_ids == prompt_ids  # the processor's ids: placeholders where it puts them
-    got = out.outputs[0]
-    assert got.token_ids == tokens
-    ours = [pos[t].logprob for t, pos in zip(got.token_ids, got.logprobs)]
-    assert max(abs(a - b) for a, b in zip(ours, logprobs)) < atol
-
-
-def _prompt(text, images) -> dict:
-    return {"prompt": text, "multi_modal_data": {"image": images}}
-
-
 @pytest.mark.parametrize("args", [{}, {"block_size": 8, "max_num_batched_tokens": 6}], ids=["whole", "chunked"])
 def test_images_equal_transformers_alone_and_batched(model_dir, expected, args):
     """Each prompt alone, then all of them in one batch with two text-only prompts between them;
     chunked: a step of 6 tokens cuts every prompt, never inside an image's run of 4."""
     llm = LLM(model=str(model_dir), dtype="float32", kv_cache_memory=0.02, enable_prefix_caching=False, **args)
     for text, images, want in expected:
-        _assert_matches(llm.generate([_prompt(text, images)], _params(), use_tqdm=False)[0], want)
+        assert_matches_hf(llm.generate([image_prompt(text, images)], greedy_params(MAX_TOKENS), use_tqdm=False)[0], want)
     text_only = ["The quick brown fox", LONG]
-    outs = llm.generate([_prompt(t, i) for t, i, _ in expected] + text_only, _params(), use_tqdm=False)
+    outs = llm.generate([image_prompt(t, i) for t, i, _ in expected] + text_only, greedy_params(MAX_TOKENS), use_tqdm=False)
     for out, (_, _, want) in zip(outs, expected):
-        _assert_matches(out, want)
-    alone = llm.generate(text_only, _params(), use_tqdm=False)
+        assert_matches_hf(out, want)
+    alone = llm.generate(text_only, greedy_params(MAX_TOKENS), use_tqdm=False)
     assert [o.outputs[0].token_ids for o in outs[len(expected):]] == [o.outputs[0].token_ids for o in alone]
     encoder = llm.engine.core.runner.images
     before = encoder.encoder_batches
-    llm.generate([_prompt(t, i) for t, i, _ in expected], _params(), use_tqdm=False)
+    llm.generate([image_prompt(t, i) for t, i, _ in expected], greedy_params(MAX_TOKENS), use_tqdm=False)
     if not args:  # whole prompts: the four images of one step went through the tower as one batch
         assert encoder.encoder_batches - before == 1
 
@@ -88,8 +72,8 @@ def test_token_ids_with_one_marker_per_image(model_dir, expected, hf):
     llm = LLM(model=str(model_dir), dtype="float32", kv_cache_memory=0.02)
     text, images, want = expected[1]
     ids = processor.tokenizer(text, add_special_tokens=True)["input_ids"]
-    out = llm.generate([{"prompt_token_ids": ids, "multi_modal_data": {"image": images}}], _params(), use_tqdm=False)
-    _assert_matches(out[0], want)
+    out = llm.generate([{"prompt_token_ids": ids, "multi_modal_data": {"image": images}}], greedy_params(MAX_TOKENS), use_tqdm=False)
+    assert_matches_hf(out[0], want)
 
 
 def test_the_image_and_its_mask_matter(hf, expected):
@@ -109,16 +93,16 @@ def test_prefix_cache_keys_images_by_their_pixels(model_dir, expected, hf):
     ref, processor = hf
     llm = LLM(model=str(model_dir), dtype="float32", kv_cache_memory=0.02, block_size=8)
     text, images, want = expected[2]  # 16+ tokens of text before the image: two blocks
-    first = llm.generate([_prompt(text, images)], _params(), use_tqdm=False)[0]
-    again = llm.generate([_prompt(text, images)], _params(), use_tqdm=False)[0]
-    _assert_matches(first, want)
-    _assert_matches(again, want)
+    first = llm.generate([image_prompt(text, images)], greedy_params(MAX_TOKENS), use_tqdm=False)[0]
+    again = llm.generate([image_prompt(text, images)], greedy_params(MAX_TOKENS), use_tqdm=False)[0]
+    assert_matches_hf(first, want)
+    assert_matches_hf(again, want)
     image = next(i for i, t in enumerate(want[0]) if t == processor.tokenizer.image_token_id)
     assert again.num_cached_tokens > image + 4  # past the image's run
     other = [random_image(11, (90, 60), "L")]
-    out = llm.generate([_prompt(text, other)], _params(), use_tqdm=False)[0]
+    out = llm.generate([image_prompt(text, other)], greedy_params(MAX_TOKENS), use_tqdm=False)[0]
     assert 0 < out.num_cached_tokens <= image  # the text before the image only
-    _assert_matches(out, hf_greedy(ref, processor, text, other, MAX_TOKENS))
+    assert_matches_hf(out, hf_greedy(ref, processor, text, other, MAX_TOKENS))
 
 
 def test_the_hubs_config_reads_with_transformers_defaults():

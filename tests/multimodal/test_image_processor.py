@@ -1,5 +1,6 @@
-"""Pixel values equal transformers' image processor's, bit for bit: Gemma 3's (on the tiny model's
-processor files) for images of every mode and shape, and the real Gemma 3 processor's settings
+"""Pixel values equal transformers' image processor's, bit for bit: Gemma 3's and LLaVA's CLIP
+processor (the shortest edge resized, the centre cropped; on the tiny models' processor files)
+for images of every mode and shape, and the real Gemma 3 processor's settings
 (896 x 896, preprocessor_config.json beside processor_config.json, as the hub ships them)."""
 
 from __future__ import annotations
@@ -8,26 +9,27 @@ import json
 
 import pytest
 import torch
-from vision_models import make_tiny_gemma3_vision, random_image
+from vision_models import make_tiny_gemma3_vision, make_tiny_llava, random_image
 
 from pagoda.multimodal.image_processor import ImageProcessorConfig, preprocess
 
 IMAGES = [((40, 30), "RGB"), ((100, 70), "RGBA"), ((20, 90), "L"), ((56, 56), "RGB"), ((1, 1), "RGB")]
 
 
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory):
-    return make_tiny_gemma3_vision(tmp_path_factory.mktemp("gemma3-processor") / "m")
+@pytest.fixture(scope="module", params=["gemma3", "llava"])
+def model_dir(request, tmp_path_factory):
+    make = make_tiny_gemma3_vision if request.param == "gemma3" else make_tiny_llava
+    return make(tmp_path_factory.mktemp(f"{request.param}-processor") / "m")
 
 
-@pytest.mark.parametrize("size, mode", IMAGES)
+@pytest.mark.parametrize("size, mode", IMAGES + [((29, 300), "RGB"), ((300, 29), "RGB")])
 def test_pixel_values_equal_the_processors(model_dir, size, mode):
     import transformers
 
     processor = transformers.AutoProcessor.from_pretrained(model_dir).image_processor
-    image = random_image(hash((size, mode)) % 1000, size, mode)
+    image = random_image(sum(size) + len(mode), size, mode)
     want = processor(images=[image], return_tensors="pt")["pixel_values"][0]
-    got = preprocess(image, ImageProcessorConfig.read(model_dir, 56))
+    got = preprocess(image, ImageProcessorConfig.read(model_dir, 0))
     assert got.dtype == want.dtype and torch.equal(got, want)
 
 
