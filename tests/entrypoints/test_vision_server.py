@@ -1,7 +1,7 @@
 """Images through `pagoda serve` on the tiny Gemma 3 vision model: the official openai client's
 chat with an image as a data: URL (and a file:// URL under --allowed-local-media-path) answers
 transformers' greedy tokens, counts the image's tokens in usage and hits the prefix cache on a
-repeated image; Ollama's `images` take the same path; bad images (corrupt, not an image, too many
+repeated image; Ollama's `images` and gRPC's `ChatMessage.images` take the same path; bad images (corrupt, not an image, too many
 pixels, too many, a remote URL, a file outside the allowed directory) are 400s that name the
 part, and the server goes on serving."""
 
@@ -16,7 +16,8 @@ import pytest
 import torch
 from vision_models import chat_text, hf_greedy, make_tiny_gemma3_vision, random_image
 
-from tests.server_process import start_server, stop_process
+from pagoda.client import EngineClient
+from tests.server_process import _free_port, start_server, stop_process
 
 MAX_TOKENS = 6
 
@@ -43,10 +44,14 @@ def media_dir(tmp_path_factory):
     return root
 
 
+GRPC_PORT = _free_port()
+
+
 @pytest.fixture(scope="module")
 def server(model_dir, media_dir):
     proc, base = start_server(model_dir, "--limit-mm-per-prompt", '{"image": 2}', "--max-image-pixels", "40000",
-                              "--allowed-local-media-path", str(media_dir), "--block-size", "8")
+                              "--allowed-local-media-path", str(media_dir), "--block-size", "8",
+                              "--grpc-port", str(GRPC_PORT))
     yield base
     stop_process(proc)
 
@@ -107,18 +112,38 @@ def test_a_local_file_under_the_allowed_directory(client, hf, media_dir):
     assert out.choices[0].message.content == text
 
 
-def test_ollama_images(server, hf):
-    image = random_image(23, (30, 30))
-    _, text = _expected(hf, [image])
-    # Ollama places a message's images before its text; the reference renders them so too
+def _images_first(hf, image) -> str:
+    """transformers' answer to TEXT with ``image`` before it (as Ollama and gRPC place a message's images)."""
     ref, processor = hf
     prompt = chat_text(processor, [{"type": "image"}, {"type": "text", "text": TEXT}])
     _, tokens, _ = hf_greedy(ref, processor, prompt, [image], MAX_TOKENS)
+    return processor.tokenizer.decode(tokens, skip_special_tokens=True)
+
+
+def test_grpc_images(server, hf):
+    import grpc
+
+    image = random_image(27, (33, 44))
+    with EngineClient(f"127.0.0.1:{GRPC_PORT}", timeout=60) as client:
+        pieces = list(client.chat([{"role": "user", "content": TEXT, "images": [_png(image)]}], max_tokens=MAX_TOKENS,
+                                  temperature=0, ignore_eos=True))
+        with pytest.raises(grpc.RpcError) as e:
+            list(client.chat([{"role": "user", "content": TEXT, "images": [b"not an image"]}], max_tokens=2))
+    assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "not an image" in e.value.details()
+    assert "".join(p.text for p in pieces) == _images_first(hf, image)
+
+
+def test_ollama_images(server, hf):
+    image = random_image(23, (30, 30))
     body = {"model": "tiny", "stream": False, "options": {"temperature": 0, "num_predict": MAX_TOKENS},
             "messages": [{"role": "user", "content": TEXT, "images": [base64.b64encode(_png(image)).decode()]}]}
     r = httpx.post(f"{server}/api/chat", json=body, timeout=60)
     assert r.status_code == 200, r.text
-    assert r.json()["message"]["content"] == processor.tokenizer.decode(tokens, skip_special_tokens=True)
+    assert r.json()["message"]["content"] == _images_first(hf, image)
+    generate = {"model": "tiny", "stream": False, "prompt": TEXT, "images": body["messages"][0]["images"],
+                "options": body["options"]}
+    r = httpx.post(f"{server}/api/generate", json=generate, timeout=60)
+    assert r.status_code == 200 and r.json()["response"] == _images_first(hf, image), r.text
     bad = {**body, "messages": [{"role": "user", "content": TEXT, "images": ["bm90IGFuIGltYWdl"]}]}
     r = httpx.post(f"{server}/api/chat", json=bad, timeout=60)
     assert r.status_code == 400 and "messages.0.images.0" in r.json()["error"]
