@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
+from pagoda import envs
 from pagoda.forward_context import AttentionMetadata
 from pagoda.worker.batch_layout import BatchLayout
 from pagoda.worker.input_batch import InputBatch
@@ -31,6 +32,9 @@ class StepImages:
 class ImageEmbeddings:
     def __init__(self, model: torch.nn.Module) -> None:
         self.model = model
+        chunk = envs.PAGODA_VISION_ATTENTION_CHUNK
+        if chunk:  # (a tower's attention in query chunks: the same result, fewer scores held at once)
+            model.vision_tower.attention_chunk = int(chunk)
         self.bidirectional = bool(getattr(model, "bidirectional_image_attention", False))
         self._rows: dict[tuple[str, int], torch.Tensor] = {}  # (request, image) → its rows [length, hidden]
         self.images_encoded = 0  # (counted for tests and the benchmark)

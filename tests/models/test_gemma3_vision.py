@@ -125,3 +125,13 @@ def test_the_hubs_config_reads_with_transformers_defaults():
     assert cfg.vocab_size == 262_208 and cfg.sliding_windows[:6] == (1024,) * 5 + (None,)
     assert cfg.rope_scaling["factor"] == 8.0 and view["image_token_id"] == 262144
     assert view["vision_config"]["layer_norm_eps"] == 1e-6 and view["architectures"] == hub["architectures"]
+
+
+def test_the_towers_attention_in_chunks_of_patches(model_dir, expected, monkeypatch):
+    """PAGODA_VISION_ATTENTION_CHUNK: 16 patches as query chunks of 5, 5, 5 and 1, the same answers."""
+    monkeypatch.setenv("PAGODA_VISION_ATTENTION_CHUNK", "5")
+    llm = LLM(model=str(model_dir), dtype="float32", kv_cache_memory=0.02)
+    assert llm.engine.core.model.vision_tower.attention_chunk == 5
+    outs = llm.generate([image_prompt(t, i) for t, i, _ in expected], greedy_params(MAX_TOKENS), use_tqdm=False)
+    for out, (_, _, want) in zip(outs, expected):
+        assert_matches_hf(out, want)
