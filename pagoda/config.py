@@ -325,6 +325,8 @@ def check_tensor_parallel(tp: int, hf_config: dict) -> None:
     replicated when there are fewer of them than ranks."""
     if tp == 1:
         return
+    if isinstance(hf_config.get("vision_config"), dict):  # (the ranks' shard plan knows no vision tower)
+        raise ValueError(f"tensor_parallel_size={tp}: a vision-language model runs on one rank")
     heads = hf_config["num_attention_heads"]
     kv_heads = hf_config.get("num_key_value_heads") or heads
     intermediate = hf_config["intermediate_size"]

@@ -101,6 +101,9 @@ def test_chat_with_a_data_url_answers_as_transformers(client, hf):
     changed = _chat(client, parts)  # the same placeholders, another image: no hit through it
     assert changed.choices[0].message.content == other_text
     assert (changed.usage.prompt_tokens_details.cached_tokens or 0) <= image_at
+    tokens = httpx.post(f"{client.base_url}".removesuffix("/v1/") + "/tokenize",
+                        json={"model": "tiny", "messages": [{"role": "user", "content": parts}]}, timeout=30).json()
+    assert tokens["tokens"] == ids and tokens["count"] == first.usage.prompt_tokens  # /tokenize takes images too
 
 
 def test_a_local_file_under_the_allowed_directory(client, hf, media_dir):

@@ -135,3 +135,13 @@ def test_the_towers_attention_in_chunks_of_patches(model_dir, expected, monkeypa
     outs = llm.generate([image_prompt(t, i) for t, i, _ in expected], greedy_params(MAX_TOKENS), use_tqdm=False)
     for out, (_, _, want) in zip(outs, expected):
         assert_matches_hf(out, want)
+
+
+def test_tensor_parallelism_is_refused_clearly(model_dir):
+    import json
+
+    from pagoda.config import check_tensor_parallel
+    from pagoda.models.vision_config import language_view
+
+    with pytest.raises(ValueError, match="vision-language model runs on one rank"):
+        check_tensor_parallel(2, language_view(json.loads((model_dir / "config.json").read_text())))
