@@ -155,3 +155,30 @@ def multimodal_prompt(prompts: ImagePrompts | None, prompt: dict) -> tuple[str |
     if not isinstance(prompt.get("prompt"), str):
         raise ValueError("a prompt with multi_modal_data needs 'prompt' (text) or 'prompt_token_ids'")
     return prompt["prompt"], prompts.from_text(prompt["prompt"], images)
+
+
+def chat_images(conversation: list[dict], prompts: ImagePrompts | None) -> tuple[list[dict], list[Image.Image]]:
+    """``LLM.chat``'s messages with vLLM's image parts (``image_url`` with a URL, ``image_pil``
+    with a PIL image, or ``image`` with either) as the template's ``{"type": "image"}``, and the
+    images in order."""
+    images: list[Image.Image] = []
+    out = []
+    for i, message in enumerate(conversation):
+        content = message.get("content")
+        if not isinstance(content, list):
+            out.append(message)
+            continue
+        parts = []
+        for j, part in enumerate(content):
+            kind = part.get("type") if isinstance(part, dict) else None
+            if kind not in ("image_url", "image_pil", "image"):
+                parts.append(part)
+                continue
+            if prompts is None:
+                raise ValueError(f"messages[{i}].content[{j}]: this model takes no images")
+            source = part.get(kind)
+            source = source.get("url") if isinstance(source, dict) else source
+            images.append(load_image(source, prompts.limits, f"messages[{i}].content[{j}]"))
+            parts.append({"type": "image"})
+        out.append({**message, "content": parts})
+    return out, images

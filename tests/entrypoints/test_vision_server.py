@@ -174,3 +174,15 @@ def test_more_images_than_the_limit_is_a_400(client):
     with pytest.raises(openai.BadRequestError) as e:
         _chat(client, [{"type": "text", "text": TEXT}, part, part, part])
     assert "limit-mm-per-prompt" in e.value.body["message"]
+
+
+def test_what_does_not_take_images_says_so(server, client):
+    """A session's stored history and beam search's token-id beams take no images: a 400 each."""
+    part = {"type": "image_url", "image_url": {"url": _data_url(_png(random_image(28)))}}
+    r = httpx.post(f"{server}/v1/sessions", json={"model": "tiny", "messages": [
+        {"role": "user", "content": [{"type": "text", "text": TEXT}, part]}]}, timeout=30)
+    assert r.status_code == 400 and "session" in r.json()["error"]["message"]
+    with pytest.raises(openai.BadRequestError) as e:
+        client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": [part]}], max_tokens=2,
+                                       extra_body={"use_beam_search": True, "best_of": 2, "n": 1})
+    assert "beam search does not take images" in e.value.body["message"]

@@ -145,3 +145,21 @@ def test_tensor_parallelism_is_refused_clearly(model_dir):
 
     with pytest.raises(ValueError, match="vision-language model runs on one rank"):
         check_tensor_parallel(2, language_view(json.loads((model_dir / "config.json").read_text())))
+
+
+def test_llm_chat_takes_vllms_image_parts(model_dir, expected):
+    """LLM.chat with an image_url part (a data: URL) and an image_pil part: the template's image
+    markers, placed as the processor places them (the chat template writes its own specials)."""
+    import base64
+    import io
+
+    text, images, want = expected[1]  # "Compare <image> and <image> please"
+    buffer = io.BytesIO()
+    images[0].save(buffer, format="PNG")
+    url = "data:image/png;base64," + base64.b64encode(buffer.getvalue()).decode()
+    llm = LLM(model=str(model_dir), dtype="float32", kv_cache_memory=0.02)
+    content = [{"type": "text", "text": "Compare"}, {"type": "image_url", "image_url": {"url": url}},
+               {"type": "text", "text": "and"}, {"type": "image_pil", "image_pil": images[1]},
+               {"type": "text", "text": "please"}]
+    out = llm.chat([{"role": "user", "content": content}], greedy_params(MAX_TOKENS), use_tqdm=False)[0]
+    assert_matches_hf(out, want)  # (the PNG round trip keeps the RGB pixels; the RGBA one went as a PIL image)
