@@ -80,6 +80,8 @@ class InputProcessor:
         validate_structured_outputs(params.structured_outputs)
         lora_request = self.adapters.check(lora_request)
         text, prompt_ids = self.tokenize_prompt(prompt)
+        if self.images is not None and not images_of(prompt_ids):
+            self.images.check_no_image_tokens(prompt_ids)
         if isinstance(prompt, dict) and prompt.get("cache_salt") is not None:
             cache_salt = str(prompt["cache_salt"])  # vLLM's way: the salt rides with the prompt
         arrival_time = time.monotonic() if arrival_time is None else arrival_time

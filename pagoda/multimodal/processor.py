@@ -96,6 +96,11 @@ class ImagePrompts:
             out.extend(run if t == self.marker_id else (t,))
         return self._with_images(out, images)
 
+    def check_no_image_tokens(self, ids: list[int]) -> None:
+        """A prompt without images must not hold the image token (its rows would come from nowhere)."""
+        if self.image_token_id in ids:
+            raise ValueError(f"the prompt holds image tokens ({self.style.image_token!r}) but no images")
+
     def _check_count(self, markers: int, images: list[Image.Image]) -> None:
         self.limits.check_count(len(images))
         if markers != len(images):
@@ -104,17 +109,16 @@ class ImagePrompts:
 
     def _with_images(self, ids: list[int], images: list[Image.Image]) -> PromptIds:
         per = self.style.tokens_per_image
-        # adjacent images' runs meet when nothing separates them (LLaVA's "<image><image>")
-        runs = [(start + k * per, per) for start, n in image_runs(ids, self.image_token_id)
-                for k in range(max(1, n // per) if n % per == 0 else 1)] if per else []
-        if len(runs) != len(images) or any(n != per for _, n in runs) or \
-                sum(n for _, n in image_runs(ids, self.image_token_id)) != per * len(images):
+        runs = image_runs(ids, self.image_token_id)
+        if any(n % per for _, n in runs) or sum(n for _, n in runs) != per * len(images):
             raise ValueError(f"the prompt's image tokens ({self.style.image_token!r}) do not form one run of "
-                             f"{self.style.tokens_per_image} per image: the text must not hold image tokens itself")
+                             f"{per} per image: the text must not hold image tokens itself")
+        # adjacent images' runs meet when nothing separates them (LLaVA's "<image><image>")
+        offsets = [start + k * per for start, n in runs for k in range(n // per)]
         inputs = []
-        for (offset, length), image in zip(runs, images):
+        for offset, image in zip(offsets, images):
             pixels = preprocess(image, self.processor)
-            inputs.append(ImageInput(pixels, offset, length, pixel_hash(pixels)))
+            inputs.append(ImageInput(pixels, offset, per, pixel_hash(pixels)))
         return PromptIds.with_images(ids, tuple(inputs))
 
 

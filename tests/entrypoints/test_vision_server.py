@@ -169,6 +169,12 @@ def test_bad_images_are_400s_naming_the_part(client, url, says):
     assert _chat(client, [{"type": "text", "text": TEXT}]).choices[0].finish_reason == "length"  # still serving
 
 
+def test_image_tokens_without_an_image_are_a_400(client):
+    with pytest.raises(openai.BadRequestError) as e:
+        _chat(client, [{"type": "text", "text": "look: <image_soft_token>"}])
+    assert "image tokens" in e.value.body["message"] and "no images" in e.value.body["message"]
+
+
 def test_more_images_than_the_limit_is_a_400(client):
     part = {"type": "image_url", "image_url": {"url": _data_url(_png(random_image(25)))}}
     with pytest.raises(openai.BadRequestError) as e:
