@@ -51,7 +51,7 @@ GRPC_PORT = _free_port()
 def server(model_dir, media_dir):
     proc, base = start_server(model_dir, "--limit-mm-per-prompt", '{"image": 2}', "--max-image-pixels", "40000",
                               "--allowed-local-media-path", str(media_dir), "--block-size", "8",
-                              "--grpc-port", str(GRPC_PORT))
+                              "--grpc-port", str(GRPC_PORT), "--engine-process")  # images pickled to the engine
     yield base
     stop_process(proc)
 
