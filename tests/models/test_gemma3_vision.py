@@ -163,3 +163,20 @@ def test_llm_chat_takes_vllms_image_parts(model_dir, expected):
                {"type": "text", "text": "please"}]
     out = llm.chat([{"role": "user", "content": content}], greedy_params(MAX_TOKENS), use_tqdm=False)[0]
     assert_matches_hf(out, want)  # (the PNG round trip keeps the RGB pixels; the RGBA one went as a PIL image)
+
+
+def test_preempted_image_requests_answer_the_same(model_dir, hf):
+    """A KV budget of 48 blocks for six image prompts of 24 tokens each: requests are preempted
+    and recomputed (their images encoded again) and answer as with room to spare."""
+    from pagoda import SamplingParams
+
+    _, processor = hf
+    prompts = [image_prompt(chat_text(processor, [{"type": "image"}, {"type": "text", "text": f"The quick fox {i}"}]),
+                            [random_image(40 + i)]) for i in range(6)]
+    params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+    roomy = LLM(model=str(model_dir), dtype="float32", kv_cache_memory=0.02)
+    want = [o.outputs[0].token_ids for o in roomy.generate(prompts, params, use_tqdm=False)]
+    block = 2 * 4 * 16 * 2 * 32 * 4  # K+V, layers, block, kv heads, head dim, fp32
+    small = LLM(model=str(model_dir), dtype="float32", kv_cache_memory=12 * block / 2**30)
+    assert [o.outputs[0].token_ids for o in small.generate(prompts, params, use_tqdm=False)] == want
+    assert small.engine.core.scheduler.num_preemptions_total > 0
