@@ -23,7 +23,6 @@ import sys
 import time
 
 import torch
-import torch.nn.functional as F
 
 SIGLIP_SO400M = {"hidden_size": 1152, "intermediate_size": 4304, "num_attention_heads": 16, "patch_size": 14,
                  "hidden_act": "gelu_pytorch_tanh", "layer_norm_eps": 1e-6}

@@ -203,3 +203,11 @@ def assert_matches_hf(out, want, atol: float = 1e-4) -> None:
     assert got.token_ids == tokens
     ours = [pos[t].logprob for t, pos in zip(got.token_ids, got.logprobs)]
     assert max(abs(a - b) for a, b in zip(ours, logprobs)) < atol
+
+
+def reference(model_dir: Path, model_class: str = "Gemma3ForConditionalGeneration"):
+    """(transformers' model in fp32, its processor) of a directory, the tests' reference."""
+    import transformers
+
+    model = getattr(transformers, model_class).from_pretrained(model_dir, dtype=torch.float32).eval()
+    return model, transformers.AutoProcessor.from_pretrained(model_dir)

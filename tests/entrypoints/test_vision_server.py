@@ -13,8 +13,7 @@ import io
 import httpx
 import openai
 import pytest
-import torch
-from vision_models import chat_text, hf_greedy, make_tiny_gemma3_vision, random_image
+from vision_models import chat_text, hf_greedy, make_tiny_gemma3_vision, random_image, reference
 
 from pagoda.client import EngineClient
 from tests.server_process import _free_port, start_server, stop_process
@@ -63,10 +62,7 @@ def client(server):
 
 @pytest.fixture(scope="module")
 def hf(model_dir):
-    import transformers
-
-    ref = transformers.Gemma3ForConditionalGeneration.from_pretrained(model_dir, dtype=torch.float32).eval()
-    return ref, transformers.AutoProcessor.from_pretrained(model_dir)
+    return reference(model_dir)
 
 
 TEXT = "Paris is the capital of France. Describe"

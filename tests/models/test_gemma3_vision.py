@@ -7,9 +7,8 @@ test shows matters."""
 from __future__ import annotations
 
 import pytest
-import torch
 from vision_models import (assert_matches_hf, chat_text, greedy_params, hf_greedy, image_prompt,
-                           make_tiny_gemma3_vision, random_image)
+                           make_tiny_gemma3_vision, random_image, reference)
 
 from pagoda import LLM
 
@@ -24,10 +23,7 @@ def model_dir(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def hf(model_dir):
-    import transformers
-
-    ref = transformers.Gemma3ForConditionalGeneration.from_pretrained(model_dir, dtype=torch.float32).eval()
-    return ref, transformers.AutoProcessor.from_pretrained(model_dir)
+    return reference(model_dir)
 
 
 def _cases(processor) -> list[tuple[str, list]]:

@@ -7,9 +7,8 @@ and with two images side by side (their runs meet)."""
 from __future__ import annotations
 
 import pytest
-import torch
 from vision_models import (assert_matches_hf, chat_text, greedy_params, hf_greedy, image_prompt, make_tiny_llava,
-                           random_image)
+                           random_image, reference)
 
 from pagoda import LLM
 
@@ -18,11 +17,8 @@ MAX_TOKENS = 8
 
 @pytest.fixture(scope="module", params=["default", "full"])
 def model(request, tmp_path_factory):
-    import transformers
-
     path = make_tiny_llava(tmp_path_factory.mktemp(f"llava-{request.param}") / "m", seed=3, strategy=request.param)
-    ref = transformers.LlavaForConditionalGeneration.from_pretrained(path, dtype=torch.float32).eval()
-    processor = transformers.AutoProcessor.from_pretrained(path)
+    ref, processor = reference(path, "LlavaForConditionalGeneration")
     one = chat_text(processor, [{"type": "image"}, {"type": "text", "text": "The quick brown fox"}])
     side = chat_text(processor, [{"type": "text", "text": "Compare"}, {"type": "image"}, {"type": "image"}])
     cases = [(one, [random_image(1, (50, 30))]), (side, [random_image(2, (20, 60), "RGBA"), random_image(3)])]

@@ -5,10 +5,10 @@ processor's count, image tokens included); a broken image file is the server's 4
 
 from __future__ import annotations
 
-import shutil
 from pathlib import Path
 
 import pytest
+from browser_session import chromium
 from server_process import start_server, stop_process
 from vision_models import chat_text, make_tiny_gemma3_vision, random_image
 
@@ -16,7 +16,6 @@ webdriver = pytest.importorskip("selenium.webdriver")
 from selenium.webdriver.common.by import By  # noqa: E402
 from selenium.webdriver.support.ui import WebDriverWait  # noqa: E402
 
-CHROMEDRIVER = shutil.which("chromedriver") or "/usr/bin/chromedriver"
 TEXT = "What is in the picture?"
 
 
@@ -34,14 +33,7 @@ def server(model_dir):
 
 @pytest.fixture(scope="module")
 def browser():
-    if not Path(CHROMEDRIVER).exists():
-        pytest.skip("chromedriver is not installed (apt-get install chromium chromium-driver; .ci/run does)")
-    options = webdriver.ChromeOptions()
-    for flag in ("--headless=new", "--no-sandbox", "--disable-dev-shm-usage", "--window-size=1400,1000"):
-        options.add_argument(flag)
-    driver = webdriver.Chrome(options=options, service=webdriver.ChromeService(executable_path=CHROMEDRIVER))
-    yield driver
-    driver.quit()
+    yield from chromium()
 
 
 def _wait(driver, condition, timeout: float = 30):
