@@ -119,6 +119,19 @@ def _images_first(hf, image) -> str:
     return processor.tokenizer.decode(tokens, skip_special_tokens=True)
 
 
+def test_anthropic_image_blocks(server, hf):
+    import anthropic
+
+    image = random_image(29, (44, 33))
+    client = anthropic.Anthropic(base_url=server, api_key="none", max_retries=0)
+    out = client.messages.create(model="tiny", max_tokens=MAX_TOKENS, extra_body={"ignore_eos": True, "temperature": 0.0},
+                                 messages=[{"role": "user", "content": [
+                                     {"type": "text", "text": TEXT},
+                                     {"type": "image", "source": {"type": "base64", "media_type": "image/png",
+                                                                  "data": base64.b64encode(_png(image)).decode()}}]}])
+    assert out.content[0].text == _expected(hf, [image])[1]
+
+
 def test_grpc_images(server, hf):
     import grpc
 
