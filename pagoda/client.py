@@ -49,7 +49,8 @@ class EngineClient:
     def chat(self, messages: list[dict], model: str = "", *, tools: list[dict] | None = None,
              tool_choice: str | dict | None = None, response_format: dict | None = None,
              **sampling) -> Iterator[pb.GenerateResponse]:
-        """Messages in the HTTP API's shape (tool calls and tool results included); tools,
+        """Messages in the HTTP API's shape (tool calls and tool results included; a message's
+        ``images``: encoded image files, for a vision-language model); tools,
         tool_choice and response_format as there. With tools, the last piece has `tool_calls`."""
         request = pb.ChatRequest(model=model, sampling=pb.SamplingOptions(**sampling),
                                  messages=[_chat_message(m) for m in messages])
@@ -93,4 +94,5 @@ def _chat_message(message: dict) -> pb.ChatMessage:
     calls = [pb.ToolCall(id=c.get("id", ""), name=c["function"]["name"], arguments=c["function"]["arguments"])
              for c in message.get("tool_calls") or ()]
     return pb.ChatMessage(role=message["role"], content=message.get("content") or "",
-                          tool_call_id=message.get("tool_call_id") or "", tool_calls=calls)
+                          tool_call_id=message.get("tool_call_id") or "", tool_calls=calls,
+                          images=list(message.get("images") or ()))  # encoded image files (bytes)

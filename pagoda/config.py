@@ -25,6 +25,7 @@ from pagoda.loader.model_files import ModelFiles
 from pagoda.loader.pooling_model import choose_runner, sep_token_id
 from pagoda.loader.resolve import resolve_model
 from pagoda.models.model_classes import resolve_architecture
+from pagoda.multimodal.limits import ImageLimits, image_limits
 from pagoda.platform import available_memory_bytes, default_device
 from pagoda.pooling_params import PoolerConfig
 from pagoda.spec_decode.speculative_config import SpeculativeConfig
@@ -150,6 +151,7 @@ class EngineConfig:
     lora: LoRAConfig | None = None  # LoRA adapters are served (EngineArgs.enable_lora)
     kv_events: KVEventsConfig | None = None  # the prefix cache's events are published (--kv-events-config)
     kv_offload: KVOffloadConfig = KVOffloadConfig()
+    images: ImageLimits = ImageLimits()  # what a prompt's images may be (--limit-mm-per-prompt, ...)
 
 
 def create_engine_config(args: EngineArgs) -> EngineConfig:
@@ -217,6 +219,7 @@ def create_engine_config(args: EngineArgs) -> EngineConfig:
                                    else (1.0 if args.kv_offload_dir or args.kv_offload_url else 0.0),
                                    args.kv_offload_dir, args.kv_offload_disk, args.kv_offload_url, args.kv_role,
                                    args.kv_offload_write_policy),
+        images=image_limits(args),
     )
 
 
@@ -324,6 +327,8 @@ def check_tensor_parallel(tp: int, hf_config: dict) -> None:
     replicated when there are fewer of them than ranks."""
     if tp == 1:
         return
+    if isinstance(hf_config.get("vision_config"), dict):  # (the ranks' shard plan knows no vision tower)
+        raise ValueError(f"tensor_parallel_size={tp}: a vision-language model runs on one rank")
     heads = hf_config["num_attention_heads"]
     kv_heads = hf_config.get("num_key_value_heads") or heads
     intermediate = hf_config["intermediate_size"]

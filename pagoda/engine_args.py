@@ -192,6 +192,15 @@ class EngineArgs:
         "publish the prefix cache's stored / removed blocks over ZMQ in vLLM's format, as vLLM's JSON: "
         "{\"enable_kv_cache_events\": true, \"publisher\": \"zmq\", \"endpoint\": \"tcp://*:5557\", "
         "\"topic\": \"kv-events\"} (needs pip install 'pagoda[kv-events]')"))
+    # images in prompts (pagoda/multimodal/limits.py), vLLM's flags
+    limit_mm_per_prompt: str | None = field(default=None, metadata=_option(
+        "images a prompt may hold, as vLLM's JSON '{\"image\": 2}' (default: 8)"))
+    max_image_pixels: int = field(default=4096 * 4096, metadata=_option(
+        "the most pixels (width x height) an image may have; a larger one is a 400 (default: %(default)s)"))
+    allowed_local_media_path: str | None = field(default=None, metadata=_option(
+        "a directory whose files image_url may name as file:// URLs (default: none may be read)"))
+    allowed_media_domains: str | None = field(default=None, metadata=_option(
+        "comma-separated hosts whose http(s) image URLs are fetched (default: none; send data: URLs)"))
     extra: dict = field(default_factory=dict, metadata=NO_OPTION)
 
     @classmethod
@@ -249,6 +258,7 @@ class EngineArgs:
             (self.kv_offload_disk > 0, "kv_offload_disk", "must be > 0 GiB"),
             (self.kv_offload_dir != "", "kv_offload_dir", "must name a directory"),
             (self.kv_offload_url != "", "kv_offload_url", "must name a server (redis://HOST:PORT)"),
+            (self.max_image_pixels >= 1, "max_image_pixels", "must be >= 1"),
             (self.kv_role in KV_ROLES, "kv_role", f"must be one of {', '.join(KV_ROLES)}"),
             (self.kv_role == "both" or self.kv_offload_dir or self.kv_offload_url, "kv_role",
              "needs a shared KV tier to hand the KV over: --kv-offload-dir (one host; a directory in /dev/shm is "

@@ -55,6 +55,9 @@ VARIABLES: dict[str, Callable[[], Any]] = {
     "PAGODA_REPACK_CACHE": _on_unless_zero("PAGODA_REPACK_CACHE"),
     # 0: glibc may hand freed memory back to the system between steps (heap.py)
     "PAGODA_KEEP_FREED_MEMORY": _on_unless_zero("PAGODA_KEEP_FREED_MEMORY"),
+    # a vision tower's attention in chunks of this many query patches (models/siglip.py; empty: all
+    # at once): less memory where attention holds every score; see benchmarks/README.md
+    "PAGODA_VISION_ATTENTION_CHUNK": _text("PAGODA_VISION_ATTENTION_CHUNK"),
     # -- tensor parallelism ---------------------------------------------------------------------
     # 0: ranks on one node exchange through gloo, not shared memory (to compare; worker/worker.py)
     "PAGODA_TP_SHARED_MEMORY": _on_unless_zero("PAGODA_TP_SHARED_MEMORY"),

@@ -18,6 +18,9 @@ class PrefillSeq:
     query_len: int
     start: int  # tokens already in the KV cache before this step (prefix / earlier chunks)
     block_table: torch.Tensor  # int64 [num_blocks_of_seq]
+    # [start, end) positions of the images whose tokens attend to each other both ways (Gemma 3;
+    # layers/image_attention.py); empty: causal
+    image_spans: tuple[tuple[int, int], ...] = ()
 
 
 @dataclass

@@ -14,6 +14,7 @@ from dataclasses import dataclass, field, fields
 from typing import TYPE_CHECKING
 
 from pagoda.lora.request import LoRARequest
+from pagoda.multimodal.inputs import ImageInput, cache_token_ids
 from pagoda.pooling_params import PoolingParams
 from pagoda.sampling_params import SamplingParams
 
@@ -64,6 +65,7 @@ class EngineCoreRequest:
     session_id: str | None = None  # a conversation's turn: its prefix stays pinned for the next turn
     pooling_params: PoolingParams | None = None  # a pooling request's (the pooling runner's only kind)
     lora_request: LoRARequest | None = None  # the adapter it runs under (None: the base model)
+    images: tuple[ImageInput, ...] = ()  # the prompt's images and their placeholder runs (pagoda/multimodal)
 
 
 @dataclass
@@ -105,6 +107,15 @@ class Request(EngineCoreRequest):
         if self.lora_request is None:
             return self.cache_salt
         return (self.cache_salt, *self.lora_request.prefix_key)
+
+    @property
+    def cache_token_ids(self) -> list[int]:
+        """The ids the prefix cache keys its blocks on: ``all_token_ids``, with each image's
+        placeholder tokens standing for a hash of its pixels (the same image is a hit, another
+        image behind the same placeholders never is)."""
+        if not self.images:
+            return self.all_token_ids
+        return cache_token_ids(self.all_token_ids, self.images)
 
     @property
     def lora_id(self) -> int:

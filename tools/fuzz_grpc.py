@@ -29,6 +29,7 @@ _SCALARS = {
     FieldDescriptor.TYPE_FLOAT: st.floats(width=32), FieldDescriptor.TYPE_DOUBLE: st.floats(),
     FieldDescriptor.TYPE_BOOL: st.booleans(),
     FieldDescriptor.TYPE_STRING: st.text(max_size=40) | st.sampled_from(["", "{}", "[]", '{"type": "object"}', "[0-9"]),
+    FieldDescriptor.TYPE_BYTES: st.binary(max_size=64),  # ChatMessage.images: encoded image files
 }
 
 

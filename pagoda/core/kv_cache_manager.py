@@ -129,7 +129,7 @@ class KVCacheManager:
         is admitted."""
         if request.block_ids or request.num_computed_tokens or not self._uses_prefix_cache(request):
             return None
-        tokens = request.all_token_ids[: request.num_tokens - 1]
+        tokens = request.cache_token_ids[: request.num_tokens - 1]
         if self.tiers is not None:
             self._promote(request, tokens)
         match = self.cache.match(tokens, request.prefix_key)
@@ -266,7 +266,7 @@ class KVCacheManager:
         done = self._num_cached.get(request.request_id, 0)
         if full <= done:
             return
-        tokens = request.all_token_ids[: full * self.block_size]
+        tokens = request.cache_token_ids[: full * self.block_size]
         extras = self._group_blocks(request, full) if self.num_groups > 1 else None
         locked = self._locked.get(request.request_id)
         if locked is not None:  # its first `done` blocks are stored up to the node it holds
@@ -358,7 +358,7 @@ class KVCacheManager:
         if finished and request.session_id is not None and self.sessions is not None:
             full = min(len(request.block_ids), request.num_computed_tokens // self.block_size,
                        self._num_cached.get(request.request_id, 0))
-            self.sessions.pin(request.session_id, request.all_token_ids, full, request.prefix_key)
+            self.sessions.pin(request.session_id, request.cache_token_ids, full, request.prefix_key)
         if finished and self.tiers is not None:
             self.tiers.forget(request.request_id)
         node = self._locked.pop(request.request_id, None)

@@ -93,10 +93,11 @@ class KVEventLog:
     def stored(self, request: Request, block_ids: list[int], have: int, full: int) -> None:
         """``block_ids[have:full]`` (of ``request``) entered the tree after its first ``have`` blocks."""
         bs, tokens = self.block_size, request.all_token_ids
+        keys = request.cache_token_ids  # an image's placeholders hash as its pixels' hash
         parent = self.block_hash.get(block_ids[have - 1]) if have else None
         first_parent, hashes = parent, []
         for i in range(have, full):
-            parent = _chain(parent, tokens[i * bs:(i + 1) * bs], request.prefix_key)
+            parent = _chain(parent, keys[i * bs:(i + 1) * bs], request.prefix_key)
             self.block_hash[block_ids[i]] = parent
             hashes.append(parent)
         if hashes:

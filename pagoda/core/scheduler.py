@@ -45,6 +45,7 @@ from pagoda.core.scheduler_stats import SchedulerStats, SpecDecodeCounters, sche
 from pagoda.core.stop_conditions import grammar_verdict, stop_verdict
 from pagoda.core.worker_deltas import WorkerDeltas
 from pagoda.engine_args import EngineArgs
+from pagoda.multimodal.inputs import fit_to_images
 from pagoda.outputs import ModelRunnerOutput
 from pagoda.request import Request, RequestStatus
 
@@ -134,6 +135,8 @@ class Scheduler:
         while i < len(self.running) and budget > 0:
             request = self.running[i]
             num_new = self.chunking.chunk(request.num_tokens - request.num_computed_tokens, budget)
+            if request.images:  # a step computes an image's run whole (its tokens attend both ways)
+                num_new = fit_to_images(request.images, request.num_computed_tokens, num_new)
             if num_new <= 0 or (yielding and is_background(request)):
                 i += 1
                 continue
@@ -270,8 +273,10 @@ class Scheduler:
             cached = add_prefix(request, self.kv.match_prefix(request), self.kv.block_size)
             remaining = request.num_tokens - request.num_computed_tokens
             num_new = self.chunking.chunk(remaining, budget)
+            if request.images:  # a step computes an image's run whole (its tokens attend both ways)
+                num_new = fit_to_images(request.images, request.num_computed_tokens, num_new)
             whole = request.pooling_params is None or num_new == remaining  # a pooling prompt runs in one step
-            if not whole or not slots.take(remaining, remaining - num_new):
+            if num_new <= 0 or not whole or not slots.take(remaining, remaining - num_new):
                 self._give_back_prefix(request)
                 continue
             if (request is not favored and self._under_pressure(self.kv.blocks_needed(request, num_new))) \

@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 import torch
 
 from pagoda.lora.request import LoRARequest
+from pagoda.multimodal.inputs import ImageInput
 from pagoda.pooling_params import PoolingParams
 from pagoda.sampling_params import SamplingParams
 
@@ -33,6 +34,7 @@ class NewRequestData:
     group_block_ids: list[list[int]] = field(default_factory=list)
     pooling_params: PoolingParams | None = None  # a pooling request's: its vector comes back, no tokens
     lora_id: int = 0  # the LoRA adapter it runs under (0: the base model), held by the workers
+    images: tuple[ImageInput, ...] = ()  # its prompt's images: pixels and placeholder runs (pagoda/multimodal)
 
 
 @dataclass

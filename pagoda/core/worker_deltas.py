@@ -45,6 +45,7 @@ class WorkerDeltas:
                     rid, list(request.prompt_token_ids), request.sampling_params, list(request.block_ids),
                     request.num_computed_tokens, list(request.output_token_ids),
                     [list(ids) for ids in request.group_block_ids], request.pooling_params, request.lora_id,
+                    request.images,
                 ))
                 if self.loras is not None:
                     self.loras.sent(request, out)

@@ -16,6 +16,7 @@ from pagoda.config import EngineConfig
 from pagoda.engine.core import EngineCoreOutput, RequestLimits
 from pagoda.engine.input_processor import InputProcessor, PreparedRequest
 from pagoda.lora.checks import AdapterChecks
+from pagoda.multimodal.processor import image_prompts
 from pagoda.engine.output_processor import OutputProcessor
 from pagoda.generation_defaults import sampling_defaults
 from pagoda.outputs import PoolingOutput, PoolingRequestOutput, RequestOutput
@@ -30,8 +31,10 @@ class FrontEnd:
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
         self.tokenizer = Tokenizer(config.model.files.metadata_dir, chat_template=config.model.chat_template)
+        images = image_prompts(config.model.hf_config, config.model.files.metadata_dir, self.tokenizer, config.images,
+                               config.scheduler.max_num_batched_tokens)
         self.input_processor = InputProcessor(self.tokenizer, AdapterChecks(config.lora, config.model.hf_config,
-                                                                            config.model.files.adapter))
+                                                                            config.model.files.adapter), images)
         self.output_processor = OutputProcessor(self.tokenizer)
         # The model's own defaults for what a request leaves unset (generation_defaults.py)
         self.sampling_defaults = sampling_defaults(config.model.generation_config, config.model.files.metadata_dir)

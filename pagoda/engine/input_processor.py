@@ -11,6 +11,8 @@ from typing import TYPE_CHECKING, Any
 from pagoda.engine.content_filter import ContentFilterError
 from pagoda.lora.checks import AdapterChecks
 from pagoda.lora.request import LoRARequest
+from pagoda.multimodal.inputs import PromptIds, images_of
+from pagoda.multimodal.processor import ImagePrompts, multimodal_prompt
 from pagoda.pooling_params import PoolingParams
 from pagoda.request import EngineCoreRequest
 from pagoda.sampling_params import SamplingParams
@@ -43,8 +45,10 @@ class InputProcessor:
     """Thread-safe once `limits` is set (it reads only immutable state), so the server runs it
     on the HTTP side while the core steps elsewhere."""
 
-    def __init__(self, tokenizer: Tokenizer, adapters: AdapterChecks | None = None) -> None:
+    def __init__(self, tokenizer: Tokenizer, adapters: AdapterChecks | None = None,
+                 images: ImagePrompts | None = None) -> None:
         self.tokenizer = tokenizer
+        self.images = images  # a vision-language model's image path (None: a text model)
         self.adapters = adapters or AdapterChecks(None, {})  # a request's LoRA adapter, checked
         self.eos_token_ids = set(tokenizer.eos_token_ids)
         self.limits: RequestLimits | None = None  # the core's, set once its client is up
@@ -53,6 +57,10 @@ class InputProcessor:
         if isinstance(prompt, str):
             return prompt, self.tokenizer.encode(prompt)
         if isinstance(prompt, dict):
+            if "multi_modal_data" in prompt:
+                return multimodal_prompt(self.images, prompt)
+            if isinstance(prompt.get("prompt_token_ids"), PromptIds):  # a server's, images processed
+                return prompt.get("prompt"), prompt["prompt_token_ids"]
             if "prompt_token_ids" in prompt:
                 ids = prompt["prompt_token_ids"]
                 if not isinstance(ids, list) or not all(isinstance(t, int) and not isinstance(t, bool) for t in ids):
@@ -72,6 +80,8 @@ class InputProcessor:
         validate_structured_outputs(params.structured_outputs)
         lora_request = self.adapters.check(lora_request)
         text, prompt_ids = self.tokenize_prompt(prompt)
+        if self.images is not None and not images_of(prompt_ids):
+            self.images.check_no_image_tokens(prompt_ids)
         if isinstance(prompt, dict) and prompt.get("cache_salt") is not None:
             cache_salt = str(prompt["cache_salt"])  # vLLM's way: the salt rides with the prompt
         arrival_time = time.monotonic() if arrival_time is None else arrival_time
@@ -81,7 +91,7 @@ class InputProcessor:
             child.all_stop_token_ids = set(self.eos_token_ids)
             requests.append(EngineCoreRequest(core_id, prompt_ids, child, priority=priority, arrival_time=arrival_time,
                                               cache_salt=cache_salt, session_id=session_id,
-                                              lora_request=lora_request))
+                                              lora_request=lora_request, images=images_of(prompt_ids)))
         self.limits.validate(requests[0])  # the children share the prompt
         return PreparedRequest(request_id, text, prompt_ids, samples, requests, arrival_time)
 

@@ -13,6 +13,7 @@ from pagoda.engine.content_filter import Moderation
 from pagoda.engine.input_processor import PromptType
 from pagoda.lora.request import LoRARequest
 from pagoda.engine.llm_engine import LLMEngine
+from pagoda.multimodal.processor import chat_images
 from pagoda.engine.scoring import cosine, score_pairs
 from pagoda.outputs import PoolingRequestOutput, RequestOutput, ScoringOutput
 from pagoda.pooling_params import PoolingParams
@@ -103,8 +104,11 @@ class LLM:
         tokenizer = self.engine.tokenizer
         prompts = []
         for conv in conversations:
+            conv, images = chat_images(conv, self.engine.input_processor.images)  # vLLM's image parts
             text = tokenizer.apply_chat_template(conv, add_generation_prompt, **(chat_template_kwargs or {}))
-            prompts.append({"prompt": text, "prompt_token_ids": tokenizer.encode(text, add_special_tokens=False)})
+            ids = self.engine.input_processor.images.from_text(text, images, add_special_tokens=False) if images \
+                else tokenizer.encode(text, add_special_tokens=False)
+            prompts.append({"prompt": text, "prompt_token_ids": ids})
         return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
 
     def beam_search(self, prompts: PromptType | Sequence[PromptType], params: BeamSearchParams, *,

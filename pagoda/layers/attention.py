@@ -7,6 +7,7 @@ from torch import nn
 
 from pagoda.forward_context import AttentionMetadata, get_attention_metadata
 from pagoda.layers.backend import current_backend
+from pagoda.layers.image_attention import image_prefill_attention
 
 
 class PagedAttention(nn.Module):
@@ -70,5 +71,8 @@ class PagedAttention(nn.Module):
                                              self.k_scales, self.v_scales)
 
     def _prefill(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, seq) -> torch.Tensor:
+        if seq.image_spans:
+            return image_prefill_attention(q, self.k_cache, self.v_cache, seq, self.scale, self.sliding_window,
+                                           self.k_scales, self.v_scales)
         return self.backend.prefill_attention(q, k, v, self.k_cache, self.v_cache, seq, self.scale,
                                               self.sliding_window, self.k_scales, self.v_scales)

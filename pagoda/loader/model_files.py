@@ -8,6 +8,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from pagoda.loader.model_keys import KEY_ENV, ModelKey, load_key
+from pagoda.models.vision_config import language_view
 
 
 @dataclass(frozen=True)
@@ -48,7 +49,7 @@ class ModelFiles:
     def hf_config(self) -> dict:
         path = self.metadata_dir / "config.json"
         try:
-            return json.loads(path.read_text())
+            return language_view(json.loads(path.read_text()))  # a vision-language model's text keys on top
         except FileNotFoundError:
             raise ValueError(f"{self.metadata_dir} has no config.json") from None
         except ValueError as e:

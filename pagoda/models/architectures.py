@@ -31,6 +31,9 @@ ARCHITECTURES: tuple[Architecture, ...] = (
     Architecture("Qwen3ForCausalLM", "llama", "Qwen3ForCausalLM", ("qwen3",), gguf="qwen3", gguf_model_type="qwen3"),
     Architecture("Gemma3ForCausalLM", "gemma3", "Gemma3ForCausalLM", ("gemma3_text",), gguf="gemma3",
                  gguf_model_type="gemma3_text"),
+    # vision-language models (models/gemma3_vision.py, models/llava.py): images in prompts (pagoda/multimodal)
+    Architecture("Gemma3ForConditionalGeneration", "gemma3_vision", "Gemma3ForConditionalGeneration", ("gemma3",)),
+    Architecture("LlavaForConditionalGeneration", "llava", "LlavaForConditionalGeneration", ("llava",)),
     Architecture("Phi3ForCausalLM", "phi3", "Phi3ForCausalLM", ("phi3",), gguf="phi3", gguf_model_type="phi3"),
     # mixture of experts (models/moe.py); llama.cpp writes Mixtral as "llama" with expert tensors
     Architecture("MixtralForCausalLM", "mixtral", "MixtralForCausalLM", ("mixtral",), gguf="llama",

@@ -164,8 +164,11 @@ class LlamaForCausalLM(nn.Module):
         hidden = self.embed_tokens(local.masked_fill(outside, 0))
         return self.tp.all_reduce(hidden.masked_fill(outside.unsqueeze(-1), 0.0))
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        hidden = self.embed(input_ids)
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
+                inputs_embeds: torch.Tensor | None = None) -> torch.Tensor:
+        """``inputs_embeds``: the rows to run instead of ``embed(input_ids)`` (a prompt's image
+        rows in place of its placeholder tokens' embeddings, worker/image_embeddings.py)."""
+        hidden = self.embed(input_ids) if inputs_embeds is None else inputs_embeds
         stack = self.decode_stack
         if stack is not None and stack.applies(meta := get_attention_metadata()):
             residual = torch.zeros_like(hidden)
@@ -208,7 +211,7 @@ class LlamaForCausalLM(nn.Module):
         (weight name → shards in order) for ``quantize_linears``; anything else is dequantized into
         the float parameter.
         """
-        params = dict(self.named_parameters())
+        params = self.text_parameters()
         loaded: set[str] = set()
         packed: dict[str, dict[int | None, PackedWeight]] = {}
         for name, tensor in weights:
@@ -247,6 +250,10 @@ class LlamaForCausalLM(nn.Module):
             else:  # e.g. Q4_0 q/k with a Q8_0 v: the merged layer stays float
                 for shard, tensor in shards.items():
                     self._copy_shard(params, target, shard, tensor.dequantize(), target)
+
+    def text_parameters(self) -> dict[str, nn.Parameter]:
+        """The parameters ``load_weights`` fills (a vision-language model loads its tower's itself)."""
+        return dict(self.named_parameters())
 
     def _copy_shard(self, params: dict, target: str, shard: int | None, tensor: torch.Tensor, name: str) -> None:
         data = params[target].data

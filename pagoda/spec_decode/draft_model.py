@@ -23,7 +23,7 @@ seen (usually the target's last token, after an accepted run also the run's last
 whole prompt for a request that just finished its prefill), then one row per request per
 further token. The draft writes K/V at the positions after the request's tokens; the scheduler
 allocates those slots ahead (``Scheduler.spec_lookahead``), and a request without them gets fewer
-drafts. Drafts are greedy: verification treats a draft as a point mass (``_accept_by_rejection``),
+drafts. Drafts are greedy: verification treats a draft as a point mass (``accept_by_rejection``),
 which is exact whatever chose it.
 """
 

@@ -15,6 +15,7 @@ import numpy as np
 import torch
 
 from pagoda.core.scheduler_output import CachedRequestData, NewRequestData, SchedulerOutput
+from pagoda.multimodal.inputs import ImageInput
 from pagoda.pooling_params import PoolingParams
 from pagoda.sampling_params import SamplingParams
 
@@ -28,6 +29,7 @@ class RequestState:
     generator: torch.Generator | None
     num_prompt_logprobs_done: int = 0  # prompt positions already reported
     pooling_params: PoolingParams | None = None  # a pooling request's (worker/pooling_runner.py)
+    images: tuple[ImageInput, ...] = ()  # its prompt's images (worker/image_embeddings.py)
 
 
 class InputBatch:
@@ -95,7 +97,8 @@ class InputBatch:
         self.index[new.req_id] = row
         p = new.sampling_params
         generator = torch.Generator().manual_seed(p.seed) if p is not None and p.seed is not None else None
-        self.states[new.req_id] = RequestState(new.req_id, p, generator, pooling_params=new.pooling_params)
+        self.states[new.req_id] = RequestState(new.req_id, p, generator, pooling_params=new.pooling_params,
+                                               images=new.images)
         if p is not None and p.prompt_logprobs is not None:
             self.prompt_logprob_ids.add(new.req_id)
         if p is not None and (generator is not None or p.logit_bias or p.min_tokens or p.logprobs is not None):

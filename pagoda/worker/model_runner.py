@@ -25,7 +25,9 @@ from pagoda.outputs import ModelRunnerOutput, TokenLogprobs
 from pagoda.worker.compiled import compiled_forward
 from pagoda.spec_decode.draft_model import DraftModelProposer
 from pagoda.spec_decode.ngram import propose_ngram
+from pagoda.spec_decode.rejection import accept_by_rejection
 from pagoda.worker.batch_layout import BatchLayout, decode_like_rows, prepare_inputs
+from pagoda.worker.image_embeddings import ImageEmbeddings
 from pagoda.worker.input_batch import InputBatch
 from pagoda.worker.lora_weights import LoRAWeights
 
@@ -90,6 +92,7 @@ class ModelRunner:
             attn.bind_kv_cache(kv_cache[0, slot], kv_cache[1, slot], group, *scales)
         refused = _stack_refusal(fused_decode, compile)
         self.forward_path = model.choose_forward(refused)
+        self.images = ImageEmbeddings(model) if hasattr(model, "encode_images") else None  # a vision-language model
         self.drafter = None
         if draft is not None:
             self.drafter = DraftModelProposer(draft[0], draft[1], self.batch, block_size, device,
@@ -122,7 +125,10 @@ class ModelRunner:
             req_ids, rows = [req_ids[i] for i in order], rows[order]
         counts = np.fromiter((sched.num_scheduled_tokens[r] for r in req_ids), dtype=np.int64, count=len(req_ids))
         starts = self.batch.num_computed[rows]
-        return BatchLayout(req_ids, rows, counts, starts, self._decode_like(counts, starts))
+        decode_like = self._decode_like(counts, starts)
+        if self.images is not None:  # image tokens that attend both ways run as a prefill chunk
+            decode_like &= ~self.images.holds_images(self.batch, req_ids, starts, counts)
+        return BatchLayout(req_ids, rows, counts, starts, decode_like)
 
     # -- run --------------------------------------------------------------------------------
     @torch.inference_mode()
@@ -140,11 +146,13 @@ class ModelRunner:
         input_ids, positions, meta = prepare_inputs(self.batch, lay, self.backend, self.block_size, self.device)
         if self.loras is not None:
             meta.lora = self.loras.batch_for(self.batch.lora_ids[lay.token_rows])
+        images = self.images.step(self.batch, lay, meta) if self.images is not None else None
         sample_idx, verify_idx, prompt_rows = self._logit_rows(lay, sched)
         # the kernels' batch-invariant switch, set for each step (another engine may share the process)
         with self.backend.batch_invariant(self.deterministic):
             with set_attention_metadata(meta):
-                hidden = self.forward(input_ids.to(self.device), positions.to(self.device))
+                ids, pos = input_ids.to(self.device), positions.to(self.device)
+                hidden = self.forward(ids, pos) if images is None else self.images.forward(ids, pos, images)
             if sample_idx:
                 if len(sample_idx) == hidden.shape[0]:
                     last_rows = hidden  # every row is a sampling request's one row (a decode step)
@@ -178,7 +186,7 @@ class ModelRunner:
         (its request's penalties over the outputs so far, min_tokens, logit bias, the grammar's
         mask at that position, temperature and top-k / top-p / min-p). A greedy request accepts
         drafts while they equal the target's choice; a sampling one by rejection sampling
-        (``_accept_by_rejection``). Either way the run ends with a token of the target's own, so
+        (``accept_by_rejection``, spec_decode/rejection.py). Either way the run ends with a token of the target's own, so
         a step gives at least one token; logprobs are those of each token of the run."""
         rows = [r for i in verify_idx for r in range(int(lay.offsets[i]), int(lay.offsets[i] + lay.counts[i]))]
         logits = self.model.compute_logits(hidden[rows])
@@ -204,7 +212,7 @@ class ModelRunner:
                 tokens = targets[: accepted + 1]
             else:
                 generator = self.batch.states[rid].generator or self.sampler.generator
-                tokens = _accept_by_rejection(probs[at : at + n], drafts, generator)
+                tokens = accept_by_rejection(probs[at : at + n], drafts, generator)
             out.sampled_token_ids[rid] = tokens
             if self.drafter is not None:
                 self.drafter.record_verification(rid, len(drafts), len(tokens) - 1)
@@ -353,31 +361,6 @@ def token_logprobs(raw: torch.Tensor, tokens: list[int], k: int) -> list[TokenLo
     ids = torch.cat([chosen_ids, top_ids], dim=1).tolist()
     values = torch.cat([chosen, top_lp], dim=1).tolist()
     return [TokenLogprobs(ids[i], values[i], ranks[i]) for i in range(len(tokens))]
-
-
-def _accept_by_rejection(probs: torch.Tensor, drafts: list[int], generator: torch.Generator | None) -> list[int]:
-    """Speculative sampling (Leviathan et al., Chen et al.) for a draft that is one token, not a
-    distribution (prompt lookup): draft d is accepted with probability p(d), the target's; on
-    rejection the token comes from p without d, renormalized, which is max(0, p - q) for q the
-    point mass on d. The tokens so produced follow the target's distribution exactly. After the
-    last accepted draft, one token is drawn from the target's next distribution. ``probs``:
-    [len(drafts) + 1, vocab]."""
-    tokens: list[int] = []
-    for j, draft in enumerate(drafts):
-        p = probs[j]
-        if torch.rand((), generator=generator) * p.sum() < p[draft]:
-            tokens.append(draft)
-            continue
-        residual = p.clone()
-        residual[draft] = 0.0
-        return tokens + [_draw(residual, generator)]
-    return tokens + [_draw(probs[len(drafts)], generator)]
-
-
-def _draw(weights: torch.Tensor, generator: torch.Generator | None) -> int:
-    """A token with probability proportional to ``weights`` (the sampler's exponential trick)."""
-    q = torch.empty_like(weights).exponential_(generator=generator)
-    return int((weights / q).argmax())
 
 
 def _prompt_logprobs(logits: torch.Tensor, targets: list[int], k: int) -> list[TokenLogprobs]:

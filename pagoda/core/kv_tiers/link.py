@@ -50,7 +50,7 @@ class KVTierLink:
             root = self._roots.get(salt)
             if root is None:
                 root = self._roots[salt] = chain_root(self.identity, salt)
-            extend_chain(keys, root, request.all_token_ids, self.block_size, num_blocks)
+            extend_chain(keys, root, request.cache_token_ids, self.block_size, num_blocks)
         return keys if len(keys) == num_blocks else keys[:num_blocks]
 
     def prefetch(self, request: Request) -> None:

@@ -1,5 +1,6 @@
 """Anthropic Messages request bodies, and their translation into an OpenAI chat request: `system`
-becomes the system message, content blocks (text, tool_use, tool_result) become chat messages,
+becomes the system message, content blocks (text, tool_use, tool_result; a user's image as an
+`image_url` part) become chat messages,
 tool calls and tool results, `tools` / `tool_choice` their OpenAI forms, `stop_sequences` `stop`."""
 
 from __future__ import annotations
@@ -103,10 +104,13 @@ def _messages(body: MessagesRequest | CountTokensRequest) -> list[dict[str, Any]
         if isinstance(message.content, str):
             out.append({"role": message.role, "content": message.content})
             continue
-        text, calls = [], []
+        text, calls, images = [], [], []
         for block in message.content:
             if block.type == "text":
                 text.append(block.text or "")
+                images.append({"type": "text", "text": block.text or ""})
+            elif block.type == "image" and message.role == "user":
+                images.append({"type": "image_url", "image_url": {"url": _image_url(block)}})
             elif block.type == "tool_use" and message.role == "assistant":
                 calls.append({"id": block.id, "type": "function",
                               "function": {"name": block.name, "arguments": json.dumps(block.input or {})}})
@@ -116,12 +120,24 @@ def _messages(body: MessagesRequest | CountTokensRequest) -> list[dict[str, Any]
                 continue  # earlier reasoning is not sent back to the model
             else:
                 raise ValueError(f"messages: a {block.type} block in a {message.role} message is not supported")
-        if text or calls or not any(b.type == "tool_result" for b in message.content):
-            entry: dict[str, Any] = {"role": message.role, "content": "".join(text)}
+        if text or calls or images or not any(b.type == "tool_result" for b in message.content):
+            with_images = any(part["type"] == "image_url" for part in images)  # the parts, in order
+            entry: dict[str, Any] = {"role": message.role, "content": images if with_images else "".join(text)}
             if calls:
                 entry["tool_calls"] = calls
             out.append(entry)
     return out
+
+
+def _image_url(block: ContentBlock) -> str:
+    """An image block's source as a URL the chat path reads: base64 data as a data: URL, or its url."""
+    source = (block.model_extra or {}).get("source")
+    if isinstance(source, dict) and source.get("type") == "base64":
+        return f"data:{source.get('media_type') or 'image/png'};base64,{source.get('data') or ''}"
+    if isinstance(source, dict) and source.get("type") == "url" and isinstance(source.get("url"), str):
+        return source["url"]
+    raise ValueError("messages: an image block's source must be {\"type\": \"base64\", \"media_type\", \"data\"} "
+                     "or {\"type\": \"url\", \"url\"}")
 
 
 def _tools(body: MessagesRequest | CountTokensRequest) -> tuple[list[dict] | None, Any, bool]:

@@ -13,6 +13,7 @@ The standard health service (`grpc.health.v1`) and server reflection are served 
 from __future__ import annotations
 
 import asyncio
+import base64
 import contextlib
 import functools
 import hmac
@@ -334,7 +335,11 @@ def _chat_fields(request: pb.ChatRequest) -> dict:
 
 
 def _chat_message(message: pb.ChatMessage) -> dict:
-    out: dict = {"role": message.role, "content": message.content}
+    content: str | list[dict] = message.content
+    if message.images:  # the HTTP API's parts: the same checks and 400s (entrypoints/openai/chat_images.py)
+        content = [{"type": "image_url", "image_url": {"url": "data:image/*;base64," + base64.b64encode(image).decode()}}
+                   for image in message.images] + [{"type": "text", "text": message.content}]
+    out: dict = {"role": message.role, "content": content}
     if message.tool_call_id:
         out["tool_call_id"] = message.tool_call_id
     if message.tool_calls:

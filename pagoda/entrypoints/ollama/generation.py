@@ -336,8 +336,6 @@ async def _generation_request(request: Request, kind: type[GenerateBase]):
 @ollama_errors
 async def generate(request: Request):
     body, serving, model = await _generation_request(request, GenerateBody)
-    if body.images:
-        raise OllamaError("images: this model does not support images (pagoda serves text models)")
     if body.suffix:
         raise OllamaError("suffix (fill-in-the-middle) is not supported")
     if not body.prompt and not body.context:

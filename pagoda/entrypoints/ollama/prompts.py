@@ -9,7 +9,10 @@ from typing import Any
 from jinja2.exceptions import TemplateError
 
 from pagoda.entrypoints.ollama.common import ChatBody, GenerateBase, GenerateBody, OllamaError
+from pagoda.entrypoints.openai.chat_images import content_text
 from pagoda.entrypoints.openai.serving import Serving
+from pagoda.multimodal.image_loading import image_from_base64
+from pagoda.multimodal.inputs import after_prefix
 from pagoda.entrypoints.openai.tool_calls import ToolChoice, render_messages
 from pagoda.store.gotemplate import to_jinja
 from pagoda.tokenizer import RenderTooLong, compile_template, render_bounded
@@ -23,17 +26,57 @@ def generate_prompt(serving: Serving, body: GenerateBody) -> list[int]:
     if body.raw:
         if body.system or body.template:
             raise OllamaError("raw prompts take no `system` or `template`")
-        ids = tokenizer.encode(prompt)
+        ids = tokenizer.encode(prompt) if not body.images else \
+            _raw_with_images(serving, prompt, images_of_request(serving, body.images, "images"))
     else:
         messages = ([{"role": "system", "content": body.system}] if body.system else []) + \
-                   [{"role": "user", "content": prompt}]
+                   [{"role": "user", "content": with_images(serving, prompt, body.images, "images")}]
+        if body.template and body.images:
+            raise OllamaError("images with a request's own `template` are not supported: use the model's")
         if body.template:
             ids = tokenizer.encode(render_go_template(serving, body.template, messages), add_special_tokens=False)
         elif tokenizer.chat_template:
             ids = serving.encode_chat(messages, True, **think_kwargs(body))
+        elif body.images:
+            raise OllamaError("images need the model's chat template, and this model has none")
         else:  # no template: the prompt as given (Ollama's default template is `{{ .Prompt }}`)
             ids = tokenizer.encode(f"{body.system}\n\n{prompt}" if body.system else prompt)
-    return list(body.context or []) + ids
+    return after_prefix(list(body.context or []), ids)
+
+
+def images_of_request(serving: Serving, images: list[str] | None, where: str) -> list:
+    """Ollama's ``images`` (base64), decoded and checked: a 400 naming the entry otherwise."""
+    if not images:
+        return []
+    prompts = serving.engine.input_processor.images
+    if prompts is None:
+        raise OllamaError(f"{where}: this model takes no images (a vision-language model does)")
+    decoded = []
+    for j, text in enumerate(images):
+        if not isinstance(text, str):
+            raise OllamaError(f"{where}.{j}: an image must be base64 text")
+        try:
+            decoded.append(image_from_base64(text, prompts.limits, f"{where}.{j}"))
+        except ValueError as e:
+            raise OllamaError(str(e)) from None
+    return decoded
+
+
+def with_images(serving: Serving, text: str, images: list[str] | None, where: str) -> str | list[dict]:
+    """A message's content for the template: the text, or its images (as Ollama places them,
+    before the text) and the text as parts (chat_images.py renders them through encode_chat)."""
+    decoded = images_of_request(serving, images, where)
+    if not decoded:
+        return text
+    return [{"type": "image", "image": image} for image in decoded] + [{"type": "text", "text": text}]
+
+
+def _raw_with_images(serving: Serving, prompt: str, images: list) -> list[int]:
+    """A raw prompt with images: its text marks each image itself (the model's marker)."""
+    try:
+        return serving.engine.input_processor.images.from_text(prompt, images)
+    except ValueError as e:
+        raise OllamaError(str(e)) from None
 
 
 def render_go_template(serving: Serving, template: str, messages: list[dict]) -> str:
@@ -56,16 +99,14 @@ def render_go_template(serving: Serving, template: str, messages: list[dict]) ->
 def chat_prompt(serving: Serving, body: ChatBody, tools: ToolChoice | None) -> list[int]:
     messages = []
     for i, m in enumerate(body.messages or []):
-        if m.images:
-            raise OllamaError(f"messages.{i}.images: this model does not support images (pagoda serves text models)")
-        message = {"role": m.role, "content": m.content or ""}
+        message = {"role": m.role, "content": with_images(serving, m.content or "", m.images, f"messages.{i}.images")}
         if m.tool_calls:
             message["tool_calls"] = [_template_call(call, i) for call in m.tool_calls]
         if m.tool_name:
             message["name"] = m.tool_name
         messages.append(message)
-    serving.check_prompt_chars(sum(len(m["content"]) for m in messages), "messages")
-    serving.check_input([m["content"] for m in messages], "messages")  # the content filter (--moderation-words)
+    serving.check_prompt_chars(sum(len(content_text(m["content"])) for m in messages), "messages")
+    serving.check_input([content_text(m["content"]) for m in messages], "messages")  # the content filter (--moderation-words)
     template = serving.tokenizer.chat_template
     if not template:
         raise OllamaError("this model has no chat template (a base model: use /api/generate); to chat with it "

@@ -14,6 +14,7 @@ from pagoda.entrypoints.openai.errors import OpenAIError
 from pagoda.entrypoints.openai.known_prefix import KnownPrefix
 from pagoda.entrypoints.openai.protocol import ChatCompletionRequest, ChatMessage, now, random_id
 from pagoda.entrypoints.openai.response_parts import Sample, sse, token_logprob_entries, usage
+from pagoda.entrypoints.openai.chat_images import content_text, images_in, message_content
 from pagoda.entrypoints.openai.choice_parser import ChoiceParser, ParsedChoice
 from pagoda.entrypoints.openai.tool_calls import ToolChoice, render_messages
 from pagoda.outputs import PositionLogprobs
@@ -26,7 +27,7 @@ class ChatServing:
     def _chat_prompt(self, request: ChatCompletionRequest, tools: ToolChoice | None,
                      prefix: KnownPrefix | None = None) -> list[int]:
         messages = self.chat_messages(request.messages)
-        self.check_input([m["content"] for m in messages], "messages")
+        self.check_input([content_text(m["content"]) for m in messages], "messages")
         template = self.tokenizer.chat_template or ""
         try:
             messages, extra = render_messages(messages, tools, template_takes_tools="tools" in template)
@@ -47,7 +48,7 @@ class ChatServing:
         out = []
         for i, m in enumerate(messages):
             try:
-                message = {"role": m.role, "content": m.text()}
+                message = {"role": m.role, "content": message_content(m, i, self.engine.input_processor.images)}
             except ValueError as e:
                 raise OpenAIError(f"messages.{i}.content: {e}", param=f"messages.{i}.content") from None
             if m.tool_calls:
@@ -55,7 +56,7 @@ class ChatServing:
             if m.tool_call_id:
                 message["tool_call_id"] = m.tool_call_id
             out.append(message)
-        self.check_prompt_chars(sum(len(m["content"]) for m in out), "messages")
+        self.check_prompt_chars(sum(len(content_text(m["content"])) for m in out), "messages")
         return out
 
     def encode_chat(self, messages: list[dict], add_generation_prompt: bool, prefix: KnownPrefix | None = None,
@@ -64,6 +65,9 @@ class ChatServing:
         extends it); a template that fails on the messages is a 400."""
         try:
             text = self.tokenizer.apply_chat_template(messages, add_generation_prompt, **template_kwargs)
+            images = images_in(messages)
+            if images:  # the model's image path places their tokens (the template wrote their markers)
+                return self.engine.input_processor.images.from_text(text, images, add_special_tokens=False)
             return (prefix or KnownPrefix()).encode(self.tokenizer, text)
         except ValueError as e:
             raise OpenAIError(str(e), param="messages") from None

@@ -39,6 +39,7 @@ from dataclasses import dataclass, field
 
 from pydantic import ValidationError
 
+from pagoda.entrypoints.openai.chat_images import images_in
 from pagoda.entrypoints.openai.protocol import (
     ChatCompletionRequest, SessionCreateRequest, SessionMessageRequest, describe_validation_errors, now,
 )
@@ -185,6 +186,9 @@ class ChatSessionStore:
         self.serving.check_input([body.system or ""], "system")  # the content filter (--moderation-words)
         if body.messages:
             session.messages = self.serving.chat_messages(body.messages)
+            if images_in(session.messages):  # (a session's history is stored as text)
+                raise OpenAIError("a session's messages take no images; send them to /v1/chat/completions",
+                                  param="messages")
             self.serving.check_input([m["content"] for m in session.messages], "messages")
             roles = {m["role"] for m in session.messages}
             if not roles <= {"user", "assistant"}:

@@ -235,10 +235,12 @@ class CompletionRequest(SamplingFields):
 
 
 class ContentPart(OpenAIBase):
-    """One part of a message's content; only `text` parts are served (others get a 400)."""
+    """One part of a message's content: `text`, or for a vision-language model `image_url`
+    ({"url": "data:image/png;base64,..."}; chat_images.py); others get a 400."""
 
     type: str
     text: str | None = None
+    image_url: dict[str, Any] | str | None = None
 
 
 class ToolCallFunction(OpenAIBase):
@@ -267,7 +269,8 @@ class ChatMessage(OpenAIBase):
         return check_depth(value, "tool_calls")
 
     def text(self) -> str:
-        """The content as one string (text parts joined). ValueError for a part that is not text."""
+        """The content as one string (text parts joined). ValueError for a part that is not text
+        (image parts: chat_images.message_content)."""
         if not isinstance(self.content, list):
             return self.content or ""
         for part in self.content:

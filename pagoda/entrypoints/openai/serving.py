@@ -18,6 +18,7 @@ from pagoda.entrypoints.openai.protocol import SamplingFields
 from pagoda.entrypoints.openai.reasoning import ReasoningFormat
 from pagoda.entrypoints.openai.tool_formats import ToolCallFormat, tool_call_format
 from pagoda.entrypoints.openai.response_parts import Sample
+from pagoda.multimodal.inputs import images_of
 from pagoda.outputs import RequestOutput
 from pagoda.sampling_params import BeamSearchParams
 from pagoda.security.context import (
@@ -140,6 +141,8 @@ class Serving(AdmissionChecks, CompletionServing, ChatServing, PoolingServing):
         if adapter is not None:
             raise OpenAIError(f"beam search does not run under a LoRA adapter ({adapter.lora_name!r}) yet",
                               param="use_beam_search")
+        if images_of(ids):  # (its beams are prompts of token ids: the images would not go with them)
+            raise OpenAIError("beam search does not take images yet", param="use_beam_search")
         yield await beam_search_async(self.engine, ids, params, request_id, priority, cache_salt, moderation)
 
     async def _before(self, deadline: float, waiting):
@@ -169,7 +172,9 @@ class Serving(AdmissionChecks, CompletionServing, ChatServing, PoolingServing):
 
 def _as_openai_error(error: BaseException, engine_healthy: bool) -> OpenAIError:
     """What a request's failure looks like to its client: 400 for bad input, 503 when the engine
-    is gone or the server is stopping, else 500."""
+    is gone or the server is stopping, else 500; an OpenAIError (a check on the way in) as it is."""
+    if isinstance(error, OpenAIError):
+        return error
     if isinstance(error, ValueError):
         return bad_value(error)
     if isinstance(error, EngineUnavailableError) or not engine_healthy:

@@ -19,6 +19,7 @@ from pathlib import Path
 import httpx
 import jsonschema
 import pytest
+from browser_session import chromium
 from server_process import background_load, start_server, stop_process
 
 from pagoda.bench.servers import scrape_metrics
@@ -29,7 +30,6 @@ from selenium.webdriver.common.keys import Keys  # noqa: E402
 from selenium.webdriver.support.ui import Select, WebDriverWait  # noqa: E402
 
 API_KEY = "browser-test-key"
-CHROMEDRIVER = shutil.which("chromedriver") or "/usr/bin/chromedriver"
 SCHEMA = {"type": "object", "properties": {"answer": {"type": "string", "enum": ["yes", "no"]},
                                            "count": {"type": "integer", "minimum": 0, "maximum": 9}},
           "required": ["answer", "count"], "additionalProperties": False}
@@ -45,14 +45,7 @@ def server(long_tiny_llama):
 
 @pytest.fixture(scope="module")
 def browser():
-    if not Path(CHROMEDRIVER).exists():
-        pytest.skip("chromedriver is not installed (apt-get install chromium chromium-driver; .ci/run does)")
-    options = webdriver.ChromeOptions()
-    for flag in ("--headless=new", "--no-sandbox", "--disable-dev-shm-usage", "--window-size=1400,1000"):
-        options.add_argument(flag)
-    driver = webdriver.Chrome(options=options, service=webdriver.ChromeService(executable_path=CHROMEDRIVER))
-    yield driver
-    driver.quit()
+    yield from chromium()
 
 
 @pytest.fixture(scope="module")

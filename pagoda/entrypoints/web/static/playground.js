@@ -2,7 +2,7 @@
 "use strict";
 
 const $ = (id) => document.getElementById(id);
-const conversation = [];  // {role, content} of the turns so far (kept in the page)
+const conversation = [];  // {role, content} of the turns so far (kept in the page; an image turn's content: parts)
 let running = null;  // the answer being streamed: {controller, ...}
 
 async function loadModels() {
@@ -30,11 +30,18 @@ function showError(text) {
   box.hidden = !text;
 }
 
-function addMessage(role, text) {
+function addMessage(role, text, imageUrl) {
   const box = document.createElement("div");
   box.className = `message ${role}`;
   box.innerHTML = `<div class="role">${role}</div><div class="content"></div>`;
   box.querySelector(".content").textContent = text;
+  if (imageUrl) {  // the attached image, shown with the turn it went with
+    const img = document.createElement("img");
+    img.className = "attached-image";
+    img.src = imageUrl;
+    img.alt = "attached image";
+    box.querySelector(".content").prepend(img);
+  }
   $("conversation").append(box);
   box.scrollIntoView({ block: "end" });
   return box;
@@ -111,12 +118,36 @@ function showFigures(answer, usage, stopped) {
   answer.box.dataset.done = stopped ? "stopped" : "finished";
 }
 
+// The attached image as a data: URL (read when the turn is sent), or "".
+function readImage() {
+  const file = $("image").files[0];
+  if (!file) return Promise.resolve("");
+  return new Promise((resolve, reject) => {
+    const reader = new FileReader();
+    reader.onload = () => resolve(reader.result);
+    reader.onerror = () => reject(new Error(`could not read ${file.name}`));
+    reader.readAsDataURL(file);
+  });
+}
+
+function clearImage() {
+  $("image").value = "";
+  $("attached").textContent = "";
+}
+
 async function send() {
   const text = $("prompt").value;
   if (!text.trim() || running) return;
-  let body;
+  let body, imageUrl;
   try {
-    conversation.push({ role: "user", content: text });
+    imageUrl = await readImage();
+  } catch (e) {
+    return showError(e.message);
+  }
+  try {
+    // an image goes as OpenAI's image_url part beside the text (the server checks and places it)
+    const content = imageUrl ? [{ type: "text", text }, { type: "image_url", image_url: { url: imageUrl } }] : text;
+    conversation.push({ role: "user", content });
     body = requestBody();
   } catch (e) {
     conversation.pop();
@@ -124,7 +155,8 @@ async function send() {
   }
   showError("");
   $("prompt").value = "";
-  const userBox = addMessage("user", text);
+  clearImage();
+  const userBox = addMessage("user", text, imageUrl);
   const box = addMessage("assistant", "");
   const figures = document.createElement("div");
   figures.className = "figures";
@@ -180,7 +212,7 @@ async function send() {
     userBox.remove();
     box.remove();
     await askForKey(refused);
-    $("prompt").value = text;
+    $("prompt").value = text;  // (the image is to be attached again)
   }
 }
 
@@ -197,6 +229,10 @@ $("prompt").addEventListener("keydown", (event) => {
   }
 });
 $("stop").addEventListener("click", stop);
+$("image").addEventListener("change", () => {
+  const file = $("image").files[0];
+  $("attached").textContent = file ? file.name : "";
+});
 $("clear").addEventListener("click", () => {
   stop();
   conversation.length = 0;
