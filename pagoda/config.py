@@ -17,7 +17,7 @@ from pagoda.dtypes import resolve_dtype, resolve_kv_cache_dtype
 from pagoda.engine_args import EngineArgs  # also re-exported: most callers import it from here
 from pagoda.heap import keep_freed_memory
 from pagoda.layers.auto_quantization import announce, choose_quantization
-from pagoda.layers.quantization import check_quantization
+from pagoda.layers.quantization import check_quantization, is_auto, pooling_quantization
 from pagoda.lora.config import LoRAConfig, lora_config
 from pagoda.lora.checks import model_adapter_rank
 from pagoda.loader.catalog import DEFAULT_MODEL  # noqa: F401 - the engine's default, re-exported
@@ -29,6 +29,7 @@ from pagoda.multimodal.limits import ImageLimits, image_limits
 from pagoda.platform import available_memory_bytes, default_device
 from pagoda.pooling_params import PoolerConfig
 from pagoda.spec_decode.speculative_config import SpeculativeConfig
+from pagoda.tokenizer import read_chat_template
 from pagoda.worker.kv_cache import GiB, bytes_per_block, cpu_budget_gib
 
 # EngineArgs.deterministic when not given. Off: measured on SmolLM2 fp32 (2 threads, AVX-512), it
@@ -174,7 +175,7 @@ def create_engine_config(args: EngineArgs) -> EngineConfig:
     runner = choose_runner(args.runner, files.metadata_dir, architecture, encoder, hf_config, args.pooler_config)
     pools = runner.runner == "pooling"
     # pooling: float32 on the CPU unless asked (embeddings as sentence-transformers computes them)
-    dtype = resolve_dtype("float32" if pools and _is_auto(args.dtype) and device.type == "cpu" else args.dtype, device)
+    dtype = resolve_dtype("float32" if pools and is_auto(args.dtype) and device.type == "cpu" else args.dtype, device)
     model_max = int(hf_config.get("max_position_embeddings") or 2048)
     if runner.max_seq_length:  # sentence-transformers' max_seq_length caps a prompt, as vLLM reads it
         model_max = min(model_max, runner.max_seq_length)
@@ -182,8 +183,8 @@ def create_engine_config(args: EngineArgs) -> EngineConfig:
         raise ValueError(f"max_model_len={args.max_model_len} is larger than the model's context ({model_max})")
     parallel = _parallel_config(args)
     check_tensor_parallel(parallel.tensor_parallel_size, hf_config)
-    chat_template = _read_template(args.chat_template)
-    quantization = _pooling_quantization(args.quantization, encoder) if pools else \
+    chat_template = read_chat_template(args.chat_template)
+    quantization = pooling_quantization(args.quantization, encoder) if pools else \
         _check_quantization(args.quantization, files, device, args.dtype)
     if encoder and args.tensor_parallel_size > 1:
         raise ValueError(f"tensor_parallel_size={args.tensor_parallel_size}: an encoder ({architecture}) runs on one rank")
@@ -383,27 +384,3 @@ def _check_quantization(quantization: str | None, files: ModelFiles, device: tor
     if mode == "gguf" and files.format != "gguf":
         raise ValueError(f"quantization='gguf' keeps a GGUF's own quantized weights, but {files.name!r} is not a GGUF file")
     return mode
-
-
-def _is_auto(value) -> bool:
-    return value is None or str(value).lower() == "auto"
-
-
-def _pooling_quantization(quantization: str | None, encoder: bool) -> str | None:
-    """The pooling runner's weights: float unless a mode is named (auto: none, so embeddings match
-    the reference's); an encoder's layers have no quantized form."""
-    if _is_auto(quantization) or str(quantization).lower() == "none":
-        return None
-    if encoder:
-        raise ValueError(f"quantization={quantization!r}: an encoder's layers (BERT) run in float only")
-    return check_quantization(quantization)
-
-
-def _read_template(template: str | None) -> str | None:
-    """--chat-template takes a template string or a path to a file holding one."""
-    if template is None:
-        return None
-    path = Path(template).expanduser()
-    if len(template) < 4096 and path.is_file():
-        return path.read_text()
-    return template

@@ -195,3 +195,13 @@ def compile_template(source: str):
 
 
 _compile_template = functools.lru_cache(maxsize=16)(compile_template)  # the model's templates
+
+
+def read_chat_template(template: str | None) -> str | None:
+    """--chat-template takes a template string or a path to a file holding one."""
+    if template is None:
+        return None
+    path = Path(template).expanduser()
+    if len(template) < 4096 and path.is_file():
+        return path.read_text()
+    return template

@@ -178,3 +178,17 @@ def weight_bytes(model: nn.Module) -> int:
             seen.add(key)
             total += t.nbytes
     return total
+
+
+def is_auto(value) -> bool:
+    return value is None or str(value).lower() == "auto"
+
+
+def pooling_quantization(quantization: str | None, encoder: bool) -> str | None:
+    """The pooling runner's weights: float unless a mode is named (auto: none, so embeddings match
+    the reference's); an encoder's layers have no quantized form."""
+    if is_auto(quantization) or str(quantization).lower() == "none":
+        return None
+    if encoder:
+        raise ValueError(f"quantization={quantization!r}: an encoder's layers (BERT) run in float only")
+    return check_quantization(quantization)
