@@ -42,6 +42,7 @@ from pagoda.core.prefill_chunks import PrefillChunking, PrefillSlots
 from pagoda.core.request_order import RequestOrder, background_yields, is_background
 from pagoda.core.scheduler_output import SchedulerOutput
 from pagoda.core.scheduler_stats import SchedulerStats, SpecDecodeCounters, scheduler_stats
+from pagoda.core.state_slots import StateSlots
 from pagoda.core.stop_conditions import grammar_verdict, stop_verdict
 from pagoda.core.worker_deltas import WorkerDeltas
 from pagoda.engine_args import EngineArgs
@@ -67,12 +68,14 @@ class Scheduler:
                  admission_pressure_threshold: float = EngineArgs.admission_pressure_threshold,
                  spec_disable_by_batch_size: int | None = None, spec_lookahead: int = 0,
                  policy: str = EngineArgs.scheduling_policy, chunking: PrefillChunking | None = None,
-                 loras: LoRAResidency | None = None) -> None:
+                 loras: LoRAResidency | None = None, states: StateSlots | None = None) -> None:
         """``spec_lookahead``: KV slots to allocate, where free, after the tokens of a request
         that samples this step, for the drafts a draft model writes when it proposes.
         ``policy``: "priority" (priorities and aging order the queues) or "fcfs" (arrival only).
         ``chunking``: the prefill chunk limits (default: none beyond the budget). ``loras``: the
-        LoRA adapters the workers hold and the bound on those in one batch (None: LoRA is off)."""
+        LoRA adapters the workers hold and the bound on those in one batch (None: LoRA is off).
+        ``states``: a state-space model's recurrent-state slots, one per running request (None: the
+        model keeps none); a request is admitted only with a free one."""
         if max_num_seqs < 1:
             raise ValueError(f"max_num_seqs must be >= 1, got {max_num_seqs}")
         if max_num_batched_tokens < 1:
@@ -91,6 +94,7 @@ class Scheduler:
         self.requests: dict[str, Request] = {}
         self.num_preemptions_total = 0
         self.loras = loras
+        self.states = states
         self.deltas = WorkerDeltas(loras)  # what the workers know of each request (and their adapters)
         self.spec = SpecDecodeCounters()
 
@@ -214,7 +218,7 @@ class Scheduler:
             victim = self.running[-1]
             if self.order.priority(head, now) <= self.order.priority(victim, now):
                 break
-            no_slot = len(self.running) >= self.max_num_seqs
+            no_slot = len(self.running) >= self.max_num_seqs or not self._has_state_slot()
             no_blocks = self._blocks_to_admit(head) > self.kv.num_free_blocks
             if not (no_slot or no_blocks):
                 break
@@ -237,6 +241,7 @@ class Scheduler:
         self.running.remove(request)
         self.kv.free(request)
         clear_blocks(request)
+        self._free_state(request)  # recomputed from its tokens when it runs again
         request.status = RequestStatus.PREEMPTED
         request.num_computed_tokens = 0
         request.num_preemptions += 1
@@ -263,7 +268,7 @@ class Scheduler:
         and later requests whose prompt fits whole may go. Anything else that does not fit
         (KV blocks, memory pressure) ends admission for this step."""
         for request in list(self._waiting):
-            if budget <= 0 or len(self.running) >= self.max_num_seqs:
+            if budget <= 0 or len(self.running) >= self.max_num_seqs or not self._has_state_slot():
                 return
             if request.waiting_for_grammar or (self.loras is not None and not self.loras.fits(request, self.running)):
                 continue
@@ -283,11 +288,21 @@ class Scheduler:
             if request.num_cached_tokens is None:
                 request.num_cached_tokens = cached
             request.status = RequestStatus.RUNNING
+            if self.states is not None:
+                request.state_slot = self.states.allocate(request.request_id)
             if request.first_scheduled_time is None:
                 request.first_scheduled_time = time.monotonic()
             self.running.append(request)
             out.scheduled.append((request, num_new))
             budget -= num_new
+
+    def _has_state_slot(self) -> bool:
+        return self.states is None or self.states.num_free > 0
+
+    def _free_state(self, request: Request) -> None:
+        if self.states is not None:
+            self.states.free(request.state_slot)
+            request.state_slot = None
 
     def _give_back_prefix(self, request: Request) -> None:
         """Undo ``match_prefix`` for a request that stays waiting; its prefix stays cached."""
@@ -352,6 +367,7 @@ class Scheduler:
             self.running.remove(request)
         self.kv.free(request, finished=True)
         clear_blocks(request)
+        self._free_state(request)
         self.requests.pop(request.request_id, None)
         self.deltas.finished(request.request_id)
 

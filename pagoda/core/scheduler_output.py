@@ -33,6 +33,7 @@ class NewRequestData:
     group_block_ids: list[list[int]] = field(default_factory=list)
     pooling_params: PoolingParams | None = None  # a pooling request's: its vector comes back, no tokens
     lora_id: int = 0  # the LoRA adapter it runs under (0: the base model), held by the workers
+    state_slot: int = -1  # state-space models: the slot of its recurrent state (core/state_slots.py)
 
 
 @dataclass
@@ -45,6 +46,7 @@ class CachedRequestData:
     num_computed_tokens: int  # tokens with KV in the cache before this step
     resumed_from_preemption: bool = False  # its blocks were freed: new_block_ids replace the table
     new_group_block_ids: list[list[int]] = field(default_factory=list)  # the same for KV cache groups 1..
+    state_slot: int = -1  # resumed: the state slot it runs in now (state-space models)
 
 
 @dataclass

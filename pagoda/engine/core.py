@@ -18,6 +18,7 @@ from pagoda.core.kv_events import KVEventLog
 from pagoda.core.prefill_chunks import PrefillChunking
 from pagoda.core.lora_residency import LoRAResidency
 from pagoda.core.scheduler import Scheduler
+from pagoda.core.state_slots import StateSlots
 from pagoda.core.scheduler_stats import SchedulerStats
 from pagoda.core.scheduler_output import SchedulerOutput
 from pagoda.engine.kv_offload import hand_off, open_kv_tiers
@@ -91,6 +92,15 @@ def _open_kv_events(config: EngineConfig, kv_manager: KVCacheManager):
     kv_manager.events = KVEventLog(kv_manager.block_size)
     return publisher
 
+def _state_slots(worker) -> StateSlots | None:
+    """A state-space model's recurrent-state slots, as many as the workers allocated (None: none)."""
+    if not worker.num_state_slots:
+        return None
+    logger.info("recurrent state: %d slots (one per running request) in %d state-space layers",
+                worker.num_state_slots, len(worker.state_layers))
+    return StateSlots(worker.num_state_slots)
+
+
 class EngineCore:
     """The scheduler and an executor (its workers hold the model and the KV cache)."""
 
@@ -137,6 +147,7 @@ class EngineCore:
             chunking=PrefillChunking(sc.long_prefill_token_threshold, sc.max_num_partial_prefills,
                                      sc.max_long_partial_prefills),
             loras=LoRAResidency(config.lora.max_loras, config.lora.max_cpu_loras) if config.lora else None,
+            states=_state_slots(self.executor.driver_worker),
         )
         self.num_steps = 0
         self.vocab_size = self.model.config.vocab_size

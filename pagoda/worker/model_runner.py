@@ -83,7 +83,8 @@ class ModelRunner:
         self.sampler = Sampler(generator, self.backend.argmax_rows)
         layers = model.attention_layers()
         groups = kv_groups or KVCacheGroups.single(len(layers))
-        self.batch = InputBatch(max_model_len, block_size, num_kv_groups=groups.num_groups)
+        self.batch = InputBatch(max_model_len, block_size, num_kv_groups=groups.num_groups,
+                                tracks_states=bool(getattr(model, "state_layers", list)()))
         self._last_metadata: tuple[int, list[str], SamplingMetadata] | None = None  # see sampling_metadata
         for attn, group, slot in zip(layers, groups.layer_group, groups.layer_slot):
             scales = (kv_scales[0, slot], kv_scales[1, slot]) if kv_scales is not None else (None, None)
