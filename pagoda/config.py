@@ -84,6 +84,8 @@ class CacheConfig:
     # (core/kv_cache_groups.py); off: --disable-hybrid-kv-cache-manager
     hybrid_kv_cache: bool = True
     kv_cache_dtype: torch.dtype | None = None  # None: the model's dtype (--kv-cache-dtype auto)
+    # state-space models with prefix caching: tokens between kept states (core/state_snapshots.py)
+    state_snapshot_interval: int = _ARGS.state_snapshot_interval
 
 
 @dataclass(frozen=True)
@@ -203,9 +205,9 @@ def create_engine_config(args: EngineArgs) -> EngineConfig:
         # pooling: no prefix caching (a cached prefix's hidden states are not computed again, so
         # mean or first-token pooling could not see them)
         cache=CacheConfig(args.block_size, args.kv_cache_memory, args.gpu_memory_utilization,
-                          args.enable_prefix_caching and not pools and not recurrent,
+                          args.enable_prefix_caching and not pools,
                           args.session_kv_fraction, args.max_session_kv_tokens,
-                          not args.disable_hybrid_kv_cache_manager, kv_dtype),
+                          not args.disable_hybrid_kv_cache_manager, kv_dtype, args.state_snapshot_interval),
         scheduler=_scheduler_config(args, max_model_len, pools),
         parallel=parallel,
         seed=args.seed,
@@ -362,17 +364,16 @@ _warned: set[str] = set()
 def _check_recurrent(args: EngineArgs, architecture: str, pools: bool) -> None:
     """What a state-space model (a recurrent state per request, core/state_slots.py) does not run
     with: its state cannot be rolled back (speculative decoding), cut across ranks (its mixers are
-    built whole), pooled, or found in the prefix cache (states are not stored with the tree's
-    blocks yet, so prefix caching is off for it)."""
+    built whole), pooled, or moved to the KV tiers (they hold blocks, not the states kept with
+    them: core/state_snapshots.py)."""
     refused = [(args.speculative_config, "speculative_config"), (args.tensor_parallel_size > 1, "tensor_parallel_size > 1"),
                (pools, "--runner pooling"), (args.enable_lora, "enable_lora"),
                (args.kv_offload_memory or args.kv_offload_dir or args.kv_offload_url, "kv_offload")]
     for value, name in refused:
         if value:
             raise ValueError(f"{name} is not supported for {architecture} (state-space layers)")
-    if args.enable_prefix_caching:
-        logging.getLogger(__name__).info("%s keeps a recurrent state per request: prefix caching is off for it",
-                                         architecture)
+    if args.state_snapshot_interval < 1:
+        raise ValueError(f"state_snapshot_interval must be >= 1 token, got {args.state_snapshot_interval}")
 
 
 def _warn_once(message: str) -> None:

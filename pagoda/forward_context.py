@@ -27,12 +27,15 @@ class StateMetadata:
 
     Sequences computing one token (decodes) are updated together; each longer chunk on its own.
     A sequence with nothing computed before this step (``fresh``) starts from a zero state,
-    whatever its slot held before."""
+    whatever its slot held before. With prefix caching, a chunk also copies its state after some
+    of its tokens into snapshot slots (core/state_snapshots.py): ``saves``."""
 
     decode_tokens: torch.Tensor  # int64 [n]: the flat rows of the one-token sequences
     decode_slots: torch.Tensor  # int64 [n]: their state slots
     decode_fresh: torch.Tensor  # bool [n]: a one-token prompt starts from zeros
-    chunks: list[tuple[int, int, int, bool]]  # the others: (first flat row, tokens, slot, fresh)
+    # the others: (first flat row, tokens, slot, fresh, saves: [(after this many tokens, snapshot slot)])
+    chunks: list[tuple[int, int, int, bool, list[tuple[int, int]]]]
+    decode_saves: list[tuple[int, int]] = field(default_factory=list)  # (slot, snapshot slot) after the step
 
 
 @dataclass

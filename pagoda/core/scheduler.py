@@ -60,6 +60,7 @@ class _Step:
     scheduled: list[tuple[Request, int]] = field(default_factory=list)
     preempted: list[str] = field(default_factory=list)
     spec_tokens: dict[str, list[int]] = field(default_factory=dict)
+    state_copies: list[tuple[int, int]] = field(default_factory=list)  # (kept prefix's state, request's slot)
 
 
 class Scheduler:
@@ -158,7 +159,10 @@ class Scheduler:
         if not growth_preempted:
             self._admit_waiting(out, budget, favored, self._partial_slots(out))
         self._allocate_lookahead(out)
-        return self.deltas.message(out.scheduled, out.preempted, out.spec_tokens)
+        message = self.deltas.message(out.scheduled, out.preempted, out.spec_tokens)
+        if self.kv.snapshots is not None:
+            self.kv.snapshots.add_to(message, out.scheduled, out.state_copies)
+        return message
 
     def _drafts_to_verify(self, request: Request, budget: int) -> list[int]:
         """The request's drafts that fit this step: it must be decoding (one token to compute),
@@ -290,6 +294,8 @@ class Scheduler:
             request.status = RequestStatus.RUNNING
             if self.states is not None:
                 request.state_slot = self.states.allocate(request.request_id)
+                if cached and (copy := self.kv.snapshots.copy_for(request)):
+                    out.state_copies.append(copy)
             if request.first_scheduled_time is None:
                 request.first_scheduled_time = time.monotonic()
             self.running.append(request)
@@ -314,6 +320,8 @@ class Scheduler:
     def update(self, out: SchedulerOutput, result: ModelRunnerOutput) -> list[Request]:
         """Advance counters, append sampled tokens, finish requests. Returns finished requests."""
         finished = []
+        if self.kv.snapshots is not None:
+            self.kv.snapshots.commit()  # the states the step saved can be found now
         self.spec.draft_seconds += result.spec_draft_seconds
         self.spec.verify_seconds += result.spec_verify_seconds
         # (looked up once: this loop runs for every request every step)

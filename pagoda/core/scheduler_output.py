@@ -72,6 +72,11 @@ class SchedulerOutput:
     # host memory), then blocks to copy in (key, block)
     kv_saves: list[tuple[int, bytes, bool]] = field(default_factory=list)
     kv_loads: list[tuple[bytes, int]] = field(default_factory=list)
+    # State-space models (core/state_snapshots.py): before the forward pass, state slots to copy
+    # (a kept prefix's state → a request that starts after it); during it, request id → the
+    # snapshots its chunk writes (tokens into the chunk, slot)
+    state_copies: list[tuple[int, int]] = field(default_factory=list)
+    state_saves: dict[str, list[tuple[int, int]]] = field(default_factory=dict)
 
     @property
     def total_num_scheduled_tokens(self) -> int:

@@ -19,6 +19,7 @@ from pagoda.core.prefill_chunks import PrefillChunking
 from pagoda.core.lora_residency import LoRAResidency
 from pagoda.core.scheduler import Scheduler
 from pagoda.core.state_slots import StateSlots
+from pagoda.core.state_snapshots import StateSnapshots
 from pagoda.core.scheduler_stats import SchedulerStats
 from pagoda.core.scheduler_output import SchedulerOutput
 from pagoda.engine.kv_offload import hand_off, open_kv_tiers
@@ -101,6 +102,15 @@ def _state_slots(worker) -> StateSlots | None:
     return StateSlots(worker.num_state_slots)
 
 
+def _state_snapshots(config: EngineConfig, worker) -> StateSnapshots | None:
+    """With prefix caching, a state-space model keeps its states after cached prefixes in the slots
+    after the running requests' (core/state_snapshots.py); None for any other model."""
+    if not worker.num_snapshot_slots:
+        return None
+    return StateSnapshots(worker.num_state_slots, worker.num_snapshot_slots, config.cache.state_snapshot_interval,
+                          config.cache.block_size)
+
+
 class EngineCore:
     """The scheduler and an executor (its workers hold the model and the KV cache)."""
 
@@ -135,6 +145,7 @@ class EngineCore:
                                          session_max_blocks=session_tokens // block_size,
                                          session_total_blocks=int(self.num_blocks * cc.session_kv_fraction),
                                          sliding_window=_releasable_window(config, self.model), kv_groups=kv_groups)
+        self.kv_manager.snapshots = _state_snapshots(config, self.executor.driver_worker)
         self.kv_tiers = open_kv_tiers(config, self.executor.driver_worker, self.kv_manager)
         self.kv_events = _open_kv_events(config, self.kv_manager)
         sc = config.scheduler

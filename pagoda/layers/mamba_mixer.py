@@ -112,9 +112,9 @@ class Mamba2Mixer(nn.Module):
         gate, xbc, dt = projected.split([c.intermediate_size, c.conv_dim, c.num_heads], dim=-1)
         y = torch.empty(hidden.shape[0], c.num_heads, c.head_dim, dtype=torch.float32, device=hidden.device)
         self._decodes(states, xbc, dt, y)
-        for start, count, slot, fresh in states.chunks:
+        for start, count, slot, fresh, saves in states.chunks:
             rows = slice(start, start + count)
-            y[rows] = self._chunk(slot, fresh, xbc[rows], dt[rows])
+            y[rows] = self._chunk(slot, fresh, xbc[rows], dt[rows], saves)
         y = self._gated_norm(y.view(hidden.shape[0], -1), gate)
         return project(self.out_proj, y.to(hidden.dtype), self.backend)
 
@@ -133,21 +133,31 @@ class Mamba2Mixer(nn.Module):
         self.conv_state[slots] = conv.to(self.conv_state.dtype)
         self.ssm_state[slots] = ssm.to(self.ssm_state.dtype)
         y[rows] = out
+        for slot, snapshot in states.decode_saves:
+            self.conv_state[snapshot], self.ssm_state[snapshot] = self.conv_state[slot], self.ssm_state[slot]
 
-    def _chunk(self, slot: int, fresh: bool, xbc: torch.Tensor, dt: torch.Tensor) -> torch.Tensor:
-        """One sequence's chunk of several tokens, from its slot's state (zeros when fresh)."""
+    def _chunk(self, slot: int, fresh: bool, xbc: torch.Tensor, dt: torch.Tensor,
+               saves: list[tuple[int, int]]) -> torch.Tensor:
+        """One sequence's chunk of several tokens, from its slot's state (zeros when fresh); the
+        state after the first k tokens goes to snapshot slot s for each (k, s) of ``saves`` (the
+        chunk runs in pieces split there: the scan is exact at any split)."""
         c = self.cfg
-        conv, ssm = self.conv_state[slot], self.ssm_state[slot]
+        conv, ssm = self.conv_state[slot].float(), self.ssm_state[slot].float()
         if fresh:
             conv, ssm = torch.zeros_like(conv), torch.zeros_like(ssm)
-        conv_out, conv = causal_conv(xbc.float(), conv.float(), self.conv1d.weight.squeeze(1).float(),
-                                     self._conv_bias())
-        x, B, C = self._split(conv_out)
-        out, ssm = chunked_scan(ssm.float(), x, discretize(dt, self.dt_bias, c.time_step_limit), self._A(), B, C,
-                                self.D.float(), c.chunk_size)
-        self.conv_state[slot] = conv.to(self.conv_state.dtype)
-        self.ssm_state[slot] = ssm.to(self.ssm_state.dtype)
-        return out
+        weight, bias, A, D = self.conv1d.weight.squeeze(1).float(), self._conv_bias(), self._A(), self.D.float()
+        dt = discretize(dt, self.dt_bias, c.time_step_limit)
+        outs, begin = [], 0
+        for end, snapshot in [*saves, (xbc.shape[0], slot)]:
+            if end > begin:
+                conv_out, conv = causal_conv(xbc[begin:end].float(), conv, weight, bias)
+                x, B, C = self._split(conv_out)
+                out, ssm = chunked_scan(ssm, x, dt[begin:end], A, B, C, D, c.chunk_size)
+                outs.append(out)
+            self.conv_state[snapshot] = conv.to(self.conv_state.dtype)
+            self.ssm_state[snapshot] = ssm.to(self.ssm_state.dtype)
+            begin = end
+        return torch.cat(outs)
 
     def _split(self, conv_out: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """[n, conv_dim] → x [n, H, P], B and C [n, H, N] (each head its group's)."""

@@ -45,8 +45,6 @@ def prepare_inputs(b: InputBatch, lay: BatchLayout, backend, block_size: int,
     metas = [_group_metadata(b, lay, group, backend, block_size, device) for group in range(b.num_kv_groups)]
     meta = metas[0]
     meta.groups = metas
-    if b.tracks_states:
-        meta.states = state_metadata(b, lay, device)
     return torch.from_numpy(input_ids), torch.from_numpy(lay.positions.copy()), meta
 
 
@@ -67,15 +65,19 @@ def _group_metadata(b: InputBatch, lay: BatchLayout, group: int, backend, block_
     return backend.attention_metadata(slots, decode_tables, decode_seq_lens, prefills, bs, device)
 
 
-def state_metadata(b: InputBatch, lay: BatchLayout, device: torch.device) -> StateMetadata:
+def state_metadata(b: InputBatch, lay: BatchLayout, device: torch.device,
+                   saves: dict[str, list[tuple[int, int]]]) -> StateMetadata:
     """Each request's recurrent-state slot and flat rows: the one-token requests together, the
-    longer chunks one by one; a request with nothing computed before this step starts fresh."""
+    longer chunks one by one; a request with nothing computed before this step starts fresh.
+    ``saves``: the snapshots each request's chunk writes (SchedulerOutput.state_saves)."""
     slots = b.state_slots[lay.rows]
     single = lay.counts == 1
-    chunks = [(int(lay.offsets[i]), int(lay.counts[i]), int(slots[i]), bool(lay.starts[i] == 0))
-              for i in np.flatnonzero(~single)]
+    chunks = [(int(lay.offsets[i]), int(lay.counts[i]), int(slots[i]), bool(lay.starts[i] == 0),
+               saves.get(lay.req_ids[i], [])) for i in np.flatnonzero(~single)]
+    decode_saves = [(int(slots[i]), snapshot) for i in np.flatnonzero(single)
+                    for _, snapshot in saves.get(lay.req_ids[i], ())]
     return StateMetadata(torch.from_numpy(lay.offsets[single]).to(device), torch.from_numpy(slots[single]).to(device),
-                         torch.from_numpy(lay.starts[single] == 0).to(device), chunks)
+                         torch.from_numpy(lay.starts[single] == 0).to(device), chunks, decode_saves)
 
 
 def decode_like_rows(counts: np.ndarray, starts: np.ndarray, short_chunk: int, fresh: bool = False) -> np.ndarray:

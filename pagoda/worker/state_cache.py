@@ -30,6 +30,14 @@ def num_slots_for_budget(budget_bytes: int, per_slot: int, max_num_seqs: int, wi
     return max(1, min(max_num_seqs, int(share // per_slot)))
 
 
+def copy_states(layers: list, copies: list[tuple[int, int]]) -> None:
+    """Copy slot ``src`` into slot ``dst`` in every layer, for each (src, dst)."""
+    for src, dst in copies:
+        for layer in layers:
+            layer.conv_state[dst] = layer.conv_state[src]
+            layer.ssm_state[dst] = layer.ssm_state[src]
+
+
 def allocate_states(layers: list, num_slots: int, device: torch.device) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """Zeroed state tensors for every layer, bound to it (``layer.bind_state``)."""
     states = []

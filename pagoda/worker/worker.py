@@ -79,6 +79,7 @@ class Worker:
         # a state-space model's layers with recurrent state, and the slots each holds (determine_num_blocks)
         self.state_layers: list = getattr(self.model, "state_layers", list)()
         self.num_state_slots = 0
+        self.num_snapshot_slots = 0  # with prefix caching: as many again, for states after cached prefixes
         self.states: list[tuple[torch.Tensor, torch.Tensor]] = []
 
     def _load_draft(self) -> torch.nn.Module | None:
@@ -116,6 +117,7 @@ class Worker:
         cfg, cc = self.model.config, self.config.cache
         if self.state_layers:
             self.num_state_slots = self._state_slots()
+            self.num_snapshot_slots = self.num_state_slots if cc.enable_prefix_caching else 0
         if not self.uses_kv_cache:
             # No cache to size: the blocks only count the tokens in flight, as many as every
             # sequence at its longest (a pooling request gives its blocks back in the step it runs).
@@ -123,7 +125,7 @@ class Worker:
         per_block = self._bytes_per_block(cfg.num_kv_heads)
         if self.device.type == "cuda":
             local = self._bytes_per_block(self.model.num_local_kv_heads)
-            states = self.num_state_slots * bytes_per_slot(self.state_layers)  # allocated first (initialize_cache)
+            states = self._state_bytes()  # allocated first (initialize_cache)
             num_blocks = (int(available_memory_bytes(self.device) * cc.gpu_memory_utilization) - states) // local
             budget = num_blocks * per_block
         else:
@@ -132,7 +134,7 @@ class Worker:
             if gib * GiB > available:  # the cache's pages are taken as blocks fill: say so now
                 raise ValueError(f"kv_cache_memory={gib:g} GiB is more than this machine has available "
                                  f"({available / GiB:.1f} GiB); lower --kv-cache-memory")
-            budget = int(gib * GiB) - self.num_state_slots * bytes_per_slot(self.state_layers)
+            budget = int(gib * GiB) - self._state_bytes()
             num_blocks = budget // per_block
         if self.tp.is_parallel:
             smallest = torch.tensor([num_blocks], dtype=torch.int64, device=self.device)
@@ -153,12 +155,17 @@ class Worker:
             budget = int(available_memory_bytes(self.device) * cc.gpu_memory_utilization)
         else:
             budget = int(cpu_budget_gib(cc.kv_cache_memory_gib, available_memory_bytes(self.device)) * GiB)
-        return num_slots_for_budget(budget, per_slot, self.config.scheduler.max_num_seqs, self.uses_kv_cache)
+        copies = 2 if cc.enable_prefix_caching else 1  # a snapshot slot beside each running one
+        return num_slots_for_budget(budget, per_slot * copies, self.config.scheduler.max_num_seqs, self.uses_kv_cache)
+
+    def _state_bytes(self) -> int:
+        return (self.num_state_slots + self.num_snapshot_slots) * bytes_per_slot(self.state_layers)
 
     def initialize_cache(self, num_blocks: int, max_model_len: int) -> None:
         cfg, cc = self.model.config, self.config.cache
         if self.state_layers:  # before the KV cache: on CUDA its blocks were counted after the states
-            self.states = allocate_states(self.state_layers, self.num_state_slots, self.device)
+            self.states = allocate_states(self.state_layers, self.num_state_slots + self.num_snapshot_slots,
+                                          self.device)
         slots = self.kv_groups.slots_per_block if self.uses_kv_cache else 0  # an encoder's: an empty tensor
         heads = getattr(self.model, "num_local_kv_heads", 1)
         self.kv_cache = allocate_kv_cache(slots, num_blocks, cc.block_size, heads, cfg.head_dim, self.kv_cache_dtype,

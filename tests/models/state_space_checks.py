@@ -55,6 +55,22 @@ def check_abort_frees_every_slot(llm: LLM) -> None:
     assert not engine.has_unfinished_requests()
 
 
+def check_prefix_hits(model_dir, **engine_args) -> None:
+    """Requests after a cached prefix start from the state kept at its last snapshot boundary
+    (here every 8-token block, or every other one) and still give transformers' tokens: a shared
+    system prompt with another suffix, and the same prompt again."""
+    system = prompt(30, seed=100)
+    first, other = system + prompt(7, seed=101), system + prompt(11, seed=102)
+    expected = reference(transformers_model(model_dir), [first, other, first])
+    for interval, hits in ((8, [0, 24, 32]), (16, [0, 16, 32])):
+        llm = LLM(model=str(model_dir), dtype="float32", kv_cache_memory=0.02, block_size=8,
+                  state_snapshot_interval=interval, **engine_args)
+        outs = [run(llm, [p])[0] for p in (first, other, first)]
+        assert [o.num_cached_tokens for o in outs] == hits
+        assert_matches(outs, expected)
+        assert llm.engine.core.kv_manager.snapshots.num_hits == 2
+
+
 @pytest.fixture(scope="module")
 def expected_tokens(model_dir):
     return reference(transformers_model(model_dir), PROMPTS)

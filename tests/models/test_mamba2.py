@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 
 from pagoda import LLM
-from state_space_checks import (PROMPTS, check_abort_frees_every_slot, check_alone_and_batched,
+from state_space_checks import (PROMPTS, check_abort_frees_every_slot, check_alone_and_batched, check_prefix_hits,
                                 expected_tokens, run)  # noqa: F401 - expected_tokens is a fixture
 from tiny_models import make_tiny_hf_model
 from window_checks import assert_matches
@@ -22,7 +22,6 @@ def test_mamba2_matches_transformers_alone_and_batched(model_dir, expected_token
     llm = check_alone_and_batched(model_dir, expected_tokens)
     core = llm.engine.core
     assert core.scheduler.states.num_free == core.scheduler.states.num_slots  # every finished request's slot is back
-    assert not core.config.cache.enable_prefix_caching  # no state is stored with the prefix tree yet
     check_abort_frees_every_slot(llm)
 
 
@@ -31,3 +30,9 @@ def test_mamba2_chunked_prefill_matches_transformers(model_dir, expected_tokens)
     left, beside the other requests' decodes."""
     llm = LLM(model=str(model_dir), dtype="float32", kv_cache_memory=0.02, max_num_batched_tokens=7, block_size=8)
     assert_matches(run(llm, PROMPTS), expected_tokens)
+
+
+@pytest.mark.parametrize("budget", [2048, 7])
+def test_mamba2_prefix_hits_start_from_the_kept_state(model_dir, budget):
+    """Whole prompts, and prompts in 7-token chunks (snapshots inside a chunk and at its end)."""
+    check_prefix_hits(model_dir, max_num_batched_tokens=budget)
