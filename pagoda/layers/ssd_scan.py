@@ -22,6 +22,17 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+# Decay factors below e^-46 (~1e-20) are taken as 0. What they would keep of a state is more than
+# 13 orders of magnitude under fp32's resolution of anything it is added to, and their products
+# land in the denormal range, which x86 computes ~100x slower: a random-weight Bamba's decode step
+# took 5.7x longer with them (benchmarks/README.md, "State-space decode ITL against context").
+LOG_DECAY_FLOOR = -46.0
+
+
+def decay(log: torch.Tensor) -> torch.Tensor:
+    """exp(log), exactly 0 where ``log`` is under ``LOG_DECAY_FLOOR``."""
+    return torch.exp(log.masked_fill(log < LOG_DECAY_FLOOR, float("-inf")))
+
 
 def discretize(dt: torch.Tensor, dt_bias: torch.Tensor, limit: tuple[float, float]) -> torch.Tensor:
     """softplus(dt + dt_bias), clamped to the config's ``time_step_limit`` (fp32, [T, H])."""
@@ -41,9 +52,8 @@ def recurrent_step(state: torch.Tensor, x: torch.Tensor, dt: torch.Tensor, A: to
                    C: torch.Tensor, D: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """One token for each of n sequences: state [n, H, P, N], x [n, H, P], dt [n, H] (discretized),
     A [H], B / C [n, H, N], D [H] → (y [n, H, P], the new state)."""
-    decay = torch.exp(dt * A)  # [n, H]
     u = dt.unsqueeze(-1) * x  # [n, H, P]
-    state = state * decay[:, :, None, None] + u.unsqueeze(-1) * B.unsqueeze(2)
+    state = state * decay(dt * A)[:, :, None, None] + u.unsqueeze(-1) * B.unsqueeze(2)
     y = torch.einsum("nhpk,nhk->nhp", state, C) + D[:, None] * x
     return y, state
 
@@ -70,14 +80,13 @@ def _chunk(state: torch.Tensor, x: torch.Tensor, dt: torch.Tensor, A: torch.Tens
     # difference is positive and could overflow)
     causal = torch.ones(length, length, dtype=torch.bool, device=x.device).tril()
     segments = S.unsqueeze(-1) - S.unsqueeze(-2)  # [H, t, s]
-    decay = torch.exp(segments.masked_fill(~causal, float("-inf")))
     u = dt.unsqueeze(-1) * x  # [L, H, P]
-    scores = torch.einsum("thn,shn->hts", C, B) * decay  # [H, t, s]
+    scores = torch.einsum("thn,shn->hts", C, B) * decay(segments.masked_fill(~causal, float("-inf")))  # [H, t, s]
     y = torch.einsum("hts,shp->thp", scores, u)
-    into = torch.exp(S).transpose(0, 1)  # [L, H]: the initial state's decay up to t
+    into = decay(S).transpose(0, 1)  # [L, H]: the initial state's decay up to t
     y = y + torch.einsum("hpn,thn->thp", state, C) * into[:, :, None]
-    to_end = torch.exp(S[:, -1:] - S).transpose(0, 1)  # [L, H]: decay from s to the chunk's end
-    state = state * torch.exp(S[:, -1])[:, None, None] + torch.einsum("sh,shp,shn->hpn", to_end, u, B)
+    to_end = decay(S[:, -1:] - S).transpose(0, 1)  # [L, H]: decay from s to the chunk's end
+    state = state * decay(S[:, -1])[:, None, None] + torch.einsum("sh,shp,shn->hpn", to_end, u, B)
     return y, state
 
 

@@ -61,3 +61,19 @@ def test_convolution_window_carries_across_calls():
         ys.append(y)
     torch.testing.assert_close(torch.cat(ys), whole, rtol=1e-5, atol=1e-6)
     torch.testing.assert_close(state[0], window)
+
+
+def test_decays_past_the_floor_are_exact_zeros_and_both_forms_still_agree():
+    """Fast-decaying heads (A of -40: a factor of e^-52 a token, as a random Bamba's last heads
+    reach) make no denormal products, and the chunked form still equals the recurrence."""
+    from pagoda.layers.ssd_scan import LOG_DECAY_FLOOR, decay
+
+    assert decay(torch.tensor([LOG_DECAY_FLOOR - 1, -10.0])).tolist() == [0.0, pytest.approx(4.54e-5, rel=1e-3)]
+    state, x, dt, _, B, C, D = _inputs(3)
+    A = torch.tensor([-40.0, -1.0, -40.0, -0.5])
+    want_y, want_state = _step_by_step(state, x, dt + 1.0, A, B, C, D)
+    y, final = chunked_scan(state, x, dt + 1.0, A, B, C, D, 8)
+    torch.testing.assert_close(y, want_y, rtol=1e-4, atol=1e-5)
+    torch.testing.assert_close(final, want_state, rtol=1e-4, atol=1e-5)
+    tiny = torch.finfo(torch.float32).tiny
+    assert not ((final.abs() < tiny) & (final != 0)).any()
