@@ -79,6 +79,22 @@ def _number(value) -> float:
     return float(value["__float__"] if isinstance(value, dict) else value)
 
 
+class GatedRMSNorm(nn.Module):
+    """transformers' MambaRMSNormGated: y * SiLU(z), RMS-normalized within each of ``groups``
+    groups, times the weight (in fp32, the weight applied in the gate's dtype)."""
+
+    def __init__(self, size: int, groups: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(size))
+        self.groups, self.eps = groups, eps
+
+    def forward(self, y: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
+        y = y * torch.nn.functional.silu(gate.float())
+        grouped = y.view(y.shape[0], self.groups, -1)
+        grouped = grouped * torch.rsqrt(grouped.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * grouped.view_as(y).to(gate.dtype)
+
+
 class Mamba2Mixer(nn.Module):
     def __init__(self, cfg: MambaConfig) -> None:
         super().__init__()
@@ -90,8 +106,7 @@ class Mamba2Mixer(nn.Module):
         self.dt_bias = nn.Parameter(torch.empty(cfg.num_heads))
         self.A_log = nn.Parameter(torch.empty(cfg.num_heads))
         self.D = nn.Parameter(torch.empty(cfg.num_heads))
-        self.norm = nn.Module()  # transformers' gated RMSNorm keeps only a weight
-        self.norm.weight = nn.Parameter(torch.empty(cfg.intermediate_size))
+        self.norm = GatedRMSNorm(cfg.intermediate_size, cfg.n_groups, cfg.norm_eps)
         self.out_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=cfg.use_bias)
         self.conv_state: torch.Tensor | None = None  # [slots, conv_dim, K - 1]
         self.ssm_state: torch.Tensor | None = None  # [slots, heads, head_dim, state]
@@ -115,7 +130,7 @@ class Mamba2Mixer(nn.Module):
         for start, count, slot, fresh, saves in states.chunks:
             rows = slice(start, start + count)
             y[rows] = self._chunk(slot, fresh, xbc[rows], dt[rows], saves)
-        y = self._gated_norm(y.view(hidden.shape[0], -1), gate)
+        y = self.norm(y.view(hidden.shape[0], -1), gate)
         return project(self.out_proj, y.to(hidden.dtype), self.backend)
 
     def _decodes(self, states: StateMetadata, xbc: torch.Tensor, dt: torch.Tensor, y: torch.Tensor) -> None:
@@ -123,15 +138,15 @@ class Mamba2Mixer(nn.Module):
         if not len(states.decode_tokens):
             return
         c, rows, slots = self.cfg, states.decode_tokens, states.decode_slots
-        keep = (~states.decode_fresh).to(torch.float32)  # a fresh sequence's slot holds another's state
-        conv = self.conv_state[slots] * keep[:, None, None]
-        ssm = self.ssm_state[slots] * keep[:, None, None, None]
+        conv, ssm = self.conv_state[slots], self.ssm_state[slots]  # copies: stepped in place
+        if states.decode_fresh.any():  # a fresh sequence's slot holds another's state
+            conv[states.decode_fresh], ssm[states.decode_fresh] = 0.0, 0.0
         conv_out, conv = conv_step(xbc[rows].float(), conv, self.conv1d.weight.squeeze(1).float(), self._conv_bias())
         x, B, C = self._split(conv_out)
         out, ssm = recurrent_step(ssm, x, discretize(dt[rows], self.dt_bias, c.time_step_limit), self._A(), B, C,
                                   self.D.float())
-        self.conv_state[slots] = conv.to(self.conv_state.dtype)
-        self.ssm_state[slots] = ssm.to(self.ssm_state.dtype)
+        self.conv_state.index_copy_(0, slots, conv)
+        self.ssm_state.index_copy_(0, slots, ssm)
         y[rows] = out
         for slot, snapshot in states.decode_saves:
             self.conv_state[snapshot], self.ssm_state[snapshot] = self.conv_state[slot], self.ssm_state[slot]
@@ -174,12 +189,3 @@ class Mamba2Mixer(nn.Module):
 
     def _conv_bias(self) -> torch.Tensor | None:
         return self.conv1d.bias.float() if self.conv1d.bias is not None else None
-
-    def _gated_norm(self, y: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
-        """transformers' MambaRMSNormGated: y * SiLU(z), RMS-normalized within each of n_groups
-        groups, times the weight (in fp32, the weight applied in the input's dtype)."""
-        c = self.cfg
-        y = y * torch.nn.functional.silu(gate.float())
-        groups = y.view(y.shape[0], c.n_groups, -1)
-        groups = groups * torch.rsqrt(groups.pow(2).mean(-1, keepdim=True) + c.norm_eps)
-        return self.norm.weight * groups.view_as(y).to(gate.dtype)

@@ -51,9 +51,9 @@ def heads_of_groups(t: torch.Tensor, num_heads: int) -> torch.Tensor:
 def recurrent_step(state: torch.Tensor, x: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, B: torch.Tensor,
                    C: torch.Tensor, D: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """One token for each of n sequences: state [n, H, P, N], x [n, H, P], dt [n, H] (discretized),
-    A [H], B / C [n, H, N], D [H] → (y [n, H, P], the new state)."""
+    A [H], B / C [n, H, N], D [H] → (y [n, H, P], the new state, ``state`` updated in place)."""
     u = dt.unsqueeze(-1) * x  # [n, H, P]
-    state = state * decay(dt * A)[:, :, None, None] + u.unsqueeze(-1) * B.unsqueeze(2)
+    state.mul_(decay(dt * A)[:, :, None, None]).add_(u.unsqueeze(-1) * B.unsqueeze(2))
     y = torch.einsum("nhpk,nhk->nhp", state, C) + D[:, None] * x
     return y, state
 

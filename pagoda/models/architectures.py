@@ -44,6 +44,8 @@ ARCHITECTURES: tuple[Architecture, ...] = (
     # state-space models (Mamba-2 mixers: layers/mamba_mixer.py), pure and hybrid with attention
     Architecture("Mamba2ForCausalLM", "mamba2", "Mamba2ForCausalLM", ("mamba2",), recurrent=True),
     Architecture("BambaForCausalLM", "bamba", "BambaForCausalLM", ("bamba",), recurrent=True),
+    Architecture("GraniteMoeHybridForCausalLM", "granite_hybrid", "GraniteMoeHybridForCausalLM",
+                 ("granitemoehybrid",), recurrent=True),
     # an encoder (models/bert.py): served by the pooling runner only (embeddings, scores)
     Architecture("BertModel", "bert", "BertModel", ("bert",)),
     Architecture("BertForMaskedLM", "bert", "BertModel", ("bert",)),

@@ -53,6 +53,7 @@ class BambaDecoderLayer(nn.Module):
                  tp: TensorParallelGroup, attends: bool) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.attends = attends
         if attends:
             self.self_attn = Attention(cfg, rotary, plan, tp)
         else:
@@ -66,7 +67,7 @@ class BambaDecoderLayer(nn.Module):
         if residual is None:  # first layer: 0 + x == x exactly
             residual = torch.zeros_like(hidden)
         hidden, residual = self.input_layernorm(hidden, residual)
-        hidden = self.self_attn(positions, hidden) if hasattr(self, "self_attn") else self.mamba(hidden)
+        hidden = self.self_attn(positions, hidden) if self.attends else self.mamba(hidden)
         hidden, residual = self.pre_ff_layernorm(hidden, residual)
         return self.feed_forward(hidden), residual
 
@@ -102,10 +103,10 @@ class BambaForCausalLM(LlamaForCausalLM):
                              for i in range(hf_config["num_hidden_layers"]))
 
     def attention_layers(self) -> list[PagedAttention]:
-        return [layer.self_attn.attn for layer in self.layers if hasattr(layer, "self_attn")]
+        return [layer.self_attn.attn for layer in self.layers if layer.attends]
 
     def state_layers(self) -> list[Mamba2Mixer]:
-        return [layer.mamba for layer in self.layers if hasattr(layer, "mamba")]
+        return [layer.mamba for layer in self.layers if not layer.attends]
 
     def decode_stack_unsupported(self) -> str | None:
         return "state-space layers: the fused op chains attention layers only"

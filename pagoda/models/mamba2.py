@@ -110,8 +110,6 @@ class Mamba2ForCausalLM(nn.Module):
             name = name.removeprefix("backbone.").replace("embedding.", "embeddings.")
             if name not in params:
                 raise ValueError(f"checkpoint tensor {name!r} has no place in {type(self).__name__}")
-            if hasattr(tensor, "dequantize") and not isinstance(tensor, torch.Tensor):
-                tensor = tensor.dequantize()
             copy_checked(params[name].data, tensor, name)
             loaded.add(name)
         missing = sorted(set(params) - loaded)

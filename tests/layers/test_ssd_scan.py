@@ -23,7 +23,7 @@ def _inputs(seed: int = 0):
 
 
 def _step_by_step(state, x, dt, A, B, C, D):
-    ys = []
+    state, ys = state.clone(), []  # (recurrent_step updates its state in place)
     for t in range(x.shape[0]):
         y, state = recurrent_step(state[None], x[t : t + 1], dt[t : t + 1], A, B[t : t + 1], C[t : t + 1], D)
         state = state[0]
