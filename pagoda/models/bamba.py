@@ -62,14 +62,19 @@ class BambaDecoderLayer(nn.Module):
         self.feed_forward = MLP(cfg, plan, tp)
 
     def forward(self, positions, hidden, residual):
-        """(hidden, residual) in and out, the residual add deferred into the next fused norm as in
-        the Llama layer: the stream is hidden + residual."""
-        if residual is None:  # first layer: 0 + x == x exactly
-            residual = torch.zeros_like(hidden)
-        hidden, residual = self.input_layernorm(hidden, residual)
-        hidden = self.self_attn(positions, hidden) if self.attends else self.mamba(hidden)
+        hidden, residual = mix(self, positions, hidden, residual)
         hidden, residual = self.pre_ff_layernorm(hidden, residual)
         return self.feed_forward(hidden), residual
+
+
+def mix(layer: nn.Module, positions: torch.Tensor, hidden: torch.Tensor, residual: torch.Tensor | None):
+    """A hybrid layer's first half: its input norm, then its attention or its mixer. (hidden,
+    residual) in and out, the residual add deferred into the next fused norm as in the Llama layer:
+    the stream is hidden + residual."""
+    if residual is None:  # first layer: 0 + x == x exactly
+        residual = torch.zeros_like(hidden)
+    hidden, residual = layer.input_layernorm(hidden, residual)
+    return (layer.self_attn(positions, hidden) if layer.attends else layer.mamba(hidden)), residual
 
 
 def attention_indices(hf_config: dict) -> list[int]:

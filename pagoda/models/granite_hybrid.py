@@ -27,14 +27,13 @@ from torch import nn
 
 from pagoda.distributed.parallel_state import TensorParallelGroup
 from pagoda.distributed.shard_plan import ShardPlan
-from pagoda.layers.attention import PagedAttention
 from pagoda.layers.mamba_mixer import Mamba2Mixer, MambaConfig
 from pagoda.layers.norm import RMSNorm
 from pagoda.layers.rotary import RotaryEmbedding
 from pagoda.layers.stored_weights import PackedWeight
 from pagoda.models.config import TransformerConfig
-from pagoda.models.llama import MLP, Attention, LlamaForCausalLM
-from pagoda.models.mamba2 import refuse_tensor_parallel
+from pagoda.models.bamba import BambaForCausalLM, mix
+from pagoda.models.llama import MLP, Attention
 from pagoda.models.moe import MoEConfig, SparseMoeBlock
 
 _ATTENTION_TYPES = ("attention", "full_attention")  # config.json's older and newer names
@@ -64,12 +63,7 @@ class GraniteHybridLayer(nn.Module):
         self.residual_multiplier = residual_multiplier
 
     def forward(self, positions, hidden, residual):
-        """(hidden, residual) in and out, the residual add deferred into the next fused norm as in
-        the Llama layer: the stream is hidden + residual."""
-        if residual is None:  # first layer: 0 + x == x exactly
-            residual = torch.zeros_like(hidden)
-        hidden, residual = self.input_layernorm(hidden, residual)
-        hidden = self.self_attn(positions, hidden) if self.attends else self.mamba(hidden)
+        hidden, residual = mix(self, positions, hidden, residual)
         hidden, residual = self.post_attention_layernorm(hidden * self.residual_multiplier, residual)
         out = self.shared_mlp(hidden)
         if self.block_sparse_moe is not None:
@@ -84,7 +78,10 @@ def attention_layers_of(hf_config: dict) -> list[bool]:
     return [t in _ATTENTION_TYPES for t in types]
 
 
-class GraniteMoeHybridForCausalLM(LlamaForCausalLM):
+class GraniteMoeHybridForCausalLM(BambaForCausalLM):
+    """Bamba's model (the attention and state layers, tensor parallelism refused) with Granite's
+    layers, multipliers and weight names."""
+
     @classmethod
     def read_config(cls, hf_config: dict) -> TransformerConfig:
         """The attention layers' shape, the dense MLP the shared one; ``num_layers`` counts the
@@ -96,7 +93,6 @@ class GraniteMoeHybridForCausalLM(LlamaForCausalLM):
         return dataclasses.replace(cfg, num_layers=sum(attention_layers_of(hf_config)), sliding_windows=())
 
     def __init__(self, hf_config: dict, max_position: int) -> None:
-        refuse_tensor_parallel(type(self).__name__)
         super().__init__(hf_config, max_position)
         self.embedding_multiplier = float(hf_config.get("embedding_multiplier", 1.0))
         self.logits_scaling = float(hf_config.get("logits_scaling", 1.0))
@@ -115,15 +111,6 @@ class GraniteMoeHybridForCausalLM(LlamaForCausalLM):
         return nn.ModuleList(GraniteHybridLayer(cfg, None if attends else mamba, rotary, plan, tp, moe, scale, residual)
                              for attends in attention_layers_of(hf_config))
 
-    def attention_layers(self) -> list[PagedAttention]:
-        return [layer.self_attn.attn for layer in self.layers if layer.attends]
-
-    def state_layers(self) -> list[Mamba2Mixer]:
-        return [layer.mamba for layer in self.layers if not layer.attends]
-
-    def decode_stack_unsupported(self) -> str | None:
-        return "state-space layers: the fused op chains attention layers only"
-
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         return super().embed(input_ids) * self.embedding_multiplier
 
@@ -133,6 +120,7 @@ class GraniteMoeHybridForCausalLM(LlamaForCausalLM):
     @torch.no_grad()
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor | PackedWeight]]) -> None:
         """As Llama's, with Granite's fused MLP tensors cut into the gate / up / down names it loads."""
+        # (Bamba's renaming of its final norm finds nothing here: Granite's is "norm")
         super().load_weights(_llama_names(weights))
 
 
