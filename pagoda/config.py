@@ -24,6 +24,7 @@ from pagoda.loader.catalog import DEFAULT_MODEL  # noqa: F401 - the engine's def
 from pagoda.loader.model_files import ModelFiles
 from pagoda.loader.pooling_model import choose_runner, sep_token_id
 from pagoda.loader.resolve import resolve_model
+from pagoda.models.architectures import is_recurrent
 from pagoda.models.model_classes import resolve_architecture
 from pagoda.multimodal.limits import ImageLimits, image_limits
 from pagoda.platform import available_memory_bytes, default_device
@@ -85,6 +86,8 @@ class CacheConfig:
     # (core/kv_cache_groups.py); off: --disable-hybrid-kv-cache-manager
     hybrid_kv_cache: bool = True
     kv_cache_dtype: torch.dtype | None = None  # None: the model's dtype (--kv-cache-dtype auto)
+    # state-space models with prefix caching: tokens between kept states (core/state_snapshots.py)
+    state_snapshot_interval: int = _ARGS.state_snapshot_interval
 
 
 @dataclass(frozen=True)
@@ -169,7 +172,8 @@ def create_engine_config(args: EngineArgs) -> EngineConfig:
         _warn_once(f"--model-key-file is ignored: {args.model!r} is not an encrypted model")
     hf_config = files.hf_config()
     architecture, model_cls = resolve_architecture(hf_config)
-    encoder = not getattr(model_cls, "uses_kv_cache", True)  # an encoder (BERT): pooling only
+    recurrent = is_recurrent(architecture)  # state-space layers (Mamba-2): a state slot per running request
+    encoder = not getattr(model_cls, "uses_kv_cache", True) and not recurrent  # an encoder (BERT): pooling only
     if getattr(model_cls, "classifies", False):  # a cross-encoder marks a pair's second text after [SEP]
         hf_config = {**hf_config, "sep_token_id": sep_token_id(files.metadata_dir, hf_config)}
     runner = choose_runner(args.runner, files.metadata_dir, architecture, encoder, hf_config, args.pooler_config)
@@ -190,6 +194,8 @@ def create_engine_config(args: EngineArgs) -> EngineConfig:
         raise ValueError(f"tensor_parallel_size={args.tensor_parallel_size}: an encoder ({architecture}) runs on one rank")
     if pools and args.speculative_config:
         raise ValueError("speculative_config: the pooling runner decodes nothing (--runner pooling)")
+    if recurrent:
+        _check_recurrent(args, architecture, pools)
     if quantization == "gguf" and str(args.dtype).lower() == "auto":
         dtype = torch.float32  # the block kernels' activations, and the decode stack's dtype
     deterministic = _resolve_deterministic(args, device, dtype)
@@ -205,7 +211,7 @@ def create_engine_config(args: EngineArgs) -> EngineConfig:
         cache=CacheConfig(args.block_size, args.kv_cache_memory, args.gpu_memory_utilization,
                           args.enable_prefix_caching and not pools,
                           args.session_kv_fraction, args.max_session_kv_tokens,
-                          not args.disable_hybrid_kv_cache_manager, kv_dtype),
+                          not args.disable_hybrid_kv_cache_manager, kv_dtype, args.state_snapshot_interval),
         scheduler=_scheduler_config(args, max_model_len, pools),
         parallel=parallel,
         seed=args.seed,
@@ -361,6 +367,21 @@ def _resolve_deterministic(args: EngineArgs, device: torch.device, dtype: torch.
 
 
 _warned: set[str] = set()
+
+
+def _check_recurrent(args: EngineArgs, architecture: str, pools: bool) -> None:
+    """What a state-space model (a recurrent state per request, core/state_slots.py) does not run
+    with: its state cannot be rolled back (speculative decoding), cut across ranks (its mixers are
+    built whole), pooled, or moved to the KV tiers (they hold blocks, not the states kept with
+    them: core/state_snapshots.py)."""
+    refused = [(args.speculative_config, "speculative_config"), (args.tensor_parallel_size > 1, "tensor_parallel_size > 1"),
+               (pools, "--runner pooling"), (args.enable_lora, "enable_lora"),
+               (args.kv_offload_memory or args.kv_offload_dir or args.kv_offload_url, "kv_offload")]
+    for value, name in refused:
+        if value:
+            raise ValueError(f"{name} is not supported for {architecture} (state-space layers)")
+    if args.state_snapshot_interval < 1:
+        raise ValueError(f"state_snapshot_interval must be >= 1 token, got {args.state_snapshot_interval}")
 
 
 def _warn_once(message: str) -> None:

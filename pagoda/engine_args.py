@@ -80,6 +80,10 @@ class EngineArgs:
         "the Python layers every step (default: on)"))
     enable_prefix_caching: bool = field(default=True, metadata=_option(
         "share prompt prefixes between requests through a radix tree (default: on)"))
+    state_snapshot_interval: int = field(default=256, metadata=_option(
+        "state-space models (Mamba-2, Bamba) with prefix caching: keep a request's recurrent state "
+        "every this many tokens (rounded up to whole blocks), so a later request with the same "
+        "prefix starts at the last such point (default: 256)"))
     disable_hybrid_kv_cache_manager: bool = field(default=False, metadata=_option(
         "one block table for every layer even where the model mixes global and sliding-window "
         "layers (Gemma 3); by default the windowed layers get tables of their own and give back "

@@ -24,6 +24,24 @@ class PrefillSeq:
 
 
 @dataclass
+class StateMetadata:
+    """Where the step's sequences keep their recurrent state (state-space layers, e.g. Mamba-2's
+    mixer): a slot of every such layer's state tensors per running request (core/state_slots.py).
+
+    Sequences computing one token (decodes) are updated together; each longer chunk on its own.
+    A sequence with nothing computed before this step (``fresh``) starts from a zero state,
+    whatever its slot held before. With prefix caching, a chunk also copies its state after some
+    of its tokens into snapshot slots (core/state_snapshots.py): ``saves``."""
+
+    decode_tokens: torch.Tensor  # int64 [n]: the flat rows of the one-token sequences
+    decode_slots: torch.Tensor  # int64 [n]: their state slots
+    decode_fresh: torch.Tensor  # bool [n]: a one-token prompt starts from zeros
+    # the others: (first flat row, tokens, slot, fresh, saves: [(after this many tokens, snapshot slot)])
+    chunks: list[tuple[int, int, int, bool, list[tuple[int, int]]]]
+    decode_saves: list[tuple[int, int]] = field(default_factory=list)  # (slot, snapshot slot) after the step
+
+
+@dataclass
 class AttentionMetadata:
     """The batch is laid out as [decode tokens ... | prefill chunks ...].
 
@@ -42,6 +60,7 @@ class AttentionMetadata:
     # the step's LoRA adapters and their rows (layers/lora_delta.LoRABatch; not imported here, which
     # would close a cycle with the layers); None: every row runs on the base model
     lora: object | None = None
+    states: StateMetadata | None = None  # None: the model keeps no recurrent state
     _decode_masks: dict[int | None, torch.Tensor] = field(default_factory=dict)
     _slot_parts: tuple[torch.Tensor, torch.Tensor] | None = None
 

@@ -81,6 +81,7 @@ class Request(EngineCoreRequest):
     num_computed_tokens: int = 0
     block_ids: list[int] = field(default_factory=list)
     group_block_ids: list[list[int]] = field(default_factory=list)  # KV cache groups 1.. (hybrid models)
+    state_slot: int | None = None  # state-space models: its recurrent state's slot while it runs (core/state_slots.py)
     num_preemptions: int = 0
     stop_reason: int | str | None = None
     # Prompt logprobs are produced chunk by chunk; this counts positions already reported.

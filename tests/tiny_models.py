@@ -65,6 +65,8 @@ def make_tokenizer(out_dir: Path) -> None:
 def _config(arch: str, vocab_size: int):
     import transformers
 
+    if arch in SSM_ARCHS:
+        return _ssm_config(arch, vocab_size)
     common = dict(
         vocab_size=vocab_size,
         hidden_size=64,
@@ -129,6 +131,33 @@ def _moe_or_phi3_config(arch: str, common: dict):
                                    **common)
 
 
+SSM_ARCHS = ("mamba2", "bamba", "granitemoehybrid")
+
+
+def _ssm_config(arch: str, vocab_size: int):
+    """The state-space families: Mamba-2 (three mixers), Bamba and Granite 4.0-H (mixer,
+    attention, mixer, mixer; Granite's attention without rotary, as Granite 4.0-H's, its MLPs a
+    shared one and 4 experts, 2 a token, and every multiplier away from 1); 8 heads of 16 in 2
+    groups, a state of 16, and chunks of 8 tokens in transformers' scan, so the prompts here span
+    several."""
+    import transformers
+
+    if arch == "mamba2":
+        return transformers.Mamba2Config(vocab_size=vocab_size, hidden_size=64, num_heads=8, head_dim=16, n_groups=2,
+                                         state_size=16, chunk_size=8, conv_kernel=4, num_hidden_layers=3,
+                                         bos_token_id=1, eos_token_id=2, pad_token_id=0, tie_word_embeddings=False)
+    common = dict(vocab_size=vocab_size, hidden_size=64, num_hidden_layers=4, num_attention_heads=4,
+                  num_key_value_heads=2, max_position_embeddings=256, rms_norm_eps=1e-6, bos_token_id=1,
+                  eos_token_id=2, pad_token_id=0, tie_word_embeddings=False, mamba_n_heads=8, mamba_d_head=16,
+                  mamba_n_groups=2, mamba_d_state=16, mamba_chunk_size=8, mamba_d_conv=4)
+    if arch == "bamba":
+        return transformers.BambaConfig(intermediate_size=128, attn_layer_indices=[1], **common)
+    return transformers.GraniteMoeHybridConfig(
+        intermediate_size=32, shared_intermediate_size=96, num_local_experts=4, num_experts_per_tok=2,
+        layer_types=["mamba", "attention", "mamba", "mamba"], position_embedding_type="nope",
+        embedding_multiplier=3.0, residual_multiplier=0.6, attention_multiplier=0.2, logits_scaling=2.5, **common)
+
+
 PHI3_ORIGINAL_CONTEXT = 64  # the tiny Phi-3's original context: LongRoPE's long factors apply past it
 
 
@@ -154,7 +183,7 @@ def make_tiny_hf_model(arch: str, out_dir: Path, *, seed: int = 0, tie_word_embe
     # Random init leaves norms at 1 and biases at 0; perturb them so the test exercises them.
     with torch.no_grad():
         for name, p in model.named_parameters():
-            if name.endswith("norm.weight") or name.endswith(".bias"):
+            if name.endswith(("norm.weight", ".bias", "dt_bias", ".D", "A_log")):  # (the last three: Mamba-2's)
                 p.add_(torch.randn_like(p) * 0.1)
             elif p.dim() == 2:
                 p.normal_(0.0, 0.08)

@@ -10,6 +10,7 @@ from pagoda.core.kv_events import KVEventLog
 from pagoda.core.kv_tiers.link import KVTierLink
 from pagoda.core.radix_cache import RadixCache, RadixNode
 from pagoda.core.session_pins import SessionPins
+from pagoda.core.state_snapshots import StateSnapshots
 from pagoda.request import Request
 
 
@@ -86,6 +87,8 @@ class KVCacheManager:
         self.prefix_preempted_hit_tokens = 0
         self.tiers: KVTierLink | None = None  # host memory and disk under the tree (attach_tiers)
         self.events: KVEventLog | None = None  # the tree's stored / removed blocks (--kv-events-config)
+        # a state-space model's states after cached prefixes: a hit must end where one is kept
+        self.snapshots: StateSnapshots | None = None
 
     def attach_tiers(self, link: KVTierLink) -> None:
         """Put the lower tiers (core/kv_tiers) under the prefix tree: blocks it lets go go down,
@@ -135,6 +138,10 @@ class KVCacheManager:
         match = self.cache.match(tokens, request.prefix_key)
         if self.num_groups > 1 and match.blocks:
             usable = self._usable_hit(match.blocks)
+            if usable < len(match.blocks):
+                match = self.cache.match(tokens[: usable * self.block_size], request.prefix_key)
+        if self.snapshots is not None and match.blocks:
+            usable = self.snapshots.usable_blocks(tokens, request.prefix_key, len(match.blocks))
             if usable < len(match.blocks):
                 match = self.cache.match(tokens[: usable * self.block_size], request.prefix_key)
         if not match.blocks:
@@ -381,6 +388,8 @@ class KVCacheManager:
         return self.sessions.num_pinned_blocks if self.sessions is not None else 0
 
     def reset_prefix_cache(self) -> None:
+        if self.snapshots is not None:
+            self.snapshots.reset()
         if self.cache is not None:
             released = self.cache.reset()
             if self.tiers is not None:

@@ -42,6 +42,7 @@ from pagoda.core.prefill_chunks import PrefillChunking, PrefillSlots
 from pagoda.core.request_order import RequestOrder, background_yields, is_background
 from pagoda.core.scheduler_output import SchedulerOutput
 from pagoda.core.scheduler_stats import SchedulerStats, SpecDecodeCounters, scheduler_stats
+from pagoda.core.state_slots import StateSlots
 from pagoda.core.stop_conditions import grammar_verdict, stop_verdict
 from pagoda.core.worker_deltas import WorkerDeltas
 from pagoda.engine_args import EngineArgs
@@ -60,6 +61,7 @@ class _Step:
     scheduled: list[tuple[Request, int]] = field(default_factory=list)
     preempted: list[str] = field(default_factory=list)
     spec_tokens: dict[str, list[int]] = field(default_factory=dict)
+    state_copies: list[tuple[int, int]] = field(default_factory=list)  # (kept prefix's state, request's slot)
 
 
 class Scheduler:
@@ -68,12 +70,14 @@ class Scheduler:
                  admission_pressure_threshold: float = EngineArgs.admission_pressure_threshold,
                  spec_disable_by_batch_size: int | None = None, spec_lookahead: int = 0,
                  policy: str = EngineArgs.scheduling_policy, chunking: PrefillChunking | None = None,
-                 loras: LoRAResidency | None = None) -> None:
+                 loras: LoRAResidency | None = None, states: StateSlots | None = None) -> None:
         """``spec_lookahead``: KV slots to allocate, where free, after the tokens of a request
         that samples this step, for the drafts a draft model writes when it proposes.
         ``policy``: "priority" (priorities and aging order the queues) or "fcfs" (arrival only).
         ``chunking``: the prefill chunk limits (default: none beyond the budget). ``loras``: the
-        LoRA adapters the workers hold and the bound on those in one batch (None: LoRA is off)."""
+        LoRA adapters the workers hold and the bound on those in one batch (None: LoRA is off).
+        ``states``: a state-space model's recurrent-state slots, one per running request (None: the
+        model keeps none); a request is admitted only with a free one."""
         if max_num_seqs < 1:
             raise ValueError(f"max_num_seqs must be >= 1, got {max_num_seqs}")
         if max_num_batched_tokens < 1:
@@ -92,6 +96,7 @@ class Scheduler:
         self.requests: dict[str, Request] = {}
         self.num_preemptions_total = 0
         self.loras = loras
+        self.states = states
         self.deltas = WorkerDeltas(loras)  # what the workers know of each request (and their adapters)
         self.spec = SpecDecodeCounters()
 
@@ -157,7 +162,10 @@ class Scheduler:
         if not growth_preempted:
             self._admit_waiting(out, budget, favored, self._partial_slots(out))
         self._allocate_lookahead(out)
-        return self.deltas.message(out.scheduled, out.preempted, out.spec_tokens)
+        message = self.deltas.message(out.scheduled, out.preempted, out.spec_tokens)
+        if self.kv.snapshots is not None:
+            self.kv.snapshots.add_to(message, out.scheduled, out.state_copies)
+        return message
 
     def _drafts_to_verify(self, request: Request, budget: int) -> list[int]:
         """The request's drafts that fit this step: it must be decoding (one token to compute),
@@ -217,7 +225,7 @@ class Scheduler:
             victim = self.running[-1]
             if self.order.priority(head, now) <= self.order.priority(victim, now):
                 break
-            no_slot = len(self.running) >= self.max_num_seqs
+            no_slot = len(self.running) >= self.max_num_seqs or not self._has_state_slot()
             no_blocks = self._blocks_to_admit(head) > self.kv.num_free_blocks
             if not (no_slot or no_blocks):
                 break
@@ -240,6 +248,7 @@ class Scheduler:
         self.running.remove(request)
         self.kv.free(request)
         clear_blocks(request)
+        self._free_state(request)  # recomputed from its tokens when it runs again
         request.status = RequestStatus.PREEMPTED
         request.num_computed_tokens = 0
         request.num_preemptions += 1
@@ -266,7 +275,7 @@ class Scheduler:
         and later requests whose prompt fits whole may go. Anything else that does not fit
         (KV blocks, memory pressure) ends admission for this step."""
         for request in list(self._waiting):
-            if budget <= 0 or len(self.running) >= self.max_num_seqs:
+            if budget <= 0 or len(self.running) >= self.max_num_seqs or not self._has_state_slot():
                 return
             if request.waiting_for_grammar or (self.loras is not None and not self.loras.fits(request, self.running)):
                 continue
@@ -288,11 +297,23 @@ class Scheduler:
             if request.num_cached_tokens is None:
                 request.num_cached_tokens = cached
             request.status = RequestStatus.RUNNING
+            if self.states is not None:
+                request.state_slot = self.states.allocate(request.request_id)
+                if cached and (copy := self.kv.snapshots.copy_for(request)):
+                    out.state_copies.append(copy)
             if request.first_scheduled_time is None:
                 request.first_scheduled_time = time.monotonic()
             self.running.append(request)
             out.scheduled.append((request, num_new))
             budget -= num_new
+
+    def _has_state_slot(self) -> bool:
+        return self.states is None or self.states.num_free > 0
+
+    def _free_state(self, request: Request) -> None:
+        if self.states is not None:
+            self.states.free(request.state_slot)
+            request.state_slot = None
 
     def _give_back_prefix(self, request: Request) -> None:
         """Undo ``match_prefix`` for a request that stays waiting; its prefix stays cached."""
@@ -304,6 +325,8 @@ class Scheduler:
     def update(self, out: SchedulerOutput, result: ModelRunnerOutput) -> list[Request]:
         """Advance counters, append sampled tokens, finish requests. Returns finished requests."""
         finished = []
+        if self.kv.snapshots is not None:
+            self.kv.snapshots.commit()  # the states the step saved can be found now
         self.spec.draft_seconds += result.spec_draft_seconds
         self.spec.verify_seconds += result.spec_verify_seconds
         # (looked up once: this loop runs for every request every step)
@@ -357,6 +380,7 @@ class Scheduler:
             self.running.remove(request)
         self.kv.free(request, finished=True)
         clear_blocks(request)
+        self._free_state(request)
         self.requests.pop(request.request_id, None)
         self.deltas.finished(request.request_id)
 

@@ -35,6 +35,7 @@ class NewRequestData:
     pooling_params: PoolingParams | None = None  # a pooling request's: its vector comes back, no tokens
     lora_id: int = 0  # the LoRA adapter it runs under (0: the base model), held by the workers
     images: tuple[ImageInput, ...] = ()  # its prompt's images: pixels and placeholder runs (pagoda/multimodal)
+    state_slot: int = -1  # state-space models: the slot of its recurrent state (core/state_slots.py)
 
 
 @dataclass
@@ -47,6 +48,7 @@ class CachedRequestData:
     num_computed_tokens: int  # tokens with KV in the cache before this step
     resumed_from_preemption: bool = False  # its blocks were freed: new_block_ids replace the table
     new_group_block_ids: list[list[int]] = field(default_factory=list)  # the same for KV cache groups 1..
+    state_slot: int = -1  # resumed: the state slot it runs in now (state-space models)
 
 
 @dataclass
@@ -72,6 +74,11 @@ class SchedulerOutput:
     # host memory), then blocks to copy in (key, block)
     kv_saves: list[tuple[int, bytes, bool]] = field(default_factory=list)
     kv_loads: list[tuple[bytes, int]] = field(default_factory=list)
+    # State-space models (core/state_snapshots.py): before the forward pass, state slots to copy
+    # (a kept prefix's state → a request that starts after it); during it, request id → the
+    # snapshots its chunk writes (tokens into the chunk, slot)
+    state_copies: list[tuple[int, int]] = field(default_factory=list)
+    state_saves: dict[str, list[tuple[int, int]]] = field(default_factory=dict)
 
     @property
     def total_num_scheduled_tokens(self) -> int:

@@ -45,7 +45,7 @@ class WorkerDeltas:
                     rid, list(request.prompt_token_ids), request.sampling_params, list(request.block_ids),
                     request.num_computed_tokens, list(request.output_token_ids),
                     [list(ids) for ids in request.group_block_ids], request.pooling_params, request.lora_id,
-                    request.images,
+                    request.images, _slot(request),
                 ))
                 if self.loras is not None:
                     self.loras.sent(request, out)
@@ -55,7 +55,7 @@ class WorkerDeltas:
                 groups = [ids[sent_blocks:] for ids in request.group_block_ids] if request.group_block_ids else []
                 out.cached_requests.append(CachedRequestData(
                     rid, request.all_token_ids[sent_tokens[rid]:], request.block_ids[sent_blocks:],
-                    request.num_computed_tokens, resumed, groups,
+                    request.num_computed_tokens, resumed, groups, _slot(request) if resumed else -1,
                 ))
             if resumed_ids:
                 resumed_ids.discard(rid)
@@ -64,3 +64,7 @@ class WorkerDeltas:
         if self.loras is not None:
             out.lora_unloads = self.loras.take_unloads()
         return out
+
+
+def _slot(request: Request) -> int:
+    return -1 if request.state_slot is None else request.state_slot

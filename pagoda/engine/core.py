@@ -18,6 +18,8 @@ from pagoda.core.kv_events import KVEventLog
 from pagoda.core.prefill_chunks import PrefillChunking
 from pagoda.core.lora_residency import LoRAResidency
 from pagoda.core.scheduler import Scheduler
+from pagoda.core.state_slots import StateSlots
+from pagoda.core.state_snapshots import StateSnapshots
 from pagoda.core.scheduler_stats import SchedulerStats
 from pagoda.core.scheduler_output import SchedulerOutput
 from pagoda.engine.kv_offload import hand_off, open_kv_tiers
@@ -91,6 +93,24 @@ def _open_kv_events(config: EngineConfig, kv_manager: KVCacheManager):
     kv_manager.events = KVEventLog(kv_manager.block_size)
     return publisher
 
+def _state_slots(worker) -> StateSlots | None:
+    """A state-space model's recurrent-state slots, as many as the workers allocated (None: none)."""
+    if not worker.num_state_slots:
+        return None
+    logger.info("recurrent state: %d slots (one per running request) in %d state-space layers",
+                worker.num_state_slots, len(worker.state_layers))
+    return StateSlots(worker.num_state_slots)
+
+
+def _state_snapshots(config: EngineConfig, worker) -> StateSnapshots | None:
+    """With prefix caching, a state-space model keeps its states after cached prefixes in the slots
+    after the running requests' (core/state_snapshots.py); None for any other model."""
+    if not worker.num_snapshot_slots:
+        return None
+    return StateSnapshots(worker.num_state_slots, worker.num_snapshot_slots, config.cache.state_snapshot_interval,
+                          config.cache.block_size)
+
+
 class EngineCore:
     """The scheduler and an executor (its workers hold the model and the KV cache)."""
 
@@ -125,6 +145,7 @@ class EngineCore:
                                          session_max_blocks=session_tokens // block_size,
                                          session_total_blocks=int(self.num_blocks * cc.session_kv_fraction),
                                          sliding_window=_releasable_window(config, self.model), kv_groups=kv_groups)
+        self.kv_manager.snapshots = _state_snapshots(config, self.executor.driver_worker)
         self.kv_tiers = open_kv_tiers(config, self.executor.driver_worker, self.kv_manager)
         self.kv_events = _open_kv_events(config, self.kv_manager)
         sc = config.scheduler
@@ -137,6 +158,7 @@ class EngineCore:
             chunking=PrefillChunking(sc.long_prefill_token_threshold, sc.max_num_partial_prefills,
                                      sc.max_long_partial_prefills),
             loras=LoRAResidency(config.lora.max_loras, config.lora.max_cpu_loras) if config.lora else None,
+            states=_state_slots(self.executor.driver_worker),
         )
         self.num_steps = 0
         self.vocab_size = self.model.config.vocab_size

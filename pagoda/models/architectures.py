@@ -20,6 +20,7 @@ class Architecture:
     gguf: str | None = None  # llama.cpp's general.architecture, when pagoda reads / writes GGUFs of it
     gguf_model_type: str | None = None  # the model_type a GGUF of this architecture converts to
     gguf_experts: bool = False  # a GGUF of ``gguf`` is this architecture when it has experts (Mixtral's "llama")
+    recurrent: bool = False  # state-space layers: a state slot per running request beside the KV cache
 
 
 ARCHITECTURES: tuple[Architecture, ...] = (
@@ -43,6 +44,11 @@ ARCHITECTURES: tuple[Architecture, ...] = (
     Architecture("Qwen3MoeForCausalLM", "qwen_moe", "Qwen3MoeForCausalLM", ("qwen3_moe",), gguf="qwen3moe",
                  gguf_model_type="qwen3_moe"),
     Architecture("OlmoeForCausalLM", "olmoe", "OlmoeForCausalLM", ("olmoe",), gguf="olmoe", gguf_model_type="olmoe"),
+    # state-space models (Mamba-2 mixers: layers/mamba_mixer.py), pure and hybrid with attention
+    Architecture("Mamba2ForCausalLM", "mamba2", "Mamba2ForCausalLM", ("mamba2",), recurrent=True),
+    Architecture("BambaForCausalLM", "bamba", "BambaForCausalLM", ("bamba",), recurrent=True),
+    Architecture("GraniteMoeHybridForCausalLM", "granite_hybrid", "GraniteMoeHybridForCausalLM",
+                 ("granitemoehybrid",), recurrent=True),
     # an encoder (models/bert.py): served by the pooling runner only (embeddings, scores)
     Architecture("BertModel", "bert", "BertModel", ("bert",)),
     Architecture("BertForMaskedLM", "bert", "BertModel", ("bert",)),
@@ -50,6 +56,12 @@ ARCHITECTURES: tuple[Architecture, ...] = (
 )
 
 BY_HF_CLASS: dict[str, Architecture] = {a.hf_class: a for a in ARCHITECTURES}
+
+
+def is_recurrent(hf_class: str) -> bool:
+    """Whether the architecture keeps a recurrent state per request (state-space layers)."""
+    arch = BY_HF_CLASS.get(hf_class)
+    return arch is not None and arch.recurrent
 
 # GGUF general.architecture → (HF class, HF model_type) of the config.json a GGUF converts to
 GGUF_ARCHITECTURES: dict[str, tuple[str, str]] = {

@@ -11,7 +11,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from pagoda.forward_context import AttentionMetadata
+from pagoda.forward_context import AttentionMetadata, StateMetadata
 from pagoda.worker.input_batch import InputBatch
 
 
@@ -63,6 +63,21 @@ def _group_metadata(b: InputBatch, lay: BatchLayout, group: int, backend, block_
         decode_tables = tables[lay.token_rows[:num_decodes], :width]
         decode_seq_lens = lay.positions[:num_decodes] + 1
     return backend.attention_metadata(slots, decode_tables, decode_seq_lens, prefills, bs, device)
+
+
+def state_metadata(b: InputBatch, lay: BatchLayout, device: torch.device,
+                   saves: dict[str, list[tuple[int, int]]]) -> StateMetadata:
+    """Each request's recurrent-state slot and flat rows: the one-token requests together, the
+    longer chunks one by one; a request with nothing computed before this step starts fresh.
+    ``saves``: the snapshots each request's chunk writes (SchedulerOutput.state_saves)."""
+    slots = b.state_slots[lay.rows]
+    single = lay.counts == 1
+    chunks = [(int(lay.offsets[i]), int(lay.counts[i]), int(slots[i]), bool(lay.starts[i] == 0),
+               saves.get(lay.req_ids[i], [])) for i in np.flatnonzero(~single)]
+    decode_saves = [(int(slots[i]), snapshot) for i in np.flatnonzero(single)
+                    for _, snapshot in saves.get(lay.req_ids[i], ())]
+    return StateMetadata(torch.from_numpy(lay.offsets[single]).to(device), torch.from_numpy(slots[single]).to(device),
+                         torch.from_numpy(lay.starts[single] == 0).to(device), chunks, decode_saves)
 
 
 def decode_like_rows(counts: np.ndarray, starts: np.ndarray, short_chunk: int, fresh: bool = False) -> np.ndarray:

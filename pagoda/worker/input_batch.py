@@ -33,9 +33,13 @@ class RequestState:
 
 
 class InputBatch:
-    def __init__(self, max_model_len: int, block_size: int, capacity: int = 16, num_kv_groups: int = 1) -> None:
+    def __init__(self, max_model_len: int, block_size: int, capacity: int = 16, num_kv_groups: int = 1,
+                 tracks_states: bool = False) -> None:
         """``num_kv_groups``: block tables per request (core/kv_cache_groups.py); group 0's is
-        ``block_table``, and every group's table has the same length."""
+        ``block_table``, and every group's table has the same length. ``tracks_states``: the model
+        keeps recurrent state (``state_slots``: each request's slot; batch_layout.py tells the
+        layers)."""
+        self.tracks_states = tracks_states
         self.max_model_len = max_model_len
         self.block_size = block_size
         self.num_kv_groups = num_kv_groups
@@ -109,6 +113,7 @@ class InputBatch:
         self.num_prompt[row] = len(new.prompt_token_ids)
         self.num_computed[row] = new.num_computed_tokens
         self.lora_ids[row] = new.lora_id
+        self.state_slots[row] = new.state_slot
         self.num_blocks[row] = 0
         self._append_blocks(row, new.block_ids, new.group_block_ids)
         if p is not None:  # (a pooling request samples nothing)
@@ -142,6 +147,7 @@ class InputBatch:
         self.num_computed[row] = cached.num_computed_tokens
         if cached.resumed_from_preemption:
             self.num_blocks[row] = 0
+            self.state_slots[row] = cached.state_slot
         self._append_blocks(row, cached.new_block_ids, cached.new_group_block_ids)
 
     def remove(self, req_id: str) -> None:
@@ -198,6 +204,7 @@ _ROW_FIELDS = (
     ("num_computed", np.int64, 0),
     ("num_blocks", np.int64, 0),
     ("lora_ids", np.int64, 0),  # the LoRA adapter each request runs under (0: the base model)
+    ("state_slots", np.int64, -1),  # state-space models: each request's recurrent-state slot
     ("temperature", np.float32, 1.0),
     ("greedy", np.bool_, True),
     ("top_k", np.int64, 0),

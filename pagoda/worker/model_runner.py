@@ -26,10 +26,11 @@ from pagoda.worker.compiled import compiled_forward
 from pagoda.spec_decode.draft_model import DraftModelProposer
 from pagoda.spec_decode.ngram import propose_ngram
 from pagoda.spec_decode.rejection import accept_by_rejection
-from pagoda.worker.batch_layout import BatchLayout, decode_like_rows, prepare_inputs
+from pagoda.worker.batch_layout import BatchLayout, decode_like_rows, prepare_inputs, state_metadata
 from pagoda.worker.image_embeddings import ImageEmbeddings
 from pagoda.worker.input_batch import InputBatch
 from pagoda.worker.lora_weights import LoRAWeights
+from pagoda.worker.state_cache import copy_states
 
 if TYPE_CHECKING:
     from pagoda.spec_decode.speculative_config import SpeculativeConfig
@@ -85,7 +86,9 @@ class ModelRunner:
         self.sampler = Sampler(generator, self.backend.argmax_rows)
         layers = model.attention_layers()
         groups = kv_groups or KVCacheGroups.single(len(layers))
-        self.batch = InputBatch(max_model_len, block_size, num_kv_groups=groups.num_groups)
+        self.state_layers = getattr(model, "state_layers", list)()  # a state-space model's (worker/state_cache.py)
+        self.batch = InputBatch(max_model_len, block_size, num_kv_groups=groups.num_groups,
+                                tracks_states=bool(self.state_layers))
         self._last_metadata: tuple[int, list[str], SamplingMetadata] | None = None  # see sampling_metadata
         for attn, group, slot in zip(layers, groups.layer_group, groups.layer_slot):
             scales = (kv_scales[0, slot], kv_scales[1, slot]) if kv_scales is not None else (None, None)
@@ -147,6 +150,9 @@ class ModelRunner:
         if self.loras is not None:
             meta.lora = self.loras.batch_for(self.batch.lora_ids[lay.token_rows])
         images = self.images.step(self.batch, lay, meta) if self.images is not None else None
+        if self.state_layers:  # a kept prefix's state into the slots of the requests that start after it
+            copy_states(self.state_layers, sched.state_copies)
+            meta.states = state_metadata(self.batch, lay, self.device, sched.state_saves)
         sample_idx, verify_idx, prompt_rows = self._logit_rows(lay, sched)
         # the kernels' batch-invariant switch, set for each step (another engine may share the process)
         with self.backend.batch_invariant(self.deterministic):

@@ -28,6 +28,7 @@ from pagoda.worker.kv_cache import GiB, allocate_kv_cache, allocate_kv_scales, b
 from pagoda.worker.lora_weights import LoRAWeights
 from pagoda.worker.model_runner import ModelRunner
 from pagoda.worker.pooling_runner import PoolingRunner
+from pagoda.worker.state_cache import allocate_states, bytes_per_slot, num_slots_for_budget
 
 logger = logging.getLogger(__name__)
 
@@ -75,6 +76,11 @@ class Worker:
         self.kv_cache: torch.Tensor | None = None
         self.kv_scales: torch.Tensor | None = None  # an int8 cache's scales
         self.kv_tiers: KVTierStore | None = None  # host memory and disk under the prefix cache (attach_kv_tiers)
+        # a state-space model's layers with recurrent state, and the slots each holds (determine_num_blocks)
+        self.state_layers: list = getattr(self.model, "state_layers", list)()
+        self.num_state_slots = 0
+        self.num_snapshot_slots = 0  # with prefix caching: as many again, for states after cached prefixes
+        self.states: list[tuple[torch.Tensor, torch.Tensor]] = []
 
     def _load_draft(self) -> torch.nn.Module | None:
         """The draft model of speculative decoding (``method: draft_model``), whole, on the driver
@@ -109,6 +115,9 @@ class Worker:
         stores its share of the heads. On CUDA each rank measures its own free memory and the
         smallest answer wins."""
         cfg, cc = self.model.config, self.config.cache
+        if self.state_layers:
+            self.num_state_slots = self._state_slots()
+            self.num_snapshot_slots = self.num_state_slots if cc.enable_prefix_caching else 0
         if not self.uses_kv_cache:
             # No cache to size: the blocks only count the tokens in flight, as many as every
             # sequence at its longest (a pooling request gives its blocks back in the step it runs).
@@ -116,7 +125,8 @@ class Worker:
         per_block = self._bytes_per_block(cfg.num_kv_heads)
         if self.device.type == "cuda":
             local = self._bytes_per_block(self.model.num_local_kv_heads)
-            num_blocks = int(available_memory_bytes(self.device) * cc.gpu_memory_utilization) // local
+            states = self._state_bytes()  # allocated first (initialize_cache)
+            num_blocks = (int(available_memory_bytes(self.device) * cc.gpu_memory_utilization) - states) // local
             budget = num_blocks * per_block
         else:
             available = available_memory_bytes(self.device)
@@ -124,7 +134,7 @@ class Worker:
             if gib * GiB > available:  # the cache's pages are taken as blocks fill: say so now
                 raise ValueError(f"kv_cache_memory={gib:g} GiB is more than this machine has available "
                                  f"({available / GiB:.1f} GiB); lower --kv-cache-memory")
-            budget = int(gib * GiB)
+            budget = int(gib * GiB) - self._state_bytes()
             num_blocks = budget // per_block
         if self.tp.is_parallel:
             smallest = torch.tensor([num_blocks], dtype=torch.int64, device=self.device)
@@ -137,8 +147,25 @@ class Worker:
             )
         return int(num_blocks)
 
+    def _state_slots(self) -> int:
+        """How many requests' recurrent states the budget holds (worker/state_cache.py): on CUDA
+        the slots are taken from the memory before the blocks are counted."""
+        cc, per_slot = self.config.cache, bytes_per_slot(self.state_layers)
+        if self.device.type == "cuda":
+            budget = int(available_memory_bytes(self.device) * cc.gpu_memory_utilization)
+        else:
+            budget = int(cpu_budget_gib(cc.kv_cache_memory_gib, available_memory_bytes(self.device)) * GiB)
+        copies = 2 if cc.enable_prefix_caching else 1  # a snapshot slot beside each running one
+        return num_slots_for_budget(budget, per_slot * copies, self.config.scheduler.max_num_seqs, self.uses_kv_cache)
+
+    def _state_bytes(self) -> int:
+        return (self.num_state_slots + self.num_snapshot_slots) * bytes_per_slot(self.state_layers)
+
     def initialize_cache(self, num_blocks: int, max_model_len: int) -> None:
         cfg, cc = self.model.config, self.config.cache
+        if self.state_layers:  # before the KV cache: on CUDA its blocks were counted after the states
+            self.states = allocate_states(self.state_layers, self.num_state_slots + self.num_snapshot_slots,
+                                          self.device)
         slots = self.kv_groups.slots_per_block if self.uses_kv_cache else 0  # an encoder's: an empty tensor
         heads = getattr(self.model, "num_local_kv_heads", 1)
         self.kv_cache = allocate_kv_cache(slots, num_blocks, cc.block_size, heads, cfg.head_dim, self.kv_cache_dtype,
