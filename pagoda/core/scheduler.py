@@ -36,7 +36,8 @@ import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from pagoda.core.kv_cache_manager import KVBlocks, KVCacheManager
+from pagoda.core.block_tables import add_blocks, add_prefix, clear_blocks
+from pagoda.core.kv_cache_manager import KVCacheManager
 from pagoda.core.lora_residency import LoRAResidency
 from pagoda.core.prefill_chunks import PrefillChunking, PrefillSlots
 from pagoda.core.request_order import RequestOrder, background_yields, is_background
@@ -399,34 +400,3 @@ class Scheduler:
 
     def stats(self) -> SchedulerStats:
         return scheduler_stats(len(self.running), self.num_waiting, self.num_preemptions_total, self.kv, self.spec)
-
-
-# -- the scheduler's writes of a request's block tables ------------------------------------------
-def add_blocks(request: Request, blocks: KVBlocks | None) -> bool:
-    """Append what ``KVCacheManager.allocate_slots`` gave the request; False when it gave nothing
-    (no room)."""
-    if blocks is None:
-        return False
-    request.block_ids.extend(blocks.ids)
-    if blocks.groups:
-        if not request.group_block_ids:
-            request.group_block_ids = [[] for _ in blocks.groups]
-        for ids, new in zip(request.group_block_ids, blocks.groups):
-            ids.extend(new)
-    return True
-
-
-def add_prefix(request: Request, hit: KVBlocks | None, block_size: int) -> int:
-    """Give a request with nothing computed its cached prefix (``KVCacheManager.match_prefix``);
-    returns the tokens it no longer computes."""
-    if hit is None:
-        return 0
-    add_blocks(request, hit)
-    request.num_computed_tokens = len(hit.ids) * block_size
-    return request.num_computed_tokens
-
-
-def clear_blocks(request: Request) -> None:
-    """After ``KVCacheManager.free``: the request holds no blocks."""
-    request.block_ids = []
-    request.group_block_ids = []

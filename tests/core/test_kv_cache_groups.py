@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from pagoda.core.kv_cache_groups import KVCacheGroups, kv_groups_for, plan_kv_groups
 from pagoda.core.kv_cache_manager import UNREAD_BLOCK, KVCacheManager
-from pagoda.core.scheduler import add_blocks, add_prefix, clear_blocks
+from pagoda.core.block_tables import add_blocks, add_prefix, clear_blocks
 from pagoda.models.config import layer_windows
 from pagoda.request import Request
 from pagoda.sampling_params import SamplingParams

@@ -5,7 +5,7 @@ compute, salts kept apart), unused cached blocks counted free and evicted on dem
 from __future__ import annotations
 
 from pagoda.core.kv_cache_manager import KVCacheManager
-from pagoda.core.scheduler import add_blocks, add_prefix, clear_blocks
+from pagoda.core.block_tables import add_blocks, add_prefix, clear_blocks
 from pagoda.request import Request
 from pagoda.sampling_params import SamplingParams
 

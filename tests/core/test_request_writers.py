@@ -12,7 +12,7 @@ from pathlib import Path
 from pagoda.request import Request
 
 ROOT = Path(__file__).resolve().parents[2]
-WRITERS = {"pagoda/core/scheduler.py", "pagoda/request.py"}
+WRITERS = {"pagoda/core/scheduler.py", "pagoda/core/block_tables.py", "pagoda/request.py"}  # block_tables: the scheduler's
 FIELDS = {f.name for f in dataclasses.fields(Request)} | {"all_token_ids"}
 MUTATORS = {"append", "extend", "insert", "pop", "remove", "clear", "sort", "update", "add", "discard", "setdefault"}
 # a variable that holds a request: annotated `Request`, or named after one

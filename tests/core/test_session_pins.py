@@ -4,7 +4,7 @@ under pressure, let go when the session ends."""
 from __future__ import annotations
 
 from pagoda.core.kv_cache_manager import KVCacheManager
-from pagoda.core.scheduler import add_blocks, add_prefix, clear_blocks
+from pagoda.core.block_tables import add_blocks, add_prefix, clear_blocks
 from pagoda.request import Request
 from pagoda.sampling_params import SamplingParams
 
