@@ -40,7 +40,9 @@ class StateSnapshots:
 
     @staticmethod
     def _key(tokens: list[int], prefix_key: object) -> tuple:
-        return prefix_key, hash(tuple(tokens))
+        # the tokens themselves, not a hash of them: a dict compares keys whole, so two prefixes
+        # never share a state (a hash collision would hand one request another's state)
+        return prefix_key, tuple(tokens)
 
     def usable_blocks(self, tokens: list[int], prefix_key: object, num_blocks: int) -> int:
         """Of the first ``num_blocks`` cached blocks of ``tokens``, how many a request can start
