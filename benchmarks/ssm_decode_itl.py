@@ -89,13 +89,42 @@ def itl(model: Path, context: int, tokens: int) -> tuple[float, float, float]:
     return statistics.median(gaps) * 1e3, min(gaps) * 1e3, (stamps[0] - start) * 1e3
 
 
+def plot(rows: list[dict], path: Path) -> None:
+    """ITL against context length, a line a model (the fastest gap of the rounds: the machine's
+    noise only ever adds)."""
+    import matplotlib  # deferred: only for the figure
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4))
+    for name in dict.fromkeys(r["model"] for r in rows):
+        mine = [r for r in rows if r["model"] == name]
+        ax.plot([r["context"] for r in mine], [r["fastest_ms"] for r in mine], marker="o",
+                label=f"{name} ({mine[0]['params'] / 1e6:.0f}M)")
+    ax.set_xscale("log", base=2)
+    ax.set_xlabel("context length (tokens)")
+    ax.set_ylabel("inter-token latency, one stream (ms)")
+    ax.set_ylim(bottom=0)
+    ax.set_title("Decode ITL against context: state-space models stay flat")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    print(f"wrote {path}")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--contexts", type=int, nargs="+", default=[256, 1024, 2048, 4096])
     parser.add_argument("--tokens", type=int, default=32)
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--models", nargs="+", default=["llama", "bamba", "mamba2"])
+    parser.add_argument("--plot-only", type=Path, default=None, metavar="RESULTS_JSON",
+                        help="draw the figure of an earlier run's results, without measuring")
     a = parser.parse_args()
+    if a.plot_only is not None:
+        plot(json.loads(a.plot_only.read_text())["rows"], HERE / "ssm_decode_itl.png")
+        return
     configs = _configs()
     rows = []
     for name in a.models:
@@ -112,6 +141,7 @@ def main() -> None:
     out = HERE / "results" / f"ssm-decode-itl-{date.today()}.json"
     out.parent.mkdir(exist_ok=True)
     out.write_text(json.dumps({"cpu_flags": flags, "args": vars(a), "rows": rows}, indent=2))
+    plot(rows, HERE / "ssm_decode_itl.png")
     print("\n| model | params | " + " | ".join(f"ITL at {c}" for c in a.contexts) + " |")
     print("| --- | ---: | " + " | ".join("---:" for _ in a.contexts) + " |")
     for name in a.models:
