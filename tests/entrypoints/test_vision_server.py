@@ -102,6 +102,26 @@ def test_chat_with_a_data_url_answers_as_transformers(client, hf):
     assert tokens["tokens"] == ids and tokens["count"] == first.usage.prompt_tokens  # /tokenize takes images too
 
 
+def test_responses_api_input_image(client, hf):
+    """The Responses API's input_image parts answer as chat's image_url parts do; a turn that
+    continues the response (previous_response_id) carries the image in its history."""
+    image = random_image(31, (48, 40))
+    url = _data_url(_png(image))
+    first = client.responses.create(model="tiny", max_output_tokens=MAX_TOKENS, temperature=0.0,
+                                    extra_body={"ignore_eos": True},
+                                    input=[{"role": "user", "content": [{"type": "input_text", "text": TEXT},
+                                                                        {"type": "input_image", "image_url": url}]}])
+    assert first.output_text == _expected(hf, [image])[1]
+    assert first.usage.input_tokens == len(_expected(hf, [image])[0])
+    again = client.responses.create(model="tiny", max_output_tokens=2, previous_response_id=first.id,
+                                    input="And more?", extra_body={"ignore_eos": True})
+    assert again.output_text and again.usage.input_tokens > first.usage.input_tokens  # (cut at max_output_tokens)
+    with pytest.raises(openai.BadRequestError) as e:
+        client.responses.create(model="tiny", max_output_tokens=2, input=[{"role": "user", "content": [
+            {"type": "input_image", "file_id": "file-abc"}]}])
+    assert "file_id is not supported" in e.value.body["message"]
+
+
 def test_a_local_file_under_the_allowed_directory(client, hf, media_dir):
     from PIL import Image
 

@@ -108,8 +108,12 @@ def _parts(content: Any, i: int) -> list[dict]:
         raise ValueError(f"input[{i}].content must be a string or a list of content parts")
     for part in content:
         kind = part.get("type") if isinstance(part, dict) else None
-        if kind not in ("input_text", "output_text", "text", "refusal"):
-            raise ValueError(f"input[{i}].content: a {kind} part is not supported; pagoda's models take text")
+        if kind == "input_image":
+            if not isinstance(part.get("image_url"), str):
+                raise ValueError(f"input[{i}].content: an input_image part needs image_url (a data: URL, or a file "
+                                 "or remote URL the server allows); file_id is not supported")
+        elif kind not in ("input_text", "output_text", "text", "refusal"):
+            raise ValueError(f"input[{i}].content: a {kind} part is not supported; pagoda takes text and input_image")
     return content
 
 
@@ -139,7 +143,7 @@ def chat_messages(items: list[dict]) -> list[dict]:
         kind = item["type"]
         if kind == "message":
             role = "system" if item["role"] == "developer" else item["role"]
-            out.append({"role": role, "content": "".join(_part_text(p) for p in item["content"])})
+            out.append({"role": role, "content": _chat_content(item["content"])})
         elif kind == "function_call":
             call = {"id": item["call_id"], "type": "function",
                     "function": {"name": item["name"], "arguments": item["arguments"]}}
@@ -150,6 +154,15 @@ def chat_messages(items: list[dict]) -> list[dict]:
         elif kind == "function_call_output":
             out.append({"role": "tool", "tool_call_id": item["call_id"], "content": item["output"]})
     return out
+
+
+def _chat_content(parts: list[dict]) -> str | list[dict]:
+    """A message's parts as chat content: its text, or, with images, chat's text and image_url
+    parts in their order (the chat path checks the images and places their tokens)."""
+    if not any(p.get("type") == "input_image" for p in parts):
+        return "".join(_part_text(p) for p in parts)
+    return [{"type": "image_url", "image_url": {"url": p["image_url"], **({"detail": p["detail"]} if p.get("detail") else {})}}
+            if p.get("type") == "input_image" else {"type": "text", "text": _part_text(p)} for p in parts]
 
 
 def _tools(body: ResponsesRequest) -> tuple[list[dict] | None, Any]:
