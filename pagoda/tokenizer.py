@@ -205,3 +205,15 @@ def read_chat_template(template: str | None) -> str | None:
     if len(template) < 4096 and path.is_file():
         return path.read_text()
     return template
+
+
+def tokenizer_of(model: str) -> Tokenizer:
+    """The tokenizer of a model named as ``--model`` takes it (a directory, a .gguf, a catalog or
+    store name); never downloads. A directory holding its tokenizer.json is read as it is, without
+    the loader (which brings torch: the router reads tokenizers this way too)."""
+    path = Path(model).expanduser()
+    if (path / "tokenizer.json").is_file():
+        return Tokenizer(path)
+    from pagoda.loader.resolve import resolve_model  # deferred: the loader brings torch
+
+    return Tokenizer(resolve_model(model).metadata_dir)

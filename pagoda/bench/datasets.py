@@ -22,8 +22,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from pagoda.loader import catalog
-from pagoda.loader.resolve import resolve_model
-from pagoda.tokenizer import Tokenizer
+from pagoda.tokenizer import Tokenizer, tokenizer_of
 
 _FALLBACK_WORDS = ("the", "model", "serves", "a", "request", "with", "tokens", "and", "every", "batch")
 
@@ -173,7 +172,7 @@ def load_tokenizer(name: str | None) -> Tokenizer | None:
 
     if not Path(name).expanduser().exists() and catalog.resolve_catalog_name(name) is None:
         return None
-    return Tokenizer(resolve_model(name).metadata_dir)
+    return tokenizer_of(name)
 
 
 def add_cli_args(p: argparse.ArgumentParser, *, num_prompts_help: str, seed: bool = True) -> None:

@@ -136,14 +136,13 @@ class KVCacheManager:
         if self.tiers is not None:
             self._promote(request, tokens)
         match = self.cache.match(tokens, request.prefix_key)
-        if self.num_groups > 1 and match.blocks:
+        usable = len(match.blocks)  # cut where every group's blocks, and a state-space model's state, are kept
+        if self.num_groups > 1 and usable:
             usable = self._usable_hit(match.blocks)
-            if usable < len(match.blocks):
-                match = self.cache.match(tokens[: usable * self.block_size], request.prefix_key)
-        if self.snapshots is not None and match.blocks:
-            usable = self.snapshots.usable_blocks(tokens, request.prefix_key, len(match.blocks))
-            if usable < len(match.blocks):
-                match = self.cache.match(tokens[: usable * self.block_size], request.prefix_key)
+        if self.snapshots is not None and usable:
+            usable = self.snapshots.usable_blocks(tokens, request.prefix_key, usable)
+        if usable < len(match.blocks):
+            match = self.cache.match(tokens[: usable * self.block_size], request.prefix_key)
         if not match.blocks:
             return None
         if self.tiers is not None:

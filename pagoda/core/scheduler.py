@@ -140,9 +140,7 @@ class Scheduler:
         i = 0
         while i < len(self.running) and budget > 0:
             request = self.running[i]
-            num_new = self.chunking.chunk(request.num_tokens - request.num_computed_tokens, budget)
-            if request.images:  # a step computes an image's run whole (its tokens attend both ways)
-                num_new = fit_to_images(request.images, request.num_computed_tokens, num_new)
+            num_new = self._chunk(request, budget)
             if num_new <= 0 or (yielding and is_background(request)):
                 i += 1
                 continue
@@ -167,6 +165,12 @@ class Scheduler:
         if self.kv.snapshots is not None:
             self.kv.snapshots.add_to(message, out.scheduled, out.state_copies)
         return message
+
+    def _chunk(self, request: Request, budget: int) -> int:
+        """Tokens of the request's rest this step computes: the chunk limits, and an image's run
+        whole (its tokens attend both ways)."""
+        num_new = self.chunking.chunk(request.num_tokens - request.num_computed_tokens, budget)
+        return fit_to_images(request.images, request.num_computed_tokens, num_new) if request.images else num_new
 
     def _drafts_to_verify(self, request: Request, budget: int) -> list[int]:
         """The request's drafts that fit this step: it must be decoding (one token to compute),
@@ -281,10 +285,7 @@ class Scheduler:
             if request.waiting_for_grammar or (self.loras is not None and not self.loras.fits(request, self.running)):
                 continue
             cached = add_prefix(request, self.kv.match_prefix(request), self.kv.block_size)
-            remaining = request.num_tokens - request.num_computed_tokens
-            num_new = self.chunking.chunk(remaining, budget)
-            if request.images:  # a step computes an image's run whole (its tokens attend both ways)
-                num_new = fit_to_images(request.images, request.num_computed_tokens, num_new)
+            remaining, num_new = request.num_tokens - request.num_computed_tokens, self._chunk(request, budget)
             whole = request.pooling_params is None or num_new == remaining  # a pooling prompt runs in one step
             if num_new <= 0 or not whole or not slots.take(remaining, remaining - num_new):
                 self._give_back_prefix(request)

@@ -79,7 +79,6 @@ class RequestLimits:
 DASHBOARD_LIMITS = {"engine": None, "steps": 32, "requests": 25, "radix": 20}
 
 
-
 def _open_kv_events(config: EngineConfig, kv_manager: KVCacheManager):
     """The KV events' publisher (--kv-events-config), its log attached to the KV cache manager; None when off."""
     if config.kv_events is None:
@@ -92,6 +91,7 @@ def _open_kv_events(config: EngineConfig, kv_manager: KVCacheManager):
     publisher = ZmqEventPublisher(config.kv_events)
     kv_manager.events = KVEventLog(kv_manager.block_size)
     return publisher
+
 
 def _state_slots(worker) -> StateSlots | None:
     """A state-space model's recurrent-state slots, as many as the workers allocated (None: none)."""

@@ -15,7 +15,8 @@ from typing import Any
 
 from pagoda.router.affinity import RouteRequest
 from pagoda.router.kv_index import KVBlockIndex
-from pagoda.router.prompt_tokens import PromptTokens, load_tokenizer
+from pagoda.router.prompt_tokens import PromptTokens
+from pagoda.tokenizer import tokenizer_of
 
 TOKENIZE_IN_THREAD_CHARS = 2_000  # longer prompts are tokenized off the event loop
 
@@ -27,7 +28,7 @@ class KVRouting:
 
         self.index = KVBlockIndex()
         self.subscriber = KVEventsSubscriber(self.index, endpoints, port)
-        self.tokens = PromptTokens(load_tokenizer(tokenizer))
+        self.tokens = PromptTokens(tokenizer_of(tokenizer))
 
     @classmethod
     def of(cls, endpoints: dict[str, str], port: int | None, tokenizer: str | None) -> KVRouting | None:

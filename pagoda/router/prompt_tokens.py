@@ -12,22 +12,11 @@ router does not know, so such a request is routed on the prefix tree of texts in
 from __future__ import annotations
 
 import logging
-from pathlib import Path
 from typing import Any
 
 from pagoda.tokenizer import Tokenizer
 
 logger = logging.getLogger("pagoda.router")
-
-
-def load_tokenizer(model: str) -> Tokenizer:
-    """The tokenizer of a model named as `pagoda serve` takes it (directory, .gguf, catalog name).
-    A directory with its tokenizer.json is read as it is; anything else goes through the loader."""
-    if (Path(model).expanduser() / "tokenizer.json").is_file():
-        return Tokenizer(Path(model).expanduser())
-    from pagoda.loader.resolve import resolve_model  # deferred: the loader brings torch, which only this needs
-
-    return Tokenizer(resolve_model(model).metadata_dir)
 
 
 class PromptTokens:

@@ -35,7 +35,8 @@ class KVTierLink:
         # with host memory alone a block goes down only when the tree lets it go
         self.write_through = store.lower is not None and write_policy == "write_through"
         self.write_reused = store.lower is not None and write_policy == "write_through_selective"
-        self._sent_down: set[bytes] = set()  # write_through_selective: keys already asked to be written
+        # write_through_selective: keys of the tree's blocks already asked to be written (left on eviction)
+        self._sent_down: set[bytes] = set()
         self._roots: dict[Any, bytes] = {}
         self._chains: dict[str, list[bytes]] = {}  # request id → keys of its full blocks so far
         self.block_key: dict[int, bytes] = {}  # block in the radix tree → its key
@@ -89,6 +90,7 @@ class KVTierLink:
         """The tree let these blocks go: they go down to host memory."""
         for block in blocks:
             key = self.block_key.pop(block, None)
+            self._sent_down.discard(key)
             if key is not None and not self.store.in_memory(key):
                 self.saves.append((block, key, True, not self.write_reused))
 
