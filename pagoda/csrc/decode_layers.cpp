@@ -11,10 +11,15 @@
 // is either a float weight (pagoda::linear, as the Python layers call it) or ggml blocks
 // (block_matmul, on the blocks' copy packed at load where there is one: tiles or bf16).
 // `windows` holds each layer's sliding window (0: none; empty: none anywhere), as in Mistral.
+// Rows under LoRA adapters get their deltas after each projection, through lora_add as the
+// Python layers call it (layers/lora_delta.py), with the runs of every projection flattened:
+// projection slot s (layer l, projection i: s = 4 l + i) owns runs [lora_slots[s], lora_slots[s + 1]).
 #include <ATen/ATen.h>
 #include <torch/library.h>
 
 #include "ops.h"
+
+#include <vector>
 
 namespace {
 
@@ -39,6 +44,24 @@ at::Tensor down_projection(const at::Tensor& gate_up, const at::Tensor& weight, 
   return project(pagoda::silu_and_mul(gate_up), weight, block_type, packed);
 }
 
+// The step's LoRA runs for every projection of the stack (see the file's comment); empty: none.
+struct StackLoRA {
+  at::TensorList as, bts;
+  at::IntArrayRef slots, part_begin, out_starts, rank_starts, row_starts, row_ends;
+
+  bool on(int64_t slot) const { return !slots.empty() && slots[slot + 1] > slots[slot]; }
+
+  // y += the deltas of projection `slot` for x's rows under an adapter, as lora_add on that slot's runs alone
+  void add(at::Tensor& y, const at::Tensor& x, int64_t slot) const {
+    if (!on(slot)) return;
+    const int64_t r0 = slots[slot], runs = slots[slot + 1] - r0, p0 = part_begin[r0], parts = part_begin[r0 + runs] - p0;
+    std::vector<int64_t> begin(runs + 1);
+    for (int64_t j = 0; j <= runs; ++j) begin[j] = part_begin[r0 + j] - p0;
+    pagoda::lora_add(y, x, as.slice(r0, runs), bts.slice(p0, parts), begin, out_starts.slice(p0, parts),
+                     rank_starts.slice(p0, parts), row_starts.slice(r0, runs), row_ends.slice(r0, runs));
+  }
+};
+
 }  // namespace
 
 namespace pagoda {
@@ -51,7 +74,10 @@ at::Tensor decode_layers(at::Tensor hidden, at::Tensor residual, const at::Tenso
                          at::TensorList v_caches, const at::Tensor& cos_cache, const at::Tensor& sin_cache,
                          const at::Tensor& slot_mapping, const at::Tensor& block_tables, const at::Tensor& seq_lens,
                          int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, double eps, double scale,
-                         at::IntArrayRef windows) {
+                         at::IntArrayRef windows, at::TensorList lora_as, at::TensorList lora_bts,
+                         at::IntArrayRef lora_slots, at::IntArrayRef lora_part_begin, at::IntArrayRef lora_out_starts,
+                         at::IntArrayRef lora_rank_starts, at::IntArrayRef lora_row_starts,
+                         at::IntArrayRef lora_row_ends) {
   const int64_t L = static_cast<int64_t>(k_caches.size());
   TORCH_CHECK(static_cast<int64_t>(weights.size()) == L * WEIGHTS_PER_LAYER, "decode_layers: expected ",
               L * WEIGHTS_PER_LAYER, " weights, got ", weights.size());
@@ -59,6 +85,10 @@ at::Tensor decode_layers(at::Tensor hidden, at::Tensor residual, const at::Tenso
   TORCH_CHECK(windows.empty() || static_cast<int64_t>(windows.size()) == L, "decode_layers: one window per layer");
   TORCH_CHECK(packed.empty() || static_cast<int64_t>(packed.size()) == L * PROJECTIONS_PER_LAYER,
               "decode_layers: packed holds one entry per projection, or none");
+  TORCH_CHECK(lora_slots.empty() || static_cast<int64_t>(lora_slots.size()) == L * PROJECTIONS_PER_LAYER + 1,
+              "decode_layers: lora_slots bounds every projection's runs, or is empty");
+  const StackLoRA lora{lora_as,          lora_bts,         lora_slots,      lora_part_begin,
+                       lora_out_starts, lora_rank_starts, lora_row_starts, lora_row_ends};
   const int64_t T = hidden.size(0), q_size = num_heads * head_dim, kv_size = num_kv_heads * head_dim;
   at::Tensor x = hidden;
   for (int64_t l = 0; l < L; ++l) {
@@ -69,7 +99,8 @@ at::Tensor decode_layers(at::Tensor hidden, at::Tensor residual, const at::Tenso
       return packed.empty() ? std::nullopt : packed.get(l * PROJECTIONS_PER_LAYER + i);
     };
     fused_add_rms_norm(x, residual, w[0], eps);
-    const at::Tensor qkv = project(x, w[1], types[0], pack(0));
+    at::Tensor qkv = project(x, w[1], types[0], pack(0));
+    lora.add(qkv, x, l * PROJECTIONS_PER_LAYER);
     at::Tensor q = qkv.narrow(1, 0, q_size).view({T, num_heads, head_dim});
     at::Tensor k = qkv.narrow(1, q_size, kv_size).view({T, num_kv_heads, head_dim});
     const at::Tensor v = qkv.narrow(1, q_size + kv_size, kv_size).view({T, num_kv_heads, head_dim});
@@ -77,10 +108,19 @@ at::Tensor decode_layers(at::Tensor hidden, at::Tensor residual, const at::Tenso
     write_kv_cache(k, v, k_caches[l], v_caches[l], slot_mapping);
     const int64_t window = windows.empty() ? 0 : windows[l];
     const at::Tensor attn = paged_decode_attention(q, k_caches[l], v_caches[l], block_tables, seq_lens, scale, window);
-    at::Tensor o = project(attn.view({T, q_size}), w[2], types[1], pack(1));
+    const at::Tensor attn_rows = attn.view({T, q_size});
+    at::Tensor o = project(attn_rows, w[2], types[1], pack(1));
+    lora.add(o, attn_rows, l * PROJECTIONS_PER_LAYER + 1);
     fused_add_rms_norm(o, residual, w[3], eps);
-    const at::Tensor gate_up = project(o, w[4], types[2], pack(2));
-    x = down_projection(gate_up, w[5], types[3], pack(3));
+    at::Tensor gate_up = project(o, w[4], types[2], pack(2));
+    lora.add(gate_up, o, l * PROJECTIONS_PER_LAYER + 2);
+    if (lora.on(l * PROJECTIONS_PER_LAYER + 3)) {  // the delta needs silu(gate) * up itself: not fused
+      const at::Tensor act = pagoda::silu_and_mul(gate_up);
+      x = project(act, w[5], types[3], pack(3));
+      lora.add(x, act, l * PROJECTIONS_PER_LAYER + 3);
+    } else {
+      x = down_projection(gate_up, w[5], types[3], pack(3));
+    }
   }
   return x;
 }
@@ -93,7 +133,8 @@ TORCH_LIBRARY_FRAGMENT(pagoda, m) {
       "Tensor?[] packed, "
       "Tensor[] k_caches, Tensor[] v_caches, Tensor cos_cache, Tensor sin_cache, Tensor slot_mapping, "
       "Tensor block_tables, Tensor seq_lens, int num_heads, int num_kv_heads, int head_dim, float eps, "
-      "float scale, int[] windows=[]) -> Tensor");
+      "float scale, int[] windows, Tensor[] lora_as, Tensor[] lora_bts, int[] lora_slots, int[] lora_part_begin, "
+      "int[] lora_out_starts, int[] lora_rank_starts, int[] lora_row_starts, int[] lora_row_ends) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(pagoda, CPU, m) { m.impl("decode_layers", &pagoda::decode_layers); }

@@ -13,6 +13,7 @@ projection. A ``ProjectionDelta`` therefore holds the As of every part stacked (
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -85,6 +86,56 @@ class LoRABatch:
         expert runs the tokens routed to it); None when none of them is under an adapter."""
         picked = self.token_adapters[rows]
         return LoRABatch(self.adapters, picked) if picked.any() else None
+
+
+@dataclass(frozen=True)
+class StackRuns:
+    """Every run of a decoder stack's projections under a sequence of adapters (a step's groups),
+    flattened as the one-call stack takes them (csrc/decode_layers.cpp): projection slot s owns runs
+    ``[slots[s], slots[s + 1])``, run j the parts ``[part_begin[j], part_begin[j + 1])``, and
+    ``run_group[j]`` is the group whose rows run j covers. It depends on the adapters only, so a
+    stack keeps it while the step's adapters stay the same."""
+
+    adapters: tuple[AdapterDeltas, ...]  # held, so that they are the ones compared by identity
+    a_list: list[torch.Tensor]
+    bts: list[torch.Tensor]
+    slots: list[int]
+    part_begin: list[int]
+    out_starts: list[int]
+    rank_starts: list[int]
+    run_group: np.ndarray
+    dtypes: frozenset[torch.dtype]  # of the adapters' weights
+
+    @classmethod
+    def build(cls, adapters: Sequence[AdapterDeltas], keys: Sequence[str]) -> StackRuns:
+        """The runs of projections ``keys`` (the stack's order), each group's in the groups' order
+        (that of ``LoRABatch.apply``, so the sums are added in the same order)."""
+        a_list, bts, slots, part_begin, out_starts, rank_starts, run_group = [], [], [0], [0], [], [], []
+        for key in keys:
+            for g, deltas in enumerate(adapters):
+                delta = deltas.get(key)
+                if delta is None:
+                    continue
+                a_list.append(delta.a)
+                run_group.append(g)
+                for p in delta.parts:
+                    bts.append(p.bt)
+                    out_starts.append(p.out_start)
+                    rank_starts.append(p.rank_start)
+                part_begin.append(len(bts))
+            slots.append(len(a_list))
+        return cls(tuple(adapters), a_list, bts, slots, part_begin, out_starts, rank_starts,
+                   np.asarray(run_group, dtype=np.int64), frozenset(a.dtype for a in a_list))
+
+    def same_adapters(self, adapters: Sequence[AdapterDeltas]) -> bool:
+        return len(adapters) == len(self.adapters) and all(a is b for a, b in zip(adapters, self.adapters))
+
+    def kernel_args(self, rows: Sequence[slice]) -> tuple:
+        """decode_layers' LoRA arguments for the groups' ``rows`` this step."""
+        starts = np.asarray([r.start for r in rows], dtype=np.int64)[self.run_group]
+        ends = np.asarray([r.stop for r in rows], dtype=np.int64)[self.run_group]
+        return (self.a_list, self.bts, self.slots, self.part_begin, self.out_starts, self.rank_starts,
+                starts.tolist(), ends.tolist())
 
 
 def runs_of(token_adapters: np.ndarray, adapter_id: int) -> list[slice]:

@@ -10,7 +10,8 @@ reported in /v1/debug/engine with the reason; it is never switched per step, exc
 holding a prefill chunk runs the Python layers (the op has no causal chunk attention). Projections
 whose weights were packed once at load (layers/packed_weights.py) pass those copies in, so the
 stack takes their routes as the Python layers do; sliding windows (Mistral) pass to the paged
-kernel per layer.
+kernel per layer. Rows under LoRA adapters get their deltas inside the call, through the same op
+the Python layers call (layers/lora_delta.StackRuns).
 """
 
 from __future__ import annotations
@@ -24,10 +25,12 @@ from pagoda.forward_context import AttentionMetadata
 from pagoda.layers.ggml_blocks import BlockLinear
 from pagoda.layers.packed_weights import packed_of
 from pagoda.layers.half_weights import HalfLinear
+from pagoda.layers.lora_delta import LoRABatch, StackRuns
 from pagoda.layers.superblocks import SuperBlockLinear
 
 _FLOAT = -1  # block type of a float projection
 _CACHE_DTYPES = (torch.float32, torch.bfloat16, torch.float16)  # the ops widen a narrower cache as they read it
+_LORA_DTYPES = (torch.float32, torch.bfloat16)  # the adapter weights lora_add reads
 
 
 def _projection(module: nn.Module) -> tuple[torch.Tensor, int, torch.Tensor | None] | None:
@@ -48,7 +51,8 @@ def _layer_projections(layer: nn.Module) -> list[tuple[str, nn.Module]]:
 
 class DecodeStack:
     def __init__(self, ops, weights: list[torch.Tensor], block_types: list[int], k_caches: list[torch.Tensor],
-                 v_caches: list[torch.Tensor], rotary, cfg, packed: list[torch.Tensor | None] | None = None) -> None:
+                 v_caches: list[torch.Tensor], rotary, cfg, packed: list[torch.Tensor | None] | None = None,
+                 projections: list[nn.Module] | None = None) -> None:
         self.ops = ops  # torch.ops.pagoda
         self.weights, self.block_types = weights, block_types
         # projections' copies packed at load (float weights' oneDNN ones, blocks' tiles or bf16 ones),
@@ -56,13 +60,16 @@ class DecodeStack:
         self.packed = packed if packed and any(p is not None for p in packed) else []
         self.k_caches, self.v_caches = k_caches, v_caches
         self.rotary, self.cfg = rotary, cfg
+        self.projections = projections or []  # in the op's order: their lora_key names each slot
+        self._lora_runs: StackRuns | None = None  # the last step's adapters' runs
 
     @classmethod
     def build(cls, model: nn.Module, ops) -> DecodeStack:
         """The stack for ``model``'s layers as they are now (``unsupported(model)`` must be None)."""
-        weights, types, packed, k_caches, v_caches = [], [], [], [], []
+        weights, types, packed, k_caches, v_caches, modules = [], [], [], [], [], []
         for layer in model.layers:
             attn = layer.self_attn
+            modules += [m for _, m in _layer_projections(layer)]
             projections = [_projection(m) for _, m in _layer_projections(layer)]
             (qkv, t0, p0), (o, t1, p1), (gate_up, t2, p2), (down, t3, p3) = projections
             weights += [layer.input_layernorm.weight, qkv, o, layer.post_attention_layernorm.weight, gate_up, down]
@@ -70,7 +77,8 @@ class DecodeStack:
             packed += [p0, p1, p2, p3]
             k_caches.append(attn.attn.k_cache)
             v_caches.append(attn.attn.v_cache)
-        return cls(ops, weights, types, k_caches, v_caches, model.layers[0].self_attn.rotary, model.config, packed)
+        return cls(ops, weights, types, k_caches, v_caches, model.layers[0].self_attn.rotary, model.config, packed,
+                   modules)
 
     @staticmethod
     def unsupported(model: nn.Module) -> str | None:
@@ -103,9 +111,19 @@ class DecodeStack:
         return None
 
     def applies(self, meta: AttentionMetadata) -> bool:
-        """A batch of decode-like rows only, all on the base model: a prefill chunk takes the Python
-        layers' causal attention, and a LoRA adapter's rows their deltas (layers/linear.py)."""
-        return not meta.prefills and meta.lora is None
+        """A batch of decode-like rows only: a prefill chunk takes the Python layers' causal
+        attention. Rows under adapters of one float32 or bfloat16 dtype get their deltas in the op."""
+        return not meta.prefills and (meta.lora is None or self._runs(meta.lora) is not None)
+
+    def _runs(self, lora: LoRABatch) -> StackRuns | None:
+        """The step's adapters' runs for the stack's projections (kept while the adapters stay the
+        same), or None where lora_add cannot take them (another dtype, or dtypes mixed)."""
+        adapters = [deltas for deltas, _ in lora.groups]
+        runs = self._lora_runs
+        if runs is None or not runs.same_adapters(adapters):
+            keys = [m.__dict__.get("lora_key", "") for m in self.projections]
+            runs = self._lora_runs = StackRuns.build(adapters, keys)
+        return runs if len(runs.dtypes) <= 1 and runs.dtypes <= set(_LORA_DTYPES) else None
 
     def __call__(self, hidden: torch.Tensor, residual: torch.Tensor, positions: torch.Tensor,
                  meta: AttentionMetadata) -> torch.Tensor:
@@ -114,8 +132,14 @@ class DecodeStack:
             hidden, residual, positions, self.weights, self.block_types, self.packed, self.k_caches, self.v_caches,
             self.rotary.cos_cache, self.rotary.sin_cache, meta.slot_mapping, meta.decode_block_tables,
             meta.decode_seq_lens, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.rms_norm_eps,
-            cfg.head_dim ** -0.5, [w or 0 for w in cfg.sliding_windows],
+            cfg.head_dim ** -0.5, [w or 0 for w in cfg.sliding_windows], *self._lora_args(meta.lora),
         )
+
+    def _lora_args(self, lora: LoRABatch | None) -> tuple:
+        runs = self._runs(lora) if lora is not None else None
+        if runs is None or not runs.a_list:
+            return [], [], [], [], [], [], [], []
+        return runs.kernel_args([rows for _, rows in lora.groups])
 
 
 @dataclass(frozen=True)

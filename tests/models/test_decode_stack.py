@@ -88,3 +88,42 @@ def test_stack_is_chosen_once_and_says_why_not(tiny_model_dirs, monkeypatch):
                                      prefills=[PrefillSeq(1, 3, 0, torch.zeros(1, dtype=torch.long))])
     assert not stack.applies(with_prefill)
     assert stack.applies(AttentionMetadata(slot_mapping=torch.zeros(4, dtype=torch.long), num_decodes=4))
+
+
+@pytest.mark.parametrize("quantization", [None, "int4"])  # float32 adapters; bfloat16 ones over a quantized base
+def test_stack_adds_lora_deltas_as_the_python_layers_do(tiny_llama, tmp_path, quantization, monkeypatch):
+    """Rows under two adapters (one on every projection, down included; one on q and v) and rows
+    on the base, in one batch: the stack's tokens and logprobs equal the Python layers' bit for bit."""
+    from pagoda.lora import LoRARequest
+    from tests.lora.adapters import make_peft_adapter
+
+    adapters = [LoRARequest("all", 1, str(make_peft_adapter(tiny_llama, tmp_path / "all", seed=1))),
+                LoRARequest("qv", 2, str(make_peft_adapter(tiny_llama, tmp_path / "qv", seed=2, rank=4,
+                                                           targets=["q_proj", "v_proj"])))]
+    loras = [lora for lora in (None, *adapters) for _ in PROMPTS]
+    prompts = PROMPTS * 3
+    with_adapters: list[int] = []
+    original = DecodeStack.__call__
+
+    def counted(self, hidden, residual, positions, meta):
+        if meta.lora is not None:
+            with_adapters.append(hidden.shape[0])
+        return original(self, hidden, residual, positions, meta)
+
+    monkeypatch.setattr(DecodeStack, "__call__", counted)
+    args = {"dtype": "float32", "kv_cache_memory": 0.02, "quantization": quantization, "enable_lora": True,
+            "max_loras": 2}
+    params = SamplingParams(max_tokens=10, temperature=0, ignore_eos=True, logprobs=2)
+
+    def run(llm: LLM):
+        outs = llm.generate(prompts, params, use_tqdm=False, lora_request=loras)
+        return [(list(o.outputs[0].token_ids), [{t: lp.logprob for t, lp in p.items()} for p in o.outputs[0].logprobs])
+                for o in outs]
+
+    fast = run(LLM(model=str(tiny_llama), **args))
+    assert with_adapters.count(len(prompts)) >= 9  # the mixed batch's decode steps
+    with_adapters.clear()
+    python = run(LLM(model=str(tiny_llama), fused_decode=False, **args))
+    assert not with_adapters
+    assert fast == python
+    assert fast[0][0] != fast[len(PROMPTS)][0]  # the adapter changes the answer
