@@ -3,7 +3,8 @@
     python benchmarks/step_python_share.py                     # gguf and fp32, writes results/step-python-share-<date>.json
     python benchmarks/step_python_share.py --profile gguf      # and a cProfile of the steps' Python, top 40
 
-In process, through ``LLMEngine.step`` (the loop ``LLM.generate`` runs): SmolLM2-135M-Instruct,
+In process, through ``LLMEngine.step`` (the loop ``LLM.generate`` runs): SmolLM2-135M-Instruct (``--model``
+another, e.g. ``--model 1b-Q4_K_M.gguf --modes gguf``),
 ``--batch`` requests of 128 prompt tokens decoding greedily, ``--steps`` decode steps after the
 prefill, each request's output handed out as deltas (what the server's streams take; CUMULATIVE
 would rebuild every request's whole text and token list each step, which no caller asks for). Timers (``time.perf_counter``, wrapped around the engine's own objects) split each step:
@@ -41,6 +42,7 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent))  # this checkout's pagoda, not an installed one
 MODES = {"gguf": "gguf", "fp32": None}  # label -> --quantization
 PROMPT_LEN = 128
+DEFAULT_MODEL = "smollm2-135m-instruct"
 
 
 class Timers:
@@ -97,13 +99,13 @@ class GarbageCollections:
         return {f"gen{g}": {"count": self.count[g], "ms": round(1e3 * self.seconds[g], 3)} for g in range(3)}
 
 
-def measure(quantization: str | None, batch: int, steps: int, profile: bool) -> dict:
+def measure(model: str, quantization: str | None, batch: int, steps: int, profile: bool) -> dict:
     import torch
 
     from pagoda import LLM, SamplingParams
     from pagoda.sampling_params import RequestOutputKind
 
-    llm = LLM(model="smollm2-135m-instruct", kv_cache_memory=1.0, quantization=quantization)
+    llm = LLM(model=model, kv_cache_memory=1.0, quantization=quantization)
     engine = llm.engine
     core = engine.core
     runner = core.runner
@@ -185,6 +187,7 @@ def cpu_flags() -> list[str]:
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--modes", default="gguf,fp32", help=f"comma-separated, of {', '.join(MODES)}")
+    p.add_argument("--model", default=DEFAULT_MODEL, help="a catalog name or a path (e.g. a GGUF file)")
     p.add_argument("--batch", type=int, default=64)
     p.add_argument("--steps", type=int, default=24)
     p.add_argument("--profile", default="", help="modes to cProfile (the profile's own cost inflates Python)")
@@ -193,12 +196,12 @@ def main() -> int:
     p.add_argument("--one", help=argparse.SUPPRESS)  # internal: measure one mode, print JSON
     ns = p.parse_args()
     if ns.one:
-        print(json.dumps(measure(MODES[ns.one], ns.batch, ns.steps, ns.one in ns.profile.split(","))))
+        print(json.dumps(measure(ns.model, MODES[ns.one], ns.batch, ns.steps, ns.one in ns.profile.split(","))))
         return 0
     rows = []
     for mode in ns.modes.split(","):
-        cmd = [sys.executable, __file__, "--one", mode, "--batch", str(ns.batch), "--steps", str(ns.steps),
-               "--profile", ns.profile]
+        cmd = [sys.executable, __file__, "--one", mode, "--model", ns.model, "--batch", str(ns.batch),
+               "--steps", str(ns.steps), "--profile", ns.profile]
         done = subprocess.run(cmd, capture_output=True, text=True, cwd=HERE.parent, env=os.environ)
         if done.returncode != 0:
             print(done.stderr[-3000:], file=sys.stderr)
