@@ -18,6 +18,7 @@ One AsyncLLM serves one event loop.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import itertools
 import logging
 from collections.abc import AsyncIterator, Callable
@@ -53,6 +54,9 @@ class AsyncLLM(FrontEnd):
         """engine_process=True runs the core in its own process, restarted up to
         max_engine_restarts times if it dies; otherwise on a thread of this process, built there
         (see ThreadCoreClient)."""
+        if engine_process and config.progressive_load:  # /health could not see the progress in the other process
+            logger.info("progressive loading off: the engine runs in its own process (--engine-process)")
+            config = dataclasses.replace(config, progressive_load=False)
         super().__init__(config)
         self._streams: dict[str, asyncio.Queue] = {}
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -76,6 +80,12 @@ class AsyncLLM(FrontEnd):
     @property
     def healthy(self) -> bool:
         return self.client.healthy
+
+    def loading_progress(self) -> dict | None:
+        """How far the model loading layer by layer is (models/layer_readiness.py), or None when it
+        loaded whole; an engine process loads whole (its progress would not reach this side)."""
+        core = self.core
+        return core.loading_progress() if core is not None else None
 
     @property
     def dead_error(self) -> BaseException | None:

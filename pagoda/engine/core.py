@@ -177,6 +177,18 @@ class EngineCore:
         """Rank 0's model runner (tests and benchmarks reach into it)."""
         return self.executor.driver_worker.runner
 
+    def loading_progress(self) -> dict | None:
+        """How far the model loading layer by layer is (loader/progressive_load.py), or None when it
+        loaded whole. Plain attribute reads: the server's thread asks while the engine's steps run."""
+        return self.executor.driver_worker.loading_progress()
+
+    def _current_forward_path(self) -> dict:
+        """The forward path, chosen again once a model loading layer by layer is all in place."""
+        progress = self.loading_progress()
+        if progress is not None and not progress["loading"] and not self.forward_path["fused_decode"]:
+            self.forward_path = self.executor.driver_rpc("forward_path")
+        return self.forward_path
+
     def shutdown(self) -> None:
         """Stop the workers (other ranks' processes exit); the disk tier's queued writes finish first."""
         if self.kv_tiers is not None:
@@ -267,7 +279,8 @@ class EngineCore:
             sc, cc = self.config.scheduler, self.config.cache
             config = {"max_num_seqs": sc.max_num_seqs, "max_num_batched_tokens": sc.max_num_batched_tokens,
                       "max_model_len": self.max_model_len, "block_size": cc.block_size, "num_blocks": self.num_blocks,
-                      "enable_prefix_caching": cc.enable_prefix_caching, "forward": self.forward_path}
+                      "enable_prefix_caching": cc.enable_prefix_caching, "forward": self._current_forward_path(),
+                      "loading": self.loading_progress()}
             return self.trace.engine_snapshot(fields, config)
         if what == "steps":
             return {"steps": self.trace.steps_snapshot(limit or 256)}
