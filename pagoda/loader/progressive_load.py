@@ -79,8 +79,8 @@ def start(model: nn.Module, files: ModelFiles, hf_config: dict, dtype: torch.dty
     readiness = LayerReadiness(len(model.layers), expected_bytes=_expected_bytes(model, files, dtype, quantization),
                                stage_shares=shares)
     model.loading = model.load_readiness = readiness  # the latter kept: the loading state for /health
-    loader = _Stages(model, _reader(files, hf_config, quantization == "gguf"), quantization, cache, dtype, device,
-                     backend, shares)
+    loader = _Stages(model, lambda: _reader(files, hf_config, quantization == "gguf"), quantization, cache, dtype,
+                     device, backend, shares)
     threading.Thread(target=_run, args=(model, loader, readiness, backend), name="pagoda-loader", daemon=True).start()
     return readiness
 
@@ -124,9 +124,10 @@ def _before(stage: int, delay: float) -> None:
 class _Stages:
     """Prepares one stage of the model: its weights copied, quantized and packed."""
 
-    def __init__(self, model: nn.Module, read: Reader, quantization: str | None, cache: RepackCache | None,
+    def __init__(self, model: nn.Module, open_reader: Callable[[], Reader], quantization: str | None, cache: RepackCache | None,
                  dtype: torch.dtype, device: torch.device, backend: TorchBackend, shares: list[float]) -> None:
-        self.model, self.read, self.quantization, self.cache = model, read, quantization, cache
+        self.model, self.open_reader, self.quantization, self.cache = model, open_reader, quantization, cache
+        self.read: Reader | None = None  # opened on the loader's thread (a GGUF's metadata takes a while)
         self.dtype, self.device, self.shares = dtype, device, shares
         self.ops = getattr(backend, "ops", None)
         # what the copies may take: the memory available once the model is in (its known size
@@ -135,6 +136,8 @@ class _Stages:
 
     def prepare(self, stage: int) -> None:
         model = self.model
+        if self.read is None:
+            self.read = self.open_reader()
 
         def expect(name: str) -> bool:
             return stage_of(name) == stage
