@@ -59,6 +59,8 @@ import pagoda.layers.packed_weights as pw
 wrap(api_server, "create_engine_config", "config")
 wrap(llama.LlamaForCausalLM, "load_weights", "weights read")
 wrap(ml, "quantize_linears", "repack")
+import pagoda.loader.progressive_load as pl
+wrap(pl._Stages, "prepare", "stages on the loader thread (read, repack, pack)")
 for mod in (ml, pw):
     wrap(mod, "pack_block_linears", "pack")
     wrap(mod, "pack_float_linears", "pack")

@@ -81,7 +81,10 @@ def start(model: nn.Module, files: ModelFiles, hf_config: dict, dtype: torch.dty
     model.loading = model.load_readiness = readiness  # the latter kept: the loading state for /health
     loader = _Stages(model, lambda: _reader(files, hf_config, quantization == "gguf"), quantization, cache, dtype,
                      device, backend, shares)
-    threading.Thread(target=_run, args=(model, loader, readiness, backend), name="pagoda-loader", daemon=True).start()
+    # Not a daemon: an interpreter that exits while the thread is in a kernel aborts ("terminate
+    # called without an active exception"), so the exit waits for the load; the engine's
+    # shutdown cancels it at the next stage.
+    threading.Thread(target=_run, args=(model, loader, readiness, backend), name="pagoda-loader").start()
     return readiness
 
 
@@ -92,11 +95,11 @@ def _run(model: nn.Module, loader: _Stages, readiness: LayerReadiness, backend: 
     delay = envs.PAGODA_TEST_LAYER_LOAD_DELAY
     try:
         with building_backend(backend):
-            _before(0, 0.0)
+            _before(0, 0.0, readiness)
             loader.prepare(0)
             readiness.mark_outer()
             for i in range(len(model.layers)):
-                _before(i + 1, delay)
+                _before(i + 1, delay, readiness)
                 loader.prepare(i + 1)
                 readiness.mark_layer(i)
         cache = loader.cache
@@ -107,18 +110,27 @@ def _run(model: nn.Module, loader: _Stages, readiness: LayerReadiness, backend: 
         readiness.finish()  # the model runner's choice of the fused decode stack, now every layer is in place
         model.loading = None
         logger.info("model loaded layer by layer in %.1fs", time.monotonic() - readiness.started)
+    except LoadCancelled as e:
+        logger.info("loading the model layer by layer stopped: the engine shut down")
+        readiness.fail(e)
     except BaseException as e:  # noqa: BLE001 -- a forward pass waiting for a layer must hear of any failure
         logger.exception("loading the model layer by layer failed")
         readiness.fail(e)
 
 
-def _before(stage: int, delay: float) -> None:
-    """The tests' hold on a stage: their hook, or a delay (a load slow enough for a request sent to
-    a server's process to arrive mid-way)."""
+class LoadCancelled(RuntimeError):
+    """The engine shut down while the model loaded."""
+
+
+def _before(stage: int, delay: float, readiness: LayerReadiness) -> None:
+    """The tests' hold on a stage (their hook, or a delay: a load slow enough for a request sent
+    to a server's process to arrive mid-way); then stop if the engine shut down."""
     if stage_hook is not None:
         stage_hook(stage)
     if delay:
         time.sleep(delay)
+    if readiness.cancelled:
+        raise LoadCancelled("the engine shut down while the model loaded")
 
 
 class _Stages:

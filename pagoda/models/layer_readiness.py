@@ -30,6 +30,7 @@ class LayerReadiness:
         self.started = time.monotonic()
         self.finished: float | None = None  # when the last part was marked ready
         self.error: BaseException | None = None
+        self.cancelled = False
         self._outer = threading.Event()
         self._layers = [threading.Event() for _ in range(num_layers)]
         self._loaded_layers = 0
@@ -52,6 +53,10 @@ class LayerReadiness:
             callbacks, self._when_loaded = self._when_loaded, []
         for callback in callbacks:
             callback()
+
+    def cancel(self) -> None:
+        """Stop the loader at its next stage (the engine shuts down while the model loads)."""
+        self.cancelled = True
 
     def fail(self, error: BaseException) -> None:
         """Wake every waiter: each raises ``LoadFailed``."""

@@ -229,6 +229,8 @@ class Worker:
     def shutdown(self, wait_for_ranks: bool = False) -> None:
         """Release the cache and leave the tensor-parallel group (``wait_for_ranks``: every rank
         is shutting down too, so meet them first; see TensorParallelGroup.close)."""
+        if self.readiness is not None:
+            self.readiness.cancel()  # a loader still at work stops at its next layer
         self.runner = None
         self.kv_cache = self.kv_scales = None
         self.tp.close(wait_for_ranks)

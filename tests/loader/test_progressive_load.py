@@ -77,9 +77,11 @@ def test_a_request_during_loading_waits_for_each_layer(tiny_llama, monkeypatch):
     result: list = []
     worker = threading.Thread(target=lambda: result.append(_tokens(llm)))
     worker.start()
-    worker.join(timeout=0.5)
-    assert worker.is_alive() and not result  # waiting for layer 1
-    release.set()
+    try:
+        worker.join(timeout=0.5)
+        assert worker.is_alive() and not result  # waiting for layer 1
+    finally:
+        release.set()  # (the loader thread is joined at exit: never leave it held)
     worker.join(timeout=120)
     assert result == [expected]
     assert not llm.engine.core.loading_progress()["loading"]
@@ -97,6 +99,27 @@ def test_a_failed_load_fails_the_waiting_forward(tiny_llama, monkeypatch):
     with pytest.raises(LoadFailed, match="disk gone"):
         list(model.loading.as_ready(model.layers))
     assert model.loading.progress()["error"] == "disk gone"
+
+
+def test_shutting_down_mid_load_stops_the_loader(tiny_llama, monkeypatch):
+    release, reached = threading.Event(), threading.Event()
+
+    def hold(stage: int) -> None:
+        if stage == 1:
+            reached.set()
+            release.wait()
+
+    monkeypatch.setattr(progressive_load, "stage_hook", hold)
+    llm = LLM(model=str(tiny_llama), dtype="float32", kv_cache_memory=0.02)
+    readiness = llm.engine.core.model.load_readiness
+    try:
+        assert reached.wait(60)
+        llm.engine.core.shutdown()
+    finally:
+        release.set()
+    with pytest.raises(LoadFailed, match="shut down"):
+        list(readiness.as_ready(llm.engine.core.model.layers))
+    assert readiness.progress()["layers_loaded"] == 0
 
 
 def _files(path):

@@ -35,6 +35,15 @@ def _progress(layers_loaded: int | None) -> dict | None:
             "seconds": 1.0, "error": None}
 
 
+def _setup(layers_loaded: int, ready_when: str):
+    """A fake clock, the replica's loading state (changed by the test), a registry of that replica
+    and a client that reaches it."""
+    clock, state = FakeClock(), {"progress": _progress(layers_loaded)}
+    registry = WorkerRegistry(warmup_seconds=30, clock=clock)
+    registry.add(URL)
+    return clock, state, registry, _replica(state, ready_when)
+
+
 def _probe(registry: WorkerRegistry, client: httpx.AsyncClient):
     worker = registry.get(URL)
     asyncio.run(registry.probe(worker, client))
@@ -42,10 +51,7 @@ def _probe(registry: WorkerRegistry, client: httpx.AsyncClient):
 
 
 def test_a_loading_replica_is_down_with_its_progress_until_loaded():
-    clock, state = FakeClock(), {"progress": _progress(5)}
-    registry = WorkerRegistry(warmup_seconds=30, clock=clock)
-    registry.add(URL)
-    client = _replica(state, "loaded")
+    _, state, registry, client = _setup(5, "loaded")
     worker = _probe(registry, client)
     assert not worker.healthy and worker.down_reason == "loading its model (5/16 layers in place)"
     assert worker.describe()["loading"] == "5/16"
@@ -55,10 +61,7 @@ def test_a_loading_replica_is_down_with_its_progress_until_loaded():
 
 
 def test_a_replica_serving_while_loading_stays_at_the_start_of_its_ramp():
-    clock, state = FakeClock(), {"progress": _progress(3)}
-    registry = WorkerRegistry(warmup_seconds=30, clock=clock)
-    registry.add(URL)
-    client = _replica(state, "serving")
+    clock, state, registry, client = _setup(3, "serving")
     worker = _probe(registry, client)
     assert worker.healthy and worker.weight() == MIN_WEIGHT  # takes a trickle of requests
     clock.advance(30)
