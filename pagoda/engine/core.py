@@ -182,6 +182,12 @@ class EngineCore:
         loaded whole. Plain attribute reads: the server's thread asks while the engine's steps run."""
         return self.executor.driver_worker.loading_progress()
 
+    def wait_until_loaded(self) -> None:
+        """Return once the model is all in place (at once when it loaded whole)."""
+        readiness = self.executor.driver_worker.readiness
+        if readiness is not None:
+            readiness.wait_loaded()
+
     def _current_forward_path(self) -> dict:
         """The forward path, chosen again once a model loading layer by layer is all in place."""
         progress = self.loading_progress()

@@ -36,6 +36,8 @@ class LayerReadiness:
         self._loaded_layers = 0
         self._lock = threading.Lock()
         self._when_loaded: list[Callable[[], None]] = []
+        self._over = threading.Event()  # finished or failed
+        self._when_failed: list[Callable[[BaseException], None]] = []
 
     # -- the loader's side -------------------------------------------------------------------
     def mark_outer(self) -> None:
@@ -53,6 +55,7 @@ class LayerReadiness:
             callbacks, self._when_loaded = self._when_loaded, []
         for callback in callbacks:
             callback()
+        self._over.set()
 
     def cancel(self) -> None:
         """Stop the loader at its next stage (the engine shuts down while the model loads)."""
@@ -64,6 +67,16 @@ class LayerReadiness:
         self._outer.set()
         for event in self._layers:
             event.set()
+        self._over.set()
+        if not self.cancelled:  # (a shutdown's own stop is no failure to report)
+            for callback in self._when_failed:
+                callback(error)
+
+    def when_failed(self, callback: Callable[[BaseException], None]) -> None:
+        """Call ``callback`` with the error if the load fails (the engine then counts as dead)."""
+        self._when_failed.append(callback)
+        if self.error is not None and not self.cancelled:
+            callback(self.error)
 
     # -- the engine's side -------------------------------------------------------------------
     def when_loaded(self, callback: Callable[[], None]) -> None:
@@ -73,6 +86,10 @@ class LayerReadiness:
                 self._when_loaded.append(callback)
                 return
         callback()
+
+    def wait_loaded(self) -> None:
+        """Until every part is in place and what waited for that has run (LoadFailed if the load failed)."""
+        self._wait(self._over)
 
     def wait_outer(self) -> None:
         self._wait(self._outer)

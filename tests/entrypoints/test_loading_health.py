@@ -8,12 +8,16 @@ what is checked does not depend on that timing but for the first answer being se
 from __future__ import annotations
 
 import os
+import shutil
 import subprocess
 import sys
 import time
 
 import httpx
 import pytest
+import torch
+
+from safetensors.torch import load_file, save_file
 
 from pagoda import LLM, SamplingParams
 from server_process import _free_port
@@ -79,3 +83,14 @@ def test_health_while_loading_and_a_request_sent_then(tiny_llama, expected, read
     finally:
         proc.terminate()
         proc.wait(timeout=30)
+
+
+def test_a_model_that_fails_to_load_stops_the_server(tiny_llama, tmp_path):
+    """A bad tensor found by the loader's thread once the server listens: the server stops with
+    exit 1, naming the reason, as a whole-model load that failed before listening did."""
+    broken = tmp_path / "broken"
+    shutil.copytree(tiny_llama, broken)
+    weights = load_file(broken / "model.safetensors")
+    save_file({**weights, "model.layers.1.input_layernorm.weight": torch.zeros(0)}, broken / "model.safetensors")
+    proc, _ = _serve(broken)
+    assert proc.wait(timeout=120) == 1

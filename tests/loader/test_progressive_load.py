@@ -12,6 +12,8 @@ import torch
 from gguf_export import export_gguf
 
 from pagoda import LLM, SamplingParams
+from pagoda.engine.llm_engine import LLMEngine
+from pagoda.engine_args import EngineArgs
 from pagoda.distributed.parallel_state import SINGLE
 from pagoda.loader import progressive_load
 from pagoda.loader.model_loader import load_model
@@ -21,6 +23,17 @@ from pagoda.models.llama import LlamaForCausalLM
 
 PROMPTS = ["The quick brown fox", "Paris is the capital of", "def main():"]
 GREEDY = SamplingParams(max_tokens=8, temperature=0.0)
+
+
+def _engine_mid_load(model) -> LLMEngine:
+    return LLMEngine.from_engine_args(EngineArgs(model=str(model), dtype="float32", kv_cache_memory=0.02))
+
+
+def _generate(engine: LLMEngine) -> list[list[int]]:
+    for i, prompt in enumerate(PROMPTS):
+        engine.add_request(str(i), prompt, GREEDY)
+    done = {out.request_id: out.outputs[0].token_ids for out in engine.outputs() if out.finished}
+    return [done[str(i)] for i in range(len(PROMPTS))]
 
 
 def _tokens(llm: LLM) -> list[list[int]]:
@@ -69,13 +82,13 @@ def test_a_request_during_loading_waits_for_each_layer(tiny_llama, monkeypatch):
             release.wait()
 
     monkeypatch.setattr(progressive_load, "stage_hook", hold)
-    llm = LLM(model=str(tiny_llama), dtype="float32", kv_cache_memory=0.02)
+    engine = _engine_mid_load(tiny_llama)  # (an LLM returns loaded)
     assert reached.wait(60)
-    progress = llm.engine.core.loading_progress()
+    progress = engine.core.loading_progress()
     assert progress["loading"] and progress["layers_loaded"] == 1, progress
-    assert not llm.engine.core.forward_path["fused_decode"]  # the Python layers while loading
+    assert not engine.core.forward_path["fused_decode"]  # the Python layers while loading
     result: list = []
-    worker = threading.Thread(target=lambda: result.append(_tokens(llm)))
+    worker = threading.Thread(target=lambda: result.append(_generate(engine)))
     worker.start()
     try:
         worker.join(timeout=0.5)
@@ -84,8 +97,9 @@ def test_a_request_during_loading_waits_for_each_layer(tiny_llama, monkeypatch):
         release.set()  # (the loader thread is joined at exit: never leave it held)
     worker.join(timeout=120)
     assert result == [expected]
-    assert not llm.engine.core.loading_progress()["loading"]
-    assert llm.engine.core.model.loading is None  # nothing is checked per step any more
+    engine.core.wait_until_loaded()
+    assert not engine.core.loading_progress()["loading"]
+    assert engine.core.model.loading is None  # nothing is checked per step any more
 
 
 def test_a_failed_load_fails_the_waiting_forward(tiny_llama, monkeypatch):
@@ -110,15 +124,15 @@ def test_shutting_down_mid_load_stops_the_loader(tiny_llama, monkeypatch):
             release.wait()
 
     monkeypatch.setattr(progressive_load, "stage_hook", hold)
-    llm = LLM(model=str(tiny_llama), dtype="float32", kv_cache_memory=0.02)
-    readiness = llm.engine.core.model.load_readiness
+    engine = _engine_mid_load(tiny_llama)
+    readiness = engine.core.model.load_readiness
     try:
         assert reached.wait(60)
-        llm.engine.core.shutdown()
+        engine.core.shutdown()
     finally:
         release.set()
     with pytest.raises(LoadFailed, match="shut down"):
-        list(readiness.as_ready(llm.engine.core.model.layers))
+        readiness.wait_loaded()
     assert readiness.progress()["layers_loaded"] == 0
 
 

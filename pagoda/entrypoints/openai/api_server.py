@@ -25,6 +25,7 @@ from pagoda.entrypoints.served_models import default_memory_budget, model_specs,
 from pagoda.entrypoints.web import install_web
 from pagoda.entrypoints.web.api_docs import install_api_docs
 from pagoda.entrypoints.openai.loading import loading_health
+from pagoda.models.layer_readiness import LoadFailed
 from pagoda.entrypoints.openai.lifecycle import DrainingServer, Lifecycle, bind_listener, check_serving, shutting_down
 from pagoda.entrypoints.openai.middleware import (
     MAX_BODY_BYTES, APIKeyCheck, BodyLimit, FastJSONResponse, error_response,
@@ -305,6 +306,18 @@ def _several_models_settings(args):
     return specs, (budget, args.max_loaded_models, args.load_timeout)
 
 
+def _pooled_model_app(spec, families) -> tuple[FastAPI, AsyncLLM]:
+    """One model of the pool, returned loaded: the pool counts its memory and its failure once it
+    says it has loaded (a model that loads layer by layer is waited for)."""
+    app, engine = _model_app(spec.args, spec.config, spec.names, None, families)
+    try:
+        engine.wait_until_loaded()
+    except LoadFailed as e:
+        engine.shutdown()
+        raise e.__cause__ from None  # the loader's own error (a ValueError names a bad file's tensor)
+    return app, engine
+
+
 def _several_models_app(args, specs, settings, api_key: str | None):
     """The front app of several models and their pool (pagoda/entrypoints/model_dispatch.py)."""
     from pagoda.entrypoints.prometheus import MetricFamilies  # deferred: loads prometheus_client
@@ -312,7 +325,7 @@ def _several_models_app(args, specs, settings, api_key: str | None):
     families = MetricFamilies()
     budget, max_loaded, load_timeout = settings
     pool: ModelPool | None = None
-    pool = ModelPool(specs, load=lambda spec: _model_app(spec.args, spec.config, spec.names, None, families),
+    pool = ModelPool(specs, load=lambda spec: _pooled_model_app(spec, families),
                      memory_budget=budget, max_loaded=max_loaded,
                      load_timeout=load_timeout, metrics=PoolMetrics(families, lambda: pool))
     for spec in specs:
