@@ -89,8 +89,8 @@ class AsyncLLM(FrontEnd):
         return core.loading_progress() if core is not None else None
 
     def wait_until_loaded(self) -> None:
-        """Block until the model is all in place (LoadFailed if its load failed); at once when it
-        loaded whole."""
+        """Block until the model is all in place (the loader's error if its load failed); at once
+        when it loaded whole."""
         core = self.core
         if core is not None:
             core.wait_until_loaded()

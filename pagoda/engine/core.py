@@ -23,6 +23,7 @@ from pagoda.core.state_snapshots import StateSnapshots
 from pagoda.core.scheduler_stats import SchedulerStats
 from pagoda.core.scheduler_output import SchedulerOutput
 from pagoda.engine.kv_offload import hand_off, open_kv_tiers
+from pagoda.models.layer_readiness import LoadFailed
 from pagoda.engine.step_trace import StepTrace, radix_snapshot
 from pagoda.executor import make_executor
 from pagoda.outputs import TokenLogprobs
@@ -183,10 +184,15 @@ class EngineCore:
         return self.executor.driver_worker.loading_progress()
 
     def wait_until_loaded(self) -> None:
-        """Return once the model is all in place (at once when it loaded whole)."""
+        """Return once the model is all in place (at once when it loaded whole); raise the
+        loader's own error if the load failed (a ValueError naming a bad file's tensor, ...), as a
+        whole-model load raised it."""
         readiness = self.executor.driver_worker.readiness
         if readiness is not None:
-            readiness.wait_loaded()
+            try:
+                readiness.wait_loaded()
+            except LoadFailed as e:
+                raise e.__cause__ from None
 
     def _current_forward_path(self) -> dict:
         """The forward path, chosen again once a model loading layer by layer is all in place."""

@@ -25,7 +25,6 @@ from pagoda.entrypoints.served_models import default_memory_budget, model_specs,
 from pagoda.entrypoints.web import install_web
 from pagoda.entrypoints.web.api_docs import install_api_docs
 from pagoda.entrypoints.openai.loading import loading_health
-from pagoda.models.layer_readiness import LoadFailed
 from pagoda.entrypoints.openai.lifecycle import DrainingServer, Lifecycle, bind_listener, check_serving, shutting_down
 from pagoda.entrypoints.openai.middleware import (
     MAX_BODY_BYTES, APIKeyCheck, BodyLimit, FastJSONResponse, error_response,
@@ -312,9 +311,9 @@ def _pooled_model_app(spec, families) -> tuple[FastAPI, AsyncLLM]:
     app, engine = _model_app(spec.args, spec.config, spec.names, None, families)
     try:
         engine.wait_until_loaded()
-    except LoadFailed as e:
+    except Exception:  # the loader's own error (a ValueError names a bad file's tensor)
         engine.shutdown()
-        raise e.__cause__ from None  # the loader's own error (a ValueError names a bad file's tensor)
+        raise
     return app, engine
 
 
