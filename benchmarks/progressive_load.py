@@ -15,7 +15,10 @@ fills the cache and is not counted.
 
 The child also prints a timeline of the start (``--timeline``): when each phase of the load began
 and ended, measured by wrapping the functions that do them (imports, engine configuration and
-tokenizer, reading the weights, repacking, packing, the KV cache, the app, listening).
+tokenizer, reading the weights, repacking, packing, the KV cache, the app, listening). It sets
+OpenMP's spin as `pagoda serve` does (``configure_server_openmp``, before torch loads: a short spin
+on a busy machine, libgomp's own on a quiet one), which decides much of a load's speed on shared
+cores (benchmarks/README.md, "Progressive loading").
 """
 
 from __future__ import annotations
@@ -41,6 +44,8 @@ T0 = float(sys.argv[1])
 def mark(name, start, end):
     print("TIMELINE " + json.dumps({"phase": name, "start": start - T0, "end": end - T0}), file=sys.stderr, flush=True)
 started = time.time()
+from pagoda.threads import configure_server_openmp
+configure_server_openmp()  # as `pagoda serve` does before torch loads: the spin its OpenMP threads keep
 import pagoda.entrypoints.openai.api_server as api_server
 mark("imports", T0, time.time())
 def wrap(owner, attr, name):
@@ -117,7 +122,7 @@ def _poll_health(base: str, t0: float, out: dict, stop: threading.Event) -> None
 def one_start(model: str, extra: list[str], progressive: bool, home: str) -> dict:
     """One server start: seconds from its process's start to /health 200 and to the first token."""
     port = _free_port()
-    flags = [] if progressive else ["--no-progressive-load"]
+    flags = ["--progressive-load" if progressive else "--no-progressive-load"]
     argv = ["serve", "--model", model, "--port", str(port), "--served-model-name", "m", "--log-level", "warning",
             "--max-model-len", "512", *flags, *extra]
     env = dict(os.environ, PAGODA_HOME=home)

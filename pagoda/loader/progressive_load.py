@@ -107,8 +107,8 @@ def _run(model: nn.Module, loader: _Stages, readiness: LayerReadiness, backend: 
             logger.info("repacked weights: %d mapped as repacked at an earlier start, %d repacked now (kept in %s)",
                         cache.hits, cache.misses, cache.directory)
         release_freed_memory()  # the float weights quantization freed: glibc would keep their pages
+        model.loading = None  # every event is set: a step need not check them any more
         readiness.finish()  # the model runner's choice of the fused decode stack, now every layer is in place
-        model.loading = None
         logger.info("model loaded layer by layer in %.1fs", time.monotonic() - readiness.started)
     except LoadCancelled as e:
         logger.info("loading the model layer by layer stopped: the engine shut down")
@@ -136,8 +136,9 @@ def _before(stage: int, delay: float, readiness: LayerReadiness) -> None:
 class _Stages:
     """Prepares one stage of the model: its weights copied, quantized and packed."""
 
-    def __init__(self, model: nn.Module, open_reader: Callable[[], Reader], quantization: str | None, cache: RepackCache | None,
-                 dtype: torch.dtype, device: torch.device, backend: TorchBackend, shares: list[float]) -> None:
+    def __init__(self, model: nn.Module, open_reader: Callable[[], Reader], quantization: str | None,
+                 cache: RepackCache | None, dtype: torch.dtype, device: torch.device, backend: TorchBackend,
+                 shares: list[float]) -> None:
         self.model, self.open_reader, self.quantization, self.cache = model, open_reader, quantization, cache
         self.read: Reader | None = None  # opened on the loader's thread (a GGUF's metadata takes a while)
         self.dtype, self.device, self.shares = dtype, device, shares

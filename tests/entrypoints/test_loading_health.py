@@ -29,9 +29,10 @@ PROMPT = "The quick brown fox"
 def _serve(model, *extra: str) -> tuple[subprocess.Popen, str]:
     port = _free_port()
     cmd = [sys.executable, "-m", "pagoda.cli", "serve", "--model", str(model), "--port", str(port), "--dtype",
-           "float32", "--kv-cache-memory", "0.02", "--served-model-name", "tiny", "--log-level", "warning", *extra]
+           "float32", "--kv-cache-memory", "0.02", "--served-model-name", "tiny", "--log-level", "warning", "--progressive-load", *extra]
     env = dict(os.environ, PAGODA_TEST_LAYER_LOAD_DELAY=DELAY)
-    return subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env), f"http://127.0.0.1:{port}"
+    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env)
+    return proc, f"http://127.0.0.1:{port}"
 
 
 def _first_answer(proc: subprocess.Popen, base: str) -> httpx.Response:

@@ -26,7 +26,8 @@ GREEDY = SamplingParams(max_tokens=8, temperature=0.0)
 
 
 def _engine_mid_load(model) -> LLMEngine:
-    return LLMEngine.from_engine_args(EngineArgs(model=str(model), dtype="float32", kv_cache_memory=0.02))
+    return LLMEngine.from_engine_args(EngineArgs(model=str(model), dtype="float32", kv_cache_memory=0.02,
+                                                 progressive_load=True))
 
 
 def _generate(engine: LLMEngine) -> list[list[int]]:
