@@ -139,9 +139,10 @@ def block_packing(ops, quiet: bool = False) -> str:
     if not applies["tiles"]:
         return "bf16" if applies["bf16"] else "none"
     record, _, _ = kept_record(BLOCK_CHOICE_FILE, _BLOCK_VERSION, lambda: measure_block_packing(ops))
-    (logger.debug if quiet else logger.info)("block weights on this CPU: %s (ms for the suite at %s rows: %s)", record["form"],
-                "/".join(map(str, BLOCK_ROWS)),
-                ", ".join(f"{f} {'/'.join(f'{v:.3f}' for v in t.values())}" for f, t in record["ms"].items()))
+    log = logger.debug if quiet else logger.info  # progressive loading asks once a layer
+    log("block weights on this CPU: %s (ms for the suite at %s rows: %s)", record["form"],
+        "/".join(map(str, BLOCK_ROWS)),
+        ", ".join(f"{f} {'/'.join(f'{v:.3f}' for v in t.values())}" for f, t in record["ms"].items()))
     return record["form"]
 
 
@@ -188,8 +189,10 @@ def pack_block_linears(model: nn.Module, ops, available_bytes: int, quiet: bool 
             if key not in seen:
                 seen[key] = copy(ops, module)
             module.packed = seen[key]
-    (logger.debug if quiet else logger.info)("block weights packed once: %s, %.0f MiB", "repacked into tiles (every row count)" if form == "tiles"
-                else "oneDNN bf16 layout (from 16 rows)", total / 2**20)
+    (logger.debug if quiet else logger.info)(
+        "block weights packed once: %s, %.0f MiB",
+        "repacked into tiles (every row count)" if form == "tiles" else "oneDNN bf16 layout (from 16 rows)",
+        total / 2**20)
     return total
 
 
@@ -232,12 +235,12 @@ def measure_float_gemm() -> dict:
             "ms": {"at::linear": library, "onednn_packed": onednn}, "pack": onednn * FLOAT_MARGIN < library}
 
 
-def float_packing_pays(quiet: bool = False) -> bool:
+def float_packing_pays() -> bool:
     """Whether oneDNN on packed fp32 weights beats at::linear on this CPU: measured once (well
     under a second), then read from its file."""
     record, _, _ = kept_record(FLOAT_CHOICE_FILE, _FLOAT_VERSION, measure_float_gemm)
     ms = record["ms"]
-    (logger.debug if quiet else logger.info)("float32 GEMM from 33 rows on this CPU: %s (ms for the suite at %d rows: at::linear %.3f, "
+    logger.info("float32 GEMM from 33 rows on this CPU: %s (ms for the suite at %d rows: at::linear %.3f, "
                 "oneDNN packed %.3f)", "oneDNN on weights packed at load" if record["pack"] else "at::linear",
                 record["rows"], ms["at::linear"], ms["onednn_packed"])
     return bool(record["pack"])
@@ -254,15 +257,17 @@ def _float_weights(model: nn.Module) -> list[tuple[nn.Module, torch.Tensor]]:
             and w.device.type == "cpu"]
 
 
-def pack_float_linears(model: nn.Module, ops, available_bytes: int, quiet: bool = False) -> int:
+def pack_float_linears(model: nn.Module, ops, available_bytes: int, quiet: bool = False,
+                       pays: bool | None = None) -> int:
     """Give ``model``'s float32 projections (and a tied head) oneDNN-packed copies where that
     measured faster on this CPU and fits; returns the bytes packed (0 when none was). ``quiet``:
-    as ``pack_block_linears``'s."""
+    as ``pack_block_linears``'s; ``pays``: ``float_packing_pays()``'s answer when the caller
+    already has it (progressive loading asks once for every layer)."""
     if not _can_reorder(ops):
         return 0
     found = _float_weights(model)
     total = sum(4 * w.numel() for _, w in found)
-    if total == 0 or _switched_off("float32 weights") or not float_packing_pays(quiet) \
+    if total == 0 or _switched_off("float32 weights") or not (float_packing_pays() if pays is None else pays) \
             or not _fits("float32 weights", total, available_bytes):
         return 0
     for module, weight in found:

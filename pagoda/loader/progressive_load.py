@@ -31,7 +31,7 @@ from pagoda.distributed.parallel_state import TensorParallelGroup
 from pagoda.heap import release_freed_memory
 from pagoda.layers.backend import TorchBackend
 from pagoda.layers.backend import building_with as building_backend
-from pagoda.layers.packed_weights import pack_block_linears, pack_float_linears
+from pagoda.layers.packed_weights import float_packing_pays, pack_block_linears, pack_float_linears
 from pagoda.layers.quantization import quantize_output_head, quantize_projections
 from pagoda.loader.model_files import ModelFiles
 from pagoda.loader.repacked_cache import RepackCache
@@ -143,6 +143,7 @@ class _Stages:
         self.read: Reader | None = None  # opened on the loader's thread (a GGUF's metadata takes a while)
         self.dtype, self.device, self.shares = dtype, device, shares
         self.ops = getattr(backend, "ops", None)
+        self.float_pays: bool | None = None  # whether float32 weights get oneDNN copies (asked at the first stage)
         # what the copies may take: the memory available once the model is in (its known size
         # subtracted), shared among the stages as their parameters are
         self.available = available_memory_bytes(device) - model.loading.pending_bytes()
@@ -167,7 +168,9 @@ class _Stages:
         if self.quantization is not None:
             pack_block_linears(part, self.ops, budget, quiet=True)
         if self.dtype == torch.float32:
-            pack_float_linears(part, self.ops, budget, quiet=True)
+            if self.float_pays is None:  # measured or read once, logged once
+                self.float_pays = float_packing_pays() if self.ops is not None else False
+            pack_float_linears(part, self.ops, budget, quiet=True, pays=self.float_pays)
 
     def _part(self, stage: int) -> nn.Module:
         if stage > 0:
