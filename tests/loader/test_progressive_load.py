@@ -137,6 +137,32 @@ def test_shutting_down_mid_load_stops_the_loader(tiny_llama, monkeypatch):
     assert readiness.progress()["layers_loaded"] == 0
 
 
+def test_memory_sizing_counts_the_layers_still_to_come(q4_gguf, monkeypatch):
+    """While the model loads, what its missing parts will take is known from the file's bytes and
+    the parameters' shapes: the KV budget subtracts it (Worker._available_once_loaded)."""
+    release, reached = threading.Event(), threading.Event()
+
+    def hold(stage: int) -> None:
+        if stage == 1:  # the outer weights in, no layer yet
+            reached.set()
+            release.wait()
+
+    monkeypatch.setattr(progressive_load, "stage_hook", hold)
+    engine = LLMEngine.from_engine_args(EngineArgs(model=str(q4_gguf), quantization="gguf", dtype="float32",
+                                                   kv_cache_memory=0.02, progressive_load=True))
+    readiness = engine.core.model.load_readiness
+    try:
+        assert reached.wait(60)
+        assert readiness.expected_bytes == q4_gguf.stat().st_size  # the GGUF's blocks are kept
+        shares = readiness.stage_shares
+        assert sum(shares) == pytest.approx(1.0) and len(shares) == 1 + len(engine.core.model.layers)
+        assert readiness.pending_bytes() == int(readiness.expected_bytes * sum(shares[1:]))
+    finally:
+        release.set()
+    engine.core.wait_until_loaded()
+    assert readiness.pending_bytes() == 0
+
+
 def _files(path):
     files = resolve_model(str(path))
     return files, files.hf_config()
@@ -153,6 +179,14 @@ def test_what_loads_whole_says_why(tiny_llama):
     assert progressive_load.refusal(LlamaForCausalLM, files, cpu, SINGLE) is None
     assert "its own way" in progressive_load.refusal(OwnLoader, files, cpu, SINGLE)
     assert "cuda" in progressive_load.refusal(LlamaForCausalLM, files, torch.device("cuda"), SINGLE)
+
+
+def test_the_pooling_runner_loads_whole_and_says_why(tiny_llama, caplog):
+    with caplog.at_level("INFO", logger="pagoda.worker.worker"):
+        llm = LLM(model=str(tiny_llama), runner="pooling", dtype="float32", kv_cache_memory=0.02,
+                  progressive_load=True)
+    assert llm.engine.core.loading_progress() is None
+    assert "progressive loading off: the pooling runner" in caplog.text
 
 
 def test_stage_of_names():
