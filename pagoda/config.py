@@ -138,6 +138,7 @@ class EngineConfig:
     compile: bool = _ARGS.compile  # torch.compile the model between attention layers (see worker/compiled.py)
     deterministic: bool = False  # batch-invariant kernels and layout (see EngineArgs.deterministic)
     fused_decode: bool = _ARGS.fused_decode  # decode batches may take the fused C++ stack (see EngineArgs.fused_decode)
+    progressive_load: bool = _ARGS.progressive_load  # load layer by layer on a thread (loader/progressive_load.py)
     lora: LoRAConfig | None = None  # LoRA adapters are served (EngineArgs.enable_lora)
     kv_events: KVEventsConfig | None = None  # the prefix cache's events are published (--kv-events-config)
     kv_offload: KVOffloadConfig = KVOffloadConfig()
@@ -205,6 +206,7 @@ def create_engine_config(args: EngineArgs) -> EngineConfig:
         compile=args.compile and not args.enforce_eager,
         deterministic=deterministic,
         fused_decode=args.fused_decode,
+        progressive_load=args.progressive_load,
         speculative=_speculative_config(args, model_config),
         lora=lora_config(args, dtype, quantization not in (None, "none"), pools, model_adapter_rank(files, hf_config)),
         kv_events=KVEventsConfig.parse(args.kv_events_config),

@@ -78,6 +78,12 @@ class EngineArgs:
         "run a batch of decode rows through every layer in one C++ call where the model allows it "
         "(the start-up log and /v1/debug/engine say whether it does and why); --no-fused-decode runs "
         "the Python layers every step (default: on)"))
+    progressive_load: bool = field(default=False, metadata=_option(
+        "load the model one decoder layer at a time on a loader thread, so the engine and the server come up "
+        "while it loads and a request's prefill runs each layer as it arrives (docs/scaling-out.md, \"Progressive "
+        "warm-up\"); models it does not apply to load whole, with the reason logged (default: off, the whole "
+        "model loads before the engine starts: measured no faster to a first token on 2 shared cores, "
+        "benchmarks/README.md, \"Progressive loading\")"))
     enable_prefix_caching: bool = field(default=True, metadata=_option(
         "share prompt prefixes between requests through a radix tree (default: on)"))
     state_snapshot_interval: int = field(default=256, metadata=_option(

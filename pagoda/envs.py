@@ -51,6 +51,9 @@ VARIABLES: dict[str, Callable[[], Any]] = {
     "PAGODA_PACK_WEIGHTS": _on_unless_zero("PAGODA_PACK_WEIGHTS"),
     # the packed copy of ggml blocks: tiles, bf16 or none (layers/packed_weights.py; default: measured)
     "PAGODA_BLOCK_PACKING": _text("PAGODA_BLOCK_PACKING"),
+    # tests only: seconds the progressive loader waits before each decoder layer, so that a request
+    # arrives while the model loads (loader/progressive_load.py); never needed for correctness
+    "PAGODA_TEST_LAYER_LOAD_DELAY": lambda: float(os.environ.get("PAGODA_TEST_LAYER_LOAD_DELAY") or 0),
     # 0: repacked weights are not cached on disk between starts (loader/repacked_cache.py)
     "PAGODA_REPACK_CACHE": _on_unless_zero("PAGODA_REPACK_CACHE"),
     # 0: glibc may hand freed memory back to the system between steps (heap.py)

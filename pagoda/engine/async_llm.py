@@ -18,6 +18,7 @@ One AsyncLLM serves one event loop.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import itertools
 import logging
 from collections.abc import AsyncIterator, Callable
@@ -29,6 +30,7 @@ from pagoda.engine.front_end import FrontEnd
 from pagoda.engine.input_processor import PromptType
 from pagoda.lora.request import LoRARequest
 from pagoda.executor.base import WorkerFailedError
+from pagoda.models.layer_readiness import LoadFailed
 from pagoda.outputs import PoolingRequestOutput, RequestOutput
 from pagoda.pooling_params import PoolingParams
 from pagoda.sampling_params import RequestOutputKind, SamplingParams
@@ -53,6 +55,9 @@ class AsyncLLM(FrontEnd):
         """engine_process=True runs the core in its own process, restarted up to
         max_engine_restarts times if it dies; otherwise on a thread of this process, built there
         (see ThreadCoreClient)."""
+        if engine_process and config.progressive_load:  # /health could not see the progress in the other process
+            logger.info("progressive loading off: the engine runs in its own process (--engine-process)")
+            config = dataclasses.replace(config, progressive_load=False)
         super().__init__(config)
         self._streams: dict[str, asyncio.Queue] = {}
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -76,6 +81,19 @@ class AsyncLLM(FrontEnd):
     @property
     def healthy(self) -> bool:
         return self.client.healthy
+
+    def loading_progress(self) -> dict | None:
+        """How far the model loading layer by layer is (models/layer_readiness.py), or None when it
+        loaded whole; an engine process loads whole (its progress would not reach this side)."""
+        core = self.core
+        return core.loading_progress() if core is not None else None
+
+    def wait_until_loaded(self) -> None:
+        """Block until the model is all in place (the loader's error if its load failed); at once
+        when it loaded whole."""
+        core = self.core
+        if core is not None:
+            core.wait_until_loaded()
 
     @property
     def dead_error(self) -> BaseException | None:
@@ -224,8 +242,15 @@ class AsyncLLM(FrontEnd):
         if self._loop is not None:
             wrapped = EngineDeadError(f"engine failure: {type(error).__name__}: {error}")
             self._loop.call_soon_threadsafe(self._on_failure, wrapped)
-            if isinstance(error, WorkerFailedError) and self.on_fatal is not None:
+            if isinstance(error, (WorkerFailedError, LoadFailed)) and self.on_fatal is not None:
                 self._loop.call_soon_threadsafe(self.on_fatal, error)
+
+    def watch_failures(self, loop: asyncio.AbstractEventLoop) -> None:
+        """Report engine failures on ``loop`` from now on (requests also set it); a model that
+        already failed to load is reported at once."""
+        self._loop = self._loop or loop
+        if isinstance(self.client.dead_error, LoadFailed):
+            self._core_failed(self.client.dead_error)
 
     def shutdown(self) -> None:
         """Stop the engine and let go of its core (model, KV cache): whatever still holds this

@@ -23,6 +23,7 @@ from pagoda.core.state_snapshots import StateSnapshots
 from pagoda.core.scheduler_stats import SchedulerStats
 from pagoda.core.scheduler_output import SchedulerOutput
 from pagoda.engine.kv_offload import hand_off, open_kv_tiers
+from pagoda.models.layer_readiness import LoadFailed
 from pagoda.engine.step_trace import StepTrace, radix_snapshot
 from pagoda.executor import make_executor
 from pagoda.outputs import TokenLogprobs
@@ -177,6 +178,29 @@ class EngineCore:
         """Rank 0's model runner (tests and benchmarks reach into it)."""
         return self.executor.driver_worker.runner
 
+    def loading_progress(self) -> dict | None:
+        """How far the model loading layer by layer is (loader/progressive_load.py), or None when it
+        loaded whole. Plain attribute reads: the server's thread asks while the engine's steps run."""
+        return self.executor.driver_worker.loading_progress()
+
+    def wait_until_loaded(self) -> None:
+        """Return once the model is all in place (at once when it loaded whole); raise the
+        loader's own error if the load failed (a ValueError naming a bad file's tensor, ...), as a
+        whole-model load raised it."""
+        readiness = self.executor.driver_worker.readiness
+        if readiness is not None:
+            try:
+                readiness.wait_loaded()
+            except LoadFailed as e:
+                raise e.__cause__ from None
+
+    def _current_forward_path(self) -> dict:
+        """The forward path, chosen again once a model loading layer by layer is all in place."""
+        progress = self.loading_progress()
+        if progress is not None and not progress["loading"] and not self.forward_path["fused_decode"]:
+            self.forward_path = self.executor.driver_rpc("forward_path")
+        return self.forward_path
+
     def shutdown(self) -> None:
         """Stop the workers (other ranks' processes exit); the disk tier's queued writes finish first."""
         if self.kv_tiers is not None:
@@ -267,7 +291,8 @@ class EngineCore:
             sc, cc = self.config.scheduler, self.config.cache
             config = {"max_num_seqs": sc.max_num_seqs, "max_num_batched_tokens": sc.max_num_batched_tokens,
                       "max_model_len": self.max_model_len, "block_size": cc.block_size, "num_blocks": self.num_blocks,
-                      "enable_prefix_caching": cc.enable_prefix_caching, "forward": self.forward_path}
+                      "enable_prefix_caching": cc.enable_prefix_caching, "forward": self._current_forward_path(),
+                      "loading": self.loading_progress()}
             return self.trace.engine_snapshot(fields, config)
         if what == "steps":
             return {"steps": self.trace.steps_snapshot(limit or 256)}

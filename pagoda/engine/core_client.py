@@ -20,6 +20,7 @@ from collections.abc import Callable
 from pagoda.config import EngineConfig
 from pagoda.core.scheduler_stats import SchedulerStats
 from pagoda.engine.core import EngineCore, EngineCoreOutput, RequestLimits
+from pagoda.models.layer_readiness import LoadFailed
 from pagoda.engine.core_messages import (
     AddRequests, DebugAnswer, DebugQuery, EngineFailed, EngineReady, EngineStopped, FinishRequests,
     FromCore, ReleaseSessions, Shutdown, StepOutputs, ToCore,
@@ -166,6 +167,13 @@ class ThreadCoreClient(_InboxClient):
     def healthy(self) -> bool:
         return self.dead_error is None and self._thread.is_alive()
 
+    def _load_failed(self, error: BaseException) -> None:
+        """The loader's thread failed (loader/progressive_load.py): the engine cannot serve."""
+        if self._stopped or self.dead_error is not None:
+            return
+        self.dead_error = LoadFailed(f"loading the model failed: {type(error).__name__}: {error}")
+        self._on_failure(self.dead_error)
+
     def stats(self) -> SchedulerStats:
         return self.core.stats() if self.core is not None else self._final_stats
 
@@ -188,6 +196,9 @@ class ThreadCoreClient(_InboxClient):
             return
         finally:
             self._built.set()
+        readiness = self.core.executor.driver_worker.readiness
+        if readiness is not None:  # loading layer by layer: a failed load ends the engine as a failed step would
+            readiness.when_failed(self._load_failed)
         try:
             _serve_core(self.core, self._inbox, lambda outs: outs and self._on_outputs(outs), lambda: self._stopped,
                         self._on_answer)

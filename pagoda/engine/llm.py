@@ -40,6 +40,9 @@ class LLM:
         if moderation_words:
             moderation = Moderation.from_files(moderation_words, moderation_action)
         self.engine = LLMEngine.from_engine_args(EngineArgs(model=model, **kwargs))
+        # An offline engine returns loaded, as before: what it gains from loading layer by layer is
+        # the tokenizer and KV cache set up meanwhile (a server takes requests during the load).
+        self.engine.core.wait_until_loaded()
         self.engine.moderation = moderation
         self._ids = itertools.count()
 

@@ -126,9 +126,9 @@ def measure_block_packing(ops) -> dict:
     return {"version": _BLOCK_VERSION, "torch": torch.__version__, "threads": 1, "ms": ms, "form": choice}
 
 
-def block_packing(ops) -> str:
+def block_packing(ops, quiet: bool = False) -> str:
     """The form this build gives block weights: ``"tiles"``, ``"bf16"`` or ``"none"``. Measured
-    once on a kind of CPU, unless PAGODA_BLOCK_PACKING names one."""
+    once on a kind of CPU, unless PAGODA_BLOCK_PACKING names one (``quiet``: logged at debug level)."""
     applies = {"tiles": tiles_packing_applies(ops), "bf16": bf16_packing_applies(ops), "none": True}
     asked = envs.PAGODA_BLOCK_PACKING
     if asked:
@@ -139,9 +139,10 @@ def block_packing(ops) -> str:
     if not applies["tiles"]:
         return "bf16" if applies["bf16"] else "none"
     record, _, _ = kept_record(BLOCK_CHOICE_FILE, _BLOCK_VERSION, lambda: measure_block_packing(ops))
-    logger.info("block weights on this CPU: %s (ms for the suite at %s rows: %s)", record["form"],
-                "/".join(map(str, BLOCK_ROWS)),
-                ", ".join(f"{f} {'/'.join(f'{v:.3f}' for v in t.values())}" for f, t in record["ms"].items()))
+    log = logger.debug if quiet else logger.info  # progressive loading asks once a layer
+    log("block weights on this CPU: %s (ms for the suite at %s rows: %s)", record["form"],
+        "/".join(map(str, BLOCK_ROWS)),
+        ", ".join(f"{f} {'/'.join(f'{v:.3f}' for v in t.values())}" for f, t in record["ms"].items()))
     return record["form"]
 
 
@@ -167,13 +168,14 @@ def packed_bytes(model: nn.Module, form: str) -> int:
     return sum(2 * m.out_features * m.in_features for m in linears)
 
 
-def pack_block_linears(model: nn.Module, ops, available_bytes: int) -> int:
+def pack_block_linears(model: nn.Module, ops, available_bytes: int, quiet: bool = False) -> int:
     """Give every BlockLinear of ``model`` its packed copy where it pays and fits; returns the
-    bytes packed (0 when none was)."""
+    bytes packed (0 when none was). ``quiet``: a part of a model (progressive loading packs one
+    layer at a time, with its share of ``available_bytes``), logged at debug level."""
     if not packing_applies(ops) or not any(isinstance(m, BlockLinear) for m in model.modules()) \
             or _switched_off("block weights"):
         return 0
-    form = block_packing(ops)
+    form = block_packing(ops, quiet)
     if form == "none":
         return 0
     total = packed_bytes(model, form)
@@ -187,8 +189,10 @@ def pack_block_linears(model: nn.Module, ops, available_bytes: int) -> int:
             if key not in seen:
                 seen[key] = copy(ops, module)
             module.packed = seen[key]
-    logger.info("block weights packed once: %s, %.0f MiB", "repacked into tiles (every row count)" if form == "tiles"
-                else "oneDNN bf16 layout (from 16 rows)", total / 2**20)
+    (logger.debug if quiet else logger.info)(
+        "block weights packed once: %s, %.0f MiB",
+        "repacked into tiles (every row count)" if form == "tiles" else "oneDNN bf16 layout (from 16 rows)",
+        total / 2**20)
     return total
 
 
@@ -253,19 +257,23 @@ def _float_weights(model: nn.Module) -> list[tuple[nn.Module, torch.Tensor]]:
             and w.device.type == "cpu"]
 
 
-def pack_float_linears(model: nn.Module, ops, available_bytes: int) -> int:
+def pack_float_linears(model: nn.Module, ops, available_bytes: int, quiet: bool = False,
+                       pays: bool | None = None) -> int:
     """Give ``model``'s float32 projections (and a tied head) oneDNN-packed copies where that
-    measured faster on this CPU and fits; returns the bytes packed (0 when none was)."""
+    measured faster on this CPU and fits; returns the bytes packed (0 when none was). ``quiet``:
+    as ``pack_block_linears``'s; ``pays``: ``float_packing_pays()``'s answer when the caller
+    already has it (progressive loading asks once for every layer)."""
     if not _can_reorder(ops):
         return 0
     found = _float_weights(model)
     total = sum(4 * w.numel() for _, w in found)
-    if total == 0 or _switched_off("float32 weights") or not float_packing_pays() \
+    if total == 0 or _switched_off("float32 weights") or not (float_packing_pays() if pays is None else pays) \
             or not _fits("float32 weights", total, available_bytes):
         return 0
     for module, weight in found:
         module.packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach(), BATCH_HINT)
-    logger.info("float32 weights packed once for oneDNN's GEMM (from 33 rows): %.0f MiB", total / 2**20)
+    (logger.debug if quiet else logger.info)("float32 weights packed once for oneDNN's GEMM (from 33 rows): %.0f MiB",
+                                             total / 2**20)
     return total
 
 

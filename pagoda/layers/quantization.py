@@ -75,28 +75,47 @@ def quantize_linears(model: nn.Module, mode: str, packed: dict[str, list[PackedW
     Returns how many layers were replaced.
     """
     mode = check_quantization(mode)
+    replaced = quantize_projections(model, mode, packed, compute_dtype, cache)
+    return replaced + quantize_output_head(model, mode, packed, compute_dtype, quantize_head, cache)
+
+
+def quantize_projections(module: nn.Module, mode: str, packed: dict[str, list[PackedWeight]] | None = None,
+                         compute_dtype: torch.dtype | None = None, cache: RepackCache | None = None,
+                         prefix: str = "") -> int:
+    """``quantize_linears``'s projections of ``module`` alone; ``prefix``: the module's name in its
+    model (``layers.3.``, progressive loading quantizes one layer at a time), which names its
+    weights in ``packed`` and in the repacked cache. Returns how many layers were replaced."""
     blocks = block_kernels_available()
     replaced, kept = 0, []
-    for name, module in list(model.named_modules()):
-        if not isinstance(module, nn.Linear) or name.rsplit(".", 1)[-1] not in QUANTIZED_LINEARS:
+    for local, linear in list(module.named_modules()):
+        if not isinstance(linear, nn.Linear) or local.rsplit(".", 1)[-1] not in QUANTIZED_LINEARS:
             continue
+        name = prefix + local
         shards = (packed or {}).get(f"{name}.weight")
-        new = (_block_layer(module, mode, shards, cache, name) if blocks
-               else _torch_kernel_layer(module, mode, shards, compute_dtype or COMPUTE_DTYPE))
+        new = (_block_layer(linear, mode, shards, cache, name) if blocks
+               else _torch_kernel_layer(linear, mode, shards, compute_dtype or COMPUTE_DTYPE))
         if new is None:
             kept.append(name)
             continue
-        model.set_submodule(name, new)
+        module.set_submodule(local, new)
         replaced += 1
-    if kept:
-        logger.info("quantization=%s: %d projections kept in float (no exact or supported packed form), e.g. %s",
-                    mode, len(kept), kept[:3])
-    head = QUANTIZE_LM_HEAD if quantize_head is None else quantize_head
-    if blocks:
-        replaced += _block_head(model, mode, packed or {}, head is not False, cache)
-    elif head and mode in ("int8", "int4"):
-        replaced += _quantize_head(model, compute_dtype or COMPUTE_DTYPE)
+    if kept:  # one line a model, not one a layer
+        (logger.debug if prefix else logger.info)(
+            "quantization=%s: %d projections kept in float (no exact or supported packed form), e.g. %s",
+            mode, len(kept), kept[:3])
     return replaced
+
+
+def quantize_output_head(model: nn.Module, mode: str, packed: dict[str, list[PackedWeight]] | None = None,
+                         compute_dtype: torch.dtype | None = None, quantize_head: bool | None = None,
+                         cache: RepackCache | None = None) -> int:
+    """``quantize_linears``'s embedding and output head of ``model`` (see there)."""
+    head = QUANTIZE_LM_HEAD if quantize_head is None else quantize_head
+    if block_kernels_available():
+        return _block_head(model, mode, packed or {}, head is not False, cache)
+    if head and mode in ("int8", "int4"):
+        return _quantize_head(model, compute_dtype or COMPUTE_DTYPE)
+    return 0
 
 
 _FLOAT_BLOCK_TYPE = {"int8": ggml_blocks.Q8_0, "int4": ggml_blocks.Q4_1}

@@ -185,8 +185,9 @@ def _check_config_matches(gf: GGUFFile, config: Mapping[str, Any]) -> None:
                          f"config says model_type {model_type!r}")
 
 
-def iter_gguf_weights(gguf_path: Path, config: Mapping[str, Any], *, keep_quantized: bool = False,
-                      narrow: WeightSlicer | None = None) -> Iterator[tuple[str, torch.Tensor | GGUFPackedWeight]]:
+def iter_gguf_weights(gguf_path: Path | GGUFFile, config: Mapping[str, Any], *, keep_quantized: bool = False,
+                      narrow: WeightSlicer | None = None,
+                      only: Callable[[str], bool] | None = None) -> Iterator[tuple[str, torch.Tensor | GGUFPackedWeight]]:
     """Yield ``(hf_parameter_name, float32 tensor in HF shape)`` for every weight in the GGUF.
 
     ``config`` is the HF config dict (as ``convert_gguf_metadata`` writes it); head counts come from
@@ -197,13 +198,17 @@ def iter_gguf_weights(gguf_path: Path, config: Mapping[str, Any], *, keep_quanti
 
     ``narrow`` (tensor parallelism) gives, per HF name and shape, the slice this rank holds: only
     that part is read and dequantized, and a kept-quantized weight is cut along whole blocks.
+    ``only`` (progressive loading): the HF names to yield, the others not read; ``gguf_path`` may
+    then be the file already read, so that its metadata is parsed once for every layer.
     """
-    gf = read_gguf(gguf_path)
+    gf = gguf_path if isinstance(gguf_path, GGUFFile) else read_gguf(gguf_path)
     arch = check_architecture(gf)
     _check_config_matches(gf, config)
     heads = config["num_attention_heads"]
     kv_heads = config.get("num_key_value_heads") or heads
     for stacked, stacked_name in _plan_weights(gf, config):
+        if only is not None and not only(stacked_name):
+            continue
         for info, hf_name in _unstacked(stacked, stacked_name):
             packed = keep_quantized and info.ggml_type in KEPT_QUANTIZED_TYPES and len(info.shape) == 2
             cut = narrow(hf_name, info.shape) if narrow is not None else None

@@ -14,6 +14,7 @@ from pagoda.layers.backend import building_with as building_backend
 from pagoda.layers.packed_weights import pack_block_linears, pack_float_linears
 from pagoda.layers.quantization import check_quantization, quantize_linears
 from pagoda.layers.rotary import RotaryEmbedding
+from pagoda.loader import progressive_load
 from pagoda.loader.encrypted_model import open_encrypted_weights
 from pagoda.loader.repacked_cache import RepackCache, cache_directory
 from pagoda.loader.model_files import ModelFiles
@@ -26,18 +27,20 @@ logger = logging.getLogger(__name__)
 
 def load_model(files: ModelFiles, hf_config: dict, dtype: torch.dtype, device: torch.device, max_position: int,
                quantization: str | None = None, tp: TensorParallelGroup = SINGLE,
-               backend: TorchBackend | None = None) -> nn.Module:
+               backend: TorchBackend | None = None, progressive: bool = False) -> nn.Module:
     """``quantization``: None, "int8", "int4" or "gguf" (``ModelConfig.quantization``).
     ``tp``: the model's tensor-parallel group; the model is built for this rank's shard and only
     that shard is read from the files (``model.weight_slice``). ``backend``: the kernels its layers
-    run (default: ``select_backend(device)``)."""
+    run (default: ``select_backend(device)``). ``progressive``: return the model at once and load it
+    layer by layer on a thread (loader/progressive_load.py; ``model.loading`` says how far it is),
+    where the model allows; otherwise, with the reason logged, whole."""
     backend = backend or select_backend(device)
     with building_backend(backend):
-        return _load(files, hf_config, dtype, device, max_position, quantization, tp)
+        return _load(files, hf_config, dtype, device, max_position, quantization, tp, backend, progressive)
 
 
 def _load(files: ModelFiles, hf_config: dict, dtype: torch.dtype, device: torch.device, max_position: int,
-          quantization: str | None, tp: TensorParallelGroup) -> nn.Module:
+          quantization: str | None, tp: TensorParallelGroup, backend: TorchBackend, progressive: bool) -> nn.Module:
     quantization = check_quantization(quantization)
     if quantization == "gguf" and files.format != "gguf":
         raise ValueError(f"quantization='gguf' keeps a GGUF's own quantized weights, but {files.name!r} is not a GGUF")
@@ -46,6 +49,13 @@ def _load(files: ModelFiles, hf_config: dict, dtype: torch.dtype, device: torch.
         model = model_cls(hf_config, max_position)
     _materialize_on_cpu(model)
     _init_buffers(model)
+    if progressive:
+        refused = progressive_load.refusal(model_cls, files, device, tp)
+        if refused is None:
+            progressive_load.start(model, files, hf_config, dtype, device, quantization, _repack_cache(files, tp),
+                                   backend)
+            return model
+        logger.info("progressive loading off: %s; the model loads whole", refused)
     narrow = model.weight_slice if tp.is_parallel else None
     model.load_weights(_weights(files, hf_config, keep_quantized=quantization == "gguf", narrow=narrow))
     model = model.to(device=device, dtype=dtype).eval()

@@ -32,16 +32,20 @@ WeightSlicer = Callable[[str, tuple[int, ...]], "tuple[int, int, int] | None"]
 
 
 def iter_safetensors_weights(model_dir: Path | None, narrow: WeightSlicer | None = None,
-                             files: list[Path] | None = None) -> Iterator[tuple[str, torch.Tensor]]:
+                             files: list[Path] | None = None,
+                             only: Callable[[str], bool] | None = None) -> Iterator[tuple[str, torch.Tensor]]:
     """Every tensor by name; with ``narrow`` (tensor parallelism) only the slice this rank holds
     is read from the file (safetensors slices at read time). ``files``: read these instead of the
-    directory's (an encrypted model's shards decrypted into memory, pagoda/loader/encrypted_model.py)."""
+    directory's (an encrypted model's shards decrypted into memory, pagoda/loader/encrypted_model.py).
+    ``only`` (progressive loading): the names to read, the others skipped unread."""
     from safetensors import SafetensorError, safe_open  # deferred: safetensors loads on first use
 
     for path in files if files is not None else safetensors_files(model_dir):
         try:
             with safe_open(str(path), framework="pt") as f:
                 for name in f.keys():
+                    if only is not None and not only(name):
+                        continue
                     yield name, _read(f, name, narrow, path)
         except SafetensorError as e:
             raise ValueError(f"cannot read weights from {path} (truncated or corrupt safetensors file?): {e}") from None

@@ -9,7 +9,7 @@ Mistral's ``sliding_window`` on every layer, Qwen's ``use_sliding_window``) atte
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 
 import torch
 from torch import nn
@@ -27,6 +27,7 @@ from pagoda.layers.rotary import RotaryEmbedding
 from pagoda.layers.stored_weights import PackedWeight, keeps_packed
 from pagoda.models.config import TransformerConfig
 from pagoda.models.decode_stack import DecodeStack, ForwardPath, choose_decode_stack
+from pagoda.models.layer_readiness import LayerReadiness
 
 
 class Attention(nn.Module):
@@ -121,6 +122,10 @@ class LlamaForCausalLM(nn.Module):
     qk_norm = False
     attention_bias: bool | None = None  # None: read config.json
     decode_stack: DecodeStack | None = None  # chosen by choose_forward once the KV cache is bound
+    # while the loader fills the model layer by layer (loader/progressive_load.py): what is in place;
+    # None once every layer is, so a step then checks nothing
+    loading: LayerReadiness | None = None
+    load_readiness: LayerReadiness | None = None  # the same, kept once loaded (its progress, for /health)
 
     def __init__(self, hf_config: dict, max_position: int) -> None:
         super().__init__()
@@ -168,6 +173,9 @@ class LlamaForCausalLM(nn.Module):
                 inputs_embeds: torch.Tensor | None = None) -> torch.Tensor:
         """``inputs_embeds``: the rows to run instead of ``embed(input_ids)`` (a prompt's image
         rows in place of its placeholder tokens' embeddings, worker/image_embeddings.py)."""
+        loading = self.loading
+        if loading is not None:
+            loading.wait_outer()
         hidden = self.embed(input_ids) if inputs_embeds is None else inputs_embeds
         stack = self.decode_stack
         if stack is not None and stack.applies(meta := get_attention_metadata()):
@@ -175,7 +183,7 @@ class LlamaForCausalLM(nn.Module):
             hidden = stack(hidden, residual, positions, meta)  # every layer in one C++ call
         else:
             residual = None
-            for layer in self.layers:
+            for layer in (self.layers if loading is None else loading.as_ready(self.layers)):
                 hidden, residual = layer(positions, hidden, residual)
         hidden, _ = self.norm(hidden, residual)
         return hidden
@@ -203,8 +211,12 @@ class LlamaForCausalLM(nn.Module):
 
     # -- weights ----------------------------------------------------------------------------
     @torch.no_grad()
-    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor | PackedWeight]]) -> None:
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor | PackedWeight]],
+                     expect: Callable[[str], bool] | None = None) -> None:
         """Copy checkpoint tensors (Hugging Face names) into the merged parameters.
+
+        ``expect`` (progressive loading, one layer at a time): the parameters this call fills; the
+        check that none is missing covers those only.
 
         A ``PackedWeight`` (a loader's stored quantized form) for a projection, the embedding or the
         output head that can keep it (``keeps_packed``) is set aside in ``self.packed_weights``
@@ -212,6 +224,8 @@ class LlamaForCausalLM(nn.Module):
         the float parameter.
         """
         params = self.text_parameters()
+        if expect is not None:
+            params = {name: p for name, p in params.items() if expect(name)}
         loaded: set[str] = set()
         packed: dict[str, dict[int | None, PackedWeight]] = {}
         for name, tensor in weights:

@@ -57,6 +57,9 @@ class EngineReplica:
                              request_timeout=options.request_timeout, durable=DurableOptions(None),
                              web_ui=options.web_ui, reasoning_parser=options.reasoning_parser,
                              tool_call_parser=options.tool_call_parser)
+        # Serve counts a replica ready once its constructor returns: with --progressive-load that
+        # stays "every layer in place", as /health's default (entrypoints/openai/loading.py)
+        self.engine.wait_until_loaded()
         self.replica_id = serve.get_replica_context().replica_id.unique_id
         self._lifespan = Lifespan(self.app)
         logger.info("pagoda replica %s: %s loaded", self.replica_id, engine_args.model)

@@ -15,6 +15,12 @@ A worker that becomes available again (it joined, or it recovered) is *warming u
 ramps from `MIN_WEIGHT` to 1 over `--warmup-seconds`, and the policies give it that part of
 its share, so a cold replica (empty prefix cache, kernels not yet hot) is not handed a full
 share of sessions in one go.
+
+A replica that loads its model layer by layer (`pagoda serve --progressive-load`) says so on its
+`/health` (`X-Pagoda-Loading: 7/16`): with the default `--ready-when loaded` it answers 503 and is
+down, with the reason, until every layer is in place; with `--ready-when serving` it answers 200
+and takes requests, but its ramp stays at `MIN_WEIGHT` until it is loaded, so it gets a trickle of
+requests that wait for its layers rather than a growing share.
 """
 
 from __future__ import annotations
@@ -33,6 +39,8 @@ logger = logging.getLogger("pagoda.router")
 Clock = Callable[[], float]
 MIN_WEIGHT = 0.1  # a warming worker's weight at the start of its ramp
 PROBE_TIMEOUTS_BEFORE_DOWN = 2
+# a replica loading its model layer by layer says how far it is (pagoda/entrypoints/openai/loading.py)
+LOADING_HEADER = "X-Pagoda-Loading"
 
 
 class BreakerState(str, enum.Enum):
@@ -104,6 +112,9 @@ class Worker:
     probe_timeouts: int = 0
     down_reason: str = "not probed yet"  # why it is down (its state in logs and "no worker" errors)
     probed: bool = False  # its first health verdict is logged whichever it is
+    # "<layers in place>/<layers>" while its model loads layer by layer (its /health's
+    # X-Pagoda-Loading header); None once loaded
+    loading: str | None = None
 
     @property
     def available(self) -> bool:
@@ -149,7 +160,7 @@ class Worker:
         return {"url": self.url, "healthy": self.healthy, "available": self.available,
                 "in_flight": self.in_flight, "weight": round(self.weight(), 3),
                 "breaker": self.breaker.state.value, "consecutive_failures": self.breaker.consecutive_failures,
-                "requests": self.requests, "failures": self.failures}
+                "requests": self.requests, "failures": self.failures, "loading": self.loading}
 
 
 def normalize_url(url: str) -> str:
@@ -216,9 +227,15 @@ class WorkerRegistry:
         except httpx.HTTPError as e:
             worker.mark_down(f"health probe failed: {type(e).__name__}")
             return False
+        loading = response.headers.get(LOADING_HEADER)
+        worker.loading = loading
         if response.status_code == 200:
             worker.probe_timeouts = 0
             worker.mark_up(warm=warm)
+            if loading is not None and warm:  # `--ready-when serving`: up, but its ramp starts once loaded
+                worker.ready_since = self.clock()
+        elif loading is not None:
+            worker.mark_down(f"loading its model ({loading} layers in place)")
         else:
             worker.mark_down(f"health probe answered {response.status_code}")
         return worker.healthy

@@ -20,6 +20,7 @@ from pagoda.config import SchedulerConfig
 from pagoda.core.kv_cache_groups import KVCacheGroups
 from pagoda.core.scheduler_output import SchedulerOutput
 from pagoda.forward_context import set_attention_metadata
+from pagoda.models.decode_stack import ForwardPath
 from pagoda.layers.sampler import Sampler, SamplingMetadata, sampling_probabilities
 from pagoda.outputs import ModelRunnerOutput, TokenLogprobs
 from pagoda.worker.compiled import compiled_forward
@@ -37,6 +38,8 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
+LOADING_PATH = ("the model is loading layer by layer: the Python layers run until every layer is in place, "
+                "then the fused stack is chosen")
 # A prefill chunk of at most this many tokens over a cached prefix runs as decode rows.
 DEFAULT_SHORT_CHUNK = SchedulerConfig.short_chunk_tokens
 
@@ -94,7 +97,12 @@ class ModelRunner:
             scales = (kv_scales[0, slot], kv_scales[1, slot]) if kv_scales is not None else (None, None)
             attn.bind_kv_cache(kv_cache[0, slot], kv_cache[1, slot], group, *scales)
         refused = _stack_refusal(fused_decode, compile)
-        self.forward_path = model.choose_forward(refused)
+        loading = getattr(model, "loading", None)
+        if loading is None:
+            self.forward_path = model.choose_forward(refused)
+        else:  # the stack takes the layers' final weights: chosen on the loader's thread once all are in
+            self.forward_path = ForwardPath(False, LOADING_PATH)
+            loading.when_loaded(lambda: setattr(self, "forward_path", model.choose_forward(refused)))
         self.images = ImageEmbeddings(model) if hasattr(model, "encode_images") else None  # a vision-language model
         self.drafter = None
         if draft is not None:

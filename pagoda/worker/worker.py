@@ -62,9 +62,12 @@ class Worker:
                                            pc.timeout_seconds, _shared_memory_bytes(config), store, gone)
         rss_before = resident_memory_bytes()
         self.model = load_model(mc.files, mc.hf_config, mc.dtype, self.device, mc.max_model_len,
-                                quantization=mc.quantization, tp=self.tp, backend=self.backend)
+                                quantization=mc.quantization, tp=self.tp, backend=self.backend,
+                                progressive=_loads_progressively(config))
+        self.readiness = getattr(self.model, "load_readiness", None)  # set when it loads layer by layer
         self.draft_model = self._load_draft()
-        self.weights_rss_bytes = resident_memory_bytes() - rss_before  # what loading the shard cost
+        # what loading the shard cost (while it loads layer by layer: what it cost so far)
+        self.weights_rss_bytes = resident_memory_bytes() - rss_before
         self.tp.wait_for_all()  # before any timed collective: ranks load at their own pace
         self.load_seconds = time.monotonic() - start
         # which layers share a block table; an encoder (BERT) keeps no KV cache: no layer does
@@ -129,7 +132,7 @@ class Worker:
             num_blocks = (int(available_memory_bytes(self.device) * cc.gpu_memory_utilization) - states) // local
             budget = num_blocks * per_block
         else:
-            available = available_memory_bytes(self.device)
+            available = self._available_once_loaded()
             gib = cpu_budget_gib(cc.kv_cache_memory_gib, available)
             if gib * GiB > available:  # the cache's pages are taken as blocks fill: say so now
                 raise ValueError(f"kv_cache_memory={gib:g} GiB is more than this machine has available "
@@ -146,6 +149,17 @@ class Worker:
                 f"{cc.block_size} tokens ({per_block / 2**20:.2f} MiB); raise kv_cache_memory"
             )
         return int(num_blocks)
+
+    def _available_once_loaded(self) -> int:
+        """The memory available now, less what the layers still loading will take (their known
+        size: loader/progressive_load.py), so the budget is the one a whole-model load measures."""
+        loading = getattr(self.model, "loading", None)
+        return available_memory_bytes(self.device) - (loading.pending_bytes() if loading is not None else 0)
+
+    def loading_progress(self) -> dict | None:
+        """How far a model loading layer by layer is (models/layer_readiness.py), or None when it
+        loaded whole."""
+        return self.readiness.progress() if self.readiness is not None else None
 
     def _state_slots(self) -> int:
         """How many requests' recurrent states the budget holds (worker/state_cache.py): on CUDA
@@ -215,9 +229,24 @@ class Worker:
     def shutdown(self, wait_for_ranks: bool = False) -> None:
         """Release the cache and leave the tensor-parallel group (``wait_for_ranks``: every rank
         is shutting down too, so meet them first; see TensorParallelGroup.close)."""
+        if self.readiness is not None:
+            self.readiness.cancel()  # a loader still at work stops at its next layer
         self.runner = None
         self.kv_cache = self.kv_scales = None
         self.tp.close(wait_for_ranks)
+
+
+def _loads_progressively(config: EngineConfig) -> bool:
+    """Whether the engine's options let the model load layer by layer (the model may still refuse:
+    loader/progressive_load.py); the reason is logged when they do not."""
+    if not config.progressive_load:
+        return False
+    reason = ("the pooling runner" if config.model.pools else
+              "torch.compile traces the whole forward" if config.compile else
+              "LoRA adapters bind to the loaded layers" if config.lora is not None else None)
+    if reason is not None:
+        logger.info("progressive loading off: %s; the model loads whole", reason)
+    return reason is None
 
 
 def _shared_memory_bytes(config: EngineConfig) -> int:

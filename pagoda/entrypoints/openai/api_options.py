@@ -12,6 +12,12 @@ from pagoda.entrypoints.openai.tool_formats import TOOL_CALL_FORMATS
 
 
 def add_serve_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--ready-when", choices=("loaded", "serving"), default="loaded",
+                   help="when /health answers 200 while the model loads layer by layer (--progressive-load): "
+                        "loaded (the default: once every layer is in place, so 200 still means ready to serve at "
+                        "normal latency; 503 code model_loading before) or serving (as soon as requests are taken, "
+                        "their first tokens slower while layers load); either way the X-Pagoda-Loading header "
+                        "and /v1/debug/engine say how far it is")
     p.add_argument("--session-ttl", type=float, default=1800.0,
                    help="seconds a /v1/sessions conversation may stay idle before it ends and its pinned "
                         "KV prefix is let go")

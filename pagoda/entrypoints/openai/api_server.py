@@ -24,6 +24,7 @@ from pagoda.entrypoints.ollama.store_routes import BlobPolicy, install_blob_poli
 from pagoda.entrypoints.served_models import default_memory_budget, model_specs, serves_several
 from pagoda.entrypoints.web import install_web
 from pagoda.entrypoints.web.api_docs import install_api_docs
+from pagoda.entrypoints.openai.loading import loading_health
 from pagoda.entrypoints.openai.lifecycle import DrainingServer, Lifecycle, bind_listener, check_serving, shutting_down
 from pagoda.entrypoints.openai.middleware import (
     MAX_BODY_BYTES, APIKeyCheck, BodyLimit, FastJSONResponse, error_response,
@@ -60,7 +61,8 @@ def build_app(engine: AsyncLLM, served_model_names: list[str], *, api_key: str |
               durable: DurableOptions | None = None,
               moderation_words: list[str] | None = None, moderation_action: str = "stop",
               metric_families=None, web_ui: bool = True, reasoning_parser: str | None = None,
-              tool_call_parser: str | None = None, lora_modules: list[str] | None = None) -> FastAPI:
+              tool_call_parser: str | None = None, lora_modules: list[str] | None = None,
+              ready_when: str = "loaded") -> FastAPI:
     """The app of one served model. Several models (pagoda serve --model A --model B) get one
     app each, behind the dispatcher of pagoda/entrypoints/model_dispatch.py, with one shared
     `metric_families` (pagoda/entrypoints/prometheus.py)."""
@@ -92,11 +94,12 @@ def build_app(engine: AsyncLLM, served_model_names: list[str], *, api_key: str |
 
     @app.get("/health")
     async def health():
-        """200 while requests are served; 503 with the reason while draining, restarting or dead."""
+        """200 while requests are served; 503 with the reason while draining, restarting or dead,
+        and while the model loads layer by layer unless ``ready_when`` is "serving" (loading.py)."""
         if lifecycle.draining:
             return error_response(shutting_down())
         if engine.healthy:
-            return Response(status_code=200)
+            return loading_health(engine.loading_progress(), ready_when)
         if engine.restarting:
             message, code = "the engine process died and is restarting", "engine_restarting"
         else:
@@ -262,7 +265,8 @@ def _model_app(args, config, names: list[str], api_key: str | None, metric_famil
                     moderation_words=getattr(args, "moderation_words", None),
                     moderation_action=getattr(args, "moderation_action", "stop"), metric_families=metric_families,
                     web_ui=not getattr(args, "no_web_ui", False), reasoning_parser=args.reasoning_parser,
-                    tool_call_parser=args.tool_call_parser, lora_modules=getattr(args, "lora_modules", None))
+                    tool_call_parser=args.tool_call_parser, lora_modules=getattr(args, "lora_modules", None),
+                    ready_when=getattr(args, "ready_when", "loaded"))
     return app, async_engine
 
 
@@ -301,6 +305,18 @@ def _several_models_settings(args):
     return specs, (budget, args.max_loaded_models, args.load_timeout)
 
 
+def _pooled_model_app(spec, families) -> tuple[FastAPI, AsyncLLM]:
+    """One model of the pool, returned loaded: the pool counts its memory and its failure once it
+    says it has loaded (a model that loads layer by layer is waited for)."""
+    app, engine = _model_app(spec.args, spec.config, spec.names, None, families)
+    try:
+        engine.wait_until_loaded()
+    except Exception:  # the loader's own error (a ValueError names a bad file's tensor)
+        engine.shutdown()
+        raise
+    return app, engine
+
+
 def _several_models_app(args, specs, settings, api_key: str | None):
     """The front app of several models and their pool (pagoda/entrypoints/model_dispatch.py)."""
     from pagoda.entrypoints.prometheus import MetricFamilies  # deferred: loads prometheus_client
@@ -308,7 +324,7 @@ def _several_models_app(args, specs, settings, api_key: str | None):
     families = MetricFamilies()
     budget, max_loaded, load_timeout = settings
     pool: ModelPool | None = None
-    pool = ModelPool(specs, load=lambda spec: _model_app(spec.args, spec.config, spec.names, None, families),
+    pool = ModelPool(specs, load=lambda spec: _pooled_model_app(spec, families),
                      memory_budget=budget, max_loaded=max_loaded,
                      load_timeout=load_timeout, metrics=PoolMetrics(families, lambda: pool))
     for spec in specs:

@@ -5,6 +5,7 @@ leaves: pagoda/entrypoints/disconnect.py."""
 
 from __future__ import annotations
 
+import asyncio
 import logging
 
 import uvicorn
@@ -45,6 +46,14 @@ class DrainingServer(GracefulServer):
         super().__init__(config, shutdown_timeout)
         self.app_state, self.engine = app.state, engine
         engine.on_fatal = self.stop_after_engine_failure
+
+    async def serve(self, sockets=None) -> None:
+        # a model that loads layer by layer may fail once the server listens: the engine then
+        # reports to this loop (before any request gave it one), and the server stops
+        watch = getattr(self.engine, "watch_failures", None)
+        if watch is not None:
+            watch(asyncio.get_running_loop())
+        await super().serve(sockets)
 
     def in_flight(self) -> int:
         return self.engine.num_pending
