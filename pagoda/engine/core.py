@@ -179,20 +179,17 @@ class EngineCore:
         return self.executor.driver_worker.runner
 
     def loading_progress(self) -> dict | None:
-        """How far the model loading layer by layer is (loader/progressive_load.py), or None when it
-        loaded whole. Plain attribute reads: the server's thread asks while the engine's steps run."""
+        """A layer-by-layer load's progress (loader/progressive_load.py; None: loaded whole), read by the server's thread."""
         return self.executor.driver_worker.loading_progress()
 
     def wait_until_loaded(self) -> None:
-        """Return once the model is all in place (at once when it loaded whole); raise the
-        loader's own error if the load failed (a ValueError naming a bad file's tensor, ...), as a
-        whole-model load raised it."""
+        """Return once the model is all in place; raise the loader's own error, as a whole load would."""
         readiness = self.executor.driver_worker.readiness
-        if readiness is not None:
-            try:
+        try:
+            if readiness is not None:
                 readiness.wait_loaded()
-            except LoadFailed as e:
-                raise e.__cause__ from None
+        except LoadFailed as e:
+            raise e.__cause__ from None
 
     def _current_forward_path(self) -> dict:
         """The forward path, chosen again once a model loading layer by layer is all in place."""
