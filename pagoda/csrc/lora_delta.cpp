@@ -107,6 +107,26 @@ struct Runs {
   at::IntArrayRef part_begin, out_starts, rank_starts, row_starts, row_ends;
 };
 
+// Run j's shrink output row r: low[low_at[j] + i * R + r] = dot(x row r0 + i, A_j row r), its rows four at a time.
+template <typename W>
+void shrink(const float* xs, int64_t ldx, int64_t in, const Runs& runs, int64_t j, int64_t r, float* low) {
+  const int64_t R = runs.as[j].size(0), r0 = runs.row_starts[j];
+  const W* a = runs.as[j].data_ptr<W>() + r * in;
+  for (int64_t i = 0, n = runs.row_ends[j] - r0; i < n; i += 4)
+    dot_rows(xs + (r0 + i) * ldx, ldx, std::min<int64_t>(4, n - i), a, in, low + i * R + r, R);
+}
+
+// y[run j's rows, part p's columns c0 .. c0 + kChunk] += low_j[:, p's ranks] @ bt_p[:, those columns]
+template <typename W>
+void expand(float* ys, int64_t ldy, const Runs& runs, int64_t j, int64_t p, int64_t c0, const float* low) {
+  const at::Tensor& bt = runs.bts[p];
+  const int64_t width = bt.size(1), w = std::min(kChunk, width - c0), R = runs.as[j].size(0);
+  const int64_t r0 = runs.row_starts[j], o0 = runs.out_starts[p] + c0;
+  for (int64_t i = 0; i < runs.row_ends[j] - r0; ++i)
+    expand_row(ys + (r0 + i) * ldy + o0, low + i * R + runs.rank_starts[p], bt.data_ptr<W>() + c0, width,
+               bt.size(0), w);
+}
+
 template <typename W>
 void lora_add_as(at::Tensor& y, const at::Tensor& x, const Runs& runs) {
   const int64_t num_runs = runs.as.size(), in = x.size(1), ldx = x.stride(0), ldy = y.stride(0);
@@ -122,21 +142,10 @@ void lora_add_as(at::Tensor& y, const at::Tensor& x, const Runs& runs) {
     low_at[j + 1] = low_at[j] + n * a.size(0);
     shrink_at[j + 1] = shrink_at[j] + a.size(0);
   }
-  std::vector<float> low(low_at[num_runs]);
-  const float* xs = x.data_ptr<float>();
-  at::parallel_for(0, shrink_at[num_runs], 1, [&](int64_t begin, int64_t end) {
-    int64_t j = 0;
-    for (int64_t t = begin; t < end; ++t) {
-      while (t >= shrink_at[j + 1]) ++j;
-      const int64_t r = t - shrink_at[j], R = runs.as[j].size(0), r0 = runs.row_starts[j];
-      const W* a = runs.as[j].data_ptr<W>() + r * in;
-      for (int64_t i = 0, n = runs.row_ends[j] - r0; i < n; i += 4)
-        dot_rows(xs + (r0 + i) * ldx, ldx, std::min<int64_t>(4, n - i), a, in, low.data() + low_at[j] + i * R + r, R);
-    }
-  });
   // the expand's tasks: (run, part, chunk of kChunk columns), in order
   std::vector<std::array<int64_t, 3>> tasks;
-  for (int64_t j = 0; j < num_runs; ++j)
+  std::vector<int64_t> tasks_at(num_runs + 1, 0);  // run j's tasks begin at tasks_at[j]
+  for (int64_t j = 0; j < num_runs; ++j) {
     for (int64_t p = runs.part_begin[j]; p < runs.part_begin[j + 1]; ++p) {
       const at::Tensor& bt = runs.bts[p];
       TORCH_CHECK(bt.is_contiguous() && bt.scalar_type() == runs.as[j].scalar_type() &&
@@ -144,16 +153,34 @@ void lora_add_as(at::Tensor& y, const at::Tensor& x, const Runs& runs) {
                   "lora_add: a part out of range, or not of A's dtype");
       for (int64_t c = 0; c < bt.size(1); c += kChunk) tasks.push_back({j, p, c});
     }
+    tasks_at[j + 1] = static_cast<int64_t>(tasks.size());
+  }
+  std::vector<float> low(low_at[num_runs]);
+  const float* xs = x.data_ptr<float>();
   float* ys = y.data_ptr<float>();
+  if (num_runs >= at::get_num_threads()) {
+    // a run a task, its shrink then its expand: one parallel region where a projection's call has
+    // two (each region's start and end cost as much as a small adapter's arithmetic); the same sums
+    at::parallel_for(0, num_runs, 1, [&](int64_t begin, int64_t end) {
+      for (int64_t j = begin; j < end; ++j) {
+        for (int64_t r = 0; r < shrink_at[j + 1] - shrink_at[j]; ++r) shrink<W>(xs, ldx, in, runs, j, r, low.data() + low_at[j]);
+        for (int64_t t = tasks_at[j]; t < tasks_at[j + 1]; ++t)
+          expand<W>(ys, ldy, runs, j, tasks[t][1], tasks[t][2], low.data() + low_at[j]);
+      }
+    });
+    return;
+  }
+  at::parallel_for(0, shrink_at[num_runs], 1, [&](int64_t begin, int64_t end) {
+    int64_t j = 0;
+    for (int64_t t = begin; t < end; ++t) {
+      while (t >= shrink_at[j + 1]) ++j;
+      shrink<W>(xs, ldx, in, runs, j, t - shrink_at[j], low.data() + low_at[j]);
+    }
+  });
   at::parallel_for(0, static_cast<int64_t>(tasks.size()), 1, [&](int64_t begin, int64_t end) {
     for (int64_t t = begin; t < end; ++t) {
       const auto [j, p, c0] = tasks[t];
-      const at::Tensor& bt = runs.bts[p];
-      const int64_t width = bt.size(1), w = std::min(kChunk, width - c0), R = runs.as[j].size(0);
-      const int64_t r0 = runs.row_starts[j], o0 = runs.out_starts[p] + c0;
-      for (int64_t i = 0; i < runs.row_ends[j] - r0; ++i)
-        expand_row(ys + (r0 + i) * ldy + o0, low.data() + low_at[j] + i * R + runs.rank_starts[p],
-                   bt.data_ptr<W>() + c0, width, bt.size(0), w);
+      expand<W>(ys, ldy, runs, j, p, c0, low.data() + low_at[j]);
     }
   });
 }
