@@ -25,7 +25,7 @@ import torch.nn.functional as F
 from pagoda.forward_context import AttentionMetadata, PrefillSeq
 from pagoda.layers.cpu_kernels import kernel_isa, load_cpu_kernels
 from pagoda.layers.ggml_formats import dequantize_blocks
-from pagoda.layers.lora_delta import kernel_args
+from pagoda.layers.lora_delta import kernel_args, kernel_takes
 from pagoda.scoped import Scoped
 from pagoda.worker.kv_cache import SCALED_KV_DTYPES
 
@@ -230,8 +230,7 @@ class CpuKernelBackend(TorchBackend):
         return super().linear(x, weight)
 
     def lora_add(self, y, x, runs):
-        dtypes = {delta.a.dtype for delta, _ in runs}
-        if x.dtype == y.dtype == torch.float32 and len(dtypes) == 1 and dtypes <= {torch.float32, torch.bfloat16} \
+        if x.dtype == y.dtype == torch.float32 and kernel_takes({delta.a.dtype for delta, _ in runs}) \
                 and x.stride(-1) == 1 and y.stride(-1) == 1 and x.dim() == y.dim() == 2:
             self.ops.lora_add(y, x, *kernel_args(runs))
         else:  # a bf16 base: torch's matmuls

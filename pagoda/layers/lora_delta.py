@@ -52,6 +52,15 @@ class ProjectionDelta:
 AdapterDeltas = dict[str, ProjectionDelta]
 
 
+# the adapter weights the C++ op (torch.ops.pagoda.lora_add) reads: one of these, the same for every run
+KERNEL_DTYPES = frozenset({torch.float32, torch.bfloat16})
+
+
+def kernel_takes(dtypes: set[torch.dtype] | frozenset[torch.dtype]) -> bool:
+    """Whether the C++ op can add deltas whose adapter weights have ``dtypes``."""
+    return len(dtypes) == 1 and dtypes <= KERNEL_DTYPES
+
+
 def kernel_args(runs: list[tuple[ProjectionDelta, slice]]) -> tuple:
     """``runs`` (each adapter's delta and rows) as the C++ op takes them (``torch.ops.pagoda.lora_add``:
     the As, every run's parts in order, where each run's parts begin, their offsets, the rows)."""

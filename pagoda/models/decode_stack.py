@@ -25,12 +25,11 @@ from pagoda.forward_context import AttentionMetadata
 from pagoda.layers.ggml_blocks import BlockLinear
 from pagoda.layers.packed_weights import packed_of
 from pagoda.layers.half_weights import HalfLinear
-from pagoda.layers.lora_delta import LoRABatch, StackRuns
+from pagoda.layers.lora_delta import LoRABatch, StackRuns, kernel_takes
 from pagoda.layers.superblocks import SuperBlockLinear
 
 _FLOAT = -1  # block type of a float projection
 _CACHE_DTYPES = (torch.float32, torch.bfloat16, torch.float16)  # the ops widen a narrower cache as they read it
-_LORA_DTYPES = (torch.float32, torch.bfloat16)  # the adapter weights lora_add reads
 
 
 def _projection(module: nn.Module) -> tuple[torch.Tensor, int, torch.Tensor | None] | None:
@@ -69,8 +68,9 @@ class DecodeStack:
         weights, types, packed, k_caches, v_caches, modules = [], [], [], [], [], []
         for layer in model.layers:
             attn = layer.self_attn
-            modules += [m for _, m in _layer_projections(layer)]
-            projections = [_projection(m) for _, m in _layer_projections(layer)]
+            layer_modules = [m for _, m in _layer_projections(layer)]
+            modules += layer_modules
+            projections = [_projection(m) for m in layer_modules]
             (qkv, t0, p0), (o, t1, p1), (gate_up, t2, p2), (down, t3, p3) = projections
             weights += [layer.input_layernorm.weight, qkv, o, layer.post_attention_layernorm.weight, gate_up, down]
             types += [t0, t1, t2, t3]
@@ -112,7 +112,9 @@ class DecodeStack:
 
     def applies(self, meta: AttentionMetadata) -> bool:
         """A batch of decode-like rows only: a prefill chunk takes the Python layers' causal
-        attention. Rows under adapters of one float32 or bfloat16 dtype get their deltas in the op."""
+        attention. Rows under adapters the C++ op takes get their deltas in the op."""
+        if meta.lora is None:
+            self._lora_runs = None  # no adapter in the batch: let go of those of the last (they may be unloaded)
         return not meta.prefills and (meta.lora is None or self._runs(meta.lora) is not None)
 
     def _runs(self, lora: LoRABatch) -> StackRuns | None:
@@ -123,7 +125,7 @@ class DecodeStack:
         if runs is None or not runs.same_adapters(adapters):
             keys = [m.__dict__.get("lora_key", "") for m in self.projections]
             runs = self._lora_runs = StackRuns.build(adapters, keys)
-        return runs if len(runs.dtypes) <= 1 and runs.dtypes <= set(_LORA_DTYPES) else None
+        return runs if not runs.a_list or kernel_takes(runs.dtypes) else None
 
     def __call__(self, hidden: torch.Tensor, residual: torch.Tensor, positions: torch.Tensor,
                  meta: AttentionMetadata) -> torch.Tensor:
