@@ -8,8 +8,10 @@ For each shape x type: the random-weight GGUF of that shape (real_shapes.py; mad
 --files), then one_stream.py on it with `pagoda serve` (the default mode: the file's own blocks)
 and llama-server (`-np 1`), alternated over --rounds rounds (a 100-token prompt, 64 tokens out,
 greedy). The machine's read bandwidth (memory_bandwidth.py) bounds one stream: each token reads
-every weight once, so tokens/s <= GB/s / model GB. Writes results/size-sweep-<date>.json and
-size-sweep-<date>.png (tokens/s against model bytes, both systems, and the bandwidth line).
+every weight once, so tokens/s <= GB/s / model GB. It is measured at the start (the plot's line)
+and again just before and after each point, whose fraction of the roofline takes the larger.
+Writes results/size-sweep-<date>.json and size-sweep-<date>.png (tokens/s against model bytes,
+both systems, and the bandwidth line).
 """
 
 from __future__ import annotations
@@ -95,11 +97,15 @@ def main() -> int:
         paths = real_shapes.make(shape, types, ns.files, ns.llama_quantize)
         for qtype in types:
             size = paths[qtype].stat().st_size
+            before = memory_bandwidth.measure(1024, 8)["read"]
             medians = one_point(paths[qtype], ns)
+            after = memory_bandwidth.measure(1024, 8)["read"]
             tok_s = {name: m["decode_tok_s"] for name, m in medians.items()}
-            roof = record["bandwidth_gb_s"]["read"] * 1e9 / size
+            # this VM's bandwidth moves by a quarter within minutes: each point against the read
+            # measured just before and just after it, the larger of the two (never flattering)
+            roof = max(before, after) * 1e9 / size
             record["points"].append({"shape": shape, "type": qtype, "bytes": size, "tok_s": tok_s, "medians": medians,
-                                     "roofline_tok_s": roof})
+                                     "read_gb_s": [before, after], "roofline_tok_s": roof})
             print(f"{shape} {qtype} {size / 2**20:.0f} MiB: " + ", ".join(f"{k} {v:.1f} tok/s ({v / roof:.0%} of the "
                   f"roofline)" for k, v in tok_s.items()), flush=True)
             save.write_text(json.dumps(record, indent=2))  # after every point: a long run keeps what it measured

@@ -42,6 +42,7 @@
 #include <vector>
 
 #include "ggml_blocks.h"
+#include "prefetch.h"
 #include "work_items.h"
 
 namespace {
@@ -108,6 +109,20 @@ inline __m512i broadcast4(const int8_t* p) {
   return _mm512_set1_epi32(v);
 }
 
+// Asks L2 for what block b's step reads of each tile's two streams (codes, scales) PREFETCH_AHEAD
+// bytes of codes on (prefetch.h); past a stream's end, the same stream of the tile C on, which this
+// thread reads next.
+template <int C>
+inline void prefetch_ahead(const uint8_t* tiles, int64_t tile_bytes, int64_t nb, int64_t cb, int64_t sb, int64_t b) {
+  const int64_t codes_at = b * cb + pagoda::PREFETCH_AHEAD, scales_at = b * sb + pagoda::PREFETCH_AHEAD * sb / cb;
+  const int64_t codes = codes_at < nb * cb ? codes_at : codes_at + C * tile_bytes - nb * cb;
+  const int64_t scales = nb * cb + (scales_at < nb * sb ? scales_at : scales_at + C * tile_bytes - nb * sb);
+  for (int c = 0; c < C; ++c) {
+    pagoda::prefetch_l2(tiles + c * tile_bytes + codes, cb);
+    pagoda::prefetch_l2(tiles + c * tile_bytes + scales, sb);
+  }
+}
+
 // R activation rows against C tiles (16 C output columns): R * C int32 sums per block and as many
 // float accumulators, enough independent chains to keep vpdpbusd busy.
 template <int R, int C>
@@ -120,6 +135,7 @@ void tile_gemm(const uint8_t* tiles, int64_t type, int64_t nb, const int8_t* qx,
   for (int r = 0; r < R; ++r)
     for (int c = 0; c < C; ++c) acc[r][c] = _mm512_setzero_ps();
   for (int64_t b = 0; b < nb; ++b) {
+    prefetch_ahead<C>(tiles, tile_bytes, nb, cb, sb, b);
     const uint8_t* codes[C];
     for (int c = 0; c < C; ++c) codes[c] = tiles + c * tile_bytes + b * cb;
     __m512i isum[R][C];
