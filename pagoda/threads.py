@@ -17,10 +17,16 @@ between two kernels of a step, then gives the core back.
 On a quiet machine the short spin costs more than it saves: every region that a worker sleeps
 through ends in a futex wake-up, so the full spin serves one stream and many faster
 (benchmarks/README.md, "The OpenMP spin on a quiet machine"). So the server looks at the machine as
-it starts: with a 1-minute load average under QUIET_LOAD_SHARE of its CPUs, and one engine team
-on the cores (no data-parallel replicas or tensor-parallel ranks sharing them), it keeps the full
-spin (QUIET_SPIN_COUNT, libgomp's default, written out so that a spawned engine process inherits
-the same choice); otherwise the short one. The start-up line says which and why.
+it starts: with under QUIET_LOAD_SHARE of its CPUs busy, and one engine team on the cores (no
+data-parallel replicas or tensor-parallel ranks sharing them), it keeps the full spin
+(QUIET_SPIN_COUNT, libgomp's default, written out so that a spawned engine process inherits the
+same choice); otherwise the short one. The start-up line says which and why.
+
+"Busy" is what the CPUs do now, sampled from /proc/stat over BUSY_SAMPLE_S, not the 1-minute load
+average (used where there is no /proc/stat): the average still counts work that ended a minute
+ago, so a server started right after an install, a build or another benchmark took the short
+spin for its whole life, 10-16 % slower on one stream (benchmarks/README.md, "Prefetching the
+tiles, and one stream again").
 
 libgomp reads these variables once, when it is loaded (with torch), so `configure_server_openmp`
 must run before torch is imported; spawned engine processes and replicas inherit them. A waiting
@@ -32,6 +38,7 @@ from __future__ import annotations
 import logging
 import os
 import sys
+import time
 
 from pagoda import envs
 
@@ -42,20 +49,56 @@ logger = logging.getLogger(__name__)
 SERVER_SPIN_COUNT = 500
 # The spin kept on a quiet machine: libgomp's own default.
 QUIET_SPIN_COUNT = 300_000
-# A machine whose 1-minute load average is under this share of its CPUs is quiet.
+# A machine with under this share of its CPUs busy is quiet.
 QUIET_LOAD_SHARE = 0.5
+# Seconds over which the CPUs' busy share is sampled at the start.
+BUSY_SAMPLE_S = 0.25
 # Variables that already decide the waiting policy: with any of them set, the user's choice stands.
 WAIT_POLICY_VARIABLES = ("GOMP_SPINCOUNT", "OMP_WAIT_POLICY")
 
 
+def _cpu_times(cpus: set[int]) -> tuple[int, int] | None:
+    """(busy, total) clock ticks of ``cpus`` since boot, from /proc/stat; None where it is missing."""
+    try:
+        with open("/proc/stat") as f:
+            lines = f.read().splitlines()
+    except OSError:
+        return None
+    busy = total = 0
+    for line in lines:
+        name, *fields = line.split()
+        if not name.startswith("cpu") or name == "cpu" or int(name[3:]) not in cpus:
+            continue
+        ticks = [int(v) for v in fields[:8]]  # user nice system idle iowait irq softirq steal
+        total += sum(ticks)
+        busy += sum(ticks) - ticks[3] - ticks[4]
+    return (busy, total) if total else None
+
+
+def busy_share(cpus: set[int], seconds: float = BUSY_SAMPLE_S) -> float | None:
+    """The share of ``cpus``' time spent busy over the next ``seconds`` (this process sleeps
+    meanwhile, so it is everything else's), or None where /proc/stat cannot say."""
+    before = _cpu_times(cpus)
+    if before is None:
+        return None
+    time.sleep(seconds)
+    after = _cpu_times(cpus)
+    if after is None or after[1] <= before[1]:
+        return None
+    return (after[0] - before[0]) / (after[1] - before[1])
+
+
 def quiet_machine() -> tuple[bool, str]:
     """Whether the machine is quiet now (see the module docstring), and the figures that say so."""
-    cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    cpus = os.sched_getaffinity(0) if hasattr(os, "sched_getaffinity") else set(range(os.cpu_count() or 1))
+    share = busy_share(cpus)
+    if share is not None:
+        return share < QUIET_LOAD_SHARE, f"{share:.0%} of {len(cpus)} CPUs busy"
     try:
         load = os.getloadavg()[0]
     except (AttributeError, OSError):  # no load average here: assume the cores are shared
         return False, "no load average"
-    return load < QUIET_LOAD_SHARE * cpus, f"load average {load:.2f} on {cpus} CPUs"
+    return load < QUIET_LOAD_SHARE * len(cpus), f"load average {load:.2f} on {len(cpus)} CPUs"
 
 
 def choose_spin(shared_cores: bool) -> tuple[int, str]:

@@ -8,6 +8,8 @@ loads it, so the server's own output says what is in effect there.
 from __future__ import annotations
 
 import os
+import re
+import subprocess
 import sys
 
 import httpx
@@ -38,25 +40,46 @@ def test_server_and_engine_process_run_the_spin_chosen_at_start(tiny_llama, monk
     chosen = [spin for spin in (threads.SERVER_SPIN_COUNT, threads.QUIET_SPIN_COUNT)
               if out.count(f"GOMP_SPINCOUNT = '{spin}'") == 2]  # the server process and its engine process
     assert len(chosen) == 1, out
-    reason = "quiet machine: load average" if chosen[0] == threads.QUIET_SPIN_COUNT else "busy machine: load average"
-    assert f"GOMP_SPINCOUNT={chosen[0]}, {reason}" in out  # the start-up line says which and why
+    reason = "quiet machine" if chosen[0] == threads.QUIET_SPIN_COUNT else "busy machine"
+    cpus = len(os.sched_getaffinity(0))
+    # the start-up line says which and why
+    assert re.search(rf"GOMP_SPINCOUNT={chosen[0]}, {reason}: \d+% of {cpus} CPUs busy", out), out
 
 
 def test_the_spin_follows_the_machine_and_the_engine_teams(monkeypatch):
     cpus = len(os.sched_getaffinity(0))
+    monkeypatch.setattr(threads, "busy_share", lambda cpus: 0.1)
+    assert threads.choose_spin(shared_cores=False) == (threads.QUIET_SPIN_COUNT, f"quiet machine: 10% of {cpus} CPUs busy")
+    assert threads.choose_spin(shared_cores=True)[0] == threads.SERVER_SPIN_COUNT  # replicas or ranks
+    monkeypatch.setattr(threads, "busy_share", lambda cpus: threads.QUIET_LOAD_SHARE)
+    spin, reason = threads.choose_spin(shared_cores=False)
+    assert spin == threads.SERVER_SPIN_COUNT and reason.startswith("busy machine")
+
+    # without /proc/stat, the 1-minute load average
+    monkeypatch.setattr(threads, "busy_share", lambda cpus: None)
     monkeypatch.setattr(os, "getloadavg", lambda: (0.1 * cpus, 0.0, 0.0))
     assert threads.choose_spin(shared_cores=False) == (threads.QUIET_SPIN_COUNT,
                                                         f"quiet machine: load average {0.1 * cpus:.2f} on {cpus} CPUs")
-    assert threads.choose_spin(shared_cores=True)[0] == threads.SERVER_SPIN_COUNT  # replicas or ranks
-    monkeypatch.setattr(os, "getloadavg", lambda: (threads.QUIET_LOAD_SHARE * cpus, 0.0, 0.0))
-    spin, reason = threads.choose_spin(shared_cores=False)
-    assert spin == threads.SERVER_SPIN_COUNT and reason.startswith("busy machine")
 
     def unknown():
         raise OSError("no load average")
 
     monkeypatch.setattr(os, "getloadavg", unknown)
     assert threads.choose_spin(shared_cores=False) == (threads.SERVER_SPIN_COUNT, "busy machine: no load average")
+
+
+def test_busy_share_sees_a_process_that_holds_a_cpu():
+    """The share is what the CPUs do now: a process spinning on one CPU makes it busy, whatever
+    the load average says."""
+    cpu = min(os.sched_getaffinity(0))
+    spinner = subprocess.Popen([sys.executable, "-c", f"import os; os.sched_setaffinity(0, {{{cpu}}}); "
+                                "print('spinning', flush=True)\nwhile True: pass"], stdout=subprocess.PIPE, text=True)
+    try:
+        assert spinner.stdout.readline().strip() == "spinning"
+        assert threads.busy_share({cpu}, 0.3) > 0.8
+    finally:
+        spinner.kill()
+        spinner.wait()
 
 
 def test_a_waiting_policy_the_user_set_is_kept(tiny_llama, monkeypatch):
