@@ -66,9 +66,9 @@ def _cpu_times(cpus: set[int]) -> tuple[int, int] | None:
         return None
     busy = total = 0
     for line in lines:
-        name, *fields = line.split()
-        if not name.startswith("cpu") or name == "cpu" or int(name[3:]) not in cpus:
-            continue
+        name, *fields = line.split() or [""]
+        if not name.startswith("cpu") or not name[3:].isdigit() or int(name[3:]) not in cpus:
+            continue  # the total line "cpu", and the lines that are not CPUs
         ticks = [int(v) for v in fields[:8]]  # user nice system idle iowait irq softirq steal
         total += sum(ticks)
         busy += sum(ticks) - ticks[3] - ticks[4]
