@@ -91,11 +91,23 @@ function render(answer) {
   if (answer.frame) return;
   answer.frame = requestAnimationFrame(() => {
     answer.frame = 0;
-    const source = answer.code ? "```" + answer.code + "\n" + answer.text + "\n```" : answer.text;
-    answer.content.innerHTML = DOMPurify.sanitize(marked.parse(source));
-    answer.box.dataset.chars = String(answer.text.length);
-    if (answer.follow) answer.box.scrollIntoView({ block: "end" });
+    paint(answer);
   });
+}
+
+function paint(answer) {
+  const source = answer.code ? "```" + answer.code + "\n" + answer.text + "\n```" : answer.text;
+  answer.content.innerHTML = DOMPurify.sanitize(marked.parse(source));
+  answer.box.dataset.chars = String(answer.text.length);
+  if (answer.follow) answer.box.scrollIntoView({ block: "end" });
+}
+
+// The frame render() asked for, painted now: an answer marked done shows all its text.
+function flushRender(answer) {
+  if (!answer.frame) return;
+  cancelAnimationFrame(answer.frame);
+  answer.frame = 0;
+  paint(answer);
 }
 
 function showFigures(answer, usage, stopped) {
@@ -115,6 +127,7 @@ function showFigures(answer, usage, stopped) {
   answer.figures.innerHTML = parts.filter(([, text]) => text)
     .map(([name, text, label]) => `<span class="figure-${name}">${label ? label + " " : ""}${escapeHtml(text)}</span>`)
     .join("");
+  flushRender(answer);
   answer.box.dataset.done = stopped ? "stopped" : "finished";
 }
 
