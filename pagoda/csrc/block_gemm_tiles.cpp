@@ -110,13 +110,13 @@ inline __m512i broadcast4(const int8_t* p) {
 }
 
 // Asks L2 for what block b's step reads of each tile's two streams (codes, scales) PREFETCH_AHEAD
-// bytes of codes on (prefetch.h); past a stream's end, the same stream of the tile C on, which this
-// thread reads next.
+// bytes of codes on (prefetch.h); past a stream's end, in the same stream of the tile C on, which
+// this thread reads next.
 template <int C>
 inline void prefetch_ahead(const uint8_t* tiles, int64_t tile_bytes, int64_t nb, int64_t cb, int64_t sb, int64_t b) {
-  const int64_t codes_at = b * cb + pagoda::PREFETCH_AHEAD, scales_at = b * sb + pagoda::PREFETCH_AHEAD * sb / cb;
-  const int64_t codes = codes_at < nb * cb ? codes_at : codes_at + C * tile_bytes - nb * cb;
-  const int64_t scales = nb * cb + (scales_at < nb * sb ? scales_at : scales_at + C * tile_bytes - nb * sb);
+  const int64_t codes = pagoda::stream_ahead(b * cb + pagoda::PREFETCH_AHEAD, nb * cb, C * tile_bytes);
+  const int64_t scales =
+      nb * cb + pagoda::stream_ahead(b * sb + pagoda::PREFETCH_AHEAD * sb / cb, nb * sb, C * tile_bytes);
   for (int c = 0; c < C; ++c) {
     pagoda::prefetch_l2(tiles + c * tile_bytes + codes, cb);
     pagoda::prefetch_l2(tiles + c * tile_bytes + scales, sb);

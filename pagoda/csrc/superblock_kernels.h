@@ -163,14 +163,13 @@ inline void store_outputs(__m512 acc, float* y, int64_t N, int64_t n) {
 }
 
 // Asks L2 for the part of each tile's stream that block `sub` of super-block s reads, PREFETCH_AHEAD
-// bytes on (prefetch.h). Past its tile's end, a tile's stream goes on in the same tile of the next
-// group (C tiles on), which this thread reads next: the next tile is already being read.
+// bytes on (prefetch.h); past a tile's end, in the same tile of the next group (C tiles on): the
+// next tile is already being read.
 template <int64_t T, int C>
-inline void prefetch_ahead(const uint8_t* const* rec, int64_t sub, int64_t s, int64_t tile_bytes) {
+inline void prefetch_ahead(const uint8_t* tiles, int64_t tile_bytes, int64_t s, int64_t sub) {
   constexpr int64_t SHARE = record_bytes(T) / blocks_per_super(T);
-  const int64_t at = sub * SHARE + PREFETCH_AHEAD;
-  const int64_t jump = s * record_bytes(T) + at >= tile_bytes ? (C - 1) * tile_bytes : 0;
-  for (int c = 0; c < C; ++c) prefetch_l2(rec[c] + at + jump, SHARE);
+  const int64_t at = stream_ahead(s * record_bytes(T) + sub * SHARE + PREFETCH_AHEAD, tile_bytes, C * tile_bytes);
+  for (int c = 0; c < C; ++c) prefetch_l2(tiles + c * tile_bytes + at, SHARE);
 }
 
 template <int64_t T, int R, int C>
@@ -191,7 +190,7 @@ void gemm_avx512(const uint8_t* tiles, int64_t tile_bytes, int64_t ns, const Row
     }
     for (int64_t sub = 0; sub < BLOCKS; ++sub) {
       const int64_t b = s * BLOCKS + sub;
-      prefetch_ahead<T, C>(rec, sub, s, tile_bytes);
+      prefetch_ahead<T, C>(tiles, tile_bytes, s, sub);
       __m512i isum[R][C][H];
       for (int r = 0; r < R; ++r)
         for (int c = 0; c < C; ++c)

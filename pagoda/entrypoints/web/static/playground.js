@@ -102,10 +102,9 @@ function paint(answer) {
   if (answer.follow) answer.box.scrollIntoView({ block: "end" });
 }
 
-// The frame render() asked for, painted now: an answer marked done shows all its text.
+// The last paint, now (a frame render() asked for is dropped): an answer marked done shows all its text.
 function flushRender(answer) {
-  if (!answer.frame) return;
-  cancelAnimationFrame(answer.frame);
+  if (answer.frame) cancelAnimationFrame(answer.frame);
   answer.frame = 0;
   paint(answer);
 }
@@ -127,7 +126,6 @@ function showFigures(answer, usage, stopped) {
   answer.figures.innerHTML = parts.filter(([, text]) => text)
     .map(([name, text, label]) => `<span class="figure-${name}">${label ? label + " " : ""}${escapeHtml(text)}</span>`)
     .join("");
-  flushRender(answer);
   answer.box.dataset.done = stopped ? "stopped" : "finished";
 }
 
@@ -213,7 +211,7 @@ async function send() {
     else showError(e.message);
   } finally {
     answer.endAt = performance.now();
-    render(answer);
+    flushRender(answer);  // before the answer is marked done
     showFigures(answer, usage, stopped);
     if (answer.text) conversation.push({ role: "assistant", content: answer.text });
     else if (!stopped) conversation.pop();  // a failed turn leaves no trace
