@@ -101,8 +101,8 @@ void unpack_tile(const uint8_t* tile, int64_t ns, uint8_t* codes) {
   constexpr int64_t BLOCKS = blocks_per_super(T), SB = scale_bytes(T), CB = block_code_bytes(T), REC = record_bytes(T);
   for (int64_t b = 0; b < ns * BLOCKS; ++b, codes += 8 * 64) {
     const uint8_t* block = tile + b / BLOCKS * REC + SB + b % BLOCKS * CB;
-    __m512i high[2];
-    for (int v = 0; v < (T == Q8_0 ? 0 : high_vectors(T)); ++v) high[v] = _mm512_loadu_si512(block + 256 + 64 * v);
+    __m512i high[1];
+    for (int v = 0; v < high_vectors(T); ++v) high[v] = _mm512_loadu_si512(block + 256 + 64 * v);
     for (int j = 0; j < 4; ++j) {
       __m512i lo, hi;
       codes512<T>(block, high, j, lo, hi);

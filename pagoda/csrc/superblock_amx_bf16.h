@@ -62,8 +62,8 @@ void dequantize_tile_bf16(const uint8_t* tile, int64_t ns, uint16_t* out) {
       block_scales<T>(rec, d, dmin, sub, scale, mins);
       for (int h = 0; h < H; ++h) bias[h] = _mm512_fmadd_ps(scale[h], _mm512_set1_ps(OFFSET), mins);
       const uint8_t* block = rec + SB + sub * CB;
-      __m512i high[2];
-      for (int v = 0; v < (T == Q8_0 ? 0 : high_vectors(T)); ++v) high[v] = _mm512_loadu_si512(block + 256 + 64 * v);
+      __m512i high[1];
+      for (int v = 0; v < high_vectors(T); ++v) high[v] = _mm512_loadu_si512(block + 256 + 64 * v);
       for (int j = 0; j < 4; ++j) {
         __m512i lo, hi;
         codes512<T>(block, high, j, lo, hi);

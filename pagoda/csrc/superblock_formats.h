@@ -16,8 +16,11 @@
 //     Q5_K, Q5_0, Q5_1: 1 vector of 5th bits: bit j of byte (c, i) is element 4j+i's, bit 4+j
 //           element 16+4j+i's
 //     Q8_0: instead of nibbles, 8 vectors of whole codes (+ 128): vector j elements 4j.., 4+j 16+4j..
-//     Q6_K: 2 vectors of 2-bit pairs: bits 2j, 2j+1 of vector 0's byte (c, i) are element 4j+i's,
-//           of vector 1's element 16+4j+i's
+//     Q6_K: instead, 6 vectors of 6-bit codes: for each half h of 16 elements (vectors 3h .. 3h+2),
+//           vector 3h+j (j < 3) holds element 16h+4j+i's code in bits 0-5 of byte (c, i), and in
+//           bits 6-7 two bits of element 16h+12+i's (its bits 4-5 in vector 3h, 2-3 in 3h+1, 0-1 in
+//           3h+2): a mask gives three codes, and the fourth is gathered from the three top pairs,
+//           fewer instructions than a nibble and a pair of high bits for every code
 // so one vpdpbusd against 4 activation bytes broadcast advances 16 outputs by 4 products each.
 // The codes are unsigned: Q4_K 0..15, Q5_K 0..31, Q6_K 0..63 (the value is code - 32), IQ4 an index
 // into kIQ4Values.
@@ -64,9 +67,11 @@ constexpr int64_t stored_bytes(int64_t t) {  // one super-block in the file
   }
 }
 constexpr bool has_fifth_bit(int64_t t) { return t == Q5_K || t == Q5_0 || t == Q5_1; }
-// Vectors of high bits after a block's 4 nibble vectors (Q8_0: its other 4 code vectors, whole bytes)
-constexpr int64_t high_vectors(int64_t t) { return has_fifth_bit(t) ? 1 : t == Q6_K ? 2 : t == Q8_0 ? 4 : 0; }
-constexpr int64_t block_code_bytes(int64_t t) { return (4 + high_vectors(t)) * 64; }
+// Vectors of 5th bits after a block's 4 nibble vectors
+constexpr int64_t high_vectors(int64_t t) { return has_fifth_bit(t) ? 1 : 0; }
+// A block's code vectors: 4 of nibbles (+ the 5th bits'), Q6_K's 6 of 6-bit codes, Q8_0's 8 of bytes
+constexpr int64_t code_vectors(int64_t t) { return t == Q6_K ? 6 : t == Q8_0 ? 8 : 4 + high_vectors(t); }
+constexpr int64_t block_code_bytes(int64_t t) { return code_vectors(t) * 64; }
 constexpr bool has_mins(int64_t t) { return t == Q4_K || t == Q5_K || t == Q4_1 || t == Q5_1; }
 constexpr bool has_min_bytes(int64_t t) { return t == Q4_K || t == Q5_K; }  // 6-bit minimums under dmin
 constexpr int64_t scale_bytes(int64_t t) {
@@ -235,13 +240,16 @@ inline void write_record_row(const Decoded& s, int64_t t, int64_t c, uint8_t* re
           codes[256 + 64 * j + at] = hi;
           continue;
         }
-        codes[64 * j + at] = static_cast<uint8_t>((lo & 0xF) | ((hi & 0xF) << 4));
-        if (has_fifth_bit(t)) {
-          codes[256 + at] |= static_cast<uint8_t>((((lo >> 4) & 1) << j) | (((hi >> 4) & 1) << (4 + j)));
-        } else if (t == Q6_K) {
-          codes[256 + at] |= static_cast<uint8_t>(((lo >> 4) & 3) << (2 * j));
-          codes[320 + at] |= static_cast<uint8_t>(((hi >> 4) & 3) << (2 * j));
+        if (t == Q6_K) {
+          if (j == 3) continue;  // the fourth code is spread over the top bits of the other three
+          const int shift = 4 - 2 * j;
+          codes[64 * j + at] = static_cast<uint8_t>(lo | ((e[12 + i] >> shift) & 3) << 6);
+          codes[192 + 64 * j + at] = static_cast<uint8_t>(hi | ((e[28 + i] >> shift) & 3) << 6);
+          continue;
         }
+        codes[64 * j + at] = static_cast<uint8_t>((lo & 0xF) | ((hi & 0xF) << 4));
+        if (has_fifth_bit(t))
+          codes[256 + at] |= static_cast<uint8_t>((((lo >> 4) & 1) << j) | (((hi >> 4) & 1) << (4 + j)));
       }
   }
 }
@@ -252,9 +260,13 @@ inline uint8_t record_code(const uint8_t* rec, int64_t t, int64_t c, int64_t e) 
   const int64_t b = e / 32, k = e % 32, half = k / 16, j = (k % 16) / 4, i = k % 4, at = 4 * c + i;
   const uint8_t* codes = rec + scale_bytes(t) + b * block_code_bytes(t);
   if (t == Q8_0) return codes[256 * half + 64 * j + at];
+  if (t == Q6_K) {
+    const uint8_t* v = codes + 192 * half + at;
+    if (j < 3) return v[64 * j] & 0x3F;
+    return static_cast<uint8_t>((v[0] >> 6) << 4 | (v[64] >> 6) << 2 | v[128] >> 6);
+  }
   uint8_t code = (codes[64 * j + at] >> (4 * half)) & 0xF;
   if (has_fifth_bit(t)) code |= ((codes[256 + at] >> (j + 4 * half)) & 1) << 4;
-  if (t == Q6_K) code |= ((codes[256 + 64 * half + at] >> (2 * j)) & 3) << 4;
   return code;
 }
 

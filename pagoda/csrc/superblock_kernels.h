@@ -78,14 +78,46 @@ inline __m512i broadcast4(const int8_t* p) {
   return _mm512_set1_epi32(v);
 }
 
+// A bit-select: m's bits from a, the others from b.
+inline __m512i select512(__m512i m, __m512i a, __m512i b) { return _mm512_ternarylogic_epi32(m, a, b, 0xCA); }
+
+// Q6_K's fourth code of each group of 4 (superblock_formats.h): its bits 4-5, 2-3 and 0-1 are the
+// top pairs of the three vectors at v.
+inline __m512i q6_fourth512(const uint8_t* v) {
+  const __m512i a = _mm512_loadu_si512(v), b = _mm512_loadu_si512(v + 64), c = _mm512_loadu_si512(v + 128);
+#if defined(__GFNI__)
+  // one affine map a byte moves each top pair in place with (row 7 - k of a matrix: output bit k's inputs)
+  const __m512i ta = _mm512_gf2p8affine_epi64_epi8(a, _mm512_set1_epi64(0x0000000040800000LL), 0);
+  const __m512i tb = _mm512_gf2p8affine_epi64_epi8(b, _mm512_set1_epi64(0x0000408000000000LL), 0);
+  const __m512i tc = _mm512_gf2p8affine_epi64_epi8(c, _mm512_set1_epi64(0x4080000000000000LL), 0);
+  return _mm512_ternarylogic_epi32(ta, tb, tc, 0xFE);  // ta | tb | tc
+#else
+  // the pairs side by side at bits 7-2 (16-bit shifts: what moves in from the next byte is masked off)
+  __m512i w = select512(_mm512_set1_epi8(static_cast<char>(0xC0)), a, _mm512_srli_epi16(b, 2));
+  w = select512(_mm512_set1_epi8(static_cast<char>(0xF0)), w, _mm512_srli_epi16(c, 4));
+  return _mm512_and_si512(_mm512_srli_epi16(w, 2), _mm512_set1_epi8(0x3F));
+#endif
+}
+
 // Vector j's low-nibble codes (elements 4j..) and high-nibble codes (16+4j..) of a block's vectors,
 // unsigned as vpdpbusd multiplies them (IQ4: the table's values + 128).
-// `high`: the block's high-bit vectors (Q5_K one, Q6_K two), loaded once for its 4 j.
+// `high`: the block's 5th-bit vector (Q5_K), loaded once for its 4 j.
 template <int64_t T>
 inline void codes512(const uint8_t* codes, const __m512i* high, int j, __m512i& lo, __m512i& hi) {
   if constexpr (T == Q8_0) {  // whole bytes, + 128
     lo = _mm512_loadu_si512(codes + 64 * j);
     hi = _mm512_loadu_si512(codes + 256 + 64 * j);
+    return;
+  }
+  if constexpr (T == Q6_K) {  // 6-bit codes
+    if (j < 3) {
+      const __m512i six = _mm512_set1_epi8(0x3F);
+      lo = _mm512_and_si512(_mm512_loadu_si512(codes + 64 * j), six);
+      hi = _mm512_and_si512(_mm512_loadu_si512(codes + 192 + 64 * j), six);
+    } else {
+      lo = q6_fourth512(codes);
+      hi = q6_fourth512(codes + 192);
+    }
     return;
   }
   const __m512i low = _mm512_set1_epi8(0x0F);
@@ -96,12 +128,6 @@ inline void codes512(const uint8_t* codes, const __m512i* high, int j, __m512i& 
     const __m512i bits = high[0], five = _mm512_set1_epi8(0x10);
     lo = _mm512_or_si512(lo, _mm512_and_si512(_mm512_slli_epi16(bits, 4 - j), five));
     hi = _mm512_or_si512(hi, _mm512_and_si512(_mm512_srli_epi16(bits, j), five));
-  } else if constexpr (T == Q6_K) {
-    const __m512i h0 = high[0], h1 = high[1];
-    const __m512i two = _mm512_set1_epi8(0x30);
-    const auto place = [j](__m512i h) { return j == 3 ? _mm512_srli_epi16(h, 2) : _mm512_slli_epi16(h, 4 - 2 * j); };
-    lo = _mm512_or_si512(lo, _mm512_and_si512(place(h0), two));
-    hi = _mm512_or_si512(hi, _mm512_and_si512(place(h1), two));
   } else if constexpr (is_iq4(T)) {
     alignas(16) uint8_t table[16];
     for (int i = 0; i < 16; ++i) table[i] = static_cast<uint8_t>(kIQ4Values[i] + 128);
@@ -195,9 +221,10 @@ void gemm_avx512(const uint8_t* tiles, int64_t tile_bytes, int64_t ns, const Row
       for (int r = 0; r < R; ++r)
         for (int c = 0; c < C; ++c)
           for (int h = 0; h < H; ++h) isum[r][c][h] = _mm512_setzero_si512();
-      __m512i high[C][2];
+      __m512i high[C][1];
       for (int c = 0; c < C; ++c)
-        for (int v = 0; v < (T == Q8_0 ? 0 : high_vectors(T)); ++v) high[c][v] = _mm512_loadu_si512(rec[c] + SB + sub * CB + 256 + 64 * v);
+        for (int v = 0; v < high_vectors(T); ++v) high[c][v] = _mm512_loadu_si512(rec[c] + SB + sub * CB + 256 + 64 * v);
+#pragma GCC unroll 4  // (left to itself GCC kept Q6_K's loop, and copied its sums between registers)
       for (int j = 0; j < 4; ++j) {
         __m512i lo[C], hi[C];
         for (int c = 0; c < C; ++c) codes512<T>(rec[c] + SB + sub * CB, high[c], j, lo[c], hi[c]);
@@ -235,6 +262,17 @@ inline __m256i dot4_signed(__m256i acc, __m256i w, __m256i x) {
   return _mm256_add_epi32(acc, _mm256_madd_epi16(pairs, _mm256_set1_epi16(1)));
 }
 
+// Q6_K's codes j of a half (superblock_formats.h) for the 8 rows at v: the fourth (j = 3) from the
+// top pairs of the three vectors.
+inline __m256i q6_codes256(const uint8_t* v, int j) {
+  const auto at = [v](int k) { return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(v + 64 * k)); };
+  if (j < 3) return _mm256_and_si256(at(j), _mm256_set1_epi8(0x3F));
+  const __m256i a = _mm256_and_si256(_mm256_srli_epi16(at(0), 2), _mm256_set1_epi8(0x30));
+  const __m256i b = _mm256_and_si256(_mm256_srli_epi16(at(1), 4), _mm256_set1_epi8(0x0C));
+  const __m256i c = _mm256_and_si256(_mm256_srli_epi16(at(2), 6), _mm256_set1_epi8(0x03));
+  return _mm256_or_si256(_mm256_or_si256(a, b), c);
+}
+
 // Half h (rows 8h .. 8h+7) of vector j's codes as signed values (Q6_K: code - 32; IQ4: the table's).
 template <int64_t T>
 inline void codes256(const uint8_t* codes, int j, int h, __m256i& lo, __m256i& hi) {
@@ -242,6 +280,12 @@ inline void codes256(const uint8_t* codes, int j, int h, __m256i& lo, __m256i& h
     const __m256i flip = _mm256_set1_epi8(static_cast<char>(0x80));
     lo = _mm256_xor_si256(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(codes + 64 * j + 32 * h)), flip);
     hi = _mm256_xor_si256(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(codes + 256 + 64 * j + 32 * h)), flip);
+    return;
+  }
+  if constexpr (T == Q6_K) {  // 6-bit codes - 32
+    const __m256i off = _mm256_set1_epi8(32);
+    lo = _mm256_sub_epi8(q6_codes256(codes + 32 * h, j), off);
+    hi = _mm256_sub_epi8(q6_codes256(codes + 192 + 32 * h, j), off);
     return;
   }
   const __m256i low = _mm256_set1_epi8(0x0F);
@@ -253,13 +297,6 @@ inline void codes256(const uint8_t* codes, int j, int h, __m256i& lo, __m256i& h
     const __m256i five = _mm256_set1_epi8(0x10);
     lo = _mm256_or_si256(lo, _mm256_and_si256(_mm256_slli_epi16(bits, 4 - j), five));
     hi = _mm256_or_si256(hi, _mm256_and_si256(_mm256_srli_epi16(bits, j), five));
-  } else if constexpr (T == Q6_K) {
-    const __m256i h0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(codes + 256 + 32 * h));
-    const __m256i h1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(codes + 320 + 32 * h));
-    const __m256i two = _mm256_set1_epi8(0x30), off = _mm256_set1_epi8(32);
-    const auto place = [j](__m256i v) { return j == 3 ? _mm256_srli_epi16(v, 2) : _mm256_slli_epi16(v, 4 - 2 * j); };
-    lo = _mm256_sub_epi8(_mm256_or_si256(lo, _mm256_and_si256(place(h0), two)), off);
-    hi = _mm256_sub_epi8(_mm256_or_si256(hi, _mm256_and_si256(place(h1), two)), off);
   }
   if constexpr (T == Q4_0 || T == Q5_0) {  // signed values
     const __m256i off = _mm256_set1_epi8(static_cast<char>(code_offset(T)));

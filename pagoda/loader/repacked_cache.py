@@ -30,7 +30,7 @@ from pagoda.layers.cpu_kernels import build_directory
 
 logger = logging.getLogger(__name__)
 
-FORMAT_VERSION = 1  # of csrc/superblock_formats.h's tiles and superblock_tiles.cpp's header (and half_weights.cpp's)
+FORMAT_VERSION = 2  # of csrc/superblock_formats.h's tiles and superblock_tiles.cpp's header (and half_weights.cpp's)
 
 
 def cache_directory(gguf_path: Path, tp_rank: int = 0, tp_size: int = 1) -> Path | None:
