@@ -42,6 +42,7 @@
 #include <vector>
 
 #include "ggml_blocks.h"
+#include "huge_pages.h"
 #include "prefetch.h"
 #include "work_items.h"
 
@@ -612,7 +613,7 @@ at::Tensor block_repack_tiles(const at::Tensor& weight, int64_t type, int64_t in
               "block_repack_tiles: rows of ", weight.size(1), " bytes do not hold ", in_features, " inputs");
   const int64_t N = weight.size(0), nb = in_features / QK, tiles = (N + COLS - 1) / COLS;
   const at::Tensor wc = weight.contiguous();
-  at::Tensor out = at::zeros({tiles, nb * record_bytes(type)}, at::kByte);
+  at::Tensor out = huge_page_zeros(tiles * nb * record_bytes(type)).view({tiles, nb * record_bytes(type)});
   const uint8_t* w = wc.data_ptr<uint8_t>();
   uint8_t* o = out.data_ptr<uint8_t>();
   at::parallel_for(0, tiles, 1, [&](int64_t begin, int64_t end) {

@@ -22,6 +22,7 @@
 #include <immintrin.h>
 #endif
 
+#include "huge_pages.h"
 #include "ops.h"
 
 namespace {
@@ -157,7 +158,7 @@ at::Tensor half_repack(const at::Tensor& weight, int64_t type) {
   TORCH_CHECK(weight.dim() == 2 && weight.element_size() == 2, "half_repack: weight must be 2-byte values [N, K]");
   const at::Tensor w = weight.contiguous();
   const int64_t N = w.size(0), K = w.size(1), tiles = (N + COLS - 1) / COLS;
-  at::Tensor out = at::zeros({HEADER + tiles * K * COLS * 2}, at::kByte);
+  at::Tensor out = huge_page_zeros(HEADER + tiles * K * COLS * 2);
   const int64_t words[4] = {MAGIC, K, N, type};
   std::memcpy(out.data_ptr<uint8_t>(), words, sizeof(words));
   const auto* src = reinterpret_cast<const uint16_t*>(w.data_ptr());

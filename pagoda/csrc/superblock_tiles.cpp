@@ -17,6 +17,7 @@
 #include <string>
 #include <vector>
 
+#include "huge_pages.h"
 #include "ops.h"
 #include "superblock_amx.h"
 #include "superblock_amx_bf16.h"
@@ -286,7 +287,7 @@ at::Tensor superblock_repack(at::TensorList blocks, at::IntArrayRef types, int64
     total += part_bytes(t, blocks[p].size(0), in_features);
     N += blocks[p].size(0);
   }
-  at::Tensor out = at::zeros({total}, at::kByte);
+  at::Tensor out = huge_page_zeros(total);
   int64_t words[HEADER_BYTES / 8] = {MAGIC, in_features, N, static_cast<int64_t>(blocks.size())};
   uint8_t* base = out.data_ptr<uint8_t>();
   int64_t offset = HEADER_BYTES;
