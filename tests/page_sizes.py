@@ -1,4 +1,4 @@
-"""Which pages back a piece of this process's memory, from /proc/self/smaps (Linux)."""
+"""Which pages back a piece of this process's memory, and how much it maps (/proc/self, Linux)."""
 
 from __future__ import annotations
 
@@ -26,3 +26,9 @@ def anon_huge_kib(address: int) -> int:
         elif inside and head == "AnonHugePages:":
             return int(line.split()[1])
     raise LookupError(f"no mapping holds {address:#x}")
+
+
+def mapped_kib() -> int:
+    """This process's mapped memory in kB (VmSize): what an mmap never given back keeps growing."""
+    status = Path("/proc/self/status").read_text()
+    return int(next(line for line in status.splitlines() if line.startswith("VmSize:")).split()[1])
