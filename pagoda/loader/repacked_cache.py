@@ -4,8 +4,8 @@ rows side by side), kept on disk for the next start.
 Repacking a 1B model's K-quant blocks takes seconds at every start; the tiles depend only on the
 file's bytes and on the repacking code, so the first start writes each packed weight under
 ``$PAGODA_HOME/repacked/<cpu>/<file key>/`` and later starts map those files instead of reading
-and repacking the GGUF's blocks (``torch.from_file``: no copy, the pages come from the page
-cache as the kernels touch them, and the kernel reclaims them as it would the file's).
+and repacking the GGUF's blocks (no copy: the pages come from the page cache, in 2 MiB pages
+where it can, loader/file_pages.py, and the kernel reclaims them as it would the file's).
 
 The file key covers the GGUF's path, size and modification time, the tensor-parallel slice, and
 ``FORMAT_VERSION`` (bump it when the tiles' layout changes). A cached file is used only if its
@@ -27,6 +27,7 @@ import torch
 from pagoda import envs
 from pagoda.home import pagoda_home
 from pagoda.layers.cpu_kernels import build_directory
+from pagoda.loader.file_pages import map_in_huge_pages
 
 logger = logging.getLogger(__name__)
 
@@ -60,7 +61,7 @@ class RepackCache:
         path = self._path(name)
         if path.is_file():
             try:
-                mapped = torch.from_file(str(path), shared=False, size=path.stat().st_size, dtype=torch.uint8)
+                mapped = map_in_huge_pages(path)
                 if expected(mapped):
                     self.hits += 1
                     return mapped
