@@ -71,8 +71,10 @@ def _mapped(path: Path, size: int) -> tuple[torch.Tensor, int]:
     advised 2 MiB pages and faulted in; and how much of it 2 MiB pages map (-1: not known)."""
     with open(path, "rb") as f:
         mapping = mmap.mmap(f.fileno(), size, access=mmap.ACCESS_COPY)
-    if hasattr(mmap, "MADV_HUGEPAGE"):
+    try:
         mapping.madvise(mmap.MADV_HUGEPAGE)
+    except (AttributeError, OSError):  # no such advice here (not Linux, or no THP): small pages
+        pass
     tensor = torch.frombuffer(mapping, dtype=torch.uint8)  # holds the mapping: unmapped with the tensor
     if size < HUGE_PAGE:
         return tensor, 0

@@ -65,7 +65,7 @@ class RepackCache:
                 if expected(mapped):
                     self.hits += 1
                     return mapped
-            except (RuntimeError, ValueError) as e:
+            except (OSError, RuntimeError, ValueError) as e:
                 logger.info("repacked %s not reused (%s)", path, e)
         self.misses += 1
         packed = make()

@@ -40,10 +40,14 @@ def test_swapping_two_models_keeps_memory_at_its_first_plateau(tmp_path):
     finally:
         stop_process(proc)
     assert loads == SWAPS  # each request unloaded the other model and loaded its own
-    # A model kept per swap would add 55 MiB a swap, ~700 MiB by the end: half a model is the bound.
-    growth = report.end - report.plateau
-    assert growth < weights / 2, (f"RSS grew {growth / MiB:.0f} MiB after the plateau (weights {weights / MiB:.0f} "
-                                  f"MiB): {[round(r / MiB) for r in report.rss]}")
+    # A model kept per swap would add 55 MiB a swap, ~700 MiB by the end. The bounds: less than one
+    # model in all after the plateau, and less than half a model over the second half of the swaps.
+    # (Twice in CI the RSS stepped up ~32 MiB once, at the fourth swap, and stayed flat for the
+    # ten after: a high-water mark of the allocator's, not a model kept per swap.)
+    rss = [round(r / MiB) for r in report.rss]
+    assert report.end - report.plateau < weights, f"RSS grew past a model (weights {weights / MiB:.0f} MiB): {rss}"
+    late = report.rss[SWAPS // 2:]
+    assert report.end - min(late) < weights / 2, f"RSS still growing in the second half of the swaps: {rss}"
 
 
 def test_nothing_keeps_an_unloaded_models_app_or_engine(tiny_llama):
