@@ -12,7 +12,8 @@ filesystem keeps large folios: ext4 from Linux 6.16, XFS), one without the advic
 ones, and once cached a file keeps the folios it was read in. So ``map_in_huge_pages`` advises
 before the first fault, and where the file was already cached in small folios (read by an
 earlier start without the advice, or by ``cp``), it lets those go and reads the file again,
-once: the folios it then reads stay for later starts.
+once: the folios it then reads stay for later starts. Where that gives no 2 MiB pages either (a
+filesystem without large folios), the directory remembers it for the running kernel.
 """
 
 from __future__ import annotations
@@ -94,11 +95,48 @@ def map_in_huge_pages(path: Path) -> torch.Tensor:
     tensor, huge = _mapped(path, size)
     start = tensor.data_ptr()
     whole = ((start + size) // HUGE_PAGE - (start + HUGE_PAGE - 1) // HUGE_PAGE) * HUGE_PAGE
-    if huge < 0 or huge >= whole:
-        return tensor
+    if huge < 0 or huge >= whole or start % HUGE_PAGE or _read_again_in_vain(path.parent):
+        return tensor  # (a mapping that does not start on 2 MiB cannot take them whatever the folios)
     del tensor  # our mapping of the small folios: the page cache can let them go now
     with open(path, "rb") as f:
         os.posix_fadvise(f.fileno(), 0, 0, os.POSIX_FADV_DONTNEED)
     tensor, huge = _mapped(path, size)
+    if huge < whole and not _fresh_file_gets_huge_pages(path.parent):
+        _remember_in_vain(path.parent)  # no large folios here (overlayfs, ext4 before Linux 6.16)
     logger.debug("%s: read again for 2 MiB pages, %d of %d bytes in them", path, huge, size)
     return tensor
+
+
+# Where reading a file again gave it no 2 MiB pages, and a fresh file there gets none either (so
+# it was not another process holding the small folios), the directory says so for this kernel:
+# later files and starts then map what is cached instead of reading every file from disk again.
+_IN_VAIN = ".small-folios"
+
+
+def _fresh_file_gets_huge_pages(directory: Path) -> bool:
+    probe = directory / f".huge-folio-probe.{os.getpid()}"
+    try:
+        with open(probe, "wb") as f:
+            f.write(bytes(2 * HUGE_PAGE))
+            os.fsync(f.fileno())  # written back: the page cache lets only clean folios go
+            os.posix_fadvise(f.fileno(), 0, 0, os.POSIX_FADV_DONTNEED)
+        tensor, huge = _mapped(probe, 2 * HUGE_PAGE)
+        return huge > 0 or tensor.data_ptr() % HUGE_PAGE != 0
+    except OSError:
+        return True  # cannot tell: remember nothing
+    finally:
+        probe.unlink(missing_ok=True)
+
+
+def _read_again_in_vain(directory: Path) -> bool:
+    try:
+        return (directory / _IN_VAIN).read_text() == os.uname().release
+    except OSError:
+        return False
+
+
+def _remember_in_vain(directory: Path) -> None:
+    try:
+        (directory / _IN_VAIN).write_text(os.uname().release)
+    except OSError:  # a read-only cache: each start then tries one file again
+        pass

@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import mmap
 import os
+import tempfile
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -61,6 +63,54 @@ def test_a_file_cached_in_small_folios_is_mapped_in_huge_pages(weight_file):
     del tensor
     again = map_in_huge_pages(weight_file)  # the page cache kept the folios read for it
     assert huge_mapped_bytes(again.data_ptr(), again.data_ptr() + SIZE) >= 2 * HUGE_PAGE
+    assert not (weight_file.parent / ".small-folios").exists()  # nothing remembered where it worked
+
+
+def _counting_drops(monkeypatch) -> list[int]:
+    """Each POSIX_FADV_DONTNEED map_in_huge_pages asks for (passed on to the kernel)."""
+    dropped: list[int] = []
+    real_fadvise = os.posix_fadvise
+    monkeypatch.setattr(os, "posix_fadvise", lambda fd, *a: dropped.append(fd) or real_fadvise(fd, *a))
+    return dropped
+
+
+def test_a_directory_that_remembers_small_folios_is_not_read_again(weight_file, monkeypatch):
+    """Where a fresh file got no 2 MiB folios, the directory says so for this kernel and no later
+    file or start is dropped and read again in vain; another kernel's word does not count."""
+    from pagoda.loader.file_pages import _fresh_file_gets_huge_pages
+
+    assert _fresh_file_gets_huge_pages(weight_file.parent)  # here they are: nothing to remember
+    assert [p.name for p in weight_file.parent.iterdir()] == [weight_file.name]  # the probe is gone
+    marker = weight_file.parent / ".small-folios"
+    marker.write_text(os.uname().release)
+    dropped = _counting_drops(monkeypatch)
+    _drop(weight_file)
+    _read_through_mapping(weight_file, advise=False)
+    count = len(dropped)
+    tensor = map_in_huge_pages(weight_file)
+    assert len(dropped) == count and tensor.numpy().tobytes() == weight_file.read_bytes()
+    del tensor
+    marker.write_text("another kernel")
+    tensor = map_in_huge_pages(weight_file)
+    assert len(dropped) == count + 1
+    assert huge_mapped_bytes(tensor.data_ptr(), tensor.data_ptr() + SIZE) >= 2 * HUGE_PAGE
+
+
+def test_a_filesystem_without_huge_folios_is_not_read_again(monkeypatch):
+    """tmpfs with huge pages off (Linux's default for /dev/shm) gives small pages whatever the
+    advice: its files are mapped as they are, never dropped and read again."""
+    shm_setting = Path("/sys/kernel/mm/transparent_hugepage/shmem_enabled")
+    if not Path("/dev/shm").is_dir() or not shm_setting.exists() or not any(
+            f"[{mode}]" in shm_setting.read_text() for mode in ("never", "deny")):
+        pytest.skip("no tmpfs with huge pages off here")
+    with tempfile.TemporaryDirectory(dir="/dev/shm") as where:
+        paths = [Path(where) / f"{name}.tiles" for name in ("first", "second")]
+        for path in paths:
+            path.write_bytes(bytes(SIZE))
+        dropped = _counting_drops(monkeypatch)
+        tensors = [map_in_huge_pages(path) for path in paths]
+        assert [t.numel() for t in tensors] == [SIZE, SIZE]
+        assert len(dropped) <= 1  # at most the first, read again once in vain, and remembered
 
 
 def test_the_mapping_is_a_private_copy_given_back_with_its_tensor(weight_file):
